@@ -1,0 +1,20 @@
+//! File formats: each turns files into named [`Tensor`]s (Hugging Face names)
+//! plus configuration.
+
+pub mod gguf;
+pub mod safetensors;
+
+use crate::Result;
+use crate::tensor::Tensor;
+
+/// Weights by Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`).
+/// Formats with other naming (GGUF) translate on lookup.
+pub trait TensorSource: Send + Sync {
+    /// The tensor, or an error naming it when absent or malformed.
+    fn tensor(&self, name: &str) -> Result<Tensor>;
+    fn contains(&self, name: &str) -> bool;
+    /// All names in this source's own naming, for `inspect`.
+    fn names(&self) -> Vec<String>;
+    /// The stored tensor under its own (file) name, for `inspect`.
+    fn raw_tensor(&self, name: &str) -> Result<Tensor>;
+}

@@ -1,0 +1,19 @@
+//! qinfer: an inference engine for the Qwen family of language models.
+//!
+//! Data flow: `formats` turn files into named tensors and a [`config::ModelConfig`];
+//! `models` place those tensors on a [`backend::Backend`]; `engine` drives
+//! generation; `tokenizer` turns text into ids and back.
+
+pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod formats;
+pub mod kv;
+pub mod loader;
+pub mod models;
+pub mod npy;
+pub mod tensor;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

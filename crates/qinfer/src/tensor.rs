@@ -1,0 +1,136 @@
+//! Stored tensors: a dtype, a shape and bytes that stay where the file put them
+//! (usually an mmap), so weights are never copied or widened on load.
+
+use std::sync::Arc;
+
+use crate::{Error, Result};
+
+/// The storage types a weight may have. Block-quantized types hold blocks of
+/// `block_len()` values along the innermost (row) dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    /// ggml Q4_0: f16 scale `d`, 32 4-bit values, w = d·(q − 8).
+    Q4_0,
+    /// ggml Q4_1: f16 scale `d`, f16 min `m`, 32 4-bit values, w = d·q + m.
+    Q4_1,
+    /// ggml Q8_0: f16 scale `d`, 32 signed 8-bit values, w = d·q.
+    Q8_0,
+}
+
+impl DType {
+    /// Values per block (1 for plain float types).
+    pub fn block_len(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
+        }
+    }
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+            DType::Q8_0 => 34,
+        }
+    }
+    pub fn is_quantized(self) -> bool {
+        self.block_len() > 1
+    }
+    /// Bytes needed for `n` values, or None when `n` is not a whole number of blocks.
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        if n % self.block_len() != 0 {
+            return None;
+        }
+        (n / self.block_len()).checked_mul(self.block_bytes())
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
+            DType::Q8_0 => "Q8_0",
+        }
+    }
+}
+
+/// Bytes owned by something that keeps them alive (an mmap, a Vec).
+#[derive(Clone)]
+pub struct Bytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    start: usize,
+    len: usize,
+}
+
+impl Bytes {
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
+        debug_assert!(start + len <= (*owner).as_ref().len());
+        Bytes { owner, start, len }
+    }
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let len = v.len();
+        Bytes { owner: Arc::new(v), start: 0, len }
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bytes({} bytes)", self.len)
+    }
+}
+
+/// A named tensor as stored: shape in row-major order, outermost first
+/// (a linear weight is `[out_features, in_features]`).
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Bytes,
+}
+
+impl Tensor {
+    /// Checks that the byte length matches the shape and dtype.
+    pub fn new(name: String, dtype: DType, shape: Vec<usize>, data: Bytes) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        let inner = shape.last().copied().unwrap_or(1);
+        if inner % dtype.block_len() != 0 {
+            return Err(Error::tensor(
+                &name,
+                format!("row length {inner} is not a multiple of the {} block ({})", dtype.name(), dtype.block_len()),
+            ));
+        }
+        let need = dtype.bytes_for(n).ok_or_else(|| Error::tensor(&name, "size overflow"))?;
+        if need != data.len() {
+            return Err(Error::tensor(
+                &name,
+                format!("{} {:?} needs {need} bytes, found {}", dtype.name(), shape, data.len()),
+            ));
+        }
+        Ok(Tensor { name, dtype, shape, data })
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Decodes every value to f32 (for small tensors: norms, biases).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.numel()];
+        crate::backend::cpu::quant::dequantize_into(self.dtype, self.data.as_slice(), &mut out);
+        out
+    }
+}

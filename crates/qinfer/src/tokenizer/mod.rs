@@ -1,0 +1,1 @@
+//! Tokenizer and chat templates (placeholder: being written).
