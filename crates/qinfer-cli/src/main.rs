@@ -1,0 +1,61 @@
+//! The `qinfer` command.
+
+mod commands;
+mod common;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "qinfer", version, about = "Inference engine for the Qwen family of language models")]
+struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    /// Log level filter (error, warn, info, debug, trace).
+    #[arg(long, global = true, default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Chat-style answer to a prompt, streamed to stdout.
+    Run(commands::run::Args),
+    /// Raw continuation of tokens or text (no chat template).
+    Generate(commands::generate::Args),
+    /// Teacher-forced logits for a sequence, written as a .npy file.
+    Score(commands::score::Args),
+    /// Perplexity of a text file (llama.cpp's llama-perplexity chunking).
+    Perplexity(commands::perplexity::Args),
+    /// Prompt-processing and token-generation throughput (llama-bench style).
+    Bench(commands::bench::Args),
+    /// Architecture, shapes, dtypes, parameter count and file sizes.
+    Inspect(commands::inspect::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Some(n) = cli.threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global()
+    {
+        eprintln!("error: could not start {n} threads: {e}");
+        std::process::exit(2);
+    }
+    let result = match cli.command {
+        Command::Run(a) => commands::run::main(a),
+        Command::Generate(a) => commands::generate::main(a),
+        Command::Score(a) => commands::score::main(a),
+        Command::Perplexity(a) => commands::perplexity::main(a),
+        Command::Bench(a) => commands::bench::main(a),
+        Command::Inspect(a) => commands::inspect::main(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,198 @@
+//! The CPU backend: f32 activations, weights consumed in their stored type,
+//! rayon for threads.
+
+pub mod attention;
+pub mod matmul;
+pub mod quant;
+pub mod simd;
+
+use rayon::prelude::*;
+
+use super::{AttentionShape, Backend, KvCache};
+use crate::kv::contiguous::ContiguousKv;
+use crate::models::rope::Rope;
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+use matmul::{CpuMatrix, matmul};
+
+/// Row-major f32 activations.
+#[derive(Debug, Clone)]
+pub struct CpuAct {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuAct {
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuAct { rows, cols, data: vec![0.0; rows * cols] }
+    }
+    pub fn from_vec(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(rows * cols, data.len());
+        CpuAct { rows, cols, data }
+    }
+}
+
+/// A weight on the CPU: matrices stay in their stored bytes; vectors (norms,
+/// biases) are tiny and decoded once to f32.
+#[derive(Debug, Clone)]
+pub enum CpuWeight {
+    Matrix(CpuMatrix),
+    Vector(Vec<f32>),
+}
+
+impl CpuWeight {
+    fn matrix(&self) -> &CpuMatrix {
+        match self {
+            CpuWeight::Matrix(m) => m,
+            CpuWeight::Vector(_) => panic!("expected a matrix weight, found a vector"),
+        }
+    }
+    fn vector(&self) -> &[f32] {
+        match self {
+            CpuWeight::Vector(v) => v,
+            CpuWeight::Matrix(_) => panic!("expected a vector weight, found a matrix"),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+fn rms_normalize(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    // Accumulate in f64: the reference computes the mean square in f32 over
+    // few values, and f64 keeps us on its rounding for any width.
+    let ss: f64 = x.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+    let inv = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
+        *o = g * (v * inv);
+    }
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuAct;
+    type Weight = CpuWeight;
+    type Cache = ContiguousKv;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload(&self, t: &Tensor) -> Result<CpuWeight> {
+        match t.shape.len() {
+            1 => Ok(CpuWeight::Vector(t.to_f32_vec())),
+            2 => Ok(CpuWeight::Matrix(CpuMatrix {
+                dtype: t.dtype,
+                rows: t.shape[0],
+                cols: t.shape[1],
+                data: t.data.clone(),
+            })),
+            _ => Err(Error::tensor(&t.name, format!("expected 1-D or 2-D, found shape {:?}", t.shape))),
+        }
+    }
+
+    fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> ContiguousKv {
+        ContiguousKv::new(num_layers, kv_dim, capacity)
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuAct> {
+        let m = table.matrix();
+        let mut out = CpuAct::zeros(ids.len(), m.cols);
+        for (row, &id) in out.data.chunks_exact_mut(m.cols).zip(ids) {
+            if id as usize >= m.rows {
+                return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", m.rows)));
+            }
+            m.decode_row(id as usize, row);
+        }
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CpuAct, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuAct {
+        let m = w.matrix();
+        let mut out = CpuAct::zeros(x.rows, m.rows);
+        matmul(&x.data, x.rows, m, &mut out.data);
+        if let Some(b) = bias {
+            let b = b.vector();
+            for row in out.data.chunks_exact_mut(m.rows) {
+                for (o, bi) in row.iter_mut().zip(b) {
+                    *o += bi;
+                }
+            }
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuAct, w: &CpuWeight, eps: f32) -> CpuAct {
+        let w = w.vector();
+        let mut out = CpuAct::zeros(x.rows, x.cols);
+        assert_eq!(x.cols % w.len(), 0, "rms_norm: width {} not a multiple of weight {}", x.cols, w.len());
+        out.data
+            .par_chunks_mut(w.len())
+            .zip(x.data.par_chunks(w.len()))
+            .for_each(|(o, xi)| rms_normalize(xi, w, eps, o));
+        out
+    }
+
+    fn rope(&self, x: &mut CpuAct, head_dim: usize, positions: &[usize], rope: &Rope) {
+        assert_eq!(positions.len(), x.rows);
+        let cols = x.cols;
+        x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &pos)| {
+            let half = rope.rotary_dim / 2;
+            let mut cos = vec![0f32; half];
+            let mut sin = vec![0f32; half];
+            rope.cos_sin(pos, &mut cos, &mut sin);
+            for head in row.chunks_exact_mut(head_dim) {
+                rope.apply(head, &cos, &sin);
+            }
+        });
+    }
+
+    fn write_kv(&self, cache: &mut ContiguousKv, layer: usize, k: &CpuAct, v: &CpuAct) {
+        cache.write(layer, &k.data, &v.data);
+    }
+
+    fn attention(&self, q: &CpuAct, cache: &ContiguousKv, layer: usize, shape: &AttentionShape) -> CpuAct {
+        let start = cache.len();
+        let (keys, values) = cache.layer(layer, start + q.rows);
+        let mut out = CpuAct::zeros(q.rows, shape.num_heads * shape.head_dim);
+        attention::causal_attention(&q.data, q.rows, start, keys, values, shape, &mut out.data);
+        out
+    }
+
+    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
+        let mut out = CpuAct::zeros(gate.rows, gate.cols);
+        out.data.par_chunks_mut(4096).zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096))).for_each(
+            |(o, (g, u))| {
+                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            },
+        );
+        out
+    }
+
+    fn add_assign(&self, x: &mut CpuAct, y: &CpuAct) {
+        assert_eq!(x.data.len(), y.data.len());
+        for (a, b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+    }
+
+    fn last_row(&self, x: &CpuAct) -> CpuAct {
+        CpuAct::from_vec(1, x.cols, x.data[(x.rows - 1) * x.cols..].to_vec())
+    }
+
+    fn rows(&self, x: &CpuAct) -> usize {
+        x.rows
+    }
+
+    fn to_host(&self, x: &CpuAct) -> Vec<f32> {
+        x.data.clone()
+    }
+}

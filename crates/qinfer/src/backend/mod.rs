@@ -1,0 +1,67 @@
+//! The boundary between model code and hardware. Model files call these ops
+//! on opaque activation and weight handles; a backend (CPU now, CUDA later)
+//! decides layout, precision of intermediates and parallelism.
+
+pub mod cpu;
+
+use crate::Result;
+use crate::models::rope::Rope;
+use crate::tensor::Tensor;
+
+/// Shape of one attention call: `q` holds `num_heads` heads of `head_dim` per
+/// row; the cache holds `num_kv_heads` heads (GQA when fewer).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Attend only to the last `window` positions (including the current one).
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+/// Per-sequence key/value storage for every layer. Positions `[0, len())` are
+/// committed; a forward writes rows past `len()` and then commits them.
+pub trait KvCache: Send {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Marks positions `[0, len)` as valid (commit after a forward, or roll back).
+    fn set_len(&mut self, len: usize);
+    /// Positions this cache can hold.
+    fn capacity(&self) -> usize;
+}
+
+pub trait Backend: Send + Sync {
+    /// Activations: `rows × cols` values, one row per token.
+    type Act: Send;
+    /// A weight placed where this backend computes.
+    type Weight: Send + Sync;
+    type Cache: KvCache + 'static;
+
+    fn name(&self) -> String;
+    /// Places a stored tensor (1-D vectors or 2-D `[out, in]` matrices).
+    fn upload(&self, t: &Tensor) -> Result<Self::Weight>;
+    fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
+
+    /// Rows of an embedding table `[vocab, dim]`.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Act>;
+    /// `x · Wᵀ (+ bias)`.
+    fn linear(&self, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Act;
+    /// RMSNorm over each contiguous group of `w.len()` values (a whole row, or per head).
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act;
+    /// Rotates every head of width `head_dim` in place; `positions[i]` is row i's position.
+    fn rope(&self, x: &mut Self::Act, head_dim: usize, positions: &[usize], rope: &Rope);
+    /// Writes this layer's k/v rows at positions `[cache.len(), cache.len() + rows)`.
+    fn write_kv(&self, cache: &mut Self::Cache, layer: usize, k: &Self::Act, v: &Self::Act);
+    /// Causal attention of `q` rows (positions `cache.len()..`) over the cache including the new rows.
+    fn attention(&self, q: &Self::Act, cache: &Self::Cache, layer: usize, shape: &AttentionShape) -> Self::Act;
+    /// silu(gate) ⊙ up.
+    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+    fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
+    /// The last row only (decode and generation need only the last logits).
+    fn last_row(&self, x: &Self::Act) -> Self::Act;
+    fn rows(&self, x: &Self::Act) -> usize;
+    fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+}

@@ -1,0 +1,93 @@
+//! The single-sequence generation loop: chunked prefill, then one token per
+//! forward until a stop token or the token budget.
+
+use std::time::{Duration, Instant};
+
+use super::sampler::{Sampler, SamplingParams};
+use crate::models::{LanguageModel, Logits, SequenceState};
+use crate::{Error, Result};
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// Generation stops after emitting any of these (the stop token is included in the output).
+    pub stop_tokens: Vec<u32>,
+    /// Prompt tokens per forward during prefill (bounds activation memory).
+    pub prefill_chunk: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prefill_time: Duration,
+    /// Tokens produced by decode forwards (all but the first generated token).
+    pub decode_tokens: usize,
+    pub decode_time: Duration,
+}
+
+impl GenerationStats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Feeds `tokens` into `seq` in chunks and returns the last token's logits.
+pub fn prefill(
+    model: &dyn LanguageModel,
+    seq: &mut dyn SequenceState,
+    tokens: &[u32],
+    chunk: usize,
+) -> Result<Vec<f32>> {
+    if tokens.is_empty() {
+        return Err(Error::Invalid("the prompt is empty".into()));
+    }
+    let mut logits = Vec::new();
+    for part in tokens.chunks(chunk.max(1)) {
+        logits = model.forward(seq, part, Logits::Last)?;
+    }
+    Ok(logits)
+}
+
+/// Generates up to `opts.max_new_tokens` after `prompt`. `on_token` sees each new
+/// token as it is produced and may stop generation early by returning false.
+pub fn generate(
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    sampling: &SamplingParams,
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerationStats)> {
+    let mut sampler = Sampler::new(sampling.clone())?;
+    let capacity = prompt.len() + opts.max_new_tokens;
+    let max_ctx = model.config().max_position_embeddings;
+    if capacity > max_ctx {
+        tracing::warn!("{capacity} tokens exceed the model's max_position_embeddings ({max_ctx})");
+    }
+    let mut seq = model.new_sequence(capacity);
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let mut context: Vec<u32> = prompt.to_vec();
+    let mut out = Vec::new();
+    if opts.max_new_tokens == 0 {
+        return Ok((out, stats));
+    }
+    let t0 = Instant::now();
+    let mut logits = prefill(model, seq.as_mut(), prompt, opts.prefill_chunk)?;
+    stats.prefill_time = t0.elapsed();
+    let t1 = Instant::now();
+    loop {
+        let next = sampler.sample(&mut logits, &context);
+        out.push(next);
+        context.push(next);
+        let go_on = on_token(next)?;
+        if !go_on || opts.stop_tokens.contains(&next) || out.len() >= opts.max_new_tokens {
+            break;
+        }
+        logits = model.forward(seq.as_mut(), &[next], Logits::Last)?;
+        stats.decode_tokens += 1;
+    }
+    stats.decode_time = t1.elapsed();
+    Ok((out, stats))
+}

@@ -1,1 +1,0 @@
-//! GGUF v2/v3 (placeholder: being written).

@@ -1,0 +1,96 @@
+//! Tensor names: Hugging Face (`model.layers.3.self_attn.q_proj.weight`) ↔
+//! llama.cpp GGUF (`blk.3.attn_q.weight`), for the dense Llama/Qwen layouts.
+
+/// Whole-model tensors.
+const GLOBAL: &[(&str, &str)] = &[
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+/// Per-layer tensors, without the layer prefix and the `.weight`/`.bias` suffix.
+const LAYER: &[(&str, &str)] = &[
+    ("input_layernorm", "attn_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_output"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+];
+
+const SUFFIXES: &[&str] = &["weight", "bias"];
+
+/// Splits `{prefix}{layer}.{module}.{suffix}` into (layer, module, suffix).
+fn split_layer<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str, &'a str)> {
+    let rest = name.strip_prefix(prefix)?;
+    let (layer, rest) = rest.split_once('.')?;
+    // Reject "01" and the like so the mapping stays one-to-one.
+    if layer.is_empty() || (layer.len() > 1 && layer.starts_with('0')) {
+        return None;
+    }
+    let layer: usize = layer.parse().ok()?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    SUFFIXES.contains(&suffix).then_some((layer, module, suffix))
+}
+
+/// The GGUF name for a Hugging Face name, or None when there is no mapping.
+pub fn hf_to_gguf(name: &str) -> Option<String> {
+    if let Some((_, g)) = GLOBAL.iter().find(|(h, _)| *h == name) {
+        return Some((*g).to_string());
+    }
+    let (layer, module, suffix) = split_layer(name, "model.layers.")?;
+    let (_, g) = LAYER.iter().find(|(h, _)| *h == module)?;
+    Some(format!("blk.{layer}.{g}.{suffix}"))
+}
+
+/// The Hugging Face name for a GGUF name, or None when there is no mapping.
+pub fn gguf_to_hf(name: &str) -> Option<String> {
+    if let Some((h, _)) = GLOBAL.iter().find(|(_, g)| *g == name) {
+        return Some((*h).to_string());
+    }
+    let (layer, module, suffix) = split_layer(name, "blk.")?;
+    let (h, _) = LAYER.iter().find(|(_, g)| *g == module)?;
+    Some(format!("model.layers.{layer}.{h}.{suffix}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_both_ways() {
+        let pairs = [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+            ("model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
+            ("model.layers.12.post_attention_layernorm.weight", "blk.12.ffn_norm.weight"),
+            ("model.layers.3.self_attn.q_proj.bias", "blk.3.attn_q.bias"),
+            ("model.layers.3.self_attn.o_proj.weight", "blk.3.attn_output.weight"),
+            ("model.layers.3.self_attn.k_norm.weight", "blk.3.attn_k_norm.weight"),
+            ("model.layers.29.mlp.down_proj.weight", "blk.29.ffn_down.weight"),
+        ];
+        for (h, g) in pairs {
+            assert_eq!(hf_to_gguf(h).as_deref(), Some(g), "{h}");
+            assert_eq!(gguf_to_hf(g).as_deref(), Some(h), "{g}");
+        }
+    }
+
+    #[test]
+    fn unknown_names_have_no_mapping() {
+        for n in [
+            "model.layers.x.mlp.up_proj.weight",
+            "model.layers.01.mlp.up_proj.weight",
+            "blk.0.foo.weight",
+            "rope_freqs.weight",
+            "model.layers.0.mlp.up_proj.scales",
+        ] {
+            assert!(hf_to_gguf(n).is_none() && gguf_to_hf(n).is_none(), "{n}");
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The tokenizer qinfer builds from the default model's GGUF metadata, against
+//! llama.cpp's `llama-tokenize` (tests/fixtures/smollm2/tokenize.json) and
+//! against transformers' tokenizer for the same GGUF
+//! (tests/fixtures/tokenizer/smollm2_from_gguf/cases.json). Skips with a
+//! message when the model or a fixture is absent.
+
+use std::path::{Path, PathBuf};
+
+use qinfer::formats::gguf::GgufFile;
+use qinfer::tokenizer::{ChatMessage, ChatOptions, Tokenizer};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn gguf_tokenizer() -> Option<Tokenizer> {
+    let home = std::env::var_os("HOME")?;
+    let p = PathBuf::from(home).join(".cache/qinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !p.exists() {
+        eprintln!("skipping: {} not found (run scripts/fetch_default_model.sh)", p.display());
+        return None;
+    }
+    Some(GgufFile::open(&p).unwrap().tokenizer().unwrap().expect("embedded tokenizer"))
+}
+
+fn read_json(path: &Path) -> Option<Value> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Some(serde_json::from_str(&s).unwrap()),
+        Err(_) => {
+            eprintln!("skipping: fixture {} not found", path.display());
+            None
+        }
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("ids array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+#[test]
+fn matches_llama_cpp_tokenize() {
+    let Some(tok) = gguf_tokenizer() else { return };
+    let Some(fx) = read_json(&fixtures().join("smollm2/tokenize.json")) else { return };
+    let default_parse = fx["parse_special"].as_bool().unwrap_or(true);
+    let add_bos = fx["add_bos"].as_bool().unwrap_or(false);
+    let cases = fx["cases"].as_array().unwrap();
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let parse = c.get("parse_special").and_then(Value::as_bool).unwrap_or(default_parse);
+        let got = tok.encode_with(text, add_bos, parse).unwrap();
+        assert_eq!(got, ids(&c["ids"]), "{:?}: {text:?} (parse_special {parse})", c["name"]);
+        // llama.cpp's ids decode back to the text.
+        assert_eq!(tok.decode(&got, false).unwrap(), text);
+    }
+    eprintln!("{} llama.cpp cases ok", cases.len());
+}
+
+/// transformers loads the same GGUF (with the `smollm` pre-tokenizer fixed, see
+/// the fixture README); the two conversions must agree everywhere.
+#[test]
+fn matches_transformers_conversion() {
+    let Some(tok) = gguf_tokenizer() else { return };
+    let Some(cases) = read_json(&fixtures().join("tokenizer/smollm2_from_gguf/cases.json")) else { return };
+    for c in cases["encode"].as_array().unwrap() {
+        let text = c["text"].as_str().unwrap();
+        let add = c["add_special_tokens"].as_bool().unwrap();
+        assert_eq!(tok.encode(text, add).unwrap(), ids(&c["ids"]), "encode({text:?}, {add})");
+    }
+    for c in cases["decode"].as_array().unwrap() {
+        let skip = c["skip_special_tokens"].as_bool().unwrap();
+        assert_eq!(tok.decode(&ids(&c["ids"]), skip).unwrap(), c["text"].as_str().unwrap(), "decode {:?}", c["ids"]);
+    }
+    for c in cases["chat"].as_array().unwrap() {
+        let msgs: Vec<ChatMessage> = c["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        let opts = ChatOptions {
+            add_generation_prompt: c["add_generation_prompt"].as_bool().unwrap(),
+            enable_thinking: c["enable_thinking"].as_bool(),
+        };
+        assert_eq!(tok.apply_chat_template(&msgs, &opts).unwrap(), c["rendered"].as_str().unwrap());
+    }
+}
+
+#[test]
+fn special_ids_and_eos() {
+    let Some(tok) = gguf_tokenizer() else { return };
+    assert_eq!(tok.eos_token_ids(), vec![2]);
+    assert_eq!(tok.eos_token(), Some("<|im_end|>"));
+    assert_eq!(tok.bos_token(), Some("<|im_start|>"));
+    // add_bos_token is false for this model: add_special_tokens changes nothing.
+    assert_eq!(tok.encode("hi", true).unwrap(), tok.encode("hi", false).unwrap());
+    // Without special-token parsing the markup is plain text.
+    let literal = tok.encode_with("<|im_end|>", false, false).unwrap();
+    assert!(literal.len() > 1 && !literal.contains(&2));
+}
