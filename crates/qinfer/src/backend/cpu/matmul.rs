@@ -1,14 +1,17 @@
 //! `out = x · Wᵀ` for f32 activations and weights kept in their stored type.
 //!
-//! Work is split over tiles of weight rows; each tile is decoded once into a
-//! thread-local f32 buffer small enough for L2, then dotted with every
-//! activation row. So a prefill reads each weight once, and decode (one row)
+//! Work is split over tiles of weight rows, and each tile meets every
+//! activation row, so a prefill reads each weight once and decode (one row)
 //! streams the weights exactly once with no resident f32 copy.
+//! Float weights: a tile is widened into a thread-local f32 buffer small enough
+//! for L2. Block-quantized weights: activations are quantized to 8-bit blocks
+//! once per call and multiplied in integers (see `q8`), as llama.cpp does.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::q8::{self, Q8Block};
 use super::quant::dequantize_into;
 use super::simd::dot;
 use crate::tensor::{Bytes, DType};
@@ -58,6 +61,9 @@ const TILE_FLOATS: usize = 16 * 1024;
 pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     assert_eq!(x.len(), n * w.cols, "matmul: activation width {} != weight cols {}", x.len() / n.max(1), w.cols);
     assert_eq!(out.len(), n * w.rows);
+    if w.dtype.is_quantized() {
+        return matmul_q8(x, n, w, out);
+    }
     let rows_per_tile = (TILE_FLOATS / w.cols.max(1)).clamp(1, 64);
     // Enough tiles to keep every thread busy, but no smaller than needed.
     let threads = rayon::current_num_threads().max(1);
@@ -86,6 +92,38 @@ pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
                 }
             }
         });
+    });
+}
+
+/// Quantized weights: 8-bit activations, integer block dots.
+fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
+    let cols = w.cols;
+    let blocks = cols / 32;
+    let xq: Vec<Q8Block> = x
+        .par_chunks(cols)
+        .flat_map_iter(|row| {
+            let mut v = Vec::with_capacity(blocks);
+            q8::quantize_row(row, &mut v);
+            v
+        })
+        .collect();
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
+    let n_tiles = w.rows.div_ceil(rows_per_tile);
+    let rb = w.row_bytes();
+    let bytes = w.data.as_slice();
+    let optr = OutPtr(out.as_mut_ptr());
+    (0..n_tiles).into_par_iter().for_each(|tile| {
+        let r0 = tile * rows_per_tile;
+        let r1 = (r0 + rows_per_tile).min(w.rows);
+        for t in 0..n {
+            let xr = &xq[t * blocks..(t + 1) * blocks];
+            for r in r0..r1 {
+                let v = q8::dot(w.dtype, &bytes[r * rb..(r + 1) * rb], xr);
+                // SAFETY: (t, r) is written by this tile only; in bounds by the asserts in `matmul`.
+                unsafe { *optr.get().add(t * w.rows + r) = v };
+            }
+        }
     });
 }
 

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod matmul;
+pub mod q8;
 pub mod quant;
 pub mod simd;
 
