@@ -4,7 +4,11 @@
 // tests/fixtures/smollm2/. Not built by cargo or CI.
 //
 // Usage:
-//   qinfer_ref -m MODEL [-t THREADS] [-c N_CTX] MODE ...
+//   qinfer_ref -m MODEL [-t THREADS] [-c N_CTX] [-fa on|off|auto] [-kv f16|f32] MODE ...
+//
+// Context defaults are llama_context_default_params() (flash attention auto = on for
+// CPU, f16 KV cache) plus n_ctx = n_batch = n_ubatch = N_CTX (default 512). With a
+// dequantized all-F32 GGUF, "-fa off -kv f32" gives exact float32 math.
 //
 // Modes:
 //   tokenize TEXT            tokenize TEXT (no BOS added, special tokens parsed)
@@ -99,14 +103,20 @@ int main(int argc, char **argv) {
     const char *model_path = NULL;
     int n_threads = 2;
     int n_ctx = 512;
+    int fa = -2;  // -2: llama_context_default_params() (auto), else -1 auto, 0 off, 1 on
+    int kv_f32 = 0;
     int i = 1;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) model_path = argv[++i];
         else if (!strcmp(argv[i], "-t") && i + 1 < argc) n_threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-c") && i + 1 < argc) n_ctx = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-fa") && i + 1 < argc) {
+            const char *v = argv[++i];
+            fa = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+        } else if (!strcmp(argv[i], "-kv") && i + 1 < argc) kv_f32 = !strcmp(argv[++i], "f32");
         else break;
     }
-    if (!model_path || i >= argc) die("usage: qinfer_ref -m MODEL [-t N] [-c N] (tokenize|greedy|logits) ...");
+    if (!model_path || i >= argc) die("usage: qinfer_ref -m MODEL [-t N] [-c N] [-fa on|off|auto] [-kv f16|f32] (tokenize|detok|greedy|logits) ...");
     const char *mode = argv[i++];
 
     llama_backend_init();
@@ -152,9 +162,8 @@ int main(int argc, char **argv) {
     cp.n_threads = n_threads;
     cp.n_threads_batch = n_threads;
     cp.no_perf = true;
-    // QREF_FA=-1|0|1 (auto/off/on), QREF_KV=f16|f32: experiments only; fixtures use the defaults
-    if (getenv("QREF_FA")) cp.flash_attn_type = (enum llama_flash_attn_type) atoi(getenv("QREF_FA"));
-    if (getenv("QREF_KV") && !strcmp(getenv("QREF_KV"), "f32")) {
+    if (fa != -2) cp.flash_attn_type = (enum llama_flash_attn_type) fa;
+    if (kv_f32) {
         cp.type_k = GGML_TYPE_F32;
         cp.type_v = GGML_TYPE_F32;
     }

@@ -65,10 +65,8 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         let cfg_json = read_json(&cfg_path)?;
         let gen_path = path.join("generation_config.json");
         let gen_json = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
-        let config = ModelConfig::from_hf_json(&cfg_json, gen_json.as_ref()).map_err(|e| match e {
-            Error::Config { field, reason } => Error::malformed(&cfg_path, format!("field `{field}`: {reason}")),
-            other => other,
-        })?;
+        let config = ModelConfig::from_hf_json(&cfg_json, gen_json.as_ref())
+            .map_err(|e| Error::malformed(&cfg_path, e.to_string()))?;
         let st = SafetensorsSource::open_dir(path)?;
         let files = st.files();
         let tokenizer = Tokenizer::from_dir(path)?;

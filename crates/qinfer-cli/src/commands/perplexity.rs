@@ -24,7 +24,11 @@ pub struct Args {
 pub fn main(a: Args) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let tok = model.tokenizer.as_ref().context("perplexity needs a tokenizer; this model has none")?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let mut text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    // llama.cpp's -f drops one trailing newline; do the same so token counts agree.
+    if text.ends_with('\n') {
+        text.pop();
+    }
     // As llama-perplexity: special-token text in the file is not parsed as special tokens.
     let tokens = tok.encode_with(&text, true, false)?;
     // As llama-perplexity: the vocabulary's add-BOS setting decides whether each chunk starts with BOS.

@@ -95,36 +95,99 @@ pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     });
 }
 
+/// Activation rows per register tile in a prefill: each unpacked weight block
+/// serves this many rows.
+const Q8_MR: usize = 4;
+
+/// Bytes of quantized weights per prefill tile: the tile is reread for every
+/// group of `Q8_MR` activation rows, so it should stay in L1.
+const Q8_TILE_BYTES: usize = 16 * 1024;
+
 /// Quantized weights: 8-bit activations, integer block dots.
 fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let cols = w.cols;
     let blocks = cols / 32;
-    let xq: Vec<Q8Block> = x
-        .par_chunks(cols)
-        .flat_map_iter(|row| {
-            let mut v = Vec::with_capacity(blocks);
-            q8::quantize_row(row, &mut v);
-            v
-        })
-        .collect();
+    // Taken (not borrowed) so a nested call on this thread cannot conflict.
+    let mut xq = XQ.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    xq.clear();
+    xq.resize(n * blocks, Q8Block::ZERO);
+    if n == 1 {
+        q8::quantize_row(x, &mut xq);
+    } else {
+        xq.par_chunks_mut(blocks).zip(x.par_chunks(cols)).for_each(|(q, row)| q8::quantize_row(row, q));
+    }
     let threads = rayon::current_num_threads().max(1);
-    let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
-    let n_tiles = w.rows.div_ceil(rows_per_tile);
     let rb = w.row_bytes();
-    let bytes = w.data.as_slice();
+    let rows_per_tile = if n == 1 {
+        // Decode streams each weight once: tiles only need to balance the threads.
+        w.rows.div_ceil(threads * 8).next_multiple_of(4).clamp(4, 256)
+    } else {
+        let fit = (Q8_TILE_BYTES / rb.max(1)).clamp(4, 64) / 4 * 4;
+        fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(4))
+    };
+    let n_tiles = w.rows.div_ceil(rows_per_tile);
     let optr = OutPtr(out.as_mut_ptr());
+    let job = Q8Job { dtype: w.dtype, bytes: w.data.as_slice(), rb, rows: w.rows, xq: &xq, blocks, out: optr };
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(w.rows);
-        for t in 0..n {
-            let xr = &xq[t * blocks..(t + 1) * blocks];
-            for r in r0..r1 {
-                let v = q8::dot(w.dtype, &bytes[r * rb..(r + 1) * rb], xr);
-                // SAFETY: (t, r) is written by this tile only; in bounds by the asserts in `matmul`.
-                unsafe { *optr.get().add(t * w.rows + r) = v };
+        let mut t = 0;
+        while t < n {
+            match n - t {
+                1 => job.tile::<1, 4>(t, r0, r1),
+                2 => job.tile::<2, 2>(t, r0, r1),
+                3 => job.tile::<3, 2>(t, r0, r1),
+                _ => job.tile::<Q8_MR, 2>(t, r0, r1),
             }
+            t += (n - t).min(Q8_MR);
         }
     });
+    XQ.with(|b| *b.borrow_mut() = xq);
+}
+
+thread_local! {
+    static XQ: RefCell<Vec<Q8Block>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One quantized matmul: the weights, the quantized activations and the output.
+struct Q8Job<'a> {
+    dtype: DType,
+    bytes: &'a [u8],
+    rb: usize,
+    rows: usize,
+    xq: &'a [Q8Block],
+    blocks: usize,
+    out: OutPtr,
+}
+
+impl Q8Job<'_> {
+    /// Activation rows `t..t+MR` against weight rows `r0..r1`, `NR` weight rows at a time.
+    fn tile<const MR: usize, const NR: usize>(&self, t: usize, r0: usize, r1: usize) {
+        let x: [&[Q8Block]; MR] = std::array::from_fn(|i| &self.xq[(t + i) * self.blocks..(t + i + 1) * self.blocks]);
+        let wrow = |r: usize| &self.bytes[r * self.rb..(r + 1) * self.rb];
+        let mut r = r0;
+        while r + NR <= r1 {
+            let v = q8::dot_tile::<MR, NR>(self.dtype, std::array::from_fn(|j| wrow(r + j)), x);
+            self.store(t, r, v);
+            r += NR;
+        }
+        while r < r1 {
+            let v = q8::dot_tile::<MR, 1>(self.dtype, [wrow(r)], x);
+            self.store(t, r, v);
+            r += 1;
+        }
+    }
+
+    #[inline(always)]
+    fn store<const MR: usize, const NR: usize>(&self, t: usize, r: usize, v: [[f32; NR]; MR]) {
+        for (i, vi) in v.iter().enumerate() {
+            for (j, vij) in vi.iter().enumerate() {
+                // SAFETY: (t + i, r + j) lies in this task's rows and in bounds
+                // (asserted in `matmul`); no other task writes it.
+                unsafe { *self.out.get().add((t + i) * self.rows + r + j) = *vij };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -145,6 +208,80 @@ mod tests {
             for r in 0..rows {
                 let want: f32 = (0..cols).map(|c| x[t * cols + c] * bf16::from_f32(wf[r * cols + c]).to_f32()).sum();
                 assert!((out[t * rows + r] - want).abs() < 1e-4, "({t},{r})");
+            }
+        }
+    }
+}
+
+/// Timing of SmolLM2-135M's matmul shapes (random weights):
+/// `cargo test --release -p qinfer --lib smollm2_shapes -- --ignored --nocapture`.
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use std::time::Instant;
+
+    fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> CpuMatrix {
+        let bb = dtype.block_bytes();
+        let bytes: Vec<u8> = (0..dtype.bytes_for(rows * cols).unwrap())
+            .map(|i| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                // Small finite f16 scales at the start of each block.
+                if dtype.is_quantized() && i % bb < 4 && (i % bb < 2 || dtype == DType::Q4_1) {
+                    [0x66, 0x1e, 0x00, 0x90][i % bb]
+                } else if !dtype.is_quantized() && i % 2 == 1 {
+                    0x3c
+                } else {
+                    (*seed >> 56) as u8
+                }
+            })
+            .collect();
+        CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(bytes) }
+    }
+
+    #[test]
+    #[ignore]
+    fn smollm2_shapes() {
+        let (h, kv, inter, layers, vocab) = (576, 192, 1536, 30, 49152);
+        let mut seed = 1;
+        for (wd, hd) in [(DType::Q4_1, DType::Q8_0), (DType::BF16, DType::BF16)] {
+            let shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)];
+            let ws: Vec<Vec<CpuMatrix>> = (0..layers)
+                .map(|_| shapes.iter().map(|&(r, c)| random_matrix(wd, r, c, &mut seed)).collect())
+                .collect();
+            let head = random_matrix(hd, vocab, h, &mut seed);
+            for n in [1usize, 128] {
+                let x: Vec<f32> = (0..n * inter).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+                let mut out = vec![0f32; n * vocab];
+                let reps = if n == 1 { 20 } else { 2 };
+                let mut t_layers = 0f64;
+                let mut t_head = 0f64;
+                for _ in 0..reps {
+                    let t0 = Instant::now();
+                    for lw in &ws {
+                        for m in lw {
+                            matmul(&x[..n * m.cols], n, m, &mut out[..n * m.rows]);
+                        }
+                    }
+                    let t1 = Instant::now();
+                    let hn = if n == 1 { 1 } else { 1 };
+                    matmul(&x[..hn * h], hn, &head, &mut out[..hn * vocab]);
+                    t_layers += (t1 - t0).as_secs_f64();
+                    t_head += t1.elapsed().as_secs_f64();
+                }
+                let (tl, th) = (t_layers / reps as f64 * 1e3, t_head / reps as f64 * 1e3);
+                for m in &ws[0] {
+                    let t0 = Instant::now();
+                    for _ in 0..reps * 5 {
+                        matmul(&x[..n * m.cols], n, m, &mut out[..n * m.rows]);
+                    }
+                    let ns = t0.elapsed().as_secs_f64() * 1e9 / (reps * 5) as f64;
+                    let pairs = (n * m.rows * m.cols / 32) as f64;
+                    println!("  [{}x{}] n={n}: {:.1} us, {:.3} ns/block-pair/thread", m.rows, m.cols, ns / 1e3, ns * 2.0 / pairs);
+                }
+                println!(
+                    "{wd:?}/{hd:?} n={n}: layers {tl:.2} ms, head {th:.2} ms → {:.1} tok/s (matmul only)",
+                    n as f64 / ((tl + th) / 1e3)
+                );
             }
         }
     }

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod matmul;
 pub mod q8;
+pub mod q8_avx2;
 pub mod quant;
 pub mod simd;
 

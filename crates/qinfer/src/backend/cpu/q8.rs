@@ -7,6 +7,7 @@
 
 use half::f16;
 
+use super::simd::has_avx2;
 use crate::tensor::DType;
 
 /// One block of 32 activations: x ≈ d·q. `s` = d·Σq (needed by Q4_1's min term).
@@ -18,16 +19,30 @@ pub struct Q8Block {
     pub qs: [i8; 32],
 }
 
+impl Q8Block {
+    pub const ZERO: Q8Block = Q8Block { d: 0.0, s: 0.0, qs: [0; 32] };
+}
+
 #[inline]
-fn f16_round(x: f32) -> f32 {
+pub(super) fn f16_round(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// Quantizes `x` (length a multiple of 32) into `out`, as ggml's AVX2
-/// `quantize_row_q8_1`: scale 127/amax, round half to even.
-pub fn quantize_row(x: &[f32], out: &mut Vec<Q8Block>) {
-    out.clear();
-    for chunk in x.chunks_exact(32) {
+/// Quantizes `x` (length a multiple of 32) into `out` (one block per 32
+/// values), as ggml's AVX2 `quantize_row_q8_1`: scale 127/amax, round half to even.
+pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    assert_eq!(x.len(), out.len() * 32, "quantize_row: {} values for {} blocks", x.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports avx2, fma and f16c (checked above).
+        return unsafe { super::q8_avx2::quantize_row(x, out) };
+    }
+    quantize_row_scalar(x, out)
+}
+
+/// The reference quantization (and the fallback without AVX2).
+pub fn quantize_row_scalar(x: &[f32], out: &mut [Q8Block]) {
+    for (chunk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
@@ -38,7 +53,7 @@ pub fn quantize_row(x: &[f32], out: &mut Vec<Q8Block>) {
             *q = r as i8;
             sum += r;
         }
-        out.push(Q8Block { d: f16_round(d), s: f16_round(d * sum as f32), qs });
+        *o = Q8Block { d: f16_round(d), s: f16_round(d * sum as f32), qs };
     }
 }
 
@@ -47,7 +62,47 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
+/// `out[i][j]` = [`dot`] of weight row `w[j]` with activation row `x[i]`: a
+/// register tile, so each weight block is unpacked once for `MR` activation rows.
+/// Every `x[i]` has the same number of blocks and every `w[j]` holds that many.
+#[inline]
+pub fn dot_tile<const MR: usize, const NR: usize>(
+    dtype: DType,
+    w: [&[u8]; NR],
+    x: [&[Q8Block]; MR],
+) -> [[f32; NR]; MR] {
+    let blocks = x[0].len();
+    assert!(x.iter().all(|r| r.len() == blocks), "dot_tile: activation rows differ in length");
+    assert!(
+        w.iter().all(|r| r.len() == blocks * dtype.block_bytes()),
+        "dot_tile: weight rows do not match {blocks} blocks"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        use super::q8_avx2 as k;
+        let (wp, xp) = (w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()));
+        // SAFETY: avx2, fma and f16c are present (checked above); every row
+        // holds `blocks` blocks (asserted above).
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => k::tile_q4_0(wp, xp, blocks),
+                DType::Q4_1 => k::tile_q4_1(wp, xp, blocks),
+                DType::Q8_0 => k::tile_q8_0(wp, xp, blocks),
+                DType::F32 | DType::F16 | DType::BF16 => unreachable!("float weights use the f32 path"),
+            }
+        };
+    }
+    let mut out = [[0f32; NR]; MR];
+    for (o, xr) in out.iter_mut().zip(x) {
+        for (v, wr) in o.iter_mut().zip(w) {
+            *v = dot(dtype, wr, xr);
+        }
+    }
+    out
+}
+
 /// Σ over blocks of weight row `w` (stored as `dtype`) times quantized activations `x`.
+/// The scalar reference (and the fallback without AVX2).
 pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
     match dtype {
         DType::Q4_0 => {
@@ -121,7 +176,7 @@ mod tests {
                 })
                 .collect();
             let x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 3.0).collect();
-            let mut xq = Vec::new();
+            let mut xq = vec![Q8Block::ZERO; n / 32];
             quantize_row(&x, &mut xq);
             let mut wf = vec![0f32; n];
             dequantize_into(dtype, &w, &mut wf);
@@ -136,7 +191,7 @@ mod tests {
     #[test]
     fn quantization_is_within_half_a_step() {
         let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
-        let mut q = Vec::new();
+        let mut q = vec![Q8Block::ZERO; 2];
         quantize_row(&x, &mut q);
         for (b, chunk) in q.iter().zip(x.chunks(32)) {
             for (qv, xv) in b.qs.iter().zip(chunk) {

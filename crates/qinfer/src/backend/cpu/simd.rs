@@ -62,12 +62,14 @@ fn axpy_portable(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-fn has_avx2_fma() -> bool {
+/// Whether the AVX2 kernels may run: AVX2, FMA and F16C (every AVX2 CPU in
+/// practice has all three).
+pub(super) fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -80,7 +82,7 @@ fn has_avx2_fma() -> bool {
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked above).
         return unsafe { dot_avx2(a, b) };
     }
@@ -91,7 +93,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[inline]
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if has_avx2() {
         // SAFETY: the CPU supports avx2 and fma (checked above).
         return unsafe { axpy_avx2(alpha, x, y) };
     }

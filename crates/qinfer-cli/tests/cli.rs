@@ -1,0 +1,198 @@
+//! The `qinfer` command's contracts, run as a user would run them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn qinfer(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qinfer")).args(args).output().expect("qinfer runs")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny").join(name)
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+fn csv(v: &[u64]) -> String {
+    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("qinfer-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn generate_json_prints_only_new_tokens_matching_transformers() {
+    let r = reference("qwen3");
+    let prompt = ids(&r["greedy"]["prompt"]);
+    let want = ids(&r["greedy"]["new_tokens"]);
+    let dir = fixture("qwen3");
+    let n = want.len().to_string();
+    let o = qinfer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--tokens",
+        &csv(&prompt),
+        "--max-tokens",
+        &n,
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON object");
+    assert_eq!(ids(&v["tokens"]), want);
+    assert!(v["text"].is_string());
+}
+
+#[test]
+fn score_writes_reference_logits_as_npy() {
+    let r = reference("qwen2");
+    let input = ids(&r["input_ids"]);
+    let out = temp_dir("score").join("logits.npy");
+    let dir = fixture("qwen2");
+    let o = qinfer(&[
+        "score",
+        "--model",
+        dir.to_str().unwrap(),
+        "--tokens",
+        &csv(&input),
+        "--logits-out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, got) = qinfer::npy::read_f32(&out).unwrap();
+    let (wshape, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+    assert_eq!(shape, wshape);
+    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d <= 1e-3, "max |Δ| {d}");
+}
+
+#[test]
+fn score_into_a_missing_directory_fails_without_output() {
+    let dir = fixture("llama");
+    let out = temp_dir("noout").join("missing/sub/logits.npy");
+    let o = qinfer(&[
+        "score",
+        "--model",
+        dir.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--logits-out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("logits.npy"), "{}", stderr(&o));
+    assert!(!out.exists());
+}
+
+#[test]
+fn inspect_reports_architecture_and_parameters() {
+    let dir = fixture("qwen3");
+    let o = qinfer(&["inspect", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(s.contains("architecture:  qwen3"), "{s}");
+    assert!(s.contains("parameters:"), "{s}");
+    assert!(s.contains("BF16"), "{s}");
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    // Missing path.
+    let o = qinfer(&["inspect", "/nonexistent/model"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("/nonexistent/model"), "{}", stderr(&o));
+
+    // Unknown architecture: the error lists what is supported.
+    let d = temp_dir("arch");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("llama").join("config.json")).unwrap()).unwrap();
+    cfg["model_type"] = "gpt_neox".into();
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(fixture("llama").join("model.safetensors"), d.join("model.safetensors")).unwrap();
+    let o = qinfer(&["inspect", d.to_str().unwrap()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("gpt_neox") && e.contains("qwen3") && e.contains("config.json"), "{e}");
+
+    // Truncated weights: the error names the file.
+    let d = temp_dir("trunc");
+    std::fs::copy(fixture("llama").join("config.json"), d.join("config.json")).unwrap();
+    let bytes = std::fs::read(fixture("llama").join("model.safetensors")).unwrap();
+    std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    let o = qinfer(&["generate", "--model", d.to_str().unwrap(), "--tokens", "1,2", "--max-tokens", "2"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("model.safetensors"), "{}", stderr(&o));
+
+    // Token ids beyond the vocabulary.
+    let dir = fixture("llama");
+    let o = qinfer(&["generate", "--model", dir.to_str().unwrap(), "--tokens", "1,999999", "--max-tokens", "2"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("999999"), "{}", stderr(&o));
+
+    // --prompt on a model without a tokenizer.
+    let o = qinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi", "--max-tokens", "2"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("tokenizer"), "{}", stderr(&o));
+}
+
+#[test]
+fn run_without_the_default_model_says_how_to_fetch_it() {
+    let empty = temp_dir("cache");
+    let o =
+        Command::new(env!("CARGO_BIN_EXE_qinfer")).args(["run", "hello"]).env("QINFER_CACHE", &empty).output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("fetch_default_model.sh"), "{}", stderr(&o));
+}
+
+fn default_model() -> Option<PathBuf> {
+    let cache = std::env::var_os("QINFER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/qinfer"));
+    let p = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        println!("skipped: {} is absent (scripts/fetch_default_model.sh fetches it)", p.display());
+        None
+    }
+}
+
+#[test]
+fn run_answers_a_question_with_the_default_model() {
+    if default_model().is_none() {
+        return;
+    }
+    let o = qinfer(&["run", "--max-tokens", "24", "Name the capital city of France."]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let answer = String::from_utf8_lossy(&o.stdout);
+    assert!(answer.contains("Paris"), "{answer}");
+    assert!(stderr(&o).contains("tok/s"), "{}", stderr(&o));
+}
+
+#[test]
+fn bench_json_reports_pp_and_tg() {
+    let dir = fixture("qwen3");
+    let o = qinfer(&["bench", "--model", dir.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tests: Vec<&str> = v["results"].as_array().unwrap().iter().map(|r| r["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, vec!["pp16", "tg4"]);
+    for r in v["results"].as_array().unwrap() {
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
+    }
+}

@@ -1,0 +1,408 @@
+//! AVX2 versions of `q8`'s activation quantization and block dots.
+//!
+//! The integer block sums are exact and equal the scalar reference's; only the
+//! order of the f32 accumulation differs (per-lane partial sums, one horizontal
+//! add at the end). Weights are multiplied as unsigned bytes with
+//! `maddubs(w, x)` (the activations are signed): Q4_1 nibbles are already
+//! unsigned, Q4_0 subtracts `8·Σx` per pair, Q8_0 moves the weight sign onto x
+//! as ggml does. Tiles of `MR` activation rows × `NR` weight rows unpack each
+//! weight block once per tile and keep `MR·NR` accumulators in registers.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::q8::{Q8Block, f16_round};
+
+/// [`super::q8::quantize_row_scalar`], 32 values at a time, bit for bit.
+///
+/// # Safety
+/// The CPU must support avx2, fma and f16c; `x.len() == 32 * out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    debug_assert_eq!(x.len(), out.len() * 32);
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (chunk, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let p = chunk.as_ptr();
+        // SAFETY: `chunk` holds 32 floats.
+        let v = unsafe {
+            [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))]
+        };
+        // max_ps returns its second operand when either is NaN, as f32::max skips NaN.
+        let a01 = _mm256_max_ps(_mm256_and_ps(v[1], abs_mask), _mm256_and_ps(v[0], abs_mask));
+        let a23 = _mm256_max_ps(_mm256_and_ps(v[3], abs_mask), _mm256_and_ps(v[2], abs_mask));
+        let a = _mm256_max_ps(a01, a23);
+        let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(a), _mm256_castps256_ps128(a));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2))).max(0.0);
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        // round() already yields integers, so the conversion is exact.
+        let q = v.map(|vk| {
+            _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+                vk, idv,
+            )))
+        });
+        let s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s4 = _mm_add_epi32(_mm256_extracti128_si256::<1>(s8), _mm256_castsi256_si128(s8));
+        let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2)));
+        let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let packed = _mm256_permutevar8x32_epi32(packed, perm);
+        // SAFETY: `qs` is 32 bytes.
+        unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr().cast(), packed) };
+        o.d = f16_round(d);
+        o.s = f16_round(d * sum as f32);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+}
+
+/// The f16 at `p` widened, broadcast to 8 lanes.
+///
+/// # Safety
+/// `p` points at 2 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_splat(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees 2 readable bytes.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// 32 nibbles of a 16-byte block as bytes: low nibbles (values 0..16) first.
+///
+/// # Safety
+/// `p` points at 16 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let q = unsafe { _mm_loadu_si128(p.cast()) };
+    let low = _mm_set1_epi8(0x0f);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low))
+}
+
+/// Sums the i16 pair products to i32 lanes and adds `scale·sum` to `acc`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn accumulate(acc: __m256, scale: __m256, p16: __m256i) -> __m256 {
+    let p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p32), acc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce<const MR: usize, const NR: usize>(acc: [[__m256; NR]; MR]) -> [[f32; NR]; MR] {
+    let mut out = [[0f32; NR]; MR];
+    for i in 0..MR {
+        for j in 0..NR {
+            out[i][j] = hsum(acc[i][j]);
+        }
+    }
+    out
+}
+
+/// Q4_0 weights (`d`, 16 nibble bytes; w = d·(q − 8)) against `Q8Block`s.
+///
+/// # Safety
+/// avx2, fma and f16c are present; each `w[j]` points at `blocks` Q4_0 blocks
+/// and each `x[i]` at `blocks` `Q8Block`s.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_q4_0<const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    let eights = _mm256_set1_epi8(8);
+    for b in 0..blocks {
+        let mut wq = [_mm256_setzero_si256(); NR];
+        let mut dw = [_mm256_setzero_ps(); NR];
+        for j in 0..NR {
+            // SAFETY: block `b` of row `j` is in bounds (caller's contract).
+            unsafe {
+                let p = w[j].add(b * 18);
+                dw[j] = f16_splat(p);
+                wq[j] = nibbles(p.add(2));
+            }
+        }
+        for i in 0..MR {
+            // SAFETY: block `b` of activation row `i` is in bounds.
+            let y = unsafe { &*x[i].add(b) };
+            // SAFETY: `qs` is 32 bytes.
+            let xq = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+            let dx = _mm256_set1_ps(y.d);
+            // Σ(q − 8)·x = Σq·x − 8·Σx, per pair of bytes, exact in i16.
+            let x8 = _mm256_maddubs_epi16(eights, xq);
+            for j in 0..NR {
+                let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[j], xq), x8);
+                acc[i][j] = accumulate(acc[i][j], _mm256_mul_ps(dw[j], dx), p16);
+            }
+        }
+    }
+    reduce(acc)
+}
+
+/// Q4_1 weights (`d`, `m`, 16 nibble bytes; w = d·q + m) against `Q8Block`s.
+///
+/// # Safety
+/// As [`tile_q4_0`], with Q4_1 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_q4_1<const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    let mut mins = [[0f32; NR]; MR];
+    for b in 0..blocks {
+        let mut wq = [_mm256_setzero_si256(); NR];
+        let mut dw = [_mm256_setzero_ps(); NR];
+        let mut mw = [0f32; NR];
+        for j in 0..NR {
+            // SAFETY: block `b` of row `j` is in bounds (caller's contract).
+            unsafe {
+                let p = w[j].add(b * 20);
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+                dw[j] = _mm256_broadcastss_ps(dm);
+                mw[j] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+                wq[j] = nibbles(p.add(4));
+            }
+        }
+        for i in 0..MR {
+            // SAFETY: block `b` of activation row `i` is in bounds.
+            let y = unsafe { &*x[i].add(b) };
+            // SAFETY: `qs` is 32 bytes.
+            let xq = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+            let dx = _mm256_set1_ps(y.d);
+            for j in 0..NR {
+                acc[i][j] = accumulate(acc[i][j], _mm256_mul_ps(dw[j], dx), _mm256_maddubs_epi16(wq[j], xq));
+                mins[i][j] += mw[j] * y.s;
+            }
+        }
+    }
+    let mut out = reduce(acc);
+    for i in 0..MR {
+        for j in 0..NR {
+            out[i][j] += mins[i][j];
+        }
+    }
+    out
+}
+
+/// Q8_0 weights (`d`, 32 signed bytes; w = d·q) against `Q8Block`s.
+///
+/// # Safety
+/// As [`tile_q4_0`], with Q8_0 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_q8_0<const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    for b in 0..blocks {
+        let mut wq = [_mm256_setzero_si256(); NR];
+        let mut wa = [_mm256_setzero_si256(); NR];
+        let mut dw = [_mm256_setzero_ps(); NR];
+        for j in 0..NR {
+            // SAFETY: block `b` of row `j` is in bounds (caller's contract).
+            unsafe {
+                let p = w[j].add(b * 34);
+                dw[j] = f16_splat(p);
+                wq[j] = _mm256_loadu_si256(p.add(2).cast());
+            }
+            wa[j] = _mm256_abs_epi8(wq[j]);
+        }
+        for i in 0..MR {
+            // SAFETY: block `b` of activation row `i` is in bounds.
+            let y = unsafe { &*x[i].add(b) };
+            // SAFETY: `qs` is 32 bytes.
+            let xq = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+            let dx = _mm256_set1_ps(y.d);
+            for j in 0..NR {
+                // |w|·(x·sign w) = w·x; |x| ≤ 127 so the pair sums fit i16.
+                let p16 = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xq, wq[j]));
+                acc[i][j] = accumulate(acc[i][j], _mm256_mul_ps(dw[j], dx), p16);
+            }
+        }
+    }
+    reduce(acc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::q8::{self, dot, dot_tile, quantize_row_scalar};
+    use super::super::quant::dequantize_into;
+    use super::*;
+    use crate::tensor::DType;
+
+    fn has_avx2() -> bool {
+        super::super::simd::has_avx2()
+    }
+
+    /// A fresh seed per run (printed on failure), so repeated runs cover new inputs.
+    fn fresh_seed() -> u64 {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        t.as_nanos() as u64 | 1
+    }
+
+    fn next(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    fn uniform(seed: &mut u64) -> f32 {
+        (next(seed) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn random_activations(seed: &mut u64, n: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..n).map(|_| uniform(seed) * 4.0).collect();
+        for (k, chunk) in x.chunks_mut(32).enumerate() {
+            match k % 5 {
+                // A zero block, and one where many values scale to exact halves (ties).
+                1 => chunk.fill(0.0),
+                3 => {
+                    for (i, v) in chunk.iter_mut().enumerate() {
+                        *v = if i == 0 { 127.0 } else { (next(seed) % 254) as f32 - 127.0 + 0.5 * (i % 2) as f32 };
+                    }
+                }
+                _ => {}
+            }
+        }
+        x
+    }
+
+    /// Random weight blocks with finite f16 scales (mins for Q4_1) of either sign.
+    fn random_weights(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
+        let mut w = Vec::with_capacity(blocks * dtype.block_bytes());
+        for _ in 0..blocks {
+            let scales = if dtype == DType::Q4_1 { 2 } else { 1 };
+            for _ in 0..scales {
+                let v = half::f16::from_f32(uniform(seed) * 0.05);
+                w.extend_from_slice(&v.to_le_bytes());
+            }
+            while !w.len().is_multiple_of(dtype.block_bytes()) {
+                w.push(next(seed) as u8);
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn quantize_row_matches_scalar_bit_for_bit() {
+        if !has_avx2() {
+            return;
+        }
+        let mut seed = fresh_seed();
+        let start = seed;
+        for blocks in [1usize, 7, 18, 49] {
+            let x = random_activations(&mut seed, blocks * 32);
+            let (mut want, mut got) = (vec![Q8Block::ZERO; blocks], vec![Q8Block::ZERO; blocks]);
+            quantize_row_scalar(&x, &mut want);
+            // SAFETY: avx2 is present (checked above); lengths match.
+            unsafe { quantize_row(&x, &mut got) };
+            for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.qs, b.qs, "block {k}, seed {start}");
+                assert_eq!(a.d.to_bits(), b.d.to_bits(), "block {k}, seed {start}");
+                assert_eq!(a.s.to_bits(), b.s.to_bits(), "block {k}, seed {start}");
+            }
+        }
+    }
+
+    fn check_tile<const MR: usize, const NR: usize>(seed: &mut u64, dtype: DType, blocks: usize) {
+        let start = *seed;
+        let ws: Vec<Vec<u8>> = (0..NR).map(|_| random_weights(seed, dtype, blocks)).collect();
+        let xs: Vec<Vec<Q8Block>> = (0..MR)
+            .map(|_| {
+                let mut q = vec![Q8Block::ZERO; blocks];
+                q8::quantize_row(&random_activations(seed, blocks * 32), &mut q);
+                q
+            })
+            .collect();
+        let got = dot_tile::<MR, NR>(dtype, std::array::from_fn(|j| &ws[j][..]), std::array::from_fn(|i| &xs[i][..]));
+        for i in 0..MR {
+            for j in 0..NR {
+                let want = dot(dtype, &ws[j], &xs[i]);
+                // Relative to |want|, or to Σ|w·x| when the sum nearly cancels.
+                let mut wf = vec![0f32; blocks * 32];
+                dequantize_into(dtype, &ws[j], &mut wf);
+                let xf = xs[i].iter().flat_map(|b| b.qs.map(|q| q as f32 * b.d));
+                let mag: f32 = wf.iter().zip(xf).map(|(a, b)| (a * b).abs()).sum();
+                let err = (got[i][j] - want).abs();
+                assert!(
+                    err <= 1e-5 * want.abs().max(mag * 1e-2),
+                    "{dtype:?} {MR}x{NR} blocks {blocks} ({i},{j}): {} vs {want}, seed {start}",
+                    got[i][j]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dot_tiles_match_scalar_dot() {
+        if !has_avx2() {
+            return;
+        }
+        let mut seed = fresh_seed();
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for blocks in [1usize, 3, 17, 49] {
+                check_tile::<1, 1>(&mut seed, dtype, blocks);
+                check_tile::<1, 4>(&mut seed, dtype, blocks);
+                check_tile::<2, 2>(&mut seed, dtype, blocks);
+                check_tile::<3, 1>(&mut seed, dtype, blocks);
+                check_tile::<4, 2>(&mut seed, dtype, blocks);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod kernel_timing {
+    use super::super::q8::{Q8Block, dot_tile};
+    use crate::tensor::DType;
+    use std::time::Instant;
+
+    fn run<const MR: usize, const NR: usize>(dtype: DType) {
+        let blocks = 48;
+        let w: Vec<Vec<u8>> = (0..NR)
+            .map(|j| (0..blocks * dtype.block_bytes()).map(|i| ((i * 7 + j) % 251) as u8 & 0x3f).collect())
+            .collect();
+        let x: Vec<Vec<Q8Block>> = (0..MR)
+            .map(|i| vec![Q8Block { d: 0.01, s: 0.1, qs: std::array::from_fn(|k| (k as i8) - i as i8) }; blocks])
+            .collect();
+        let iters = 200_000;
+        let t = Instant::now();
+        let mut acc = 0f32;
+        for _ in 0..iters {
+            let v = dot_tile::<MR, NR>(
+                dtype,
+                std::array::from_fn(|j| std::hint::black_box(&w[j][..])),
+                std::array::from_fn(|i| &x[i][..]),
+            );
+            acc += v[0][0];
+        }
+        let ns = t.elapsed().as_secs_f64() * 1e9 / (iters * blocks * MR * NR) as f64;
+        println!("{dtype:?} {MR}x{NR}: {ns:.3} ns per block pair ({acc})");
+    }
+
+    #[test]
+    #[ignore]
+    fn kernel_ns_per_block() {
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+            run::<1, 1>(dtype);
+            run::<1, 4>(dtype);
+            run::<2, 2>(dtype);
+            run::<4, 1>(dtype);
+            run::<4, 2>(dtype);
+            run::<3, 4>(dtype);
+            run::<4, 4>(dtype);
+        }
+    }
+}
