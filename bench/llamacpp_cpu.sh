@@ -9,7 +9,7 @@
 #
 # Usage: bench/llamacpp_cpu.sh [LLAMACPP_BIN] [MODEL]
 # Env:   THREADS (default 2), REPS (default 5), OUT (default bench/results/llamacpp-cpu-smollm2.json)
-#        WAIT_IDLE=SECONDS: first wait up to that long for the 1-minute load average to fall below 0.5
+#        WAIT_IDLE=SECONDS: first wait up to that long for the CPUs to be >= 90% idle over 5 s
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,13 +20,23 @@ REPS="${REPS:-5}"
 OUT="${OUT:-$REPO/bench/results/llamacpp-cpu-smollm2.json}"
 LLAMACPP_SRC="${LLAMACPP_SRC:-$(dirname "$(dirname "$LLAMACPP_BIN")")/src}"
 
-if [ -n "${WAIT_IDLE:-}" ]; then
-  end=$(( $(date +%s) + WAIT_IDLE ))
-  while awk '{exit !($1 >= 0.5)}' /proc/loadavg && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
-fi
+# percentage of CPU time idle over the next 5 seconds (all cores)
+idle_pct() {
+  local a b
+  a=($(head -1 /proc/stat)); sleep 5; b=($(head -1 /proc/stat))
+  local idle=$(( (b[4] + b[5]) - (a[4] + a[5]) )) total=0 i
+  for i in 1 2 3 4 5 6 7 8; do total=$(( total + b[i] - a[i] )); done
+  echo $(( total > 0 ? 100 * idle / total : 0 ))
+}
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
+idle=$(idle_pct)
+if [ -n "${WAIT_IDLE:-}" ]; then
+  end=$(( $(date +%s) + WAIT_IDLE ))
+  while [ "$idle" -lt 90 ] && [ "$(date +%s)" -lt "$end" ]; do idle=$(idle_pct); done
+fi
+echo "$idle" > "$tmp/idle_before"
 cat /proc/loadavg > "$tmp/load_before"
 date -u +%Y-%m-%dT%H:%M:%SZ > "$tmp/date"
 "$LLAMACPP_BIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 128 -n 64 -r "$REPS" -o json \
@@ -63,6 +73,7 @@ res = {
                              if f.startswith(("avx", "fma", "f16c", "sse4", "vnni", "amx"))),
     "hypervisor": lscpu.get("Hypervisor vendor"),
     "threads": int(threads),
+    "cpu_idle_pct_5s_before": int(rd("idle_before")),
     "loadavg_before": rd("load_before"),
     "loadavg_after": rd("load_after"),
     "summary": summary,

@@ -4,6 +4,7 @@
 #
 #   tests/fixtures/smollm2/tokenize.json    llama-tokenize ids for tricky texts
 #   tests/fixtures/smollm2/greedy.json      greedy (argmax) continuations, 64 tokens
+#   tests/fixtures/smollm2/greedy_fa_off_kv_f32.json  the same with flash attention off, f32 KV cache
 #   tests/fixtures/smollm2/logits.json      metadata for the .npy files + top-5 rows
 #   tests/fixtures/smollm2/logits_*.npy     teacher-forced float32 logits [n_tokens, n_vocab]
 #   tests/fixtures/smollm2/perplexity.json  llama-perplexity -c 512 on the text below
@@ -484,4 +485,27 @@ write_json(os.path.join(FIX, "perplexity.json"), {
     "tokens": ppl_tokens,
 })
 print("PPL", mf.group(1), "+/-", mf.group(2), "check", ppl_check, "exact_f32", mf2.group(1))
+PY
+
+# Greedy under llama.cpp's quantized matmuls with f32 attention (flash attention off, f32 KV
+# cache): the configuration qinfer's CPU backend reproduces (tests/smollm2_llamacpp.rs).
+python3 - "$HELPER" "$MODEL" "$THREADS" "$REPO/tests/fixtures/smollm2" <<'PY'
+import json, subprocess, sys
+helper, model, threads, fix = sys.argv[1:5]
+g = json.load(open(f"{fix}/greedy.json"))
+cases = []
+for c in g["cases"]:
+    ids = ",".join(map(str, c["prompt_ids"]))
+    out = subprocess.run([helper, "-m", model, "-t", threads, "-fa", "off", "-kv", "f32", "greedy", ids, "64"],
+                         capture_output=True, text=True, check=True)
+    ref = json.loads(out.stdout)
+    cases.append({"name": c["name"], "prompt_ids": c["prompt_ids"], "new_ids": ref["new_ids"],
+                  "margins": ref["margins"], "first_eog_index": ref.get("first_eog", -1)})
+json.dump({"llama_cpp_version": g["llama_cpp_version"], "llama_cpp": g["llama_cpp"], "model": g["model"],
+           "threads": int(threads),
+           "method": "scripts/llamacpp/qinfer_ref.c -fa off -kv f32 greedy IDS 64: llama.cpp with flash "
+                     "attention off and an f32 KV cache, so its arithmetic is its Q8_1/Q8_0 activation-quantized "
+                     "matmuls plus f32 attention. Prompt decoded in one batch, then one token per llama_decode, "
+                     "argmax (ties -> lowest id), EOS not a stop condition. margins[i] = top1 - top2 logit at step i.",
+           "cases": cases}, open(f"{fix}/greedy_fa_off_kv_f32.json", "w"), indent=1)
 PY

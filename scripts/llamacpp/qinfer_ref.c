@@ -105,6 +105,8 @@ int main(int argc, char **argv) {
     int n_ctx = 512;
     int fa = -2;  // -2: llama_context_default_params() (auto), else -1 auto, 0 off, 1 on
     int kv_f32 = 0;
+    int no_repack = 0;
+    int n_ubatch = 0;  // 0: = n_ctx
     int i = 1;
     for (; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) model_path = argv[++i];
@@ -114,14 +116,17 @@ int main(int argc, char **argv) {
             const char *v = argv[++i];
             fa = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
         } else if (!strcmp(argv[i], "-kv") && i + 1 < argc) kv_f32 = !strcmp(argv[++i], "f32");
+        else if (!strcmp(argv[i], "-norepack")) no_repack = 1;
+        else if (!strcmp(argv[i], "-ub") && i + 1 < argc) n_ubatch = atoi(argv[++i]);
         else break;
     }
-    if (!model_path || i >= argc) die("usage: qinfer_ref -m MODEL [-t N] [-c N] [-fa on|off|auto] [-kv f16|f32] (tokenize|detok|greedy|logits) ...");
+    if (!model_path || i >= argc) die("usage: qinfer_ref -m MODEL [-t N] [-c N] [-fa on|off|auto] [-kv f16|f32] [-norepack] [-ub N] (tokenize|detok|greedy|logits) ...");
     const char *mode = argv[i++];
 
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
+    if (no_repack) mp.use_extra_bufts = false;  // no CPU weight repacking: plain ggml_vec_dot kernels
     struct llama_model *model = llama_model_load_from_file(model_path, mp);
     if (!model) die("failed to load model");
     const struct llama_vocab *vocab = llama_model_get_vocab(model);
@@ -158,7 +163,7 @@ int main(int argc, char **argv) {
     struct llama_context_params cp = llama_context_default_params();
     cp.n_ctx = n_ctx;
     cp.n_batch = n_ctx;
-    cp.n_ubatch = n_ctx;
+    cp.n_ubatch = n_ubatch > 0 ? n_ubatch : n_ctx;
     cp.n_threads = n_threads;
     cp.n_threads_batch = n_threads;
     cp.no_perf = true;

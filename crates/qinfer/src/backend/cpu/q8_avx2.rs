@@ -88,6 +88,23 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low))
 }
 
+/// Decode (one activation row) streams each weight once and waits on memory:
+/// prefetch the same block of the rows `PREFETCH_GROUPS` tiles ahead (rows are
+/// contiguous, so that is `NR·PREFETCH_GROUPS` rows further on).
+pub static PREFETCH_GROUPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn prefetch_ahead<const MR: usize, const NR: usize>(w: &[*const u8; NR], at: usize, row_bytes: usize) {
+    let g = PREFETCH_GROUPS.load(std::sync::atomic::Ordering::Relaxed);
+    if MR == 1 && g > 0 {
+        for p in w {
+            // A prefetch never faults, so the address may lie past the matrix.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at + NR * g * row_bytes).cast());
+        }
+    }
+}
+
 /// Sums the i16 pair products to i32 lanes and adds `scale·sum` to `acc`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn accumulate(acc: __m256, scale: __m256, p16: __m256i) -> __m256 {
@@ -122,6 +139,7 @@ pub unsafe fn tile_q4_0<const MR: usize, const NR: usize>(
     for b in 0..blocks {
         let mut wq = [_mm256_setzero_si256(); NR];
         let mut dw = [_mm256_setzero_ps(); NR];
+        prefetch_ahead::<MR, NR>(&w, b * 18, blocks * 18);
         for j in 0..NR {
             // SAFETY: block `b` of row `j` is in bounds (caller's contract).
             unsafe {
@@ -163,6 +181,7 @@ pub unsafe fn tile_q4_1<const MR: usize, const NR: usize>(
         let mut wq = [_mm256_setzero_si256(); NR];
         let mut dw = [_mm256_setzero_ps(); NR];
         let mut mw = [0f32; NR];
+        prefetch_ahead::<MR, NR>(&w, b * 20, blocks * 20);
         for j in 0..NR {
             // SAFETY: block `b` of row `j` is in bounds (caller's contract).
             unsafe {
@@ -209,6 +228,7 @@ pub unsafe fn tile_q8_0<const MR: usize, const NR: usize>(
         let mut wq = [_mm256_setzero_si256(); NR];
         let mut wa = [_mm256_setzero_si256(); NR];
         let mut dw = [_mm256_setzero_ps(); NR];
+        prefetch_ahead::<MR, NR>(&w, b * 34, blocks * 34);
         for j in 0..NR {
             // SAFETY: block `b` of row `j` is in bounds (caller's contract).
             unsafe {
