@@ -1,7 +1,7 @@
 //! Hugging Face safetensors: a single `model.safetensors` or shards listed in
 //! `model.safetensors.index.json`. Files are mmap'd; tensors borrow from the maps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -132,14 +132,4 @@ impl TensorSource for SafetensorsSource {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.files[e.file].1.clone();
         Tensor::new(name.to_string(), dtype, e.shape.clone(), Bytes::new(owner, e.start, e.len))
     }
-}
-
-/// Counts tensors per dtype name, for `inspect`.
-pub fn dtype_histogram(src: &dyn TensorSource) -> HashMap<String, usize> {
-    let mut h = HashMap::new();
-    for n in src.names() {
-        let k = src.raw_tensor(&n).map(|t| t.dtype.name().to_string()).unwrap_or_else(|_| "unsupported".into());
-        *h.entry(k).or_insert(0) += 1;
-    }
-    h
 }

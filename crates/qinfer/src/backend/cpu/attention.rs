@@ -22,8 +22,9 @@ pub fn causal_attention(
     let q_dim = nh * hd;
     debug_assert_eq!(q.len(), n * q_dim);
     debug_assert!(keys.len() >= (start + n) * kv_dim && values.len() >= (start + n) * kv_dim);
-    // One task per (token, head): output slices are disjoint.
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+    // One task per (token, head): output slices are disjoint. Short decode steps
+    // run on the calling thread; a rayon dispatch would cost more than the work.
+    let attend = |(idx, o): (usize, &mut [f32])| {
         let (t, h) = (idx / nh, idx % nh);
         let pos = start + t;
         let kvh = h / group;
@@ -44,7 +45,13 @@ pub fn causal_attention(
         for (j, p) in (lo..=pos).zip(&scores) {
             axpy(p / sum, &values[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd], o);
         }
-    });
+    };
+    let work = n * nh * (start + n) * hd;
+    if work < 1 << 16 {
+        out.chunks_mut(hd).enumerate().for_each(attend);
+    } else {
+        out.par_chunks_mut(hd).enumerate().for_each(attend);
+    }
 }
 
 #[cfg(test)]

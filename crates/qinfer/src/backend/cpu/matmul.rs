@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::q8::{self, Q8Block};
 use super::quant::dequantize_into;
-use super::simd::dot;
+use super::simd::{dot, has_avx2};
 use crate::tensor::{Bytes, DType};
 
 /// A 2-D weight `[rows, cols]` in its stored type.
@@ -64,6 +64,16 @@ pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     if w.dtype.is_quantized() {
         return matmul_q8(x, n, w, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        return matmul_float_avx2(x, n, w, out);
+    }
+    matmul_float_portable(x, n, w, out)
+}
+
+/// Float weights without AVX2: a tile of rows is widened into a thread-local
+/// buffer, then dotted with every activation row.
+fn matmul_float_portable(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let rows_per_tile = (TILE_FLOATS / w.cols.max(1)).clamp(1, 64);
     // Enough tiles to keep every thread busy, but no smaller than needed.
     let threads = rayon::current_num_threads().max(1);
@@ -93,6 +103,96 @@ pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
             }
         });
     });
+}
+
+/// Float weights with AVX2: rows are widened in registers, no tile buffer.
+#[cfg(target_arch = "x86_64")]
+fn matmul_float_avx2(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
+    use super::simd::FloatWeights;
+    let kind = match w.dtype {
+        DType::F32 => FloatWeights::F32,
+        DType::F16 => FloatWeights::F16,
+        DType::BF16 => FloatWeights::BF16,
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => unreachable!("quantized weights use matmul_q8"),
+    };
+    let threads = rayon::current_num_threads().max(1);
+    let rb = w.row_bytes();
+    let rows_per_tile = if n == 1 {
+        w.rows.div_ceil(threads * 8).next_multiple_of(4).clamp(4, 256)
+    } else {
+        // The tile is reread for every group of activation rows: keep it in L2.
+        let fit = (FLOAT_TILE_BYTES / rb.max(1)).clamp(3, 96) / 3 * 3;
+        fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(3))
+    };
+    let n_tiles = w.rows.div_ceil(rows_per_tile);
+    let job =
+        FloatJob { kind, bytes: w.data.as_slice(), rb, rows: w.rows, cols: w.cols, x, out: OutPtr(out.as_mut_ptr()) };
+    (0..n_tiles).into_par_iter().for_each(|tile| {
+        let r0 = tile * rows_per_tile;
+        let r1 = (r0 + rows_per_tile).min(w.rows);
+        let mut t = 0;
+        while t < n {
+            match n - t {
+                1 => job.tile::<1, 4>(t, r0, r1),
+                2 => job.tile::<2, 3>(t, r0, r1),
+                3 => job.tile::<3, 3>(t, r0, r1),
+                _ => job.tile::<4, 3>(t, r0, r1),
+            }
+            t += (n - t).min(4);
+        }
+    });
+}
+
+/// Bytes of float weights per prefill tile (L2 holds it next to the activations).
+#[cfg(target_arch = "x86_64")]
+const FLOAT_TILE_BYTES: usize = 96 * 1024;
+
+#[cfg(target_arch = "x86_64")]
+struct FloatJob<'a> {
+    kind: super::simd::FloatWeights,
+    bytes: &'a [u8],
+    rb: usize,
+    rows: usize,
+    cols: usize,
+    x: &'a [f32],
+    out: OutPtr,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl FloatJob<'_> {
+    fn tile<const MR: usize, const NR: usize>(&self, t: usize, r0: usize, r1: usize) {
+        let x: [*const f32; MR] =
+            std::array::from_fn(|i| self.x[(t + i) * self.cols..(t + i + 1) * self.cols].as_ptr());
+        let wrow = |r: usize| self.bytes[r * self.rb..(r + 1) * self.rb].as_ptr();
+        let mut r = r0;
+        while r + NR <= r1 {
+            // SAFETY: avx2 is present (checked in `matmul`); the slices above
+            // hold `cols` values per row.
+            let v = unsafe {
+                super::simd::float_tile::<MR, NR>(self.kind, std::array::from_fn(|j| wrow(r + j)), x, self.cols)
+            };
+            store(self.out, self.rows, t, r, v);
+            r += NR;
+        }
+        while r < r1 {
+            // SAFETY: as above.
+            let v = unsafe { super::simd::float_tile::<MR, 1>(self.kind, [wrow(r)], x, self.cols) };
+            store(self.out, self.rows, t, r, v);
+            r += 1;
+        }
+    }
+}
+
+/// Writes a register tile to rows `t..` and columns `r..` of the output.
+#[inline(always)]
+fn store<const MR: usize, const NR: usize>(out: OutPtr, rows: usize, t: usize, r: usize, v: [[f32; NR]; MR]) {
+    for (i, vi) in v.iter().enumerate() {
+        for (j, vij) in vi.iter().enumerate() {
+            // SAFETY: (t + i, r + j) lies in the caller's rows and in bounds
+            // (asserted in `matmul`); no other task writes it.
+            unsafe { *out.get().add((t + i) * rows + r + j) = *vij };
+        }
+    }
 }
 
 /// Activation rows per register tile in a prefill: each unpacked weight block
@@ -168,24 +268,13 @@ impl Q8Job<'_> {
         let mut r = r0;
         while r + NR <= r1 {
             let v = q8::dot_tile::<MR, NR>(self.dtype, std::array::from_fn(|j| wrow(r + j)), x);
-            self.store(t, r, v);
+            store(self.out, self.rows, t, r, v);
             r += NR;
         }
         while r < r1 {
             let v = q8::dot_tile::<MR, 1>(self.dtype, [wrow(r)], x);
-            self.store(t, r, v);
+            store(self.out, self.rows, t, r, v);
             r += 1;
-        }
-    }
-
-    #[inline(always)]
-    fn store<const MR: usize, const NR: usize>(&self, t: usize, r: usize, v: [[f32; NR]; MR]) {
-        for (i, vi) in v.iter().enumerate() {
-            for (j, vij) in vi.iter().enumerate() {
-                // SAFETY: (t + i, r + j) lies in this task's rows and in bounds
-                // (asserted in `matmul`); no other task writes it.
-                unsafe { *self.out.get().add((t + i) * self.rows + r + j) = *vij };
-            }
         }
     }
 }
@@ -195,19 +284,80 @@ mod tests {
     use super::*;
     use half::bf16;
 
+    fn float_bytes(dtype: DType, v: &[f32]) -> Vec<u8> {
+        v.iter()
+            .flat_map(|v| match dtype {
+                DType::F32 => v.to_le_bytes().to_vec(),
+                DType::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
+                DType::BF16 => bf16::from_f32(*v).to_le_bytes().to_vec(),
+                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => unreachable!(),
+            })
+            .collect()
+    }
+
+    /// Every float dtype, tile remainders in rows, columns and activation rows.
     #[test]
-    fn bf16_matmul_matches_naive() {
-        let (rows, cols, n) = (37, 70, 5);
-        let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
-        let bytes: Vec<u8> = wf.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect();
-        let w = CpuMatrix { dtype: DType::BF16, rows, cols, data: Bytes::from_vec(bytes) };
-        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
-        let mut out = vec![f32::NAN; n * rows];
-        matmul(&x, n, &w, &mut out);
-        for t in 0..n {
-            for r in 0..rows {
-                let want: f32 = (0..cols).map(|c| x[t * cols + c] * bf16::from_f32(wf[r * cols + c]).to_f32()).sum();
-                assert!((out[t * rows + r] - want).abs() < 1e-4, "({t},{r})");
+    fn float_matmul_matches_naive() {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for (rows, cols, n) in [(37, 70, 5), (8, 64, 1), (13, 9, 7), (3, 3, 2)] {
+                let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+                let w = CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(float_bytes(dtype, &wf)) };
+                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
+                let mut out = vec![f32::NAN; n * rows];
+                matmul(&x, n, &w, &mut out);
+                let mut portable = vec![f32::NAN; n * rows];
+                matmul_float_portable(&x, n, &w, &mut portable);
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    w.decode_row(r, &mut row);
+                    for t in 0..n {
+                        let want: f32 = (0..cols).map(|c| x[t * cols + c] * row[c]).sum();
+                        for got in [out[t * rows + r], portable[t * rows + r]] {
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "{dtype:?} {rows}x{cols} n={n} ({t},{r}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Quantized weights: the tiled matmul equals the scalar reference dot per output.
+    #[test]
+    fn quantized_matmul_matches_reference_dot() {
+        let mut seed = 3u64;
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for (rows, cols, n) in [(37, 96, 5), (9, 32, 1), (70, 160, 9)] {
+                let bb = dtype.block_bytes();
+                let bytes: Vec<u8> = (0..dtype.bytes_for(rows * cols).unwrap())
+                    .map(|i| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        if i % bb < 4 && (i % bb < 2 || dtype == DType::Q4_1) {
+                            [0x66, 0x2e, 0x00, 0xb0][i % bb]
+                        } else {
+                            (seed >> 56) as u8
+                        }
+                    })
+                    .collect();
+                let w = CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(bytes) };
+                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                let mut out = vec![f32::NAN; n * rows];
+                matmul(&x, n, &w, &mut out);
+                let rb = w.row_bytes();
+                let mut xq = vec![Q8Block::ZERO; cols / 32];
+                for t in 0..n {
+                    q8::quantize_row_scalar(&x[t * cols..(t + 1) * cols], &mut xq);
+                    for r in 0..rows {
+                        let want = q8::dot(dtype, &w.data.as_slice()[r * rb..(r + 1) * rb], &xq);
+                        let got = out[t * rows + r];
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{dtype:?} ({t},{r}): {got} vs {want}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod matmul;
 pub mod q8;
 pub mod q8_avx2;
+pub mod q8x4_avx2;
 pub mod quant;
 pub mod simd;
 
@@ -57,6 +58,10 @@ impl CpuWeight {
         }
     }
 }
+
+/// Below this many values an elementwise op runs on the calling thread: a rayon
+/// dispatch costs more than the work (decode calls these ~10× per layer per token).
+const PAR_MIN_VALUES: usize = 1 << 15;
 
 #[derive(Debug, Default, Clone)]
 pub struct CpuBackend;
@@ -134,17 +139,21 @@ impl Backend for CpuBackend {
         let w = w.vector();
         let mut out = CpuAct::zeros(x.rows, x.cols);
         assert_eq!(x.cols % w.len(), 0, "rms_norm: width {} not a multiple of weight {}", x.cols, w.len());
-        out.data
-            .par_chunks_mut(w.len())
-            .zip(x.data.par_chunks(w.len()))
-            .for_each(|(o, xi)| rms_normalize(xi, w, eps, o));
+        if x.data.len() < PAR_MIN_VALUES {
+            out.data.chunks_mut(w.len()).zip(x.data.chunks(w.len())).for_each(|(o, xi)| rms_normalize(xi, w, eps, o));
+        } else {
+            out.data
+                .par_chunks_mut(w.len())
+                .zip(x.data.par_chunks(w.len()))
+                .for_each(|(o, xi)| rms_normalize(xi, w, eps, o));
+        }
         out
     }
 
     fn rope(&self, x: &mut CpuAct, head_dim: usize, positions: &[usize], rope: &Rope) {
         assert_eq!(positions.len(), x.rows);
         let cols = x.cols;
-        x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &pos)| {
+        let rotate_row = |(row, &pos): (&mut [f32], &usize)| {
             let half = rope.rotary_dim / 2;
             let mut cos = vec![0f32; half];
             let mut sin = vec![0f32; half];
@@ -152,7 +161,12 @@ impl Backend for CpuBackend {
             for head in row.chunks_exact_mut(head_dim) {
                 rope.apply(head, &cos, &sin);
             }
-        });
+        };
+        if x.data.len() < PAR_MIN_VALUES {
+            x.data.chunks_mut(cols).zip(positions.iter()).for_each(rotate_row);
+        } else {
+            x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(rotate_row);
+        }
     }
 
     fn write_kv(&self, cache: &mut ContiguousKv, layer: usize, k: &CpuAct, v: &CpuAct) {
@@ -169,13 +183,19 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
         let mut out = CpuAct::zeros(gate.rows, gate.cols);
-        out.data.par_chunks_mut(4096).zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096))).for_each(
-            |(o, (g, u))| {
-                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
-            },
-        );
+        let silu_mul = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        if out.data.len() < PAR_MIN_VALUES {
+            silu_mul((&mut out.data, (&gate.data, &up.data)));
+        } else {
+            out.data
+                .par_chunks_mut(4096)
+                .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
+                .for_each(silu_mul);
+        }
         out
     }
 

@@ -256,7 +256,7 @@ pub unsafe fn tile_q8_0<const MR: usize, const NR: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::q8::{self, dot, dot_tile, quantize_row_scalar};
+    use super::super::q8::{self, Q8x4, dot, dot_tile, dot_x4, quantize_row_scalar};
     use super::super::quant::dequantize_into;
     use super::*;
     use crate::tensor::DType;
@@ -336,31 +336,93 @@ mod tests {
         }
     }
 
-    fn check_tile<const MR: usize, const NR: usize>(seed: &mut u64, dtype: DType, blocks: usize) {
-        let start = *seed;
-        let ws: Vec<Vec<u8>> = (0..NR).map(|_| random_weights(seed, dtype, blocks)).collect();
-        let xs: Vec<Vec<Q8Block>> = (0..MR)
+    /// `got[i][j]` against the scalar `dot`: within 1e-5 relative, the
+    /// reference being |want| or, when the sum nearly cancels, a tenth of Σ|w·x|.
+    fn assert_close<const MR: usize, const NR: usize>(
+        what: &str,
+        dtype: DType,
+        ws: &[Vec<u8>],
+        xs: &[Vec<Q8Block>],
+        got: [[f32; NR]; MR],
+    ) {
+        for i in 0..MR {
+            for j in 0..NR {
+                let want = dot(dtype, &ws[j], &xs[i]);
+                let mut wf = vec![0f32; xs[i].len() * 32];
+                dequantize_into(dtype, &ws[j], &mut wf);
+                let xf = xs[i].iter().flat_map(|b| b.qs.map(|q| q as f32 * b.d));
+                let mag: f32 = wf.iter().zip(xf).map(|(a, b)| (a * b).abs()).sum();
+                let err = (got[i][j] - want).abs();
+                assert!(err <= 1e-5 * want.abs().max(mag * 0.1), "{what} ({i},{j}): {} vs {want}", got[i][j]);
+            }
+        }
+    }
+
+    fn random_rows(seed: &mut u64, dtype: DType, rows: usize, blocks: usize) -> (Vec<Vec<u8>>, Vec<Vec<Q8Block>>) {
+        let ws = (0..rows).map(|_| random_weights(seed, dtype, blocks)).collect();
+        let xs = (0..4)
             .map(|_| {
                 let mut q = vec![Q8Block::ZERO; blocks];
                 q8::quantize_row(&random_activations(seed, blocks * 32), &mut q);
                 q
             })
             .collect();
+        (ws, xs)
+    }
+
+    fn check_tile<const MR: usize, const NR: usize>(seed: &mut u64, dtype: DType, blocks: usize) {
+        let what = format!("{dtype:?} {MR}x{NR} blocks {blocks} seed {seed}");
+        let (ws, xs) = random_rows(seed, dtype, NR, blocks);
         let got = dot_tile::<MR, NR>(dtype, std::array::from_fn(|j| &ws[j][..]), std::array::from_fn(|i| &xs[i][..]));
-        for i in 0..MR {
-            for j in 0..NR {
-                let want = dot(dtype, &ws[j], &xs[i]);
-                // Relative to |want|, or to Σ|w·x| when the sum nearly cancels.
-                let mut wf = vec![0f32; blocks * 32];
-                dequantize_into(dtype, &ws[j], &mut wf);
-                let xf = xs[i].iter().flat_map(|b| b.qs.map(|q| q as f32 * b.d));
-                let mag: f32 = wf.iter().zip(xf).map(|(a, b)| (a * b).abs()).sum();
-                let err = (got[i][j] - want).abs();
-                assert!(
-                    err <= 1e-5 * want.abs().max(mag * 1e-2),
-                    "{dtype:?} {MR}x{NR} blocks {blocks} ({i},{j}): {} vs {want}, seed {start}",
-                    got[i][j]
-                );
+        assert_close(&what, dtype, &ws, &xs, got);
+    }
+
+    fn check_x4<const NP: usize, const NR: usize>(seed: &mut u64, dtype: DType, blocks: usize) {
+        let what = format!("{dtype:?} x4 NR={NR} blocks {blocks} seed {seed}");
+        let (ws, xs) = random_rows(seed, dtype, NR, blocks);
+        let quads: Vec<Q8x4> = (0..blocks).map(|b| Q8x4::gather(std::array::from_fn(|i| &xs[i][..]), b)).collect();
+        let got = dot_x4::<NP, NR>(dtype, std::array::from_fn(|j| &ws[j][..]), &quads).unwrap();
+        assert_close(&what, dtype, &ws, &xs, got);
+    }
+
+    /// Saturated weights and activations: the largest block sums the i16 steps must hold.
+    #[test]
+    fn extreme_blocks_match_scalar_dot() {
+        if !has_avx2() {
+            return;
+        }
+        let blocks = 5;
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for (byte, sign) in [(0x00u8, 1.0f32), (0xff, 1.0), (0x80, -1.0), (0x7f, -1.0), (0x0f, 1.0)] {
+                let ws: Vec<Vec<u8>> = (0..4)
+                    .map(|j| {
+                        let mut w = vec![byte ^ (j as u8 & 1) * 0xff; blocks * dtype.block_bytes()];
+                        for blk in w.chunks_mut(dtype.block_bytes()) {
+                            blk[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                            if dtype == DType::Q4_1 {
+                                blk[2..4].copy_from_slice(&half::f16::from_f32(-0.25).to_le_bytes());
+                            }
+                        }
+                        w
+                    })
+                    .collect();
+                let xs: Vec<Vec<Q8Block>> = (0..4)
+                    .map(|i| {
+                        let x: Vec<f32> =
+                            (0..blocks * 32).map(|k| if i == 3 && k % 2 == 1 { -sign } else { sign }).collect();
+                        let mut q = vec![Q8Block::ZERO; blocks];
+                        q8::quantize_row(&x, &mut q);
+                        q
+                    })
+                    .collect();
+                let what = format!("{dtype:?} extremes {byte:#x} {sign}");
+                let tile =
+                    dot_tile::<4, 4>(dtype, std::array::from_fn(|j| &ws[j][..]), std::array::from_fn(|i| &xs[i][..]));
+                assert_close(&what, dtype, &ws, &xs, tile);
+                let quads: Vec<Q8x4> =
+                    (0..blocks).map(|b| Q8x4::gather(std::array::from_fn(|i| &xs[i][..]), b)).collect();
+                let x4 = dot_x4::<2, 4>(dtype, std::array::from_fn(|j| &ws[j][..]), &quads).unwrap();
+                assert_close(&what, dtype, &ws, &xs, x4);
             }
         }
     }
@@ -378,6 +440,8 @@ mod tests {
                 check_tile::<2, 2>(&mut seed, dtype, blocks);
                 check_tile::<3, 1>(&mut seed, dtype, blocks);
                 check_tile::<4, 2>(&mut seed, dtype, blocks);
+                check_x4::<1, 2>(&mut seed, dtype, blocks);
+                check_x4::<2, 4>(&mut seed, dtype, blocks);
             }
         }
     }
@@ -412,9 +476,35 @@ mod kernel_timing {
         println!("{dtype:?} {MR}x{NR}: {ns:.3} ns per block pair ({acc})");
     }
 
+    fn run_x4<const NP: usize, const NR: usize>(dtype: DType) {
+        use super::super::q8::{Q8x4, dot_x4};
+        let blocks = 48;
+        let w: Vec<Vec<u8>> = (0..NR)
+            .map(|j| (0..blocks * dtype.block_bytes()).map(|i| ((i * 7 + j) % 251) as u8 & 0x3f).collect())
+            .collect();
+        let x = vec![Q8x4 { d: [0.01; 4], s: [0.1; 4], qs: [std::array::from_fn(|k| k as i8); 4] }; blocks];
+        let iters = 200_000;
+        let t = Instant::now();
+        let mut acc = 0f32;
+        for _ in 0..iters {
+            let v = dot_x4::<NP, NR>(dtype, std::array::from_fn(|j| std::hint::black_box(&w[j][..])), &x).unwrap();
+            acc += v[0][0];
+        }
+        let ns = t.elapsed().as_secs_f64() * 1e9 / (iters * blocks * 4 * NR) as f64;
+        println!("{dtype:?} x4 NR={NR}: {ns:.3} ns per block pair ({acc})");
+    }
+
     #[test]
     #[ignore]
     fn kernel_ns_per_block() {
+        for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+            run::<4, 2>(dtype);
+            run_x4::<1, 2>(dtype);
+            run_x4::<2, 4>(dtype);
+        }
+        if std::env::var("ALL_TILES").is_err() {
+            return;
+        }
         for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
             run::<1, 1>(dtype);
             run::<1, 4>(dtype);

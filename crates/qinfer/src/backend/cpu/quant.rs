@@ -1,7 +1,7 @@
 //! Decoding stored values to f32: plain floats and the ggml 32-value blocks
 //! (Q4_0, Q4_1, Q8_0). Used per row by the matmul and in whole for small tensors.
 
-use half::{bf16, f16};
+use half::f16;
 
 use crate::tensor::DType;
 
@@ -29,7 +29,6 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
             }
-            let _ = bf16::ZERO;
         }
         DType::Q4_0 => {
             for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(18)) {
@@ -66,6 +65,7 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     #[test]
     fn q4_1_block_decodes_low_nibbles_first() {

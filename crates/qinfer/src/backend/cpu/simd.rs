@@ -100,6 +100,84 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     axpy_portable(alpha, x, y)
 }
 
+/// Float weights for [`float_tile`]: the stored widths LLVM cannot widen for us.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatWeights {
+    F32,
+    F16,
+    BF16,
+}
+
+/// `out[i][j]` = Σ_c `x[i][c]`·`w[j][c]` for weight rows stored as `kind`,
+/// widened 8 at a time in registers: each widened vector serves `MR` activation
+/// rows and the `MR·NR` sums stay in registers.
+///
+/// # Safety
+/// The CPU supports avx2, fma and f16c ([`has_avx2`]); every `x[i]` points at
+/// `cols` floats and every `w[j]` at `cols` values of `kind`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn float_tile<const MR: usize, const NR: usize>(
+    kind: FloatWeights,
+    w: [*const u8; NR],
+    x: [*const f32; MR],
+    cols: usize,
+) -> [[f32; NR]; MR] {
+    use std::arch::x86_64::*;
+    let width = match kind {
+        FloatWeights::F32 => 4,
+        FloatWeights::F16 | FloatWeights::BF16 => 2,
+    };
+    // SAFETY (all loads below): c + 8 <= cols, within every row (caller's contract).
+    let load = |p: *const u8, c: usize| unsafe {
+        match kind {
+            FloatWeights::F32 => _mm256_loadu_ps(p.add(4 * c).cast()),
+            FloatWeights::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * c).cast())),
+            // bf16 is the top half of an f32.
+            FloatWeights::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                p.add(2 * c).cast(),
+            )))),
+        }
+    };
+    let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+    let mut c = 0;
+    while c + 8 <= cols {
+        let wv: [__m256; NR] = std::array::from_fn(|j| load(w[j], c));
+        for i in 0..MR {
+            // SAFETY: as above.
+            let xv = unsafe { _mm256_loadu_ps(x[i].add(c)) };
+            for j in 0..NR {
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+            }
+        }
+        c += 8;
+    }
+    let mut out = [[0f32; NR]; MR];
+    for i in 0..MR {
+        for j in 0..NR {
+            let v = acc[i][j];
+            let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let mut sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+            for k in c..cols {
+                // SAFETY: k < cols.
+                let (xk, wk) = unsafe { (*x[i].add(k), w[j].add(width * k)) };
+                // SAFETY: k < cols, so `width` bytes are readable at `wk`.
+                let wf = unsafe {
+                    match kind {
+                        FloatWeights::F32 => wk.cast::<f32>().read_unaligned(),
+                        FloatWeights::F16 => half::f16::from_bits(wk.cast::<u16>().read_unaligned()).to_f32(),
+                        FloatWeights::BF16 => f32::from_bits((wk.cast::<u16>().read_unaligned() as u32) << 16),
+                    }
+                };
+                sum += xk * wf;
+            }
+            out[i][j] = sum;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
