@@ -15,7 +15,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 /// A safetensors file with the given header JSON and data bytes.
 fn write_st(path: &Path, header: &str, data: &[u8]) {
     let mut h = header.as_bytes().to_vec();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
