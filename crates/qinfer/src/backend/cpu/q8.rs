@@ -159,9 +159,9 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             for (b, y) in w.chunks_exact(18).zip(x) {
                 let qs = &b[2..18];
                 let mut s = 0i32;
-                for j in 0..16 {
-                    s += ((qs[j] & 0x0f) as i32 - 8) * y.qs[j] as i32;
-                    s += ((qs[j] >> 4) as i32 - 8) * y.qs[j + 16] as i32;
+                for (j, q) in qs.iter().enumerate() {
+                    s += ((q & 0x0f) as i32 - 8) * y.qs[j] as i32;
+                    s += ((q >> 4) as i32 - 8) * y.qs[j + 16] as i32;
                 }
                 acc += f16_at(b, 0) * y.d * s as f32;
             }
@@ -173,9 +173,9 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             for (b, y) in w.chunks_exact(20).zip(x) {
                 let qs = &b[4..20];
                 let mut s = 0i32;
-                for j in 0..16 {
-                    s += (qs[j] & 0x0f) as i32 * y.qs[j] as i32;
-                    s += (qs[j] >> 4) as i32 * y.qs[j + 16] as i32;
+                for (j, q) in qs.iter().enumerate() {
+                    s += (q & 0x0f) as i32 * y.qs[j] as i32;
+                    s += (q >> 4) as i32 * y.qs[j + 16] as i32;
                 }
                 acc += f16_at(b, 0) * y.d * s as f32;
                 mins += f16_at(b, 2) * y.s;
