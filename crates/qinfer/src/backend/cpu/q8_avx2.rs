@@ -396,7 +396,7 @@ mod tests {
             for (byte, sign) in [(0x00u8, 1.0f32), (0xff, 1.0), (0x80, -1.0), (0x7f, -1.0), (0x0f, 1.0)] {
                 let ws: Vec<Vec<u8>> = (0..4)
                     .map(|j| {
-                        let mut w = vec![byte ^ (j as u8 & 1) * 0xff; blocks * dtype.block_bytes()];
+                        let mut w = vec![byte ^ ((j as u8 & 1) * 0xff); blocks * dtype.block_bytes()];
                         for blk in w.chunks_mut(dtype.block_bytes()) {
                             blk[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
                             if dtype == DType::Q4_1 {
