@@ -3,8 +3,11 @@
 //! Work is split over tiles of weight rows, and each tile meets every
 //! activation row, so a prefill reads each weight once and decode (one row)
 //! streams the weights exactly once with no resident f32 copy.
-//! Float weights: a tile is widened into a thread-local f32 buffer small enough
-//! for L2. Block-quantized weights: activations are quantized to 8-bit blocks
+//! Within a tile, register tiles of up to 4 activation rows × 2–4 weight rows
+//! load each weight once per 4 activation rows.
+//! Float weights: with AVX2 rows are widened 8 values at a time in registers
+//! (`simd::float_tile`); without, a tile is widened into a thread-local f32
+//! buffer. Block-quantized weights: activations are quantized to 8-bit blocks
 //! once per call and multiplied in integers (see `q8`), as llama.cpp does.
 
 use std::cell::RefCell;
@@ -13,7 +16,7 @@ use rayon::prelude::*;
 
 use super::q8::{self, Q8Block};
 use super::quant::dequantize_into;
-use super::simd::{dot, has_avx2};
+use super::simd::dot;
 use crate::tensor::{Bytes, DType};
 
 /// A 2-D weight `[rows, cols]` in its stored type.
@@ -65,7 +68,7 @@ pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         return matmul_q8(x, n, w, out);
     }
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if super::simd::has_avx2() {
         return matmul_float_avx2(x, n, w, out);
     }
     matmul_float_portable(x, n, w, out)
@@ -207,7 +210,7 @@ const Q8_TILE_BYTES: usize = 16 * 1024;
 fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let cols = w.cols;
     let blocks = cols / 32;
-    // Taken (not borrowed) so a nested call on this thread cannot conflict.
+    // Taken (not borrowed) so that a nested call on this thread cannot conflict.
     let mut xq = XQ.with(|b| std::mem::take(&mut *b.borrow_mut()));
     xq.clear();
     xq.resize(n * blocks, Q8Block::ZERO);
@@ -226,8 +229,15 @@ fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(4))
     };
     let n_tiles = w.rows.div_ceil(rows_per_tile);
-    let optr = OutPtr(out.as_mut_ptr());
-    let job = Q8Job { dtype: w.dtype, bytes: w.data.as_slice(), rb, rows: w.rows, xq: &xq, blocks, out: optr };
+    let job = Q8Job {
+        dtype: w.dtype,
+        bytes: w.data.as_slice(),
+        rb,
+        rows: w.rows,
+        xq: &xq,
+        blocks,
+        out: OutPtr(out.as_mut_ptr()),
+    };
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(w.rows);
@@ -261,18 +271,21 @@ struct Q8Job<'a> {
 }
 
 impl Q8Job<'_> {
+    fn wrow(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.rb..(r + 1) * self.rb]
+    }
+
     /// Activation rows `t..t+MR` against weight rows `r0..r1`, `NR` weight rows at a time.
     fn tile<const MR: usize, const NR: usize>(&self, t: usize, r0: usize, r1: usize) {
         let x: [&[Q8Block]; MR] = std::array::from_fn(|i| &self.xq[(t + i) * self.blocks..(t + i + 1) * self.blocks]);
-        let wrow = |r: usize| &self.bytes[r * self.rb..(r + 1) * self.rb];
         let mut r = r0;
         while r + NR <= r1 {
-            let v = q8::dot_tile::<MR, NR>(self.dtype, std::array::from_fn(|j| wrow(r + j)), x);
+            let v = q8::dot_tile::<MR, NR>(self.dtype, std::array::from_fn(|j| self.wrow(r + j)), x);
             store(self.out, self.rows, t, r, v);
             r += NR;
         }
         while r < r1 {
-            let v = q8::dot_tile::<MR, 1>(self.dtype, [wrow(r)], x);
+            let v = q8::dot_tile::<MR, 1>(self.dtype, [self.wrow(r)], x);
             store(self.out, self.rows, t, r, v);
             r += 1;
         }
@@ -363,140 +376,6 @@ mod tests {
     }
 }
 
-/// Timing of SmolLM2-135M's matmul shapes (random weights):
-/// `cargo test --release -p qinfer --lib smollm2_shapes -- --ignored --nocapture`.
 #[cfg(test)]
-mod timing {
-    use super::*;
-    use std::time::Instant;
-
-    fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> CpuMatrix {
-        let bb = dtype.block_bytes();
-        let bytes: Vec<u8> = (0..dtype.bytes_for(rows * cols).unwrap())
-            .map(|i| {
-                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                // Small finite f16 scales at the start of each block.
-                if dtype.is_quantized() && i % bb < 4 && (i % bb < 2 || dtype == DType::Q4_1) {
-                    [0x66, 0x1e, 0x00, 0x90][i % bb]
-                } else if !dtype.is_quantized() && i % 2 == 1 {
-                    0x3c
-                } else {
-                    (*seed >> 56) as u8
-                }
-            })
-            .collect();
-        CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(bytes) }
-    }
-
-    #[test]
-    #[ignore]
-    fn read_bandwidth() {
-        let buf: Vec<u64> = (0..96usize << 17).map(|i| i as u64).collect();
-        for threads in [1usize, 2] {
-            let t = Instant::now();
-            let reps = 10;
-            for _ in 0..reps {
-                let s: u64 = buf
-                    .par_chunks(buf.len() / threads)
-                    .map(|c| c.chunks_exact(8).fold(0u64, |a, v| a ^ v[0] ^ v[3] ^ v[7]))
-                    .sum();
-                std::hint::black_box(s);
-            }
-            let gbs = (buf.len() * 8 * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
-            println!("read bandwidth, {threads} threads: {gbs:.2} GB/s");
-        }
-    }
-
-    #[test]
-    #[ignore]
-    fn rayon_overhead() {
-        let reps = 2000;
-        let t = Instant::now();
-        for _ in 0..reps {
-            (0..16).into_par_iter().for_each(|i| {
-                std::hint::black_box(i);
-            });
-        }
-        println!("par_iter from outside the pool: {:.2} us", t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        pool.install(|| {
-            let t = Instant::now();
-            for _ in 0..reps {
-                (0..16).into_par_iter().for_each(|i| {
-                    std::hint::black_box(i);
-                });
-            }
-            println!("par_iter inside install: {:.2} us", t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-        });
-    }
-
-    #[test]
-    #[ignore]
-    fn smollm2_shapes() {
-        let threads: usize = std::env::var("SHAPES_THREADS").map(|v| v.parse().unwrap()).unwrap_or(2);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        pool.install(shapes);
-    }
-
-    fn shapes() {
-        if let Ok(g) = std::env::var("PF") {
-            super::super::q8_avx2::PREFETCH_GROUPS.store(g.parse().unwrap(), std::sync::atomic::Ordering::Relaxed);
-        }
-        let (h, kv, inter, layers, vocab) = (576, 192, 1536, 30, 49152);
-        let mut seed = 1;
-        let mut kinds = vec![(DType::Q4_1, DType::Q8_0)];
-        if std::env::var("SHAPES_BF16").is_ok() {
-            kinds.push((DType::BF16, DType::BF16));
-        }
-        for (wd, hd) in kinds {
-            let shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)];
-            let ws: Vec<Vec<CpuMatrix>> = (0..layers)
-                .map(|_| shapes.iter().map(|&(r, c)| random_matrix(wd, r, c, &mut seed)).collect())
-                .collect();
-            let head = random_matrix(hd, vocab, h, &mut seed);
-            for n in [1usize, 128] {
-                let x: Vec<f32> = (0..n * inter).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-                let mut out = vec![0f32; n * vocab];
-                // Minimum over repetitions: other processes share this machine.
-                let reps = if n == 1 { 30 } else { 4 };
-                let mut t_layers = f64::MAX;
-                let mut t_head = f64::MAX;
-                for _ in 0..reps {
-                    let t0 = Instant::now();
-                    for lw in &ws {
-                        for m in lw {
-                            matmul(&x[..n * m.cols], n, m, &mut out[..n * m.rows]);
-                        }
-                    }
-                    let t1 = Instant::now();
-                    matmul(&x[..h], 1, &head, &mut out[..vocab]);
-                    t_layers = t_layers.min((t1 - t0).as_secs_f64());
-                    t_head = t_head.min(t1.elapsed().as_secs_f64());
-                }
-                let (tl, th) = (t_layers * 1e3, t_head * 1e3);
-                println!(
-                    "{wd:?}/{hd:?} n={n}: layers {tl:.2} ms, head {th:.2} ms → {:.1} tok/s (matmul only)",
-                    n as f64 / ((tl + th) / 1e3)
-                );
-                if std::env::var("SHAPES_DETAIL").is_err() {
-                    continue;
-                }
-                for m in &ws[0] {
-                    let t0 = Instant::now();
-                    for _ in 0..reps * 5 {
-                        matmul(&x[..n * m.cols], n, m, &mut out[..n * m.rows]);
-                    }
-                    let ns = t0.elapsed().as_secs_f64() * 1e9 / (reps * 5) as f64;
-                    let pairs = (n * m.rows * m.cols / 32) as f64;
-                    println!(
-                        "  [{}x{}] n={n}: {:.1} us, {:.3} ns/block-pair/thread",
-                        m.rows,
-                        m.cols,
-                        ns / 1e3,
-                        ns * 2.0 / pairs
-                    );
-                }
-            }
-        }
-    }
-}
+#[path = "matmul_timing.rs"]
+mod timing;

@@ -5,7 +5,6 @@ pub mod attention;
 pub mod matmul;
 pub mod q8;
 pub mod q8_avx2;
-pub mod q8x4_avx2;
 pub mod quant;
 pub mod simd;
 

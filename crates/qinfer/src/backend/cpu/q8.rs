@@ -7,7 +7,6 @@
 
 use half::f16;
 
-use super::simd::has_avx2;
 use crate::tensor::DType;
 
 /// One block of 32 activations: x ≈ d·q. `s` = d·Σq (needed by Q4_1's min term).
@@ -23,26 +22,6 @@ impl Q8Block {
     pub const ZERO: Q8Block = Q8Block { d: 0.0, s: 0.0, qs: [0; 32] };
 }
 
-/// One block of four activation rows, interleaved so the AVX2 prefill kernels
-/// load each row's scale pair and values from one place.
-#[derive(Debug, Clone, Copy)]
-#[repr(C, align(32))]
-pub struct Q8x4 {
-    pub d: [f32; 4],
-    pub s: [f32; 4],
-    pub qs: [[i8; 32]; 4],
-}
-
-impl Q8x4 {
-    pub const ZERO: Q8x4 = Q8x4 { d: [0.0; 4], s: [0.0; 4], qs: [[0; 32]; 4] };
-
-    /// Interleaves block `b` of four rows.
-    pub fn gather(rows: [&[Q8Block]; 4], b: usize) -> Q8x4 {
-        let y = rows.map(|r| &r[b]);
-        Q8x4 { d: y.map(|y| y.d), s: y.map(|y| y.s), qs: y.map(|y| y.qs) }
-    }
-}
-
 #[inline]
 pub(super) fn f16_round(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
@@ -53,7 +32,7 @@ pub(super) fn f16_round(x: f32) -> f32 {
 pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
     assert_eq!(x.len(), out.len() * 32, "quantize_row: {} values for {} blocks", x.len(), out.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if super::simd::has_avx2() {
         // SAFETY: the CPU supports avx2, fma and f16c (checked above).
         return unsafe { super::q8_avx2::quantize_row(x, out) };
     }
@@ -98,7 +77,7 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
         "dot_tile: weight rows do not match {blocks} blocks"
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if super::simd::has_avx2() {
         use super::q8_avx2 as k;
         let (wp, xp) = (w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()));
         // SAFETY: avx2, fma and f16c are present (checked above); every row
@@ -119,35 +98,6 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
         }
     }
     out
-}
-
-/// Like [`dot_tile`] for the four activation rows interleaved in `x` and an
-/// even `NR` (= 2·`NP`) of weight rows; `None` without AVX2 (use [`dot_tile`]).
-#[inline]
-pub fn dot_x4<const NP: usize, const NR: usize>(dtype: DType, w: [&[u8]; NR], x: &[Q8x4]) -> Option<[[f32; NR]; 4]> {
-    const { assert!(NR == 2 * NP) };
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        use super::q8x4_avx2 as k;
-        let blocks = x.len();
-        assert!(
-            w.iter().all(|r| r.len() == blocks * dtype.block_bytes()),
-            "dot_x4: weight rows do not match {blocks} blocks"
-        );
-        let (wp, xp) = (w.map(|r| r.as_ptr()), x.as_ptr());
-        // SAFETY: avx2, fma and f16c are present (checked above); every row
-        // holds `blocks` blocks (asserted above).
-        return Some(unsafe {
-            match dtype {
-                DType::Q4_0 => k::quad_q4_0::<NP, NR>(wp, xp, blocks),
-                DType::Q4_1 => k::quad_q4_1::<NP, NR>(wp, xp, blocks),
-                DType::Q8_0 => k::quad_q8_0::<NP, NR>(wp, xp, blocks),
-                DType::F32 | DType::F16 | DType::BF16 => unreachable!("float weights use the f32 path"),
-            }
-        });
-    }
-    let _ = (dtype, w, x);
-    None
 }
 
 /// Σ over blocks of weight row `w` (stored as `dtype`) times quantized activations `x`.

@@ -29,6 +29,7 @@ macro_rules! dot_body {
     }};
 }
 
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn fused(x: f32, y: f32, acc: f32) -> f32 {
     x.mul_add(y, acc)
@@ -63,7 +64,8 @@ fn axpy_portable(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// Whether the AVX2 kernels may run: AVX2, FMA and F16C (every AVX2 CPU in
-/// practice has all three).
+/// practice has all three). Always false elsewhere, where nothing asks.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
@@ -101,6 +103,7 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// Float weights for [`float_tile`]: the stored widths LLVM cannot widen for us.
+#[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatWeights {
     F32,
