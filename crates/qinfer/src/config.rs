@@ -11,16 +11,28 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
+    /// Qwen3-Next: Gated DeltaNet hybrid with fused `in_proj_qkvz` / `in_proj_ba`, MoE with a shared expert.
+    Qwen3Next,
+    /// Qwen3.5 dense: Gated DeltaNet hybrid with split `in_proj_qkv` / `_z` / `_b` / `_a`.
+    Qwen35,
+    /// Qwen3.5 MoE: the Qwen3.5 hybrid with MoE layers (top-k always renormalized) and a shared expert.
+    Qwen35Moe,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe";
 
     pub fn from_model_type(s: &str) -> Result<Self> {
         match s {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "qwen3_moe" => Ok(Architecture::Qwen3Moe),
+            "qwen3_next" => Ok(Architecture::Qwen3Next),
+            // Multimodal wrappers name the text model `*_text`.
+            "qwen3_5" | "qwen3_5_text" => Ok(Architecture::Qwen35),
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Architecture::Qwen35Moe),
             other => {
                 Err(Error::UnknownArchitecture { found: other.to_string(), supported: Self::SUPPORTED.to_string() })
             }
@@ -31,8 +43,65 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen3Next => "qwen3_next",
+            Architecture::Qwen35 => "qwen3_5",
+            Architecture::Qwen35Moe => "qwen3_5_moe",
         }
     }
+    /// Gated DeltaNet / gated-attention hybrids (Qwen3-Next and Qwen3.5): RMSNorms
+    /// compute x̂·(1+w), q_proj carries an output gate, RoPE is partial.
+    pub fn is_hybrid(self) -> bool {
+        match self {
+            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => true,
+            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => false,
+        }
+    }
+}
+
+/// The token mixer of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Softmax attention over a KV cache (sliding when the layer has a window).
+    Attention,
+    /// Gated DeltaNet linear attention with conv + recurrent state.
+    LinearAttention,
+}
+
+/// Gated DeltaNet shape (`linear_*` keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GdnConfig {
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl GdnConfig {
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.k_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.v_head_dim
+    }
+    /// Channels through the depthwise conv: q, k and v concatenated.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+/// Mixture-of-experts shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Per-expert SwiGLU width.
+    pub intermediate_size: usize,
+    /// Renormalize the top-k probabilities to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Width of the sigmoid-gated shared expert, when the layer has one.
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 /// How RoPE pairs dimensions within a head.
@@ -82,6 +151,14 @@ pub struct ModelConfig {
     pub layer_windows: Vec<Option<usize>>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Per layer: which token mixer it uses.
+    pub layer_kinds: Vec<LayerKind>,
+    /// Per layer: true where the feed-forward block is a mixture of experts.
+    pub moe_layers: Vec<bool>,
+    pub moe: Option<MoeConfig>,
+    pub gdn: Option<GdnConfig>,
+    /// Leading dimensions of each head that RoPE rotates (`partial_rotary_factor`).
+    pub rotary_dim: usize,
 }
 
 fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -177,10 +254,11 @@ fn parse_rope(v: &Value) -> Result<RopeConfig> {
     Ok(RopeConfig { theta, style: RopeStyle::Neox, scaling })
 }
 
-/// Which layers use sliding-window attention. transformers-5 configs list
-/// `layer_types`; Qwen2 hub configs say `use_sliding_window` with the window
-/// applying to layers at index >= `max_window_layers`.
-fn parse_layer_windows(v: &Value, arch: Architecture, num_layers: usize) -> Result<Vec<Option<usize>>> {
+/// Per layer: the token mixer and, for sliding-window attention layers, the
+/// window. transformers-5 configs list `layer_types`; hybrid hub configs may say
+/// `full_attention_interval` instead; Qwen2 hub configs say `use_sliding_window`
+/// with the window applying to layers at index >= `max_window_layers`.
+fn parse_layers(v: &Value, arch: Architecture, num_layers: usize) -> Result<Vec<(LayerKind, Option<usize>)>> {
     let window = opt_usize(v, "sliding_window")?;
     if let Some(types) = get(v, "layer_types") {
         let types = types.as_array().ok_or_else(|| Error::config("layer_types", "expected a list"))?;
@@ -190,24 +268,140 @@ fn parse_layer_windows(v: &Value, arch: Architecture, num_layers: usize) -> Resu
         return types
             .iter()
             .map(|t| match t.as_str() {
-                Some("full_attention") => Ok(None),
+                Some("full_attention") => Ok((LayerKind::Attention, None)),
                 Some("sliding_attention") => window
-                    .map(Some)
+                    .map(|w| (LayerKind::Attention, Some(w)))
                     .ok_or_else(|| Error::config("sliding_window", "missing for sliding_attention layers")),
-                _ => Err(Error::config("layer_types", format!("unsupported layer type {t}"))),
+                Some("linear_attention") if arch.is_hybrid() => Ok((LayerKind::LinearAttention, None)),
+                _ => Err(Error::config("layer_types", format!("unsupported layer type {t} for {}", arch.name()))),
             })
             .collect();
     }
+    if arch.is_hybrid() {
+        let interval = opt_usize(v, "full_attention_interval")?.unwrap_or(4);
+        if interval == 0 {
+            return Err(Error::config("full_attention_interval", "must be at least 1"));
+        }
+        return Ok((0..num_layers)
+            .map(|i| {
+                let kind = if (i + 1) % interval == 0 { LayerKind::Attention } else { LayerKind::LinearAttention };
+                (kind, None)
+            })
+            .collect());
+    }
     let use_sliding = opt_bool(v, "use_sliding_window")?.unwrap_or(false);
-    match arch {
-        Architecture::Qwen2 | Architecture::Qwen3 if use_sliding => {
+    let windows = match arch {
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe if use_sliding => {
             let w =
                 window.ok_or_else(|| Error::config("sliding_window", "missing while use_sliding_window is true"))?;
             let max_window_layers = opt_usize(v, "max_window_layers")?.unwrap_or(num_layers);
-            Ok((0..num_layers).map(|i| (i >= max_window_layers).then_some(w)).collect())
+            (0..num_layers).map(|i| (i >= max_window_layers).then_some(w)).collect()
         }
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => Ok(vec![None; num_layers]),
+        Architecture::Llama
+        | Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe
+        | Architecture::Qwen3Next
+        | Architecture::Qwen35
+        | Architecture::Qwen35Moe => vec![None; num_layers],
+    };
+    Ok(windows.into_iter().map(|w| (LayerKind::Attention, w)).collect())
+}
+
+fn req_usize_any(v: &Value, keys: &[&str]) -> Result<usize> {
+    for k in keys {
+        if let Some(n) = opt_usize(v, k)? {
+            return Ok(n);
+        }
     }
+    Err(Error::config(keys[0], "missing"))
+}
+
+/// Mixture-of-experts settings and which layers use them, following each
+/// reference's decoder-layer rule.
+fn parse_moe(v: &Value, arch: Architecture, num_layers: usize) -> Result<(Option<MoeConfig>, Vec<bool>)> {
+    let sparse_rule = |num_experts: usize| -> Result<Vec<bool>> {
+        let step = opt_usize(v, "decoder_sparse_step")?.unwrap_or(1);
+        if step == 0 {
+            return Err(Error::config("decoder_sparse_step", "must be at least 1"));
+        }
+        let mlp_only: Vec<usize> = match get(v, "mlp_only_layers") {
+            None => vec![],
+            Some(x) => serde_json::from_value(x.clone()).map_err(|_| {
+                Error::config("mlp_only_layers", format!("expected a list of layer indices, found {x}"))
+            })?,
+        };
+        Ok((0..num_layers).map(|i| !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0).collect())
+    };
+    let (shared, renorm_default, always_renorm) = match arch {
+        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen35 => {
+            return Ok((None, vec![false; num_layers]));
+        }
+        Architecture::Qwen3Moe => (false, false, false),
+        Architecture::Qwen3Next => (true, true, false),
+        Architecture::Qwen35Moe => (true, true, true),
+    };
+    let num_experts = req_usize_any(v, &["num_experts", "num_local_experts"])?;
+    let top_k = req_usize(v, "num_experts_per_tok")?;
+    if top_k == 0 || top_k > num_experts {
+        return Err(Error::config("num_experts_per_tok", format!("{top_k} is not in 1..={num_experts}")));
+    }
+    let layers = match arch {
+        Architecture::Qwen35Moe => vec![true; num_layers],
+        _ => sparse_rule(num_experts)?,
+    };
+    let norm_topk_prob = always_renorm || opt_bool(v, "norm_topk_prob")?.unwrap_or(renorm_default);
+    let shared_expert_intermediate_size =
+        if shared { Some(req_usize(v, "shared_expert_intermediate_size")?) } else { None };
+    let moe = MoeConfig {
+        num_experts,
+        top_k,
+        intermediate_size: req_usize(v, "moe_intermediate_size")?,
+        norm_topk_prob,
+        shared_expert_intermediate_size,
+    };
+    Ok((Some(moe), layers))
+}
+
+fn parse_gdn(v: &Value, arch: Architecture) -> Result<Option<GdnConfig>> {
+    if !arch.is_hybrid() {
+        return Ok(None);
+    }
+    let g = GdnConfig {
+        num_k_heads: req_usize(v, "linear_num_key_heads")?,
+        num_v_heads: req_usize(v, "linear_num_value_heads")?,
+        k_head_dim: req_usize(v, "linear_key_head_dim")?,
+        v_head_dim: req_usize(v, "linear_value_head_dim")?,
+        conv_kernel: opt_usize(v, "linear_conv_kernel_dim")?.unwrap_or(4),
+    };
+    if g.num_k_heads == 0 || !g.num_v_heads.is_multiple_of(g.num_k_heads) {
+        return Err(Error::config(
+            "linear_num_value_heads",
+            format!("{} is not a multiple of linear_num_key_heads {}", g.num_v_heads, g.num_k_heads),
+        ));
+    }
+    if g.conv_kernel == 0 || g.k_head_dim == 0 || g.v_head_dim == 0 {
+        return Err(Error::config("linear_conv_kernel_dim", "GDN dimensions must be non-zero"));
+    }
+    Ok(Some(g))
+}
+
+/// Dimensions RoPE rotates: `head_dim · partial_rotary_factor` (in
+/// `rope_parameters` or at top level; the hybrids default to 0.25 as transformers does).
+fn parse_rotary_dim(v: &Value, arch: Architecture, head_dim: usize) -> Result<usize> {
+    let factor = match get(v, "rope_parameters").map(|p| opt_f32(p, "partial_rotary_factor")).transpose()?.flatten() {
+        Some(f) => Some(f),
+        None => opt_f32(v, "partial_rotary_factor")?,
+    };
+    let factor = factor.unwrap_or(if arch.is_hybrid() { 0.25 } else { 1.0 });
+    let dim = (head_dim as f64 * factor as f64) as usize;
+    if dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
+        return Err(Error::config(
+            "partial_rotary_factor",
+            format!("{factor} gives rotary dim {dim} for head_dim {head_dim}; need an even value in 2..=head_dim"),
+        ));
+    }
+    Ok(dim)
 }
 
 impl ModelConfig {
@@ -246,11 +440,29 @@ impl ModelConfig {
         }
         let attention_bias = match arch {
             Architecture::Qwen2 => true,
-            Architecture::Llama | Architecture::Qwen3 => opt_bool(v, "attention_bias")?.unwrap_or(false),
+            Architecture::Llama
+            | Architecture::Qwen3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => opt_bool(v, "attention_bias")?.unwrap_or(false),
         };
         let o_bias = match arch {
-            Architecture::Llama | Architecture::Qwen3 => attention_bias,
             Architecture::Qwen2 => false,
+            Architecture::Llama
+            | Architecture::Qwen3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => attention_bias,
+        };
+        let layers = parse_layers(v, arch, num_layers)?;
+        let (moe, moe_layers) = parse_moe(v, arch, num_layers)?;
+        // All-MoE models (Qwen3.5-MoE) have no dense MLP width.
+        let intermediate_size = match opt_usize(v, "intermediate_size")? {
+            Some(n) => n,
+            None if moe_layers.iter().all(|&m| m) => 0,
+            None => return Err(Error::config("intermediate_size", "missing")),
         };
         if opt_bool(v, "mlp_bias")?.unwrap_or(false) {
             return Err(Error::config("mlp_bias", "true is not supported"));
@@ -270,7 +482,7 @@ impl ModelConfig {
             arch,
             vocab_size: req_usize(v, "vocab_size")?,
             hidden_size,
-            intermediate_size: req_usize(v, "intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
@@ -281,10 +493,22 @@ impl ModelConfig {
             tie_word_embeddings: opt_bool(v, "tie_word_embeddings")?.unwrap_or(false),
             attention_bias,
             o_bias,
-            qk_norm: matches!(arch, Architecture::Qwen3),
-            layer_windows: parse_layer_windows(v, arch, num_layers)?,
+            qk_norm: match arch {
+                Architecture::Llama | Architecture::Qwen2 => false,
+                Architecture::Qwen3
+                | Architecture::Qwen3Moe
+                | Architecture::Qwen3Next
+                | Architecture::Qwen35
+                | Architecture::Qwen35Moe => true,
+            },
+            layer_windows: layers.iter().map(|l| l.1).collect(),
             bos_token_id: bos,
             eos_token_ids: eos,
+            layer_kinds: layers.iter().map(|l| l.0).collect(),
+            moe_layers,
+            moe,
+            gdn: parse_gdn(v, arch)?,
+            rotary_dim: parse_rotary_dim(v, arch, head_dim)?,
         })
     }
 

@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod formats;
 pub mod kv;
+pub mod layers;
 pub mod loader;
 pub mod models;
 pub mod npy;

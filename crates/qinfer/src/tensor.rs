@@ -86,6 +86,11 @@ impl Bytes {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// A sub-range sharing the same owner (no copy).
+    pub fn slice(&self, start: usize, len: usize) -> Bytes {
+        assert!(start + len <= self.len, "Bytes::slice out of range");
+        Bytes { owner: self.owner.clone(), start: self.start + start, len }
+    }
 }
 
 impl std::fmt::Debug for Bytes {
@@ -126,6 +131,32 @@ impl Tensor {
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+    /// An f32 tensor holding `values`.
+    pub fn from_f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Result<Self> {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Tensor::new(name.to_string(), DType::F32, shape, Bytes::from_vec(bytes))
+    }
+    /// The same bytes viewed with another shape of equal size and row length
+    /// compatible with the block size.
+    pub fn reshape(&self, shape: Vec<usize>) -> Result<Self> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::tensor(&self.name, format!("cannot view {:?} as {shape:?}", self.shape)));
+        }
+        Tensor::new(self.name.clone(), self.dtype, shape, self.data.clone())
+    }
+    /// Entries `[start, start + len)` along the outermost dimension (no copy):
+    /// one expert of a stacked `[E, …]` tensor, or a block of a matrix's rows.
+    pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        let outer = *self.shape.first().ok_or_else(|| Error::tensor(&self.name, "cannot narrow a scalar"))?;
+        if start + len > outer {
+            return Err(Error::tensor(&self.name, format!("rows {start}..{} out of range of {outer}", start + len)));
+        }
+        let per: usize = self.shape[1..].iter().product();
+        let bytes_per = self.dtype.bytes_for(per).ok_or_else(|| Error::tensor(&self.name, "size overflow"))?;
+        let mut shape = self.shape.clone();
+        shape[0] = len;
+        Tensor::new(self.name.clone(), self.dtype, shape, self.data.slice(start * bytes_per, len * bytes_per))
     }
     /// Decodes every value to f32 (for small tensors: norms, biases).
     pub fn to_f32_vec(&self) -> Vec<f32> {

@@ -99,15 +99,28 @@ fn cached_decode_equals_full_recompute() {
 }
 
 #[test]
-fn rollback_then_recompute_is_identical() {
-    let dir = fixtures().into_iter().next().unwrap();
-    let input = ids(&reference(&dir)["input_ids"]);
-    let (_, lm) = load(&dir);
-    let mut seq = lm.new_sequence(input.len());
-    let first = lm.forward(seq.as_mut(), &input, Logits::Last).unwrap();
-    seq.truncate(input.len() - 3);
-    let again = lm.forward(seq.as_mut(), &input[input.len() - 3..], Logits::Last).unwrap();
-    assert_eq!(first, again);
+fn snapshot_restore_then_recompute_is_identical() {
+    for dir in fixtures() {
+        let input = ids(&reference(&dir)["input_ids"]);
+        let n = input.len();
+        let (_, lm) = load(&dir);
+        let mut seq = lm.new_sequence(n);
+        lm.forward(seq.as_mut(), &input[..n - 3], Logits::Last).unwrap();
+        let snap = seq.snapshot();
+        let first = lm.forward(seq.as_mut(), &input[n - 3..], Logits::All).unwrap();
+        for _ in 0..2 {
+            seq.restore(&snap).unwrap();
+            assert_eq!(seq.len(), n - 3);
+            let again = lm.forward(seq.as_mut(), &input[n - 3..], Logits::All).unwrap();
+            assert_eq!(first, again, "{}", dir.display());
+        }
+        // A snapshot past a point the sequence was later rolled back below is stale.
+        let late = seq.snapshot();
+        seq.restore(&snap).unwrap();
+        lm.forward(seq.as_mut(), &input[n - 3..n - 2], Logits::Last).unwrap();
+        let e = seq.restore(&late).unwrap_err();
+        assert!(e.to_string().contains("no longer valid"), "{e}");
+    }
 }
 
 #[test]
@@ -116,7 +129,7 @@ fn rope_frequencies_match_transformers() {
         let r = reference(&dir);
         let want: Vec<f64> = r["rope"]["inv_freq"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
         let cfg = loader::open(&dir).unwrap().config;
-        let rope = Rope::new(&cfg.rope, cfg.head_dim);
+        let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
         assert_eq!(rope.inv_freq.len(), want.len());
         for (g, w) in rope.inv_freq.iter().zip(&want) {
             assert!(((*g as f64) - w).abs() <= 1e-6 * w.abs(), "{}: {g} vs {w}", dir.display());

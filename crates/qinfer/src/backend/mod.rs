@@ -5,6 +5,7 @@
 pub mod cpu;
 
 use crate::Result;
+use crate::config::GdnConfig;
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
 
@@ -33,12 +34,30 @@ pub trait KvCache: Send {
     fn capacity(&self) -> usize;
 }
 
+/// One expert's SwiGLU weights: `down(silu(gate(x)) ⊙ up(x))`.
+pub struct ExpertWeights<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+}
+
+/// How a mixture-of-experts block routes each token (transformers' `TopKRouter`).
+#[derive(Debug, Clone, Copy)]
+pub struct Routing {
+    pub top_k: usize,
+    /// Rescale the chosen probabilities to sum to 1.
+    pub renormalize: bool,
+}
+
 pub trait Backend: Send + Sync {
     /// Activations: `rows × cols` values, one row per token.
     type Act: Send;
     /// A weight placed where this backend computes.
     type Weight: Send + Sync;
     type Cache: KvCache + 'static;
+    /// Gated DeltaNet state of one layer for one sequence (conv window and the
+    /// f32 recurrent state). Cloning it is a snapshot.
+    type GdnState: Clone + Send + 'static;
 
     fn name(&self) -> String;
     /// Places a stored tensor (1-D vectors or 2-D `[out, in]` matrices).
@@ -64,4 +83,43 @@ pub trait Backend: Send + Sync {
     fn last_row(&self, x: &Self::Act) -> Self::Act;
     fn rows(&self, x: &Self::Act) -> usize;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+
+    /// From each row, columns `[offset, offset + len)` of every consecutive group
+    /// of `group` columns, concatenated (splits fused projections; `group` =
+    /// row width for a plain column slice).
+    fn gather_columns(&self, x: &Self::Act, group: usize, offset: usize, len: usize) -> Self::Act;
+    /// Rows side by side: `[rows, Σ cols]`.
+    fn concat_columns(&self, parts: &[&Self::Act]) -> Self::Act;
+    /// `x ⊙ sigmoid(gate)`; `gate` is as wide as `x` or one column (a per-row scalar).
+    fn mul_sigmoid(&self, x: &mut Self::Act, gate: &Self::Act);
+    /// `rms(x)·w·silu(z)` over each group of `w.len()` values (the Gated DeltaNet output norm).
+    fn rms_norm_gated(&self, x: &Self::Act, z: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act;
+
+    fn new_gdn_state(&self, cfg: &GdnConfig) -> Self::GdnState;
+    /// Depthwise causal conv1d over time (rows) with SiLU, `weight` `[channels, kernel]`,
+    /// continuing from and then updating the state's conv window.
+    fn gdn_conv(&self, x: &Self::Act, weight: &Self::Weight, state: &mut Self::GdnState) -> Self::Act;
+    /// The gated delta rule over `q`, `k` `[T, nk·dk]`, `v` `[T, nv·dv]` and the
+    /// gate inputs `a`, `b` `[T, nv]`; returns `[T, nv·dv]` and advances the state.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        a: &Self::Act,
+        b: &Self::Act,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        state: &mut Self::GdnState,
+    ) -> Self::Act;
+    /// Routed experts: softmax over `router_logits` `[T, E]`, top-k, then the
+    /// weighted sum of the chosen experts' SwiGLU outputs.
+    fn moe(
+        &self,
+        x: &Self::Act,
+        router_logits: &Self::Act,
+        experts: &[ExpertWeights<Self::Weight>],
+        routing: Routing,
+    ) -> Self::Act;
 }

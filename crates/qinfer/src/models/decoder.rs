@@ -1,42 +1,38 @@
-//! The dense decoder family: Llama (`LlamaForCausalLM`), Qwen2 (q/k/v bias) and
-//! Qwen3 (per-head q/k RMSNorm before RoPE). Mirrors transformers'
-//! `LlamaDecoderLayer` / `Qwen2Attention` / `Qwen3Attention` structure.
+//! The decoder family: Llama, Qwen2, Qwen3, Qwen3-MoE and the Gated-DeltaNet
+//! hybrids Qwen3-Next / Qwen3.5 (dense and MoE). One pre-norm residual layer
+//! shape (transformers' `*DecoderLayer`): a token mixer (softmax attention or
+//! Gated DeltaNet) then a feed-forward block (SwiGLU MLP or sparse MoE).
 
 use std::any::Any;
 
-use crate::backend::{AttentionShape, Backend, KvCache};
-use crate::config::{Architecture, ModelConfig};
+use crate::backend::{Backend, KvCache};
+use crate::config::{LayerKind, ModelConfig};
 use crate::formats::TensorSource;
+use crate::layers::WeightLoader;
+use crate::layers::attention::Attention;
+use crate::layers::gdn::GatedDeltaNet;
+use crate::layers::mlp::Mlp;
+use crate::layers::moe::SparseMoe;
 use crate::models::rope::Rope;
-use crate::models::{LanguageModel, Logits, SequenceState};
+use crate::models::{LanguageModel, Logits, SequenceState, Snapshot};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
-struct Attention<B: Backend> {
-    q_proj: B::Weight,
-    k_proj: B::Weight,
-    v_proj: B::Weight,
-    o_proj: B::Weight,
-    q_bias: Option<B::Weight>,
-    k_bias: Option<B::Weight>,
-    v_bias: Option<B::Weight>,
-    o_bias: Option<B::Weight>,
-    q_norm: Option<B::Weight>,
-    k_norm: Option<B::Weight>,
-    window: Option<usize>,
+enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    Linear(GatedDeltaNet<B>),
 }
 
-struct Mlp<B: Backend> {
-    gate_proj: B::Weight,
-    up_proj: B::Weight,
-    down_proj: B::Weight,
+enum FeedForward<B: Backend> {
+    Dense(Mlp<B>),
+    Sparse(SparseMoe<B>),
 }
 
 struct DecoderLayer<B: Backend> {
     input_layernorm: B::Weight,
-    self_attn: Attention<B>,
+    mixer: Mixer<B>,
     post_attention_layernorm: B::Weight,
-    mlp: Mlp<B>,
+    ffn: FeedForward<B>,
 }
 
 pub struct DecoderModel<B: Backend> {
@@ -50,24 +46,24 @@ pub struct DecoderModel<B: Backend> {
     rope: Rope,
 }
 
-/// Fetches tensors by name and checks their shapes against the config.
-struct Loader<'a, B: Backend> {
-    src: &'a dyn TensorSource,
-    backend: &'a B,
-    on_tensor: &'a dyn Fn(&Tensor),
+/// Where the text model's weights live: `model.` for text checkpoints,
+/// `model.language_model.` for Qwen3.5's multimodal hub checkpoints.
+fn text_prefix(src: &dyn TensorSource) -> &'static str {
+    if src.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." }
 }
 
-impl<B: Backend> Loader<'_, B> {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
-        let t = self.src.tensor(name)?;
-        if t.shape != shape {
-            return Err(Error::tensor(name, format!("expected shape {shape:?}, found {:?}", t.shape)));
-        }
-        (self.on_tensor)(&t);
-        self.backend.upload(&t)
+/// Tensors that belong to parts qinfer does not run (yet): said once, not an error.
+fn note_unused_tensors(src: &dyn TensorSource) {
+    let names = src.names();
+    let visual = names.iter().filter(|n| n.starts_with("model.visual.")).count();
+    if visual > 0 {
+        tracing::info!("ignoring {visual} vision-tower tensors (model.visual.*): image input is not supported yet");
     }
-    fn opt(&self, name: &str, shape: &[usize], present: bool) -> Result<Option<B::Weight>> {
-        if present { self.get(name, shape).map(Some) } else { Ok(None) }
+    let mtp = names.iter().filter(|n| n.starts_with("mtp.")).count();
+    if mtp > 0 {
+        tracing::info!(
+            "{mtp} multi-token-prediction tensors (mtp.*) stay in the file, unused until speculative decoding"
+        );
     }
 }
 
@@ -75,41 +71,34 @@ impl<B: Backend> DecoderModel<B> {
     /// Loads weights by Hugging Face names. `on_tensor` sees each tensor as it is
     /// placed (progress reporting).
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B, on_tensor: &dyn Fn(&Tensor)) -> Result<Self> {
-        match cfg.arch {
-            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {}
-        }
-        let ld = Loader { src, backend: &backend, on_tensor };
-        let (h, q, kv, hd, i) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim, cfg.intermediate_size);
-        let embed_tokens = ld.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let ld = WeightLoader { src, backend: &backend, on_tensor };
+        let h = cfg.hidden_size;
+        let unit_offset = cfg.arch.is_hybrid();
+        let root = text_prefix(src);
+        note_unused_tensors(src);
+        let embed_tokens = ld.get(&format!("{root}embed_tokens.weight"), &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let a = format!("{p}.self_attn");
-            let bias = cfg.attention_bias;
+            let p = format!("{root}layers.{l}");
+            let mixer = match cfg.layer_kinds[l] {
+                LayerKind::Attention => Mixer::Attention(Attention::load(&ld, &format!("{p}.self_attn"), &cfg, l)?),
+                LayerKind::LinearAttention => {
+                    let g = cfg.gdn.as_ref().ok_or_else(|| Error::config("linear_num_key_heads", "missing"))?;
+                    Mixer::Linear(GatedDeltaNet::load(&ld, &format!("{p}.linear_attn"), &cfg, g)?)
+                }
+            };
+            let ffn = match (&cfg.moe, cfg.moe_layers[l]) {
+                (Some(m), true) => FeedForward::Sparse(SparseMoe::load(&ld, &format!("{p}.mlp"), h, m)?),
+                _ => FeedForward::Dense(Mlp::load(&ld, &format!("{p}.mlp"), h, cfg.intermediate_size)?),
+            };
             layers.push(DecoderLayer {
-                input_layernorm: ld.get(&format!("{p}.input_layernorm.weight"), &[h])?,
-                self_attn: Attention {
-                    q_proj: ld.get(&format!("{a}.q_proj.weight"), &[q, h])?,
-                    k_proj: ld.get(&format!("{a}.k_proj.weight"), &[kv, h])?,
-                    v_proj: ld.get(&format!("{a}.v_proj.weight"), &[kv, h])?,
-                    o_proj: ld.get(&format!("{a}.o_proj.weight"), &[h, q])?,
-                    q_bias: ld.opt(&format!("{a}.q_proj.bias"), &[q], bias)?,
-                    k_bias: ld.opt(&format!("{a}.k_proj.bias"), &[kv], bias)?,
-                    v_bias: ld.opt(&format!("{a}.v_proj.bias"), &[kv], bias)?,
-                    o_bias: ld.opt(&format!("{a}.o_proj.bias"), &[h], cfg.o_bias)?,
-                    q_norm: ld.opt(&format!("{a}.q_norm.weight"), &[hd], cfg.qk_norm)?,
-                    k_norm: ld.opt(&format!("{a}.k_norm.weight"), &[hd], cfg.qk_norm)?,
-                    window: cfg.layer_windows[l],
-                },
-                post_attention_layernorm: ld.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                mlp: Mlp {
-                    gate_proj: ld.get(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                    up_proj: ld.get(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-                    down_proj: ld.get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
-                },
+                input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), h, unit_offset)?,
+                mixer,
+                post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), h, unit_offset)?,
+                ffn,
             });
         }
-        let norm = ld.get("model.norm.weight", &[h])?;
+        let norm = ld.norm(&format!("{root}norm.weight"), h, unit_offset)?;
         // Some checkpoints declare untied embeddings yet omit lm_head; others
         // say tied and still ship a copy. Use lm_head whenever it exists.
         let lm_head = if src.contains("lm_head.weight") {
@@ -119,43 +108,18 @@ impl<B: Backend> DecoderModel<B> {
         } else {
             return Err(Error::tensor("lm_head.weight", "missing and tie_word_embeddings is false"));
         };
-        let rope = Rope::new(&cfg.rope, cfg.head_dim);
+        let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
         Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope })
     }
 
-    fn attention_block(&self, layer: usize, x: &B::Act, cache: &mut B::Cache, positions: &[usize]) -> B::Act {
+    fn forward_seq(&self, seq: &mut DecoderSequence<B>, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let b = &self.backend;
-        let at = &self.layers[layer].self_attn;
-        let eps = self.cfg.rms_norm_eps;
-        let mut q = b.linear(x, &at.q_proj, at.q_bias.as_ref());
-        let mut k = b.linear(x, &at.k_proj, at.k_bias.as_ref());
-        let v = b.linear(x, &at.v_proj, at.v_bias.as_ref());
-        if let (Some(qn), Some(kn)) = (&at.q_norm, &at.k_norm) {
-            q = b.rms_norm(&q, qn, eps);
-            k = b.rms_norm(&k, kn, eps);
-        }
-        b.rope(&mut q, self.cfg.head_dim, positions, &self.rope);
-        b.rope(&mut k, self.cfg.head_dim, positions, &self.rope);
-        b.write_kv(cache, layer, &k, &v);
-        let shape = AttentionShape {
-            num_heads: self.cfg.num_heads,
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-            window: at.window,
-            scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
-        };
-        let o = b.attention(&q, cache, layer, &shape);
-        b.linear(&o, &at.o_proj, at.o_bias.as_ref())
-    }
-
-    fn forward_cache(&self, cache: &mut B::Cache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
-        let b = &self.backend;
-        let start = cache.len();
-        if start + tokens.len() > cache.capacity() {
+        let start = seq.cache.len();
+        if start + tokens.len() > seq.cache.capacity() {
             return Err(Error::Invalid(format!(
                 "sequence of {} tokens exceeds the context capacity of {}",
                 start + tokens.len(),
-                cache.capacity()
+                seq.cache.capacity()
             )));
         }
         if tokens.is_empty() {
@@ -166,15 +130,22 @@ impl<B: Backend> DecoderModel<B> {
         let eps = self.cfg.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
             let x = b.rms_norm(&h, &layer.input_layernorm, eps);
-            let a = self.attention_block(l, &x, cache, &positions);
+            let a = match &layer.mixer {
+                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, &x, &mut seq.cache, &positions),
+                Mixer::Linear(gdn) => {
+                    let state = seq.gdn[l].as_mut().expect("every linear-attention layer has a state");
+                    gdn.forward(b, &x, state)
+                }
+            };
             b.add_assign(&mut h, &a);
             let x = b.rms_norm(&h, &layer.post_attention_layernorm, eps);
-            let g = b.linear(&x, &layer.mlp.gate_proj, None);
-            let u = b.linear(&x, &layer.mlp.up_proj, None);
-            let m = b.linear(&b.silu_mul(&g, &u), &layer.mlp.down_proj, None);
+            let m = match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward(b, &x),
+                FeedForward::Sparse(moe) => moe.forward(b, &x),
+            };
             b.add_assign(&mut h, &m);
         }
-        cache.set_len(start + tokens.len());
+        seq.cache.set_len(start + tokens.len());
         let h = match logits {
             Logits::Last => b.last_row(&h),
             Logits::All => h,
@@ -185,28 +156,48 @@ impl<B: Backend> DecoderModel<B> {
     }
 }
 
-struct DecoderSequence<C: KvCache> {
-    cache: C,
+struct DecoderSequence<B: Backend> {
+    cache: B::Cache,
+    /// Per layer: the Gated DeltaNet state of linear-attention layers.
+    gdn: Vec<Option<B::GdnState>>,
+    /// The length rolled back to by each restore so far, oldest first.
+    rollbacks: Vec<usize>,
 }
 
-impl<C: KvCache + 'static> SequenceState for DecoderSequence<C> {
+impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
     fn len(&self) -> usize {
         self.cache.len()
     }
-    fn truncate(&mut self, len: usize) {
-        if len < self.cache.len() {
-            self.cache.set_len(len);
-        }
-    }
     fn capacity(&self) -> usize {
         self.cache.capacity()
+    }
+    fn snapshot(&self) -> Snapshot {
+        Snapshot { len: self.cache.len(), epoch: self.rollbacks.len(), state: Box::new(self.gdn.clone()) }
+    }
+    fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let gdn = snap
+            .state
+            .downcast_ref::<Vec<Option<B::GdnState>>>()
+            .ok_or_else(|| Error::Invalid("snapshot belongs to another model".into()))?;
+        let rolled_below = self.rollbacks.get(snap.epoch..).unwrap_or(&[]).iter().any(|&l| l < snap.len);
+        if snap.len > self.cache.len() || rolled_below || snap.epoch > self.rollbacks.len() {
+            return Err(Error::Invalid(format!(
+                "snapshot at {} tokens is no longer valid for this sequence of {} tokens",
+                snap.len,
+                self.cache.len()
+            )));
+        }
+        self.gdn.clone_from(gdn);
+        self.rollbacks.push(snap.len);
+        self.cache.set_len(snap.len);
+        Ok(())
     }
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
 }
 
-impl<B: Backend> LanguageModel for DecoderModel<B> {
+impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -214,13 +205,26 @@ impl<B: Backend> LanguageModel for DecoderModel<B> {
         self.backend.name()
     }
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState> {
-        Box::new(DecoderSequence { cache: self.backend.new_cache(self.cfg.num_layers, self.cfg.kv_dim(), capacity) })
+        let gdn = self
+            .cfg
+            .layer_kinds
+            .iter()
+            .map(|k| match (k, &self.cfg.gdn) {
+                (LayerKind::LinearAttention, Some(g)) => Some(self.backend.new_gdn_state(g)),
+                _ => None,
+            })
+            .collect();
+        Box::new(DecoderSequence::<B> {
+            cache: self.backend.new_cache(self.cfg.num_layers, self.cfg.kv_dim(), capacity),
+            gdn,
+            rollbacks: Vec::new(),
+        })
     }
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let seq = seq
             .as_any_mut()
-            .downcast_mut::<DecoderSequence<B::Cache>>()
+            .downcast_mut::<DecoderSequence<B>>()
             .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
-        self.forward_cache(&mut seq.cache, tokens, logits)
+        self.forward_seq(seq, tokens, logits)
     }
 }

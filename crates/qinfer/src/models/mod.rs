@@ -18,17 +18,41 @@ pub enum Logits {
     All,
 }
 
-/// Everything a sequence carries between forwards (KV caches now; recurrent
-/// state for hybrid models later). Owned by the engine, opaque to it.
+/// A point in a sequence's history that it can return to: the token count plus
+/// a copy of whatever cannot be rolled back by length alone (the linear-attention
+/// layers' conv and recurrent state, a few MB at most). KV rows are not copied:
+/// they stay valid as long as the sequence is not rolled back below them.
+pub struct Snapshot {
+    pub(crate) len: usize,
+    /// Number of rollbacks the sequence had seen when this was taken.
+    pub(crate) epoch: usize,
+    pub(crate) state: Box<dyn Any + Send>,
+}
+
+impl Snapshot {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Everything a sequence carries between forwards: KV caches for attention
+/// layers, conv and recurrent state for linear-attention layers. Owned by the
+/// engine, opaque to it.
 pub trait SequenceState: Any + Send {
     /// Tokens already processed.
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Rolls back to the first `len` tokens.
-    fn truncate(&mut self, len: usize);
     fn capacity(&self) -> usize;
+    fn snapshot(&self) -> Snapshot;
+    /// Returns to `snap`. Fails when the sequence has since been rolled back
+    /// below the snapshot (its KV rows may have been overwritten) or when the
+    /// snapshot belongs to another sequence type.
+    fn restore(&mut self, snap: &Snapshot) -> Result<()>;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 

@@ -2,7 +2,9 @@
 //! rayon for threads.
 
 pub mod attention;
+pub mod gdn;
 pub mod matmul;
+pub mod moe;
 pub mod q8;
 pub mod q8_avx2;
 pub mod quant;
@@ -10,11 +12,13 @@ pub mod simd;
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, KvCache};
+use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use crate::config::GdnConfig;
 use crate::kv::contiguous::ContiguousKv;
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
+use gdn::CpuGdnState;
 use matmul::{CpuMatrix, matmul};
 
 /// Row-major f32 activations.
@@ -85,6 +89,7 @@ impl Backend for CpuBackend {
     type Act = CpuAct;
     type Weight = CpuWeight;
     type Cache = ContiguousKv;
+    type GdnState = CpuGdnState;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -215,5 +220,131 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: &CpuAct) -> Vec<f32> {
         x.data.clone()
+    }
+
+    fn gather_columns(&self, x: &CpuAct, group: usize, offset: usize, len: usize) -> CpuAct {
+        assert!(
+            x.cols.is_multiple_of(group) && offset + len <= group,
+            "gather_columns: bad split of {} columns",
+            x.cols
+        );
+        let groups = x.cols / group;
+        let mut out = CpuAct::zeros(x.rows, groups * len);
+        for (o, row) in out.data.chunks_exact_mut(groups * len).zip(x.data.chunks_exact(x.cols)) {
+            for (og, g) in o.chunks_exact_mut(len).zip(row.chunks_exact(group)) {
+                og.copy_from_slice(&g[offset..offset + len]);
+            }
+        }
+        out
+    }
+
+    fn concat_columns(&self, parts: &[&CpuAct]) -> CpuAct {
+        let rows = parts[0].rows;
+        let cols = parts.iter().map(|p| p.cols).sum();
+        let mut data = Vec::with_capacity(rows * cols);
+        for r in 0..rows {
+            for p in parts {
+                assert_eq!(p.rows, rows, "concat_columns: row counts differ");
+                data.extend_from_slice(&p.data[r * p.cols..(r + 1) * p.cols]);
+            }
+        }
+        CpuAct::from_vec(rows, cols, data)
+    }
+
+    fn mul_sigmoid(&self, x: &mut CpuAct, gate: &CpuAct) {
+        assert_eq!(x.rows, gate.rows);
+        let sigmoid = |g: f32| 1.0 / (1.0 + (-g).exp());
+        if gate.cols == x.cols {
+            for (v, g) in x.data.iter_mut().zip(&gate.data) {
+                *v *= sigmoid(*g);
+            }
+        } else {
+            assert_eq!(gate.cols, 1, "mul_sigmoid: gate must be as wide as x or one column");
+            for (row, g) in x.data.chunks_exact_mut(x.cols).zip(&gate.data) {
+                let s = sigmoid(*g);
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+    }
+
+    fn rms_norm_gated(&self, x: &CpuAct, z: &CpuAct, w: &CpuWeight, eps: f32) -> CpuAct {
+        let mut out = self.rms_norm(x, w, eps);
+        assert_eq!(out.data.len(), z.data.len());
+        for (o, g) in out.data.iter_mut().zip(&z.data) {
+            *o *= g / (1.0 + (-g).exp());
+        }
+        out
+    }
+
+    fn new_gdn_state(&self, cfg: &GdnConfig) -> CpuGdnState {
+        CpuGdnState::new(cfg)
+    }
+
+    fn gdn_conv(&self, x: &CpuAct, weight: &CpuWeight, state: &mut CpuGdnState) -> CpuAct {
+        let m = weight.matrix();
+        assert_eq!(m.rows, x.cols, "gdn_conv: {} channels for a weight of {} rows", x.cols, m.rows);
+        let mut w = vec![0f32; m.rows * m.cols];
+        for (r, row) in w.chunks_exact_mut(m.cols).enumerate() {
+            m.decode_row(r, row);
+        }
+        let out = gdn::causal_conv1d_silu(&x.data, x.cols, &w, &mut state.conv);
+        CpuAct::from_vec(x.rows, x.cols, out)
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        a: &CpuAct,
+        b: &CpuAct,
+        a_log: &CpuWeight,
+        dt_bias: &CpuWeight,
+        state: &mut CpuGdnState,
+    ) -> CpuAct {
+        let cfg = &state.cfg;
+        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
+        // The reference steps token by token only for single-token decode.
+        let out = if v.rows == 1 {
+            gdn::recurrent(cfg, &x, &v.data, &mut state.recurrent)
+        } else {
+            gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
+        };
+        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+    }
+
+    fn moe(
+        &self,
+        x: &CpuAct,
+        router_logits: &CpuAct,
+        experts: &[ExpertWeights<CpuWeight>],
+        routing: Routing,
+    ) -> CpuAct {
+        let routes = moe::route(&router_logits.data, experts.len(), routing);
+        let mut out = CpuAct::zeros(x.rows, x.cols);
+        // Experts in index order, each over all of its tokens at once, adding
+        // into the output as the reference's `index_add_` does.
+        for (e, tokens) in moe::group_by_expert(&routes, experts.len()).iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let mut xs = CpuAct::zeros(tokens.len(), x.cols);
+            for (row, &(t, _)) in xs.data.chunks_exact_mut(x.cols).zip(tokens) {
+                row.copy_from_slice(&x.data[t * x.cols..(t + 1) * x.cols]);
+            }
+            let ex = &experts[e];
+            let h = self.silu_mul(&self.linear(&xs, &ex.gate, None), &self.linear(&xs, &ex.up, None));
+            let y = self.linear(&h, &ex.down, None);
+            for (row, &(t, w)) in y.data.chunks_exact(x.cols).zip(tokens) {
+                axpy_into(&mut out.data[t * x.cols..(t + 1) * x.cols], row, w);
+            }
+        }
+        out
+    }
+}
+
+fn axpy_into(dst: &mut [f32], src: &[f32], w: f32) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s * w;
     }
 }

@@ -3,7 +3,7 @@
 
 use super::GgufFile;
 use super::value::GgufValue;
-use crate::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
+use crate::config::{Architecture, LayerKind, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
 use crate::formats::TensorSource;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -147,7 +147,12 @@ fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<RopeConfig> {
     // pairs; qwen GGUFs keep the Hugging Face (rotate_half) layout.
     let style = match arch {
         Architecture::Llama => RopeStyle::Interleaved,
-        Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::Neox,
+        Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe
+        | Architecture::Qwen3Next
+        | Architecture::Qwen35
+        | Architecture::Qwen35Moe => RopeStyle::Neox,
     };
     Ok(RopeConfig { theta, style, scaling })
 }
@@ -159,7 +164,19 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         .ok_or_else(|| Error::config("general.architecture", "missing from GGUF metadata"))?
         .as_str()
         .ok_or_else(|| Error::config("general.architecture", "expected a string"))?;
-    let arch = Architecture::from_model_type(arch_name)?;
+    // GGUF names its architectures without underscores (`qwen3moe`); only the
+    // dense families are read from GGUF so far.
+    let arch = match arch_name {
+        "llama" => Architecture::Llama,
+        "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
+        other => {
+            return Err(Error::UnknownArchitecture {
+                found: other.to_string(),
+                supported: "llama, qwen2, qwen3 (GGUF)".to_string(),
+            });
+        }
+    };
     let m = Meta { file, arch: arch_name };
 
     let num_layers = m.req_usize(&m.key("block_count"))?;
@@ -207,7 +224,12 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
 
     let attention_bias = match arch {
         Architecture::Qwen2 => true,
-        Architecture::Llama | Architecture::Qwen3 => m.has_tensor("blk.0.attn_q.bias"),
+        Architecture::Llama
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe
+        | Architecture::Qwen3Next
+        | Architecture::Qwen35
+        | Architecture::Qwen35Moe => m.has_tensor("blk.0.attn_q.bias"),
     };
     Ok(ModelConfig {
         arch,
@@ -228,5 +250,10 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         layer_windows: vec![None; num_layers],
         bos_token_id,
         eos_token_ids,
+        layer_kinds: vec![LayerKind::Attention; num_layers],
+        moe_layers: vec![false; num_layers],
+        moe: None,
+        gdn: None,
+        rotary_dim: head_dim,
     })
 }

@@ -1,0 +1,97 @@
+//! Softmax attention over the KV cache: transformers' `LlamaAttention`,
+//! `Qwen2Attention` (q/k/v bias), `Qwen3Attention` (per-head q/k RMSNorm before
+//! RoPE) and the gated attention of Qwen3-Next / Qwen3.5 (`Qwen3NextAttention`:
+//! q_proj emits a query and an output gate per head, partial RoPE, output ×
+//! sigmoid(gate) before o_proj).
+
+use super::WeightLoader;
+use crate::Result;
+use crate::backend::{AttentionShape, Backend};
+use crate::config::ModelConfig;
+use crate::models::rope::Rope;
+
+pub struct Attention<B: Backend> {
+    q_proj: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_bias: Option<B::Weight>,
+    k_bias: Option<B::Weight>,
+    v_bias: Option<B::Weight>,
+    o_bias: Option<B::Weight>,
+    q_norm: Option<B::Weight>,
+    k_norm: Option<B::Weight>,
+    /// q_proj rows are `[query(head_dim), gate(head_dim)]` per head.
+    output_gate: bool,
+    window: Option<usize>,
+    /// This layer's slot in the KV cache.
+    layer: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    /// `p` is the module prefix, e.g. `model.layers.3.self_attn`.
+    pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let (h, q, kv, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let output_gate = cfg.arch.is_hybrid();
+        let q_rows = if output_gate { 2 * q } else { q };
+        let bias = cfg.attention_bias;
+        let unit_offset = cfg.arch.is_hybrid();
+        let norm = |name: &str| -> Result<Option<B::Weight>> {
+            if cfg.qk_norm { ld.norm(&format!("{p}.{name}.weight"), hd, unit_offset).map(Some) } else { Ok(None) }
+        };
+        Ok(Attention {
+            q_proj: ld.get(&format!("{p}.q_proj.weight"), &[q_rows, h])?,
+            k_proj: ld.get(&format!("{p}.k_proj.weight"), &[kv, h])?,
+            v_proj: ld.get(&format!("{p}.v_proj.weight"), &[kv, h])?,
+            o_proj: ld.get(&format!("{p}.o_proj.weight"), &[h, q])?,
+            q_bias: ld.opt(&format!("{p}.q_proj.bias"), &[q_rows], bias)?,
+            k_bias: ld.opt(&format!("{p}.k_proj.bias"), &[kv], bias)?,
+            v_bias: ld.opt(&format!("{p}.v_proj.bias"), &[kv], bias)?,
+            o_bias: ld.opt(&format!("{p}.o_proj.bias"), &[h], cfg.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            output_gate,
+            window: cfg.layer_windows[layer],
+            layer,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        rope: &Rope,
+        x: &B::Act,
+        cache: &mut B::Cache,
+        positions: &[usize],
+    ) -> B::Act {
+        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        let projected = b.linear(x, &self.q_proj, self.q_bias.as_ref());
+        let (mut q, gate) = if self.output_gate {
+            (b.gather_columns(&projected, 2 * hd, 0, hd), Some(b.gather_columns(&projected, 2 * hd, hd, hd)))
+        } else {
+            (projected, None)
+        };
+        let mut k = b.linear(x, &self.k_proj, self.k_bias.as_ref());
+        let v = b.linear(x, &self.v_proj, self.v_bias.as_ref());
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = b.rms_norm(&q, qn, eps);
+            k = b.rms_norm(&k, kn, eps);
+        }
+        b.rope(&mut q, hd, positions, rope);
+        b.rope(&mut k, hd, positions, rope);
+        b.write_kv(cache, self.layer, &k, &v);
+        let shape = AttentionShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            window: self.window,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let mut o = b.attention(&q, cache, self.layer, &shape);
+        if let Some(g) = &gate {
+            b.mul_sigmoid(&mut o, g);
+        }
+        b.linear(&o, &self.o_proj, self.o_bias.as_ref())
+    }
+}

@@ -1,0 +1,101 @@
+//! Gated DeltaNet linear attention: transformers' `Qwen3NextGatedDeltaNet`
+//! (fused `in_proj_qkvz` / `in_proj_ba`, grouped per key head) and
+//! `Qwen3_5GatedDeltaNet` (split `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+//! `in_proj_a`). The backend runs the conv, the delta rule and the gated norm.
+
+use super::WeightLoader;
+use crate::Result;
+use crate::backend::Backend;
+use crate::config::{Architecture, GdnConfig, ModelConfig};
+
+enum Projections<W> {
+    /// Qwen3-Next: per key head, `[q(dk), k(dk), v(r·dv), z(r·dv)]` and `[b(r), a(r)]`
+    /// with r = value heads per key head.
+    Fused { qkvz: W, ba: W },
+    /// Qwen3.5: `[q, k, v]` already in conv-channel order; z, b, a separate.
+    Split { qkv: W, z: W, b: W, a: W },
+}
+
+pub struct GatedDeltaNet<B: Backend> {
+    proj: Projections<B::Weight>,
+    /// `[conv_dim, kernel]` (stored as `[conv_dim, 1, kernel]`).
+    conv1d: B::Weight,
+    a_log: B::Weight,
+    dt_bias: B::Weight,
+    /// Gated RMSNorm over each value head (plain w, not 1+w).
+    norm: B::Weight,
+    out_proj: B::Weight,
+    cfg: GdnConfig,
+    eps: f32,
+}
+
+impl<B: Backend> GatedDeltaNet<B> {
+    /// `p` is the module prefix, e.g. `model.layers.0.linear_attn`.
+    pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, g: &GdnConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (kd, vd, nv) = (g.key_dim(), g.value_dim(), g.num_v_heads);
+        let proj = match cfg.arch {
+            Architecture::Qwen3Next => Projections::Fused {
+                qkvz: ld.get(&format!("{p}.in_proj_qkvz.weight"), &[2 * kd + 2 * vd, h])?,
+                ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
+            },
+            Architecture::Qwen35 | Architecture::Qwen35Moe => Projections::Split {
+                qkv: ld.get(&format!("{p}.in_proj_qkv.weight"), &[2 * kd + vd, h])?,
+                z: ld.get(&format!("{p}.in_proj_z.weight"), &[vd, h])?,
+                b: ld.get(&format!("{p}.in_proj_b.weight"), &[nv, h])?,
+                a: ld.get(&format!("{p}.in_proj_a.weight"), &[nv, h])?,
+            },
+            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+                return Err(crate::Error::config(
+                    "layer_types",
+                    format!("{} has no linear-attention layers", cfg.arch.name()),
+                ));
+            }
+        };
+        let cd = g.conv_dim();
+        let conv_name = format!("{p}.conv1d.weight");
+        let conv = ld.tensor(&conv_name, &[&[cd, 1, g.conv_kernel], &[cd, g.conv_kernel]])?;
+        Ok(GatedDeltaNet {
+            proj,
+            conv1d: ld.place(&conv.reshape(vec![cd, g.conv_kernel])?)?,
+            a_log: ld.get(&format!("{p}.A_log"), &[nv])?,
+            dt_bias: ld.get(&format!("{p}.dt_bias"), &[nv])?,
+            norm: ld.get(&format!("{p}.norm.weight"), &[g.v_head_dim])?,
+            out_proj: ld.get(&format!("{p}.out_proj.weight"), &[h, vd])?,
+            cfg: g.clone(),
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    pub fn forward(&self, bk: &B, x: &B::Act, state: &mut B::GdnState) -> B::Act {
+        let g = &self.cfg;
+        let (dk, dv, kd, vd) = (g.k_head_dim, g.v_head_dim, g.key_dim(), g.value_dim());
+        let (qkv, z, b, a) = match &self.proj {
+            Projections::Fused { qkvz, ba } => {
+                // `fix_query_key_value_ordering`: split each key head's group.
+                let r = g.num_v_heads / g.num_k_heads;
+                let mixed = bk.linear(x, qkvz, None);
+                let group = 2 * dk + 2 * r * dv;
+                let q = bk.gather_columns(&mixed, group, 0, dk);
+                let k = bk.gather_columns(&mixed, group, dk, dk);
+                let v = bk.gather_columns(&mixed, group, 2 * dk, r * dv);
+                let z = bk.gather_columns(&mixed, group, 2 * dk + r * dv, r * dv);
+                let mixed_ba = bk.linear(x, ba, None);
+                let b = bk.gather_columns(&mixed_ba, 2 * r, 0, r);
+                let a = bk.gather_columns(&mixed_ba, 2 * r, r, r);
+                (bk.concat_columns(&[&q, &k, &v]), z, b, a)
+            }
+            Projections::Split { qkv, z, b, a } => {
+                (bk.linear(x, qkv, None), bk.linear(x, z, None), bk.linear(x, b, None), bk.linear(x, a, None))
+            }
+        };
+        let mixed = bk.gdn_conv(&qkv, &self.conv1d, state);
+        let cd = g.conv_dim();
+        let q = bk.gather_columns(&mixed, cd, 0, kd);
+        let k = bk.gather_columns(&mixed, cd, kd, kd);
+        let v = bk.gather_columns(&mixed, cd, 2 * kd, vd);
+        let o = bk.gated_delta_rule(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, state);
+        let o = bk.rms_norm_gated(&o, &z, &self.norm, self.eps);
+        bk.linear(&o, &self.out_proj, None)
+    }
+}
