@@ -14,7 +14,8 @@ use crate::formats::gguf::GgufFile;
 use crate::formats::safetensors::SafetensorsSource;
 use crate::models::LanguageModel;
 use crate::models::decoder::DecoderModel;
-use crate::tensor::Tensor;
+use crate::models::random::RandomWeights;
+use crate::tensor::{DType, Tensor};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -97,6 +98,15 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
     } else {
         Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such model file or directory")))
     }
+}
+
+/// A model of the shape `config.json` describes, with random weights stored as
+/// `dtype` (see [`RandomWeights`]), on the CPU backend.
+pub fn random_model(config_path: &Path, dtype: DType) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
+    let json = read_json(config_path)?;
+    let cfg = ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))?;
+    let model = DecoderModel::random(cfg.clone(), CpuBackend::new(), RandomWeights { dtype, seed: 0 })?;
+    Ok((cfg, Box::new(model)))
 }
 
 impl LoadedModel {

@@ -5,20 +5,58 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use qinfer::models::{LanguageModel, Logits};
+use qinfer::tensor::DType;
 use serde_json::json;
 
 use crate::common::open_model;
 
+/// Storage types for `--random-weights`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum WeightType {
+    F32,
+    F16,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_1")]
+    Q4_1,
+}
+
+impl WeightType {
+    fn dtype(self) -> DType {
+        match self {
+            WeightType::F32 => DType::F32,
+            WeightType::F16 => DType::F16,
+            WeightType::Bf16 => DType::BF16,
+            WeightType::Q8_0 => DType::Q8_0,
+            WeightType::Q4_0 => DType::Q4_0,
+            WeightType::Q4_1 => DType::Q4_1,
+        }
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Model directory or .gguf file.
-    #[arg(long)]
-    model: PathBuf,
-    /// Prompt tokens for the pp test (0 skips it).
-    #[arg(short = 'p', long = "n-prompt", default_value_t = 128)]
-    n_prompt: usize,
+    #[arg(long, required_unless_present = "config", conflicts_with = "config")]
+    model: Option<PathBuf>,
+    /// A config.json: benchmark a model of its shape with random weights
+    /// (requires --random-weights; real checkpoints need not be present).
+    #[arg(long, requires = "random_weights")]
+    config: Option<PathBuf>,
+    /// Make the weights up (with --config).
+    #[arg(long, requires = "config")]
+    random_weights: bool,
+    /// Storage type of the random weights' matrices.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: WeightType,
+    /// Prompt lengths for the pp tests, comma-separated (0 skips it).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128")]
+    n_prompt: Vec<usize>,
     /// Generated tokens for the tg test (0 skips it).
     #[arg(short = 'n', long = "n-gen", default_value_t = 64)]
     n_gen: usize,
@@ -69,12 +107,24 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 }
 
 pub fn main(a: Args) -> Result<()> {
-    let model = open_model(Some(&a.model))?;
-    let lm = model.load_cpu(!a.json)?;
-    let vocab = model.config.vocab_size;
+    let (file, vocab, lm) = match (&a.model, &a.config) {
+        (Some(path), _) => {
+            let model = open_model(Some(path))?;
+            let lm = model.load_cpu(!a.json)?;
+            let file = model.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            (file, model.config.vocab_size, lm)
+        }
+        (None, Some(cfg_path)) => {
+            let (cfg, lm) = qinfer::loader::random_model(cfg_path, a.dtype.dtype())?;
+            let name = format!("{} (random {})", cfg_path.display(), a.dtype.dtype().name());
+            (name, cfg.vocab_size, lm)
+        }
+        (None, None) => bail!("pass --model, or --config with --random-weights"),
+    };
     let reps = a.repetitions.max(1);
     let mut rows = Vec::new();
-    let tests: [(&str, usize, BenchFn); 2] = [("pp", a.n_prompt, pp), ("tg", a.n_gen, tg)];
+    let mut tests: Vec<(&str, usize, BenchFn)> = a.n_prompt.iter().map(|&n| ("pp", n, pp as BenchFn)).collect();
+    tests.push(("tg", a.n_gen, tg));
     for (name, n, f) in tests {
         if n == 0 {
             continue;
@@ -87,7 +137,6 @@ pub fn main(a: Args) -> Result<()> {
             json!({"test": format!("{name}{n}"), "n_tokens": n, "avg_ts": m, "stddev_ts": s, "samples_ts": samples}),
         );
     }
-    let file = model.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
     if a.json {
         let out = json!({
             "model": file,

@@ -8,6 +8,7 @@ pub mod moe;
 
 use crate::backend::Backend;
 use crate::formats::TensorSource;
+use crate::models::random::RandomWeights;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -17,11 +18,16 @@ pub struct WeightLoader<'a, B: Backend> {
     pub backend: &'a B,
     /// Sees each tensor as it is placed (progress reporting).
     pub on_tensor: &'a dyn Fn(&Tensor),
+    /// Make every tensor up instead of reading `src` (benchmarks of real shapes).
+    pub random: Option<RandomWeights>,
 }
 
 impl<B: Backend> WeightLoader<'_, B> {
     /// The stored tensor, which must have one of `shapes`.
     pub fn tensor(&self, name: &str, shapes: &[&[usize]]) -> Result<Tensor> {
+        if let Some(r) = &self.random {
+            return r.tensor(name, shapes[0]);
+        }
         let t = self.src.tensor(name)?;
         if !shapes.iter().any(|s| t.shape == *s) {
             let want = shapes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(" or ");

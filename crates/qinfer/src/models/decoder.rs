@@ -13,6 +13,7 @@ use crate::layers::attention::Attention;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
+use crate::models::random::RandomWeights;
 use crate::models::rope::Rope;
 use crate::models::{LanguageModel, Logits, SequenceState, Snapshot};
 use crate::tensor::Tensor;
@@ -46,6 +47,25 @@ pub struct DecoderModel<B: Backend> {
     rope: Rope,
 }
 
+/// The source behind random weights: holds nothing, so every layout probe
+/// takes the default (per-expert tensors, `model.` prefix, lm_head as the config says).
+struct NoTensors;
+
+impl TensorSource for NoTensors {
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        Err(Error::tensor(name, "random-weight models have no stored tensors"))
+    }
+    fn contains(&self, _: &str) -> bool {
+        false
+    }
+    fn names(&self) -> Vec<String> {
+        vec![]
+    }
+    fn raw_tensor(&self, name: &str) -> Result<Tensor> {
+        self.tensor(name)
+    }
+}
+
 /// Where the text model's weights live: `model.` for text checkpoints,
 /// `model.language_model.` for Qwen3.5's multimodal hub checkpoints.
 fn text_prefix(src: &dyn TensorSource) -> &'static str {
@@ -71,7 +91,22 @@ impl<B: Backend> DecoderModel<B> {
     /// Loads weights by Hugging Face names. `on_tensor` sees each tensor as it is
     /// placed (progress reporting).
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B, on_tensor: &dyn Fn(&Tensor)) -> Result<Self> {
-        let ld = WeightLoader { src, backend: &backend, on_tensor };
+        Self::load_with(cfg, src, backend, on_tensor, None)
+    }
+
+    /// A model of `cfg`'s shape with made-up weights (see [`RandomWeights`]).
+    pub fn random(cfg: ModelConfig, backend: B, weights: RandomWeights) -> Result<Self> {
+        Self::load_with(cfg, &NoTensors, backend, &|_| {}, Some(weights))
+    }
+
+    fn load_with(
+        cfg: ModelConfig,
+        src: &dyn TensorSource,
+        backend: B,
+        on_tensor: &dyn Fn(&Tensor),
+        random: Option<RandomWeights>,
+    ) -> Result<Self> {
+        let ld = WeightLoader { src, backend: &backend, on_tensor, random };
         let h = cfg.hidden_size;
         let unit_offset = cfg.arch.is_hybrid();
         let root = text_prefix(src);
@@ -101,7 +136,7 @@ impl<B: Backend> DecoderModel<B> {
         let norm = ld.norm(&format!("{root}norm.weight"), h, unit_offset)?;
         // Some checkpoints declare untied embeddings yet omit lm_head; others
         // say tied and still ship a copy. Use lm_head whenever it exists.
-        let lm_head = if src.contains("lm_head.weight") {
+        let lm_head = if src.contains("lm_head.weight") || (random.is_some() && !cfg.tie_word_embeddings) {
             Some(ld.get("lm_head.weight", &[cfg.vocab_size, h])?)
         } else if cfg.tie_word_embeddings {
             None

@@ -2,6 +2,7 @@
 //! and exposes the object-safe [`LanguageModel`] interface to the engine.
 
 pub mod decoder;
+pub mod random;
 pub mod rope;
 
 use std::any::Any;

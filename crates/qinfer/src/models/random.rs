@@ -1,0 +1,95 @@
+//! Synthetic weights of a real model's shape, for benchmarking without the
+//! checkpoint: every tensor the model asks for is made on the spot in the
+//! requested storage type. Values are uniform with a 1/√fan-in scale so
+//! activations stay O(1); quantized types get random codes and scales directly.
+
+use half::{bf16, f16};
+
+use crate::tensor::{Bytes, DType, Tensor};
+use crate::{Error, Result};
+
+/// How to make the weights.
+#[derive(Debug, Clone, Copy)]
+pub struct RandomWeights {
+    /// Storage type of matrices; vectors (norms, gates' biases) are f32.
+    pub dtype: DType,
+    pub seed: u64,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64, name: &str) -> Self {
+        // FNV-1a of the name, so every tensor differs and runs repeat exactly.
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+        Rng((h ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+impl RandomWeights {
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let mut rng = Rng::new(self.seed, name);
+        let n: usize = shape.iter().product();
+        let fan_in = *shape.last().unwrap_or(&1);
+        if shape.len() == 1 {
+            // Norm weights, A_log, dt_bias: around 1.
+            let v: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
+            return Tensor::from_f32(name, shape.to_vec(), &v);
+        }
+        let scale = 1.0 / (fan_in as f32).sqrt();
+        let dtype = if fan_in.is_multiple_of(self.dtype.block_len()) { self.dtype } else { DType::F32 };
+        let mut bytes = Vec::with_capacity(dtype.bytes_for(n).ok_or_else(|| Error::tensor(name, "size overflow"))?);
+        match dtype {
+            DType::F32 => (0..n).for_each(|_| bytes.extend((scale * rng.uniform()).to_le_bytes())),
+            DType::F16 => (0..n).for_each(|_| bytes.extend(f16::from_f32(scale * rng.uniform()).to_le_bytes())),
+            DType::BF16 => (0..n).for_each(|_| bytes.extend(bf16::from_f32(scale * rng.uniform()).to_le_bytes())),
+            DType::Q8_0 => {
+                for _ in 0..n / 32 {
+                    bytes.extend(f16::from_f32(scale / 127.0).to_le_bytes());
+                    (0..32).for_each(|_| bytes.push(rng.next() as u8));
+                }
+            }
+            DType::Q4_0 | DType::Q4_1 => {
+                for _ in 0..n / 32 {
+                    bytes.extend(f16::from_f32(scale / 8.0).to_le_bytes());
+                    if dtype == DType::Q4_1 {
+                        bytes.extend(f16::from_f32(-scale).to_le_bytes());
+                    }
+                    (0..16).for_each(|_| bytes.push(rng.next() as u8));
+                }
+            }
+        }
+        Tensor::new(name.to_string(), dtype, shape.to_vec(), Bytes::from_vec(bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_type_makes_a_valid_tensor_of_the_shape() {
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let r = RandomWeights { dtype, seed: 1 };
+            let t = r.tensor("w", &[3, 64]).unwrap();
+            assert_eq!(t.shape, vec![3, 64]);
+            assert_eq!(t.dtype, dtype);
+            let v = t.to_f32_vec();
+            assert!(v.iter().all(|x| x.is_finite() && x.abs() <= 0.2), "{dtype:?}");
+            assert!(v.iter().any(|x| *x != 0.0));
+            // Same name and seed: same values; another name: different.
+            assert_eq!(r.tensor("w", &[3, 64]).unwrap().to_f32_vec(), v);
+            assert_ne!(r.tensor("w2", &[3, 64]).unwrap().to_f32_vec(), v);
+        }
+    }
+}
