@@ -110,6 +110,14 @@ pub fn random_model(config_path: &Path, dtype: DType) -> Result<(ModelConfig, Bo
 }
 
 impl LoadedModel {
+    /// Names of the multi-token-prediction head's tensors (`mtp.*`, Qwen3.5 and
+    /// Qwen3-Next checkpoints), read from `source` when speculative decoding uses them.
+    pub fn mtp_tensor_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.source.names().into_iter().filter(|n| n.starts_with("mtp.")).collect();
+        names.sort();
+        names
+    }
+
     /// Places the weights on the CPU backend, with a progress bar on stderr when
     /// loading takes more than a moment.
     pub fn load_cpu(&self, show_progress: bool) -> Result<Box<dyn LanguageModel>> {

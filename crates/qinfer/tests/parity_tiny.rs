@@ -147,3 +147,15 @@ fn sequences_longer_than_capacity_are_errors() {
     let e = lm.forward(seq.as_mut(), &[100_000], Logits::Last).unwrap_err();
     assert!(e.to_string().contains("out of range"), "{e}");
 }
+
+#[test]
+fn qwen3_5_hub_checkpoint_keeps_mtp_reachable_and_skips_the_vision_tower() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3_5");
+    let m = loader::open(&dir).unwrap();
+    let mtp = m.mtp_tensor_names();
+    assert!(mtp.iter().any(|n| n == "mtp.fc.weight"), "{mtp:?}");
+    let t = m.source.tensor("mtp.fc.weight").unwrap();
+    assert_eq!(t.shape.len(), 2);
+    assert!(m.source.names().iter().any(|n| n.starts_with("model.visual.")));
+    m.load_cpu(false).unwrap();
+}
