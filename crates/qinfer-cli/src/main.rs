@@ -11,6 +11,9 @@ struct Cli {
     /// Worker threads for the CPU backend (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a `--features cuda` build).
+    #[arg(long, global = true, default_value = "cpu")]
+    device: qinfer::loader::Device,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,
@@ -47,11 +50,11 @@ fn main() {
         std::process::exit(2);
     }
     let result = match cli.command {
-        Command::Run(a) => commands::run::main(a),
-        Command::Generate(a) => commands::generate::main(a),
-        Command::Score(a) => commands::score::main(a),
-        Command::Perplexity(a) => commands::perplexity::main(a),
-        Command::Bench(a) => commands::bench::main(a),
+        Command::Run(a) => commands::run::main(a, cli.device),
+        Command::Generate(a) => commands::generate::main(a, cli.device),
+        Command::Score(a) => commands::score::main(a, cli.device),
+        Command::Perplexity(a) => commands::perplexity::main(a, cli.device),
+        Command::Bench(a) => commands::bench::main(a, cli.device),
         Command::Inspect(a) => commands::inspect::main(a),
     };
     if let Err(e) = result {

@@ -19,6 +19,55 @@ use crate::tensor::{DType, Tensor};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
+/// Where a model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    /// CUDA device by ordinal (builds with the `cuda` feature).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
+            },
+        }
+    }
+}
+
+/// Where a model's weights come from.
+enum Weights<'a> {
+    Files(&'a dyn TensorSource, &'a dyn Fn(&Tensor)),
+    Random(RandomWeights),
+}
+
+/// A model of `cfg` on `device`.
+fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Result<Box<dyn LanguageModel>> {
+    fn build<B: crate::backend::Backend + 'static>(
+        cfg: ModelConfig,
+        weights: Weights,
+        backend: B,
+    ) -> Result<Box<dyn LanguageModel>> {
+        Ok(Box::new(match weights {
+            Weights::Files(src, on_tensor) => DecoderModel::load(cfg, src, backend, on_tensor)?,
+            Weights::Random(r) => DecoderModel::random(cfg, backend, r)?,
+        }))
+    }
+    match device {
+        Device::Cpu => build(cfg, weights, CpuBackend::new()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => build(cfg, weights, crate::backend::cuda::CudaBackend::new(n)?),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::Invalid("this build has no CUDA support: rebuild with `--features cuda`".into())),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelFormat {
     Safetensors,
@@ -102,11 +151,11 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
 
 /// A model of the shape `config.json` describes, with random weights stored as
 /// `dtype` (see [`RandomWeights`]), on the CPU backend.
-pub fn random_model(config_path: &Path, dtype: DType) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
+pub fn random_model(config_path: &Path, dtype: DType, device: Device) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
     let json = read_json(config_path)?;
     let cfg = ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))?;
-    let model = DecoderModel::random(cfg.clone(), CpuBackend::new(), RandomWeights { dtype, seed: 0 })?;
-    Ok((cfg, Box::new(model)))
+    let model = place(cfg.clone(), Weights::Random(RandomWeights { dtype, seed: 0 }), device)?;
+    Ok((cfg, model))
 }
 
 impl LoadedModel {
@@ -118,9 +167,14 @@ impl LoadedModel {
         names
     }
 
-    /// Places the weights on the CPU backend, with a progress bar on stderr when
-    /// loading takes more than a moment.
+    /// Places the weights on the CPU backend (see [`LoadedModel::load`]).
     pub fn load_cpu(&self, show_progress: bool) -> Result<Box<dyn LanguageModel>> {
+        self.load(Device::Cpu, show_progress)
+    }
+
+    /// Places the weights on `device`, with a progress bar on stderr when
+    /// loading takes more than a moment.
+    pub fn load(&self, device: Device, show_progress: bool) -> Result<Box<dyn LanguageModel>> {
         let total: u64 = self.files.iter().map(|f| f.1).sum();
         let bar = indicatif::ProgressBar::hidden();
         bar.set_length(total);
@@ -142,8 +196,8 @@ impl LoadedModel {
                 bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             }
         };
-        let model = DecoderModel::load(self.config.clone(), self.source.as_ref(), CpuBackend::new(), &on_tensor)?;
+        let model = place(self.config.clone(), Weights::Files(self.source.as_ref(), &on_tensor), device)?;
         bar.finish_and_clear();
-        Ok(Box::new(model))
+        Ok(model)
     }
 }

@@ -60,6 +60,10 @@ pub struct Args {
     /// Generated tokens for the tg test (0 skips it).
     #[arg(short = 'n', long = "n-gen", default_value_t = 64)]
     n_gen: usize,
+    /// Tokens already in the context before each test (llama-bench's -d):
+    /// decode and prefill then attend over this many earlier positions.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
     /// Repetitions.
     #[arg(short = 'r', long, default_value_t = 5)]
     repetitions: usize,
@@ -68,8 +72,8 @@ pub struct Args {
     json: bool,
 }
 
-/// One llama-bench test: tokens in, tok/s out.
-type BenchFn = fn(&dyn LanguageModel, &[u32]) -> Result<f64>;
+/// One llama-bench test: context tokens first (untimed), then the timed tokens; tok/s out.
+type BenchFn = fn(&dyn LanguageModel, &[u32], &[u32]) -> Result<f64>;
 
 fn tokens(n: usize, vocab: usize) -> Vec<u32> {
     // A fixed pseudo-random sequence: content does not change the work done.
@@ -84,15 +88,23 @@ fn tokens(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn pp(lm: &dyn LanguageModel, ids: &[u32]) -> Result<f64> {
-    let mut seq = lm.new_sequence(ids.len());
+fn context(lm: &dyn LanguageModel, ctx: &[u32], extra: usize) -> Result<Box<dyn qinfer::models::SequenceState>> {
+    let mut seq = lm.new_sequence(ctx.len() + extra);
+    for chunk in ctx.chunks(2048) {
+        lm.forward(seq.as_mut(), chunk, Logits::Last)?;
+    }
+    Ok(seq)
+}
+
+fn pp(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
+    let mut seq = context(lm, ctx, ids.len())?;
     let t = Instant::now();
     lm.forward(seq.as_mut(), ids, Logits::Last)?;
     Ok(ids.len() as f64 / t.elapsed().as_secs_f64())
 }
 
-fn tg(lm: &dyn LanguageModel, ids: &[u32]) -> Result<f64> {
-    let mut seq = lm.new_sequence(ids.len());
+fn tg(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
+    let mut seq = context(lm, ctx, ids.len())?;
     let t = Instant::now();
     for id in ids {
         lm.forward(seq.as_mut(), std::slice::from_ref(id), Logits::Last)?;
@@ -106,16 +118,16 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let (file, vocab, lm) = match (&a.model, &a.config) {
         (Some(path), _) => {
             let model = open_model(Some(path))?;
-            let lm = model.load_cpu(!a.json)?;
+            let lm = model.load(device, !a.json)?;
             let file = model.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
             (file, model.config.vocab_size, lm)
         }
         (None, Some(cfg_path)) => {
-            let (cfg, lm) = qinfer::loader::random_model(cfg_path, a.dtype.dtype())?;
+            let (cfg, lm) = qinfer::loader::random_model(cfg_path, a.dtype.dtype(), device)?;
             let name = format!("{} (random {})", cfg_path.display(), a.dtype.dtype().name());
             (name, cfg.vocab_size, lm)
         }
@@ -129,12 +141,14 @@ pub fn main(a: Args) -> Result<()> {
         if n == 0 {
             continue;
         }
-        let ids = tokens(n, vocab);
-        f(lm.as_ref(), &ids)?;
-        let samples = (0..reps).map(|_| f(lm.as_ref(), &ids)).collect::<Result<Vec<_>>>()?;
+        let all = tokens(a.depth + n, vocab);
+        let (ctx, ids) = all.split_at(a.depth);
+        f(lm.as_ref(), ctx, ids)?;
+        let samples = (0..reps).map(|_| f(lm.as_ref(), ctx, ids)).collect::<Result<Vec<_>>>()?;
         let (m, s) = mean_std(&samples);
+        let test = if a.depth > 0 { format!("{name}{n} @ d{}", a.depth) } else { format!("{name}{n}") };
         rows.push(
-            json!({"test": format!("{name}{n}"), "n_tokens": n, "avg_ts": m, "stddev_ts": s, "samples_ts": samples}),
+            json!({"test": test, "n_tokens": n, "depth": a.depth, "avg_ts": m, "stddev_ts": s, "samples_ts": samples}),
         );
     }
     if a.json {

@@ -28,10 +28,10 @@ pub struct Args {
     sampling: SamplingArgs,
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let ids = a.input.token_ids(&model)?;
-    let lm = model.load_cpu(!a.json)?;
+    let lm = model.load(device, !a.json)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model) };
     let opts = GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stops, prefill_chunk: 512 };

@@ -21,7 +21,7 @@ pub struct Args {
     ctx: usize,
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let tok = model.tokenizer.as_ref().context("perplexity needs a tokenizer; this model has none")?;
     let mut text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
@@ -34,7 +34,7 @@ pub fn main(a: Args) -> Result<()> {
     // As llama-perplexity: the vocabulary's add-BOS setting decides whether each chunk starts with BOS.
     let bos = tok.encode("", true)?.first().copied();
     eprintln!("{} tokens, {} chunks of {}", tokens.len(), tokens.len() / a.ctx, a.ctx);
-    let lm = model.load_cpu(true)?;
+    let lm = model.load(device, true)?;
     let r = perplexity(lm.as_ref(), &tokens, a.ctx, bos, |i, p| {
         eprint!("[{}]{:.4},", i + 1, p);
         std::io::stderr().flush().ok();

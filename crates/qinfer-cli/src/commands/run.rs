@@ -29,7 +29,7 @@ pub struct Args {
     sampling: SamplingArgs,
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(a.model.as_ref())?;
     let tok =
         model.tokenizer.as_ref().context("`run` needs a tokenizer; this model has none (use `generate --tokens`)")?;
@@ -48,7 +48,7 @@ pub fn main(a: Args) -> Result<()> {
     };
     // The template already wrote any BOS it wants.
     let ids = tok.encode(&text, !tok.has_chat_template())?;
-    let lm = model.load_cpu(true)?;
+    let lm = model.load(device, true)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let opts = GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stop_tokens(&model), prefill_chunk: 512 };
     let mut stream = tok.stream_decoder();

@@ -22,10 +22,10 @@ pub struct Args {
     chunk: usize,
 }
 
-pub fn main(a: Args) -> Result<()> {
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let ids = a.input.token_ids(&model)?;
-    let lm = model.load_cpu(true)?;
+    let lm = model.load(device, true)?;
     let mut seq = lm.new_sequence(ids.len());
     let mut logits = Vec::with_capacity(ids.len() * model.config.vocab_size);
     for part in ids.chunks(a.chunk.max(1)) {

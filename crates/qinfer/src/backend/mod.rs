@@ -3,6 +3,8 @@
 //! decides layout, precision of intermediates and parallelism.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::Result;
 use crate::config::GdnConfig;
@@ -60,10 +62,17 @@ pub trait Backend: Send + Sync {
     type GdnState: Clone + Send + 'static;
 
     fn name(&self) -> String;
+    /// Reports a failure of earlier asynchronous work (device backends), after
+    /// waiting for it to finish.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
     /// Places a stored tensor (1-D vectors or 2-D `[out, in]` matrices).
     fn upload(&self, t: &Tensor) -> Result<Self::Weight>;
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
 
+    /// Activations from host values (tests, and inputs that start on the host).
+    fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Act;
     /// Rows of an embedding table `[vocab, dim]`.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Act>;
     /// `x · Wᵀ (+ bias)`.

@@ -187,7 +187,9 @@ impl<B: Backend> DecoderModel<B> {
         };
         let h = b.rms_norm(&h, &self.norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(b.to_host(&b.linear(&h, head, None)))
+        let out = b.to_host(&b.linear(&h, head, None));
+        b.check()?;
+        Ok(out)
     }
 }
 

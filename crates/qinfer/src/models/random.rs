@@ -4,6 +4,7 @@
 //! activations stay O(1); quantized types get random codes and scales directly.
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
@@ -48,11 +49,26 @@ impl RandomWeights {
         }
         let scale = 1.0 / (fan_in as f32).sqrt();
         let dtype = if fan_in.is_multiple_of(self.dtype.block_len()) { self.dtype } else { DType::F32 };
+        if let DType::F32 | DType::F16 | DType::BF16 = dtype {
+            // Rows in parallel, each from its own stream: multi-GB models build in seconds.
+            let width = dtype.block_bytes();
+            let mut bytes = vec![0u8; n * width];
+            bytes.par_chunks_mut(fan_in * width).enumerate().for_each(|(r, row)| {
+                let mut rng = Rng::new(self.seed ^ (r as u64).wrapping_mul(0xD134_2543_DE82_EF95), name);
+                for v in row.chunks_exact_mut(width) {
+                    let x = scale * rng.uniform();
+                    match dtype {
+                        DType::F16 => v.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+                        DType::BF16 => v.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+                        _ => v.copy_from_slice(&x.to_le_bytes()),
+                    }
+                }
+            });
+            return Tensor::new(name.to_string(), dtype, shape.to_vec(), Bytes::from_vec(bytes));
+        }
         let mut bytes = Vec::with_capacity(dtype.bytes_for(n).ok_or_else(|| Error::tensor(name, "size overflow"))?);
         match dtype {
-            DType::F32 => (0..n).for_each(|_| bytes.extend((scale * rng.uniform()).to_le_bytes())),
-            DType::F16 => (0..n).for_each(|_| bytes.extend(f16::from_f32(scale * rng.uniform()).to_le_bytes())),
-            DType::BF16 => (0..n).for_each(|_| bytes.extend(bf16::from_f32(scale * rng.uniform()).to_le_bytes())),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("handled above"),
             DType::Q8_0 => {
                 for _ in 0..n / 32 {
                     bytes.extend(f16::from_f32(scale / 127.0).to_le_bytes());

@@ -112,6 +112,10 @@ impl Backend for CpuBackend {
         ContiguousKv::new(num_layers, kv_dim, capacity)
     }
 
+    fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CpuAct {
+        CpuAct::from_vec(rows, cols, data.to_vec())
+    }
+
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuAct> {
         let m = table.matrix();
         let mut out = CpuAct::zeros(ids.len(), m.cols);

@@ -1,0 +1,351 @@
+// qinfer's CUDA kernels, compiled at run time by NVRTC for the device's
+// architecture. Activations are f32 row-major [rows, cols]; weights are stored
+// as in the checkpoint (bf16, f16 or f32) and converted as they are read. Each
+// kernel's CPU reference is the CPU backend's op of the same name.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024).
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int nwarps = blockDim.x >> 5;
+    v = (threadIdx.x < nwarps) ? partial[threadIdx.x] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    float r = partial[0];
+    __syncthreads();
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// Embedding rows: out[r] = table[ids[r]].
+template <typename T>
+__device__ void embed(const T* table, const unsigned* ids, float* out, int cols) {
+    const T* row = table + (size_t)ids[blockIdx.x] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(size_t)blockIdx.x * cols + c] = to_f32(row[c]);
+}
+extern "C" __global__ void embed_bf16(const __nv_bfloat16* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
+extern "C" __global__ void embed_f16(const __half* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
+extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
+
+// ---------------------------------------------------------------------------
+// Decode GEMV for up to 8 activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
+// One warp per output row; each lane reads 16 bytes of the weight row per step
+// (8 bf16/f16 values, or 4 f32), so a warp streams 512 contiguous bytes, and the
+// weight is read once for all activation rows. Memory bound by design: the
+// weights are the bytes that must move.
+#define GEMV_MAX_ROWS 8
+
+template <typename T, int VEC>
+__device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
+                     float* __restrict__ y, int out_dim, int in_dim, int n_rows) {
+    int warps = blockDim.x >> 5;
+    int o = blockIdx.x * warps + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (o >= out_dim) return;
+    const T* row = w + (size_t)o * in_dim;
+    float acc[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_ROWS; t++) acc[t] = 0.0f;
+    // Vector path over the largest multiple of 32*VEC; scalar tail after.
+    // (16-byte loads need every row 16-byte aligned: in_dim a multiple of VEC.)
+    int vec_end = in_dim % VEC == 0 ? (in_dim / (32 * VEC)) * (32 * VEC) : 0;
+    for (int c = lane * VEC; c < vec_end; c += 32 * VEC) {
+        uint4 packed = *reinterpret_cast<const uint4*>(row + c);
+        const T* wv = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_ROWS; t++) {
+            if (t < n_rows) {
+                const float* xr = x + (size_t)t * in_dim + c;
+#pragma unroll
+                for (int j = 0; j < VEC; j++) acc[t] += to_f32(wv[j]) * xr[j];
+            }
+        }
+    }
+    for (int c = vec_end + lane; c < in_dim; c += 32) {
+        float wv = to_f32(row[c]);
+        for (int t = 0; t < n_rows; t++) acc[t] += wv * x[(size_t)t * in_dim + c];
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
+        if (t < n_rows) {
+            float s = warp_sum(acc[t]);
+            if (lane == 0) y[(size_t)t * out_dim + o] = s + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+extern "C" __global__ void gemv_bf16(const __nv_bfloat16* w, const float* x, const float* b, float* y, int o, int i, int n) {
+    gemv<__nv_bfloat16, 8>(w, x, b, y, o, i, n);
+}
+extern "C" __global__ void gemv_f16(const __half* w, const float* x, const float* b, float* y, int o, int i, int n) {
+    gemv<__half, 8>(w, x, b, y, o, i, n);
+}
+extern "C" __global__ void gemv_f32(const float* w, const float* x, const float* b, float* y, int o, int i, int n) {
+    gemv<float, 4>(w, x, b, y, o, i, n);
+}
+
+// Small stored tensors (conv weights) to f32.
+extern "C" __global__ void bf16_to_f32(const __nv_bfloat16* x, float* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __bfloat162float(x[i]);
+}
+extern "C" __global__ void f16_to_f32(const __half* x, float* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __half2float(x[i]);
+}
+
+// Activations to the weight's type for a cuBLAS GEMM.
+extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(x[i]);
+}
+extern "C" __global__ void f32_to_f16(const float* x, __half* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2half(x[i]);
+}
+
+// x ≈ hi + lo in two bf16 (or f16) halves: a GEMM over each, summed, sees the
+// activations to about 16 bits instead of 8.
+extern "C" __global__ void f32_split_bf16(const float* x, __nv_bfloat16* hi, __nv_bfloat16* lo, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    __nv_bfloat16 h = __float2bfloat16(x[i]);
+    hi[i] = h;
+    lo[i] = __float2bfloat16(x[i] - __bfloat162float(h));
+}
+extern "C" __global__ void f32_split_f16(const float* x, __half* hi, __half* lo, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    __half h = __float2half(x[i]);
+    hi[i] = h;
+    lo[i] = __float2half(x[i] - __half2float(h));
+}
+
+// y[r][c] += bias[c]
+extern "C" __global__ void add_bias(float* y, const float* bias, int cols, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) y[i] += bias[i % cols];
+}
+
+// ---------------------------------------------------------------------------
+// RMSNorm over each group of `group` values: out = x·rsqrt(mean(x²)+eps)·w.
+// With `z`, the gated form: ·silu(z) (the Gated DeltaNet output norm).
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, int group, float eps) {
+    const float* xg = x + (size_t)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < group; c += blockDim.x) ss += xg[c] * xg[c];
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / group + eps);
+    for (int c = threadIdx.x; c < group; c += blockDim.x) {
+        size_t i = (size_t)blockIdx.x * group + c;
+        float v = w[c] * (xg[c] * inv);
+        if (z) {
+            float g = z[i];
+            v *= g / (1.0f + expf(-g));
+        }
+        out[i] = v;
+    }
+}
+
+// RoPE in place on every head of every row; one thread per rotated pair.
+// style 0: rotate_half (i, i + rot/2); style 1: adjacent pairs (2i, 2i+1).
+// Row r is at position start + r.
+extern "C" __global__ void rope(float* x, int start, const float* inv_freq, int rows, int cols,
+                                int head_dim, int rotary_dim, int style) {
+    int half = rotary_dim / 2;
+    int heads = cols / head_dim;
+    long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * heads * half) return;
+    int i = idx % half;
+    int h = (idx / half) % heads;
+    int r = idx / ((long)half * heads);
+    float angle = (float)(start + r) * inv_freq[i];
+    float c = (float)cos((double)angle), s = (float)sin((double)angle);
+    float* head = x + (size_t)r * cols + (size_t)h * head_dim;
+    int ia = style == 0 ? i : 2 * i, ib = style == 0 ? i + half : 2 * i + 1;
+    float a = head[ia], b = head[ib];
+    head[ia] = a * c - b * s;
+    head[ib] = b * c + a * s;
+}
+
+// ---------------------------------------------------------------------------
+// Causal (optionally sliding-window) GQA attention over the f32 cache. One
+// block per (query row, head): scores for every visible key in shared memory,
+// softmax, then the weighted sum of values. The simple form; a split-K
+// flash-decoding kernel replaces it for long contexts.
+extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out, int start,
+                                     int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
+    extern __shared__ float scores[];
+    int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+    int kvh = h / (num_heads / num_kv_heads);
+    int pos = start + t;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos + 1 - first;
+    int kv_dim = num_kv_heads * head_dim;
+    const float* qh = q + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = warp; j < n; j += warps) {
+        const float* k = keys + (size_t)(first + j) * kv_dim + (size_t)kvh * head_dim;
+        float d = 0.0f;
+        for (int c = lane; c < head_dim; c += 32) d += qh[c] * k[c];
+        d = warp_sum(d);
+        if (lane == 0) scores[j] = d * scale;
+    }
+    __syncthreads();
+    float m = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+    __shared__ float red[32];
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = -__int_as_float(0x7f800000);
+    for (int w = 0; w < warps; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    float inv = 1.0f / sum;
+    float* o = out + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc += scores[j] * values[(size_t)(first + j) * kv_dim + (size_t)kvh * head_dim + c];
+        o[c] = acc * inv;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise.
+extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+extern "C" __global__ void add_assign(float* x, const float* y, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+// x ⊙ sigmoid(gate); gate_cols is x's width or 1 (a per-row scalar).
+extern "C" __global__ void mul_sigmoid(float* x, const float* gate, int cols, int gate_cols, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate_cols == cols ? gate[i] : gate[i / cols];
+    x[i] *= 1.0f / (1.0f + expf(-g));
+}
+// dst[r][dst_off + g*len + j] = src[r][g*group + offset + j]: splits and concatenations.
+extern "C" __global__ void copy_columns(const float* src, float* dst, int rows, int src_cols, int group, int offset,
+                                        int len, int dst_cols, int dst_off) {
+    int groups = src_cols / group;
+    long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * groups * len) return;
+    int j = idx % len;
+    int g = (idx / len) % groups;
+    int r = idx / ((long)len * groups);
+    dst[(size_t)r * dst_cols + dst_off + g * len + j] = src[(size_t)r * src_cols + (size_t)g * group + offset + j];
+}
+// out[i] = x[idx[i]] (rows) — tokens routed to one expert.
+extern "C" __global__ void gather_rows(const float* x, const int* idx, float* out, int cols) {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[(size_t)blockIdx.x * cols + c] = x[(size_t)idx[blockIdx.x] * cols + c];
+}
+// out[idx[i]] += w[i]·y[i] — one expert's outputs back into the token rows (an
+// expert sees each token at most once, so rows never collide within a launch).
+extern "C" __global__ void scatter_add_rows(const float* y, const int* idx, const float* w, float* out, int cols) {
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        out[(size_t)idx[blockIdx.x] * cols + c] += w[blockIdx.x] * y[(size_t)blockIdx.x * cols + c];
+}
+
+// ---------------------------------------------------------------------------
+// Gated DeltaNet. Depthwise causal conv1d + SiLU, one thread per channel,
+// walking the rows in order; `window` holds the last kernel-1 inputs
+// [kernel-1, channels] and is updated. Weight [channels, kernel].
+extern "C" __global__ void gdn_conv(const float* x, const float* w, float* window, float* out, int rows, int channels,
+                                    int kernel) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float hist[8];  // kernel - 1 <= 8
+    int h = kernel - 1;
+    for (int j = 0; j < h; j++) hist[j] = window[(size_t)j * channels + c];
+    for (int t = 0; t < rows; t++) {
+        float xt = x[(size_t)t * channels + c];
+        float acc = 0.0f;
+        for (int j = 0; j < h; j++) acc += w[c * kernel + j] * hist[j];
+        acc += w[c * kernel + h] * xt;
+        out[(size_t)t * channels + c] = acc / (1.0f + expf(-acc));
+        for (int j = 0; j + 1 < h; j++) hist[j] = hist[j + 1];
+        if (h > 0) hist[h - 1] = xt;
+    }
+    for (int j = 0; j < h; j++) window[(size_t)j * channels + c] = hist[j];
+}
+
+// Per token: q, k L2-normalized per key head (q also ·1/√dk); g and β per value head.
+extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const float* b, const float* a_log,
+                                       const float* dt_bias, float* g, float* beta, int nk, int nv, int dk) {
+    int t = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int hh = warp; hh < 2 * nk; hh += warps) {
+        float* v = (hh < nk ? q : k) + ((size_t)t * nk + (hh % nk)) * dk;
+        float ss = 0.0f;
+        for (int c = lane; c < dk; c += 32) ss += v[c] * v[c];
+        ss = warp_sum(ss);
+        float inv = rsqrtf(ss + 1e-6f) * (hh < nk ? rsqrtf((float)dk) : 1.0f);
+        for (int c = lane; c < dk; c += 32) v[c] *= inv;
+    }
+    for (int h = threadIdx.x; h < nv; h += blockDim.x) {
+        size_t i = (size_t)t * nv + h;
+        float x = a[i] + dt_bias[h];
+        float sp = x > 20.0f ? x : log1pf(expf(x));
+        g[i] = -expf(a_log[h]) * sp;
+        beta[i] = 1.0f / (1.0f + expf(-b[i]));
+    }
+}
+
+// The recurrent gated delta rule over `rows` tokens. One block per value head,
+// one thread per value column j: the thread owns column S[:, j] of the f32
+// state [dk, dv] (kept in global memory; it stays in L1/L2).
+extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const float* v, const float* g,
+                                         const float* beta, float* state, float* out, int rows, int nk, int nv, int dk,
+                                         int dv) {
+    int h = blockIdx.x, j = threadIdx.x;
+    int kh = h / (nv / nk);
+    float* s = state + (size_t)h * dk * dv;
+    for (int t = 0; t < rows; t++) {
+        const float* qt = q + ((size_t)t * nk + kh) * dk;
+        const float* kt = k + ((size_t)t * nk + kh) * dk;
+        float decay = expf(g[(size_t)t * nv + h]);
+        float bt = beta[(size_t)t * nv + h];
+        if (j < dv) {
+            float mem = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float e = s[(size_t)i * dv + j] * decay;
+                s[(size_t)i * dv + j] = e;
+                mem += kt[i] * e;
+            }
+            float delta = (v[((size_t)t * nv + h) * dv + j] - mem) * bt;
+            float o = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float e = s[(size_t)i * dv + j] + kt[i] * delta;
+                s[(size_t)i * dv + j] = e;
+                o += qt[i] * e;
+            }
+            out[((size_t)t * nv + h) * dv + j] = o;
+        }
+    }
+}

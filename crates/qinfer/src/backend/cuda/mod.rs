@@ -1,0 +1,850 @@
+//! The CUDA backend: f32 activations on the device, weights kept in their
+//! stored type (bf16, f16, f32) in device memory, kernels from kernels.cu
+//! (NVRTC, see compile.rs), cuBLAS for multi-row GEMMs. Everything stays on one
+//! stream. The CUDA libraries load at run time, so this builds without CUDA.
+//!
+//! The `Backend` ops are infallible by signature; a failing CUDA call records a
+//! sticky error, later launches are skipped, and the model's forward returns
+//! the error through [`Backend::check`].
+
+mod compile;
+mod types;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use crate::config::{GdnConfig, RopeStyle};
+use crate::models::rope::Rope;
+use crate::tensor::{DType, Tensor};
+use crate::{Error, Result};
+pub use types::{CudaAct, CudaGdnState, CudaKv, CudaWeight};
+
+const KERNEL_NAMES: &[&str] = &[
+    "embed_bf16",
+    "embed_f16",
+    "embed_f32",
+    "gemv_bf16",
+    "gemv_f16",
+    "gemv_f32",
+    "bf16_to_f32",
+    "f16_to_f32",
+    "f32_to_bf16",
+    "f32_to_f16",
+    "f32_split_bf16",
+    "f32_split_f16",
+    "add_bias",
+    "rms_norm",
+    "rope",
+    "attention",
+    "silu_mul",
+    "add_assign",
+    "mul_sigmoid",
+    "copy_columns",
+    "gather_rows",
+    "scatter_add_rows",
+    "gdn_conv",
+    "gdn_prepare",
+    "gdn_recurrent",
+];
+
+/// Rows at or below this go through the GEMV kernel; above, cuBLAS.
+const GEMV_MAX_ROWS: usize = 8;
+
+pub struct CudaBackend {
+    ordinal: usize,
+    device_name: String,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: HashMap<&'static str, CudaFunction>,
+    error: Mutex<Option<String>>,
+    /// Fill every new activation with NaN (kernel tests: unwritten outputs show).
+    poison: bool,
+    /// Multi-row GEMMs see activations as two bf16/f16 halves (two GEMMs)
+    /// instead of one rounding: twice the FLOPs, ~16-bit activations.
+    split_activations: bool,
+    /// Keys the attention kernel's shared memory holds.
+    max_attention_keys: usize,
+    /// RoPE inverse frequencies on the device, by their bits: uploaded once,
+    /// not on every call (a host-to-device copy would stall the stream).
+    rope_tables: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
+}
+
+/// A raw device pointer for a kernel argument (one stream, no event tracking).
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+fn blocks(n: usize, threads: u32) -> (u32, u32, u32) {
+    (n.div_ceil(threads as usize).max(1) as u32, 1, 1)
+}
+
+fn cfg(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }
+}
+
+/// A kernel argument: a device pointer or a scalar.
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl From<u64> for Arg {
+    fn from(v: u64) -> Self {
+        Arg::Ptr(v)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Self {
+        Arg::I32(v)
+    }
+}
+impl From<i64> for Arg {
+    fn from(v: i64) -> Self {
+        Arg::I64(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Self {
+        Arg::F32(v)
+    }
+}
+
+/// Launches kernel `$name` with `$cfg` and the arguments, unless an earlier
+/// call failed; records a failure.
+macro_rules! launch {
+    ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let args: Vec<Arg> = vec![$(Arg::from($arg)),*];
+        $self.launch_args($name, $cfg, &args);
+    }};
+}
+
+impl CudaBackend {
+    /// True when the CUDA libraries load and at least one device is visible:
+    /// callers that may skip GPU work (tests) ask this, then treat any
+    /// failure of [`CudaBackend::new`] as an error.
+    pub fn available() -> bool {
+        // SAFETY: only tries to open the shared libraries.
+        let libs = unsafe {
+            cudarc::driver::sys::is_culib_present()
+                && cudarc::nvrtc::sys::is_culib_present()
+                && cudarc::cublas::sys::is_culib_present()
+        };
+        libs && CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+    }
+
+    /// Opens device `ordinal` and compiles (or loads cached) kernels for it.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let err = |what: &str, e: &dyn std::fmt::Display| Error::Invalid(format!("cuda:{ordinal}: {what}: {e}"));
+        // cudarc panics on first use of a library it cannot load: look first.
+        // SAFETY: only tries to open the shared libraries.
+        let present = unsafe {
+            [
+                ("the CUDA driver (libcuda)", cudarc::driver::sys::is_culib_present()),
+                ("NVRTC (libnvrtc)", cudarc::nvrtc::sys::is_culib_present()),
+                ("cuBLAS (libcublas)", cudarc::cublas::sys::is_culib_present()),
+            ]
+        };
+        if let Some((lib, _)) = present.iter().find(|(_, ok)| !ok) {
+            return Err(Error::Invalid(format!("cuda:{ordinal}: {lib} is not installed or not on the library path")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| err("cannot open the device", &e))?;
+        // One stream: no cross-stream events needed on every launch.
+        // SAFETY: called before any allocation on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", &e))?;
+        let device_name = ctx.name().map_err(|e| err("device name", &e))?;
+        // Hopper's architecture-specific features need the `a` target.
+        let suffix = if major >= 9 { "a" } else { "" };
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str());
+        let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
+        let mut kernels = HashMap::new();
+        for name in KERNEL_NAMES {
+            kernels.insert(*name, module.load_function(name).map_err(|e| err(name, &e))?);
+        }
+        // The simple attention kernel keeps one score per key in shared memory:
+        // let it use all the device allows per block.
+        let max_shared = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .unwrap_or(48 * 1024);
+        kernels["attention"]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                max_shared - 1024,
+            )
+            .map_err(|e| err("attention shared memory", &e))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
+        Ok(CudaBackend {
+            ordinal,
+            device_name,
+            stream,
+            blas,
+            kernels,
+            error: Mutex::new(None),
+            poison: false,
+            split_activations: false,
+            max_attention_keys: (max_shared as usize - 1024) / 4,
+            rope_tables: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn launch_args(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) {
+        if self.failed() {
+            return;
+        }
+        let f = &self.kernels[name];
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every pointer argument points into a live allocation of at
+        // least the size the kernel indexes, which the calling op's shapes ensure.
+        let r = unsafe { b.launch(cfg) };
+        self.record(r.map(|_| ()), name);
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().map(|e| e.is_some()).unwrap_or(true)
+    }
+
+    fn record<E: std::fmt::Display>(&self, r: std::result::Result<(), E>, what: &str) {
+        if let Err(e) = r
+            && let Ok(mut slot) = self.error.lock()
+            && slot.is_none()
+        {
+            *slot = Some(format!("{what}: {e}"));
+        }
+    }
+
+    /// A device buffer of `n` zeros (one element after a failure, never used then).
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
+        match self.stream.alloc_zeros::<T>(n.max(1)) {
+            Ok(s) => s,
+            Err(e) => {
+                self.record(Err(e), &format!("allocating {n} values"));
+                self.stream.alloc_zeros::<T>(1).expect("CUDA cannot allocate even one value")
+            }
+        }
+    }
+
+    /// New activations are NaN-filled instead of zeroed, so a kernel that
+    /// leaves an element unwritten fails its test.
+    pub fn with_poisoned_outputs(mut self) -> Self {
+        self.poison = true;
+        self
+    }
+
+    /// Prefill GEMMs carry activations at about 16 bits (see `split_activations`).
+    pub fn with_split_activations(mut self) -> Self {
+        self.split_activations = true;
+        self
+    }
+
+    fn act(&self, rows: usize, cols: usize) -> CudaAct {
+        let buf = self.zeros::<f32>(rows * cols);
+        if self.poison && !self.failed() {
+            // SAFETY: the range is exactly the allocation.
+            let r = unsafe {
+                cudarc::driver::result::memset_d8_async(self.p(&buf), 0xff, buf.len() * 4, self.stream.cu_stream())
+            };
+            self.record(r, "poisoning an output");
+        }
+        CudaAct { rows, cols, buf }
+    }
+
+    fn upload_slice<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, v: &[T]) -> CudaSlice<T> {
+        match self.stream.clone_htod(v) {
+            Ok(s) => s,
+            Err(e) => {
+                self.record(Err(e), "host-to-device copy");
+                self.zeros(1)
+            }
+        }
+    }
+
+    fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+        ptr(s, &self.stream)
+    }
+
+    /// A matrix weight's values as f32 on the device (small tensors: conv weights).
+    fn matrix_f32(&self, w: &CudaWeight) -> CudaSlice<f32> {
+        let (dtype, n, buf) = match w {
+            CudaWeight::Matrix { dtype, rows, cols, buf } => (*dtype, rows * cols, buf),
+            CudaWeight::Vector(v) => return v.clone(),
+        };
+        let out = self.zeros::<f32>(n);
+        let kernel = match dtype {
+            DType::BF16 => "bf16_to_f32",
+            DType::F16 => "f16_to_f32",
+            _ => {
+                // f32 matrices are stored as raw bytes: copy them.
+                let mut out = self.zeros::<f32>(n);
+                let r = unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(self.p(&out), self.p(buf), n * 4, self.stream.cu_stream())
+                };
+                self.record(r, "copy");
+                let _ = &mut out;
+                return out;
+            }
+        };
+        launch!(self, kernel, cfg(blocks(n, 256), 256, 0), self.p(buf), self.p(&out), n as i64);
+        out
+    }
+
+    fn elementwise_cfg(n: usize) -> LaunchConfig {
+        cfg(blocks(n, 256), 256, 0)
+    }
+
+    /// cuBLAS: y[n, out] = x[n, in] · W[out, in]ᵀ with x converted to W's type
+    /// (once, or as hi + lo halves), f32 accumulation and output.
+    fn gemm(&self, x: &CudaAct, w: &CudaWeight, y: &mut CudaAct) {
+        let CudaWeight::Matrix { dtype, rows: out_dim, cols: in_dim, buf } = w else {
+            self.record(Err("expected a matrix weight"), "linear");
+            return;
+        };
+        let count = x.rows * x.cols;
+        let (ty, parts): (cudaDataType, Vec<CudaSlice<u16>>) = match dtype {
+            DType::BF16 | DType::F16 => {
+                let bf = *dtype == DType::BF16;
+                let ty = if bf { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_16F };
+                if self.split_activations {
+                    let (hi, lo) = (self.zeros::<u16>(count), self.zeros::<u16>(count));
+                    let kernel = if bf { "f32_split_bf16" } else { "f32_split_f16" };
+                    let c = Self::elementwise_cfg(count);
+                    launch!(self, kernel, c, self.p(&x.buf), self.p(&hi), self.p(&lo), count as i64);
+                    (ty, vec![hi, lo])
+                } else {
+                    let conv = self.zeros::<u16>(count);
+                    let kernel = if bf { "f32_to_bf16" } else { "f32_to_f16" };
+                    launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&conv), count as i64);
+                    (ty, vec![conv])
+                }
+            }
+            _ => (cudaDataType::CUDA_R_32F, vec![]),
+        };
+        let inputs: Vec<u64> =
+            if parts.is_empty() { vec![self.p(&x.buf)] } else { parts.iter().map(|p| self.p(p)).collect() };
+        let (m, n, k) = (*out_dim as i32, x.rows as i32, *in_dim as i32);
+        for (i, x_ptr) in inputs.iter().enumerate() {
+            if self.failed() {
+                return;
+            }
+            let alpha = 1.0f32;
+            let beta = if i == 0 { 0.0f32 } else { 1.0f32 };
+            // Column-major view: Yᵀ[out, n] = W[out, in] (row-major = Wᵀ column-major) · Xᵀ.
+            let r = unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    k,
+                    (&alpha as *const f32).cast(),
+                    self.p(buf) as *const _,
+                    ty,
+                    k,
+                    *x_ptr as *const _,
+                    ty,
+                    k,
+                    (&beta as *const f32).cast(),
+                    self.p(&y.buf) as *mut _,
+                    cudaDataType::CUDA_R_32F,
+                    m,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            self.record(r, "cuBLAS GEMM");
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = CudaAct;
+    type Weight = CudaWeight;
+    type Cache = CudaKv;
+    type GdnState = CudaGdnState;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.device_name)
+    }
+
+    fn check(&self) -> Result<()> {
+        let sync = self.stream.synchronize();
+        self.record(sync, "synchronize");
+        match self.error.lock().ok().and_then(|e| e.clone()) {
+            Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
+            None => Ok(()),
+        }
+    }
+
+    fn upload(&self, t: &Tensor) -> Result<CudaWeight> {
+        match (t.shape.len(), t.dtype) {
+            (1, _) => Ok(CudaWeight::Vector(self.upload_slice(&t.to_f32_vec()))),
+            (2, DType::BF16 | DType::F16 | DType::F32) => Ok(CudaWeight::Matrix {
+                dtype: t.dtype,
+                rows: t.shape[0],
+                cols: t.shape[1],
+                buf: self.upload_slice(t.data.as_slice()),
+            }),
+            (2, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) => Err(Error::tensor(
+                &t.name,
+                format!("{} weights are not supported on CUDA yet (bf16, f16 and f32 are)", t.dtype.name()),
+            )),
+            _ => Err(Error::tensor(&t.name, format!("expected 1-D or 2-D, found shape {:?}", t.shape))),
+        }
+        .and_then(|w| self.check().map(|_| w))
+    }
+
+    fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
+        CudaKv::new(num_layers, kv_dim, capacity)
+    }
+
+    fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaAct {
+        assert_eq!(rows * cols, data.len());
+        CudaAct { rows, cols, buf: self.upload_slice(data) }
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
+        let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
+            return Err(Error::Invalid("embedding table must be a matrix".into()));
+        };
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows) {
+            return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
+        }
+        let out = self.act(ids.len(), *cols);
+        let d_ids = self.upload_slice(ids);
+        let kernel = match dtype {
+            DType::BF16 => "embed_bf16",
+            DType::F16 => "embed_f16",
+            _ => "embed_f32",
+        };
+        launch!(
+            self,
+            kernel,
+            cfg((ids.len() as u32, 1, 1), 256, 0),
+            self.p(buf),
+            self.p(&d_ids),
+            self.p(&out.buf),
+            *cols as i32
+        );
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>) -> CudaAct {
+        let CudaWeight::Matrix { dtype, rows: out_dim, cols: in_dim, buf } = w else {
+            self.record(Err("expected a matrix weight, found a vector"), "linear");
+            return self.act(x.rows, 1);
+        };
+        let mut y = self.act(x.rows, *out_dim);
+        if x.cols != *in_dim {
+            self.record(Err(format!("input width {} for a weight of {in_dim} columns", x.cols)), "linear");
+            return y;
+        }
+        let bias_ptr = match bias {
+            Some(CudaWeight::Vector(b)) => self.p(b),
+            _ => 0u64,
+        };
+        if x.rows <= GEMV_MAX_ROWS {
+            let kernel = match dtype {
+                DType::BF16 => "gemv_bf16",
+                DType::F16 => "gemv_f16",
+                _ => "gemv_f32",
+            };
+            let warps = 8u32;
+            let grid = (out_dim.div_ceil(warps as usize) as u32, 1, 1);
+            launch!(
+                self,
+                kernel,
+                cfg(grid, warps * 32, 0),
+                self.p(buf),
+                self.p(&x.buf),
+                bias_ptr,
+                self.p(&y.buf),
+                *out_dim as i32,
+                *in_dim as i32,
+                x.rows as i32
+            );
+        } else {
+            self.gemm(x, w, &mut y);
+            if bias_ptr != 0 {
+                let n = y.rows * y.cols;
+                launch!(self, "add_bias", Self::elementwise_cfg(n), self.p(&y.buf), bias_ptr, y.cols as i32, n as i64);
+            }
+        }
+        y
+    }
+
+    fn rms_norm(&self, x: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
+        self.norm(x, w, None, eps)
+    }
+
+    fn rope(&self, x: &mut CudaAct, head_dim: usize, positions: &[usize], rope: &Rope) {
+        // Positions are consecutive in every forward: pass the first, not a table.
+        let start = positions.first().copied().unwrap_or(0);
+        if positions.iter().enumerate().any(|(i, &p)| p != start + i) {
+            self.record(Err("positions must be consecutive"), "rope");
+            return;
+        }
+        let key: Vec<u32> = rope.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let freq_ptr = {
+            let mut tables = match self.rope_tables.lock() {
+                Ok(t) => t,
+                Err(_) => return self.record(Err("rope table lock poisoned"), "rope"),
+            };
+            if !tables.contains_key(&key) {
+                tables.insert(key.clone(), self.upload_slice(&rope.inv_freq));
+            }
+            self.p(&tables[&key])
+        };
+        let pairs = x.rows * (x.cols / head_dim) * (rope.rotary_dim / 2);
+        let style = match rope.style {
+            RopeStyle::Neox => 0i32,
+            RopeStyle::Interleaved => 1i32,
+        };
+        launch!(
+            self,
+            "rope",
+            Self::elementwise_cfg(pairs),
+            self.p(&x.buf),
+            start as i32,
+            freq_ptr,
+            x.rows as i32,
+            x.cols as i32,
+            head_dim as i32,
+            rope.rotary_dim as i32,
+            style
+        );
+    }
+
+    fn write_kv(&self, cache: &mut CudaKv, layer: usize, k: &CudaAct, v: &CudaAct) {
+        let r = cache.write(&self.stream, layer, &k.buf, &v.buf, k.rows);
+        self.record(r, "KV cache write");
+    }
+
+    fn attention(&self, q: &CudaAct, cache: &CudaKv, layer: usize, s: &AttentionShape) -> CudaAct {
+        let out = self.act(q.rows, s.num_heads * s.head_dim);
+        let Some((keys, values)) = cache.layer(layer) else {
+            self.record(Err("attention before any KV write"), "attention");
+            return out;
+        };
+        let n_keys = cache.len() + q.rows;
+        let shared = (n_keys * 4) as u32;
+        if n_keys > self.max_attention_keys {
+            self.record(
+                Err(format!("{n_keys} keys exceed this attention kernel's {}-key limit", self.max_attention_keys)),
+                "attention",
+            );
+            return out;
+        }
+        launch!(
+            self,
+            "attention",
+            cfg(((q.rows * s.num_heads) as u32, 1, 1), 128, shared),
+            self.p(&q.buf),
+            self.p(keys),
+            self.p(values),
+            self.p(&out.buf),
+            cache.len() as i32,
+            s.num_heads as i32,
+            s.num_kv_heads as i32,
+            s.head_dim as i32,
+            s.window.unwrap_or(0) as i32,
+            s.scale
+        );
+        out
+    }
+
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
+        let out = self.act(gate.rows, gate.cols);
+        let n = gate.rows * gate.cols;
+        launch!(
+            self,
+            "silu_mul",
+            Self::elementwise_cfg(n),
+            self.p(&gate.buf),
+            self.p(&up.buf),
+            self.p(&out.buf),
+            n as i64
+        );
+        out
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) {
+        let n = x.rows * x.cols;
+        launch!(self, "add_assign", Self::elementwise_cfg(n), self.p(&x.buf), self.p(&y.buf), n as i64);
+    }
+
+    fn last_row(&self, x: &CudaAct) -> CudaAct {
+        let out = self.act(1, x.cols);
+        if !self.failed() {
+            let src = self.p(&x.buf) + ((x.rows - 1) * x.cols * 4) as u64;
+            // SAFETY: one row inside both allocations.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(self.p(&out.buf), src, x.cols * 4, self.stream.cu_stream())
+            };
+            self.record(r, "last row");
+        }
+        out
+    }
+
+    fn rows(&self, x: &CudaAct) -> usize {
+        x.rows
+    }
+
+    fn to_host(&self, x: &CudaAct) -> Vec<f32> {
+        if self.failed() {
+            return vec![0.0; x.rows * x.cols];
+        }
+        match self.stream.clone_dtoh(&x.buf) {
+            Ok(mut v) => {
+                v.truncate(x.rows * x.cols);
+                v
+            }
+            Err(e) => {
+                self.record(Err(e), "device-to-host copy");
+                vec![0.0; x.rows * x.cols]
+            }
+        }
+    }
+
+    fn gather_columns(&self, x: &CudaAct, group: usize, offset: usize, len: usize) -> CudaAct {
+        let groups = x.cols / group;
+        let out = self.act(x.rows, groups * len);
+        self.copy_columns(x, &out, group, offset, len, 0);
+        out
+    }
+
+    fn concat_columns(&self, parts: &[&CudaAct]) -> CudaAct {
+        let rows = parts[0].rows;
+        let out = self.act(rows, parts.iter().map(|p| p.cols).sum());
+        let mut off = 0;
+        for p in parts {
+            self.copy_columns(p, &out, p.cols, 0, p.cols, off);
+            off += p.cols;
+        }
+        out
+    }
+
+    fn mul_sigmoid(&self, x: &mut CudaAct, gate: &CudaAct) {
+        let n = x.rows * x.cols;
+        launch!(
+            self,
+            "mul_sigmoid",
+            Self::elementwise_cfg(n),
+            self.p(&x.buf),
+            self.p(&gate.buf),
+            x.cols as i32,
+            gate.cols as i32,
+            n as i64
+        );
+    }
+
+    fn rms_norm_gated(&self, x: &CudaAct, z: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
+        self.norm(x, w, Some(z), eps)
+    }
+
+    fn new_gdn_state(&self, cfg: &GdnConfig) -> CudaGdnState {
+        CudaGdnState {
+            cfg: cfg.clone(),
+            conv: self.zeros((cfg.conv_kernel - 1) * cfg.conv_dim()),
+            recurrent: self.zeros(cfg.num_v_heads * cfg.k_head_dim * cfg.v_head_dim),
+        }
+    }
+
+    fn gdn_conv(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState) -> CudaAct {
+        let out = self.act(x.rows, x.cols);
+        let kernel = state.cfg.conv_kernel;
+        if kernel > 9 {
+            self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
+            return out;
+        }
+        let w = self.matrix_f32(weight);
+        launch!(
+            self,
+            "gdn_conv",
+            cfg(blocks(x.cols, 128), 128, 0),
+            self.p(&x.buf),
+            self.p(&w),
+            self.p(&state.conv),
+            self.p(&out.buf),
+            x.rows as i32,
+            x.cols as i32,
+            kernel as i32
+        );
+        out
+    }
+
+    fn gated_delta_rule(
+        &self,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        a: &CudaAct,
+        b: &CudaAct,
+        a_log: &CudaWeight,
+        dt_bias: &CudaWeight,
+        state: &mut CudaGdnState,
+    ) -> CudaAct {
+        let c = state.cfg.clone();
+        let t = v.rows;
+        let out = self.act(t, c.value_dim());
+        if c.v_head_dim > 1024 {
+            self.record(Err("linear_value_head_dim above 1024"), "gated_delta_rule");
+            return out;
+        }
+        // Normalized copies of q and k; g and β per value head.
+        let (qn, kn) = (q.buf.clone(), k.buf.clone());
+        let g = self.zeros::<f32>(t * c.num_v_heads);
+        let beta = self.zeros::<f32>(t * c.num_v_heads);
+        let (CudaWeight::Vector(al), CudaWeight::Vector(dt)) = (a_log, dt_bias) else {
+            self.record(Err("A_log and dt_bias must be vectors"), "gated_delta_rule");
+            return out;
+        };
+        launch!(
+            self,
+            "gdn_prepare",
+            cfg((t as u32, 1, 1), 128, 0),
+            self.p(&qn),
+            self.p(&kn),
+            self.p(&a.buf),
+            self.p(&b.buf),
+            self.p(al),
+            self.p(dt),
+            self.p(&g),
+            self.p(&beta),
+            c.num_k_heads as i32,
+            c.num_v_heads as i32,
+            c.k_head_dim as i32
+        );
+        let threads = c.v_head_dim.div_ceil(32) as u32 * 32;
+        launch!(
+            self,
+            "gdn_recurrent",
+            cfg((c.num_v_heads as u32, 1, 1), threads, 0),
+            self.p(&qn),
+            self.p(&kn),
+            self.p(&v.buf),
+            self.p(&g),
+            self.p(&beta),
+            self.p(&state.recurrent),
+            self.p(&out.buf),
+            t as i32,
+            c.num_k_heads as i32,
+            c.num_v_heads as i32,
+            c.k_head_dim as i32,
+            c.v_head_dim as i32
+        );
+        out
+    }
+
+    fn moe(
+        &self,
+        x: &CudaAct,
+        router_logits: &CudaAct,
+        experts: &[ExpertWeights<CudaWeight>],
+        routing: Routing,
+    ) -> CudaAct {
+        // Routing is decided on the host (T×E floats cross the bus, one sync per
+        // MoE layer); each routed expert then runs once over all its tokens.
+        // An accumulator: zeroed even when outputs are poisoned.
+        let out = CudaAct { rows: x.rows, cols: x.cols, buf: self.zeros(x.rows * x.cols) };
+        let logits = self.to_host(router_logits);
+        let routes = crate::backend::cpu::moe::route(&logits, experts.len(), routing);
+        for (e, tokens) in crate::backend::cpu::moe::group_by_expert(&routes, experts.len()).iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let idx: Vec<i32> = tokens.iter().map(|t| t.0 as i32).collect();
+            let weights: Vec<f32> = tokens.iter().map(|t| t.1).collect();
+            let xs = self.gather_rows(x, &idx);
+            let ex = &experts[e];
+            let h = self.silu_mul(&self.linear(&xs, &ex.gate, None), &self.linear(&xs, &ex.up, None));
+            let y = self.linear(&h, &ex.down, None);
+            let (d_idx, d_w) = (self.upload_slice(&idx), self.upload_slice(&weights));
+            launch!(
+                self,
+                "scatter_add_rows",
+                cfg((idx.len() as u32, 1, 1), 256, 0),
+                self.p(&y.buf),
+                self.p(&d_idx),
+                self.p(&d_w),
+                self.p(&out.buf),
+                x.cols as i32
+            );
+        }
+        out
+    }
+}
+
+impl CudaBackend {
+    fn norm(&self, x: &CudaAct, w: &CudaWeight, z: Option<&CudaAct>, eps: f32) -> CudaAct {
+        let out = self.act(x.rows, x.cols);
+        let CudaWeight::Vector(wv) = w else {
+            self.record(Err("norm weight must be a vector"), "rms_norm");
+            return out;
+        };
+        let group = wv.len();
+        let groups = x.rows * x.cols / group;
+        let z_ptr = z.map(|z| self.p(&z.buf)).unwrap_or(0);
+        launch!(
+            self,
+            "rms_norm",
+            cfg((groups as u32, 1, 1), 128, 0),
+            self.p(&x.buf),
+            self.p(wv),
+            z_ptr,
+            self.p(&out.buf),
+            group as i32,
+            eps
+        );
+        out
+    }
+
+    fn copy_columns(&self, src: &CudaAct, dst: &CudaAct, group: usize, offset: usize, len: usize, dst_off: usize) {
+        let n = src.rows * (src.cols / group) * len;
+        launch!(
+            self,
+            "copy_columns",
+            Self::elementwise_cfg(n),
+            self.p(&src.buf),
+            self.p(&dst.buf),
+            src.rows as i32,
+            src.cols as i32,
+            group as i32,
+            offset as i32,
+            len as i32,
+            dst.cols as i32,
+            dst_off as i32
+        );
+    }
+
+    fn gather_rows(&self, x: &CudaAct, idx: &[i32]) -> CudaAct {
+        let out = self.act(idx.len(), x.cols);
+        let d_idx = self.upload_slice(idx);
+        launch!(
+            self,
+            "gather_rows",
+            cfg((idx.len() as u32, 1, 1), 256, 0),
+            self.p(&x.buf),
+            self.p(&d_idx),
+            self.p(&out.buf),
+            x.cols as i32
+        );
+        out
+    }
+}

@@ -1,0 +1,92 @@
+//! Device-side data of the CUDA backend: activations, weights, KV cache and
+//! Gated DeltaNet state.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
+
+use crate::backend::KvCache;
+use crate::config::GdnConfig;
+use crate::tensor::DType;
+
+/// Row-major f32 activations on the device.
+pub struct CudaAct {
+    pub rows: usize,
+    pub cols: usize,
+    pub buf: CudaSlice<f32>,
+}
+
+/// A weight on the device: matrices in their stored bytes, vectors as f32.
+pub enum CudaWeight {
+    Matrix { dtype: DType, rows: usize, cols: usize, buf: CudaSlice<u8> },
+    Vector(CudaSlice<f32>),
+}
+
+/// One f32 key and value buffer per layer, allocated at full capacity on the
+/// layer's first write (layers without attention never allocate).
+pub struct CudaKv {
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+    layers: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+}
+
+impl CudaKv {
+    pub fn new(num_layers: usize, kv_dim: usize, capacity: usize) -> Self {
+        CudaKv { kv_dim, capacity, len: 0, layers: (0..num_layers).map(|_| None).collect() }
+    }
+
+    /// Copies `rows` rows of k and v to positions `[len, len + rows)` of `layer`.
+    pub fn write(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), DriverError> {
+        assert!(self.len + rows <= self.capacity, "KV cache overflow: {} + {rows} > {}", self.len, self.capacity);
+        if self.layers[layer].is_none() {
+            let n = self.capacity * self.kv_dim;
+            self.layers[layer] = Some((stream.alloc_zeros(n.max(1))?, stream.alloc_zeros(n.max(1))?));
+        }
+        let (keys, values) = self.layers[layer].as_ref().expect("allocated above");
+        let bytes = rows * self.kv_dim * 4;
+        let offset = (self.len * self.kv_dim * 4) as u64;
+        for (dst, src) in [(keys, k), (values, v)] {
+            let (d, _g1) = dst.device_ptr(stream);
+            let (s, _g2) = src.device_ptr(stream);
+            // SAFETY: both ranges lie inside their allocations (capacity checked above).
+            unsafe { cudarc::driver::result::memcpy_dtod_async(d + offset, s, bytes, stream.cu_stream())? };
+        }
+        Ok(())
+    }
+
+    /// The layer's key and value buffers, `[capacity, kv_dim]`.
+    pub fn layer(&self, layer: usize) -> Option<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        self.layers[layer].as_ref().map(|(k, v)| (k, v))
+    }
+}
+
+impl KvCache for CudaKv {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn set_len(&mut self, len: usize) {
+        assert!(len <= self.capacity);
+        self.len = len;
+    }
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// One layer's Gated DeltaNet state for one sequence; cloning copies it on the device.
+#[derive(Clone)]
+pub struct CudaGdnState {
+    pub cfg: GdnConfig,
+    /// `[kernel - 1, conv_dim]`, oldest first.
+    pub conv: CudaSlice<f32>,
+    /// `[num_v_heads, dk, dv]`.
+    pub recurrent: CudaSlice<f32>,
+}

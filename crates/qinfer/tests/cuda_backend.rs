@@ -1,0 +1,335 @@
+//! The CUDA backend against the CPU backend, op by op, on fresh random inputs
+//! (a new seed every run, printed), with every CUDA output NaN-poisoned before
+//! the kernel runs; then whole models on the tiny transformers fixtures.
+//! Without a CUDA device the tests print why and pass.
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+
+use qinfer::backend::cpu::CpuBackend;
+use qinfer::backend::cuda::CudaBackend;
+use qinfer::backend::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
+use qinfer::engine::generate::{GenerateOptions, generate};
+use qinfer::engine::sampler::SamplingParams;
+use qinfer::loader::{self, Device};
+use qinfer::models::decoder::DecoderModel;
+use qinfer::models::rope::Rope;
+use qinfer::models::{LanguageModel, Logits};
+use qinfer::tensor::{Bytes, DType, Tensor};
+
+fn gpu() -> Option<CudaBackend> {
+    if !CudaBackend::available() {
+        println!("skipping: no CUDA driver/libraries or no device on this machine");
+        return None;
+    }
+    Some(CudaBackend::new(0).expect("a CUDA device is present, so the backend must start").with_poisoned_outputs())
+}
+
+struct Rng(u64);
+impl Rng {
+    fn fresh() -> Self {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        println!("seed {seed}");
+        Rng(seed | 1)
+    }
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn tensor(name: &str, dtype: DType, shape: Vec<usize>, v: &[f32]) -> Tensor {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+        DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        other => panic!("{other:?}"),
+    };
+    Tensor::new(name.into(), dtype, shape, Bytes::from_vec(bytes)).unwrap()
+}
+
+/// max |got − want| / max |want|; NaN fails.
+fn rel(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|x| x.is_finite()), "non-finite output (unwritten element?)");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// Both backends with the same inputs.
+struct Pair {
+    cpu: CpuBackend,
+    gpu: CudaBackend,
+    /// The same device with prefill GEMMs on split (hi + lo) activations.
+    split: CudaBackend,
+}
+
+impl Pair {
+    fn acts(
+        &self,
+        rows: usize,
+        cols: usize,
+        v: &[f32],
+    ) -> (qinfer::backend::cpu::CpuAct, qinfer::backend::cuda::CudaAct) {
+        (self.cpu.act_from_host(rows, cols, v), self.gpu.act_from_host(rows, cols, v))
+    }
+    fn weights(&self, t: &Tensor) -> (qinfer::backend::cpu::CpuWeight, qinfer::backend::cuda::CudaWeight) {
+        (self.cpu.upload(t).unwrap(), self.gpu.upload(t).unwrap())
+    }
+    fn check(&self, what: &str, c: &qinfer::backend::cpu::CpuAct, g: &qinfer::backend::cuda::CudaAct, tol: f32) {
+        let got = self.gpu.to_host(g);
+        self.gpu.check().unwrap();
+        let e = rel(&got, &self.cpu.to_host(c));
+        println!("{what}: rel err {e:.2e}");
+        assert!(e <= tol, "{what}: rel err {e} > {tol}");
+    }
+}
+
+fn pair() -> Option<Pair> {
+    let split = gpu()?.with_split_activations();
+    gpu().map(|g| Pair { cpu: CpuBackend::new(), gpu: g, split })
+}
+
+#[test]
+fn linear_gemv_and_gemm_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (inp, out) in [(256, 96), (100, 33)] {
+            for rows in [1, 3, 8, 9, 40] {
+                let w = tensor("w", dtype, vec![out, inp], &r.vec(out * inp));
+                let b = tensor("b", DType::F32, vec![out], &r.vec(out));
+                let (wc, wg) = p.weights(&w);
+                let (bc, bg) = p.weights(&b);
+                let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
+                let with_bias = rows % 2 == 1;
+                let yc = p.cpu.linear(&xc, &wc, with_bias.then_some(&bc));
+                let yg = p.gpu.linear(&xg, &wg, with_bias.then_some(&bg));
+                // The GEMM path rounds activations to the weight type (bf16/f16).
+                let tol = if rows > 8 && dtype != DType::F32 { 2e-2 } else { 1e-4 };
+                p.check(&format!("linear {dtype:?} {rows}x{inp}->{out}"), &yc, &yg, tol);
+                let yg2 = p.split.linear(
+                    &p.split.act_from_host(rows, inp, &p.cpu.to_host(&xc)),
+                    &p.split.upload(&w).unwrap(),
+                    None,
+                );
+                let yc2 = p.cpu.linear(&xc, &wc, None);
+                let got = p.split.to_host(&yg2);
+                let e = rel(&got, &p.cpu.to_host(&yc2));
+                println!("linear {dtype:?} {rows}x{inp}->{out} split activations: rel err {e:.2e}");
+                assert!(e <= 1e-4, "split activations: {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn elementwise_norm_rope_and_column_ops_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let (rows, cols) = (5, 128);
+    let xv = r.vec(rows * cols);
+    let (xc, xg) = p.acts(rows, cols, &xv);
+    let (yc, yg) = p.acts(rows, cols, &r.vec(rows * cols));
+    for group in [128, 32] {
+        let (wc, wg) = p.weights(&tensor("n", DType::F32, vec![group], &r.vec(group)));
+        p.check(&format!("rms_norm /{group}"), &p.cpu.rms_norm(&xc, &wc, 1e-6), &p.gpu.rms_norm(&xg, &wg, 1e-6), 1e-5);
+        p.check(
+            &format!("rms_norm_gated /{group}"),
+            &p.cpu.rms_norm_gated(&xc, &yc, &wc, 1e-6),
+            &p.gpu.rms_norm_gated(&xg, &yg, &wg, 1e-6),
+            1e-5,
+        );
+    }
+    p.check("silu_mul", &p.cpu.silu_mul(&xc, &yc), &p.gpu.silu_mul(&xg, &yg), 1e-6);
+    let (mut ac, mut ag) = p.acts(rows, cols, &xv);
+    p.cpu.add_assign(&mut ac, &yc);
+    p.gpu.add_assign(&mut ag, &yg);
+    p.check("add_assign", &ac, &ag, 1e-7);
+    let (gc, gg) = p.acts(rows, 1, &r.vec(rows));
+    for (name, gate_c, gate_g) in [("full", &yc, &yg), ("per-row", &gc, &gg)] {
+        let (mut mc, mut mg) = p.acts(rows, cols, &xv);
+        p.cpu.mul_sigmoid(&mut mc, gate_c);
+        p.gpu.mul_sigmoid(&mut mg, gate_g);
+        p.check(&format!("mul_sigmoid {name}"), &mc, &mg, 1e-6);
+    }
+    for (group, off, len) in [(128, 0, 128), (64, 16, 32), (32, 24, 8)] {
+        p.check(
+            &format!("gather_columns {group}/{off}/{len}"),
+            &p.cpu.gather_columns(&xc, group, off, len),
+            &p.gpu.gather_columns(&xg, group, off, len),
+            0.0,
+        );
+    }
+    let (zc, zg) = p.acts(rows, 24, &r.vec(rows * 24));
+    p.check("concat_columns", &p.cpu.concat_columns(&[&xc, &zc, &yc]), &p.gpu.concat_columns(&[&xg, &zg, &yg]), 0.0);
+    p.check("last_row", &p.cpu.last_row(&xc), &p.gpu.last_row(&xg), 0.0);
+    let positions = [4091usize, 4092, 4093, 4094, 4095];
+    for (style, rot) in [(RopeStyle::Neox, 32), (RopeStyle::Neox, 8), (RopeStyle::Interleaved, 32)] {
+        let rope = Rope::new(&RopeConfig { theta: 1e6, style, scaling: None }, rot);
+        let (mut rc, mut rg) = p.acts(rows, cols, &xv);
+        p.cpu.rope(&mut rc, 32, &positions, &rope);
+        p.gpu.rope(&mut rg, 32, &positions, &rope);
+        p.check(&format!("rope {style:?} {rot}/32"), &rc, &rg, 1e-5);
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        let (tc, tg) = p.weights(&tensor("e", dtype, vec![50, cols], &r.vec(50 * cols)));
+        let ids = [3u32, 0, 49, 3];
+        p.check(&format!("embed {dtype:?}"), &p.cpu.embed(&tc, &ids).unwrap(), &p.gpu.embed(&tg, &ids).unwrap(), 0.0);
+        assert!(p.gpu.embed(&tg, &[50]).is_err());
+    }
+}
+
+#[test]
+fn attention_over_the_cache_matches_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let (nh, nkv, hd) = (4, 2, 32);
+    for window in [None, Some(5)] {
+        let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
+        let mut cc = p.cpu.new_cache(2, nkv * hd, 64);
+        let mut cg = p.gpu.new_cache(2, nkv * hd, 64);
+        for step in [9usize, 1, 1, 20] {
+            let (qc, qg) = p.acts(step, nh * hd, &r.vec(step * nh * hd));
+            let kv = r.vec(step * nkv * hd);
+            let vv = r.vec(step * nkv * hd);
+            let (kc, kg) = p.acts(step, nkv * hd, &kv);
+            let (vc, vg) = p.acts(step, nkv * hd, &vv);
+            p.cpu.write_kv(&mut cc, 1, &kc, &vc);
+            p.gpu.write_kv(&mut cg, 1, &kg, &vg);
+            let oc = p.cpu.attention(&qc, &cc, 1, &shape);
+            let og = p.gpu.attention(&qg, &cg, 1, &shape);
+            p.check(&format!("attention window {window:?} at {} + {step}", cc.len()), &oc, &og, 1e-5);
+            let n = cc.len() + step;
+            cc.set_len(n);
+            cg.set_len(n);
+        }
+    }
+}
+
+#[test]
+fn gated_deltanet_and_moe_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let cfg = GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4 };
+    let (cd, kd, vd, nv) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim(), cfg.num_v_heads);
+    let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
+    let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
+    let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
+    let mut sc = p.cpu.new_gdn_state(&cfg);
+    let mut sg = p.gpu.new_gdn_state(&cfg);
+    // A 70-token prompt (chunked on the CPU, recurrent on the GPU), then decode steps.
+    for t in [70usize, 1, 1, 3] {
+        let (xc, xg) = p.acts(t, cd, &r.vec(t * cd));
+        let mc = p.cpu.gdn_conv(&xc, &convc, &mut sc);
+        let mg = p.gpu.gdn_conv(&xg, &convg, &mut sg);
+        p.check(&format!("gdn_conv T={t}"), &mc, &mg, 1e-5);
+        let (qc, qg) = p.acts(t, kd, &r.vec(t * kd));
+        let (kc, kg) = p.acts(t, kd, &r.vec(t * kd));
+        let (vc, vg) = p.acts(t, vd, &r.vec(t * vd));
+        let (ac, ag) = p.acts(t, nv, &r.vec(t * nv));
+        let (bc, bg) = p.acts(t, nv, &r.vec(t * nv));
+        let oc = p.cpu.gated_delta_rule(&qc, &kc, &vc, &ac, &bc, &alc, &dtc, &mut sc);
+        let og = p.gpu.gated_delta_rule(&qg, &kg, &vg, &ag, &bg, &alg, &dtg, &mut sg);
+        p.check(&format!("gated_delta_rule T={t}"), &oc, &og, 1e-4);
+    }
+    let snapshot = sg.clone();
+    let (_, xg) = p.acts(1, cd, &r.vec(cd));
+    let after = p.gpu.gdn_conv(&xg, &convg, &mut sg);
+    let mut restored = snapshot.clone();
+    let again = p.gpu.gdn_conv(&xg, &convg, &mut restored);
+    assert_eq!(p.gpu.to_host(&after), p.gpu.to_host(&again), "a cloned state is an independent snapshot");
+
+    let (h, i, e) = (64, 32, 8);
+    let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
+        .map(|_| {
+            let (gc, gg) = p.weights(&tensor("g", DType::BF16, vec![i, h], &r.vec(i * h)));
+            let (uc, ug) = p.weights(&tensor("u", DType::BF16, vec![i, h], &r.vec(i * h)));
+            let (dc, dg) = p.weights(&tensor("d", DType::BF16, vec![h, i], &r.vec(h * i)));
+            (ExpertWeights { gate: gc, up: uc, down: dc }, ExpertWeights { gate: gg, up: ug, down: dg })
+        })
+        .collect();
+    let (ec, eg): (Vec<_>, Vec<_>) = experts.into_iter().unzip();
+    for rows in [1usize, 5] {
+        let (xc, xg) = p.acts(rows, h, &r.vec(rows * h));
+        let (lc, lg) = p.acts(rows, e, &r.vec(rows * e));
+        for renormalize in [false, true] {
+            let routing = Routing { top_k: 2, renormalize };
+            p.check(
+                &format!("moe {rows} rows renorm {renormalize}"),
+                &p.cpu.moe(&xc, &lc, &ec, routing),
+                &p.gpu.moe(&xg, &lg, &eg, routing),
+                1e-4,
+            );
+        }
+    }
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.json").exists())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn max_abs(got: &[f32], want: &[f32]) -> f32 {
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+}
+
+#[test]
+fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    for dir in fixtures() {
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let input = ids(&r["input_ids"]);
+        let m = loader::open(&dir).unwrap();
+        let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // Default precision (prefill activations rounded to bf16): reported, not asserted.
+        let fast = m.load(Device::Cuda(0), false).unwrap();
+        let mut seq = fast.new_sequence(input.len());
+        let d_fast = max_abs(&fast.forward(seq.as_mut(), &input, Logits::All).unwrap(), &want);
+        // Split activations: the parity configuration.
+        let backend = CudaBackend::new(0).unwrap().with_split_activations();
+        let lm = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {}).unwrap();
+        let mut seq = lm.new_sequence(input.len());
+        let d = max_abs(&lm.forward(seq.as_mut(), &input, Logits::All).unwrap(), &want);
+        println!(
+            "{}: prefill max |Δlogit| {d:.2e} split, {d_fast:.2e} bf16 activations (logits up to {scale:.1})",
+            dir.display()
+        );
+        assert!(d <= 2e-3 * scale, "{}: {d}", dir.display());
+        // Decode one token at a time (the GEMV path, f32 math) against the CPU.
+        let cpu = m.load_cpu(false).unwrap();
+        let mut sg = lm.new_sequence(input.len());
+        let mut sc = cpu.new_sequence(input.len());
+        for (i, t) in input.iter().take(12).enumerate() {
+            let g = lm.forward(sg.as_mut(), &[*t], Logits::Last).unwrap();
+            let c = cpu.forward(sc.as_mut(), &[*t], Logits::Last).unwrap();
+            let e = rel(&g, &c);
+            assert!(e < 1e-3, "{} decode step {i}: rel {e}", dir.display());
+        }
+        let prompt = ids(&r["greedy"]["prompt"]);
+        let want_greedy = ids(&r["greedy"]["new_tokens"]);
+        let opts = GenerateOptions { max_new_tokens: want_greedy.len(), stop_tokens: vec![], prefill_chunk: 512 };
+        let (got_greedy, _) = generate(&lm, &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
+        assert_eq!(got_greedy, want_greedy, "{}: greedy on CUDA", dir.display());
+    }
+}
