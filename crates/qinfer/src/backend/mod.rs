@@ -5,6 +5,7 @@
 pub mod cpu;
 
 use crate::Result;
+use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
@@ -62,6 +63,8 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// Places a stored tensor (1-D vectors or 2-D `[out, in]` matrices).
     fn upload(&self, t: &Tensor) -> Result<Self::Weight>;
+    /// Places an affine-quantized `[out, in]` matrix, kept packed.
+    fn upload_affine(&self, t: &AffineTensor) -> Result<Self::Weight>;
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
 
     /// Rows of an embedding table `[vocab, dim]`.
