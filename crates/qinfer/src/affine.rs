@@ -89,12 +89,6 @@ impl AffineTensor {
                 }
             }
         }
-        if scales.shape != biases.shape {
-            return Err(Error::tensor(
-                &biases.name,
-                format!("shape {:?} differs from the scales' {:?}", biases.shape, scales.shape),
-            ));
-        }
         let (Some((&words, outer)), Some((&groups, s_outer))) = (packed.shape.split_last(), scales.shape.split_last())
         else {
             return Err(Error::tensor(&name, "a quantized weight needs at least one dimension"));
@@ -103,6 +97,12 @@ impl AffineTensor {
             return Err(Error::tensor(
                 &scales.name,
                 format!("shape {:?} does not match the packed weight's {:?}", scales.shape, packed.shape),
+            ));
+        }
+        if scales.shape != biases.shape {
+            return Err(Error::tensor(
+                &biases.name,
+                format!("shape {:?} differs from the scales' {:?}", biases.shape, scales.shape),
             ));
         }
         let inferred = (cols > 0 && groups > 0 && (words * 32).is_multiple_of(cols) && cols.is_multiple_of(groups))
