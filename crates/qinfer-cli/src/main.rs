@@ -32,6 +32,8 @@ enum Command {
     Bench(commands::bench::Args),
     /// Architecture, shapes, dtypes, parameter count and file sizes.
     Inspect(commands::inspect::Args),
+    /// Write an MLX affine-quantized copy of a Hugging Face model.
+    Quantize(commands::quantize::Args),
 }
 
 fn main() {
@@ -53,6 +55,7 @@ fn main() {
         Command::Perplexity(a) => commands::perplexity::main(a),
         Command::Bench(a) => commands::bench::main(a),
         Command::Inspect(a) => commands::inspect::main(a),
+        Command::Quantize(a) => commands::quantize::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -15,6 +15,7 @@ pub mod layers;
 pub mod loader;
 pub mod models;
 pub mod npy;
+pub mod quantize;
 pub mod tensor;
 pub mod tokenizer;
 
