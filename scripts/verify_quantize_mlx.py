@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
+from mlx.utils import tree_map_with_path
 from mlx_lm.utils import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,10 @@ def main():
             again = subprocess.run([str(QINFER), "quantize", "--model", str(SRC), "--out", str(out), *flags],
                                    capture_output=True, text=True)
             model, config = load_model(out)
+            # Scales/biases/norms are stored bf16 (as the source); mlx-lm would
+            # compute in bf16. Widen to f32 so the comparison is of f32 forwards.
+            model.update(tree_map_with_path(
+                lambda _, v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
             mlx_logits = np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
             mlx_greedy = greedy(model, prompt)
             qpath = Path(tmp) / f"{tag}.npy"
