@@ -35,6 +35,8 @@ enum Command {
     Bench(commands::bench::Args),
     /// Architecture, shapes, dtypes, parameter count and file sizes.
     Inspect(commands::inspect::Args),
+    /// Write an MLX affine-quantized copy of a Hugging Face model.
+    Quantize(commands::quantize::Args),
 }
 
 fn main() {
@@ -56,6 +58,7 @@ fn main() {
         Command::Perplexity(a) => commands::perplexity::main(a, cli.device),
         Command::Bench(a) => commands::bench::main(a, cli.device),
         Command::Inspect(a) => commands::inspect::main(a),
+        Command::Quantize(a) => commands::quantize::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -4,6 +4,7 @@
 //! `models` place those tensors on a [`backend::Backend`]; `engine` drives
 //! generation; `tokenizer` turns text into ids and back.
 
+pub mod affine;
 pub mod backend;
 pub mod config;
 pub mod engine;
@@ -14,6 +15,7 @@ pub mod layers;
 pub mod loader;
 pub mod models;
 pub mod npy;
+pub mod quantize;
 pub mod tensor;
 pub mod tokenizer;
 

@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::engine::sampler::SamplingParams;
 use crate::formats::TensorSource;
 use crate::formats::gguf::GgufFile;
+use crate::formats::mlx::QuantizationConfig;
 use crate::formats::safetensors::SafetensorsSource;
 use crate::models::LanguageModel;
 use crate::models::decoder::DecoderModel;
@@ -117,7 +118,10 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         let gen_json = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
         let config = ModelConfig::from_hf_json(&cfg_json, gen_json.as_ref())
             .map_err(|e| Error::malformed(&cfg_path, e.to_string()))?;
-        let st = SafetensorsSource::open_dir(path)?;
+        let mut st = SafetensorsSource::open_dir(path)?;
+        st.set_quantization(
+            QuantizationConfig::from_config_json(&cfg_json).map_err(|e| Error::malformed(&cfg_path, e.to_string()))?,
+        );
         let files = st.files();
         let tokenizer = Tokenizer::from_dir(path)?;
         let sampling_defaults = gen_json.as_ref().map(sampling_from_generation_config).unwrap_or_default();

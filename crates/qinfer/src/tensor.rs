@@ -18,20 +18,23 @@ pub enum DType {
     Q4_1,
     /// ggml Q8_0: f16 scale `d`, 32 signed 8-bit values, w = d·q.
     Q8_0,
+    /// Packed integer words: the `.weight` of an MLX affine-quantized matrix
+    /// (see [`crate::affine`]); meaningless without its scales and biases.
+    U32,
 }
 
 impl DType {
     /// Values per block (1 for plain float types).
     pub fn block_len(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::U32 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => 32,
         }
     }
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
@@ -56,6 +59,7 @@ impl DType {
             DType::Q4_0 => "Q4_0",
             DType::Q4_1 => "Q4_1",
             DType::Q8_0 => "Q8_0",
+            DType::U32 => "U32",
         }
     }
 }

@@ -2,5 +2,6 @@ pub mod bench;
 pub mod generate;
 pub mod inspect;
 pub mod perplexity;
+pub mod quantize;
 pub mod run;
 pub mod score;

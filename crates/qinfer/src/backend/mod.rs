@@ -7,6 +7,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::Result;
+use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
@@ -69,6 +70,8 @@ pub trait Backend: Send + Sync {
     }
     /// Places a stored tensor (1-D vectors or 2-D `[out, in]` matrices).
     fn upload(&self, t: &Tensor) -> Result<Self::Weight>;
+    /// Places an affine-quantized `[out, in]` matrix, kept packed.
+    fn upload_affine(&self, t: &AffineTensor) -> Result<Self::Weight>;
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
 
     /// Activations from host values (tests, and inputs that start on the host).

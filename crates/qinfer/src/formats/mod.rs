@@ -2,9 +2,11 @@
 //! plus configuration.
 
 pub mod gguf;
+pub mod mlx;
 pub mod safetensors;
 
 use crate::Result;
+use crate::affine::AffineParts;
 use crate::tensor::Tensor;
 
 /// Weights by Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`).
@@ -17,4 +19,9 @@ pub trait TensorSource: Send + Sync {
     fn names(&self) -> Vec<String>;
     /// The stored tensor under its own (file) name, for `inspect`.
     fn raw_tensor(&self, name: &str) -> Result<Tensor>;
+    /// The weight `name` (`….weight`) when it is stored affine-quantized
+    /// (MLX: `….scales` and `….biases` beside it); None when stored plainly.
+    fn affine_parts(&self, _name: &str) -> Result<Option<AffineParts>> {
+        Ok(None)
+    }
 }

@@ -10,6 +10,8 @@ use memmap2::Mmap;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::TensorSource;
+use super::mlx::{ModuleQuantization, QuantizationConfig};
+use crate::affine::AffineParts;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -32,6 +34,8 @@ impl AsRef<[u8]> for MappedFile {
 pub struct SafetensorsSource {
     files: Vec<(PathBuf, Arc<MappedFile>)>,
     entries: BTreeMap<String, Entry>,
+    /// config.json's `quantization` block (MLX checkpoints).
+    quantization: Option<QuantizationConfig>,
 }
 
 fn map_dtype(d: StDtype) -> Result<DType, String> {
@@ -39,7 +43,10 @@ fn map_dtype(d: StDtype) -> Result<DType, String> {
         StDtype::F32 => Ok(DType::F32),
         StDtype::F16 => Ok(DType::F16),
         StDtype::BF16 => Ok(DType::BF16),
-        other => Err(format!("dtype {other:?} is not supported (expected F32, F16 or BF16)")),
+        StDtype::U32 => Ok(DType::U32),
+        other => Err(format!(
+            "dtype {other:?} is not supported (expected F32, F16, BF16, or U32 for packed quantized weights)"
+        )),
     }
 }
 
@@ -107,7 +114,16 @@ impl SafetensorsSource {
             }
             files.push((path.clone(), Arc::new(MappedFile(map))));
         }
-        Ok(SafetensorsSource { files, entries })
+        Ok(SafetensorsSource { files, entries, quantization: None })
+    }
+
+    /// Reads quantized weights as config.json's `quantization` block describes.
+    pub fn set_quantization(&mut self, q: Option<QuantizationConfig>) {
+        self.quantization = q;
+    }
+
+    pub fn quantization(&self) -> Option<&QuantizationConfig> {
+        self.quantization.as_ref()
     }
 
     /// File paths and sizes, for `inspect`.
@@ -131,5 +147,40 @@ impl TensorSource for SafetensorsSource {
         let dtype = e.dtype.clone().map_err(|r| Error::tensor(name, r))?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.files[e.file].1.clone();
         Tensor::new(name.to_string(), dtype, e.shape.clone(), Bytes::new(owner, e.start, e.len))
+    }
+    fn affine_parts(&self, name: &str) -> Result<Option<AffineParts>> {
+        let Some(module) = name.strip_suffix(".weight") else { return Ok(None) };
+        let (scales, biases) = (format!("{module}.scales"), format!("{module}.biases"));
+        if !self.contains(&scales) {
+            if self.entries.get(name).is_some_and(|e| e.dtype == Ok(DType::U32)) {
+                return Err(Error::tensor(name, format!("packed u32 weight without `{scales}`")));
+            }
+            return Ok(None);
+        }
+        if !self.contains(&biases) {
+            return Err(Error::tensor(
+                &biases,
+                format!("missing (`{scales}` is present; affine quantization needs both)"),
+            ));
+        }
+        let Some(q) = &self.quantization else {
+            return Err(Error::tensor(name, "stored quantized, but config.json has no `quantization` block"));
+        };
+        let declared = match q.module(module) {
+            Some(ModuleQuantization::Affine(p)) => Some(p),
+            Some(ModuleQuantization::Unquantized) => {
+                return Err(Error::tensor(
+                    name,
+                    format!("stored quantized, but config.json's quantization.{module} is false"),
+                ));
+            }
+            None => None,
+        };
+        Ok(Some(AffineParts {
+            packed: self.raw_tensor(name)?,
+            scales: self.raw_tensor(&scales)?,
+            biases: self.raw_tensor(&biases)?,
+            declared,
+        }))
     }
 }

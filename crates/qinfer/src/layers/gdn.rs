@@ -18,7 +18,8 @@ enum Projections<W> {
 
 pub struct GatedDeltaNet<B: Backend> {
     proj: Projections<B::Weight>,
-    /// `[conv_dim, kernel]` (stored as `[conv_dim, 1, kernel]`).
+    /// `[conv_dim, kernel]` (stored as `[conv_dim, 1, kernel]` by transformers,
+    /// `[conv_dim, kernel, 1]` by MLX: the same bytes either way).
     conv1d: B::Weight,
     a_log: B::Weight,
     dt_bias: B::Weight,
@@ -54,7 +55,8 @@ impl<B: Backend> GatedDeltaNet<B> {
         };
         let cd = g.conv_dim();
         let conv_name = format!("{p}.conv1d.weight");
-        let conv = ld.tensor(&conv_name, &[&[cd, 1, g.conv_kernel], &[cd, g.conv_kernel]])?;
+        let k = g.conv_kernel;
+        let conv = ld.tensor(&conv_name, &[&[cd, 1, k], &[cd, k, 1], &[cd, k]])?;
         Ok(GatedDeltaNet {
             proj,
             conv1d: ld.place(&conv.reshape(vec![cd, g.conv_kernel])?)?,

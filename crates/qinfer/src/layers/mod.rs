@@ -6,6 +6,7 @@ pub mod gdn;
 pub mod mlp;
 pub mod moe;
 
+use crate::affine::AffineTensor;
 use crate::backend::Backend;
 use crate::formats::TensorSource;
 use crate::models::random::RandomWeights;
@@ -20,6 +21,9 @@ pub struct WeightLoader<'a, B: Backend> {
     pub on_tensor: &'a dyn Fn(&Tensor),
     /// Make every tensor up instead of reading `src` (benchmarks of real shapes).
     pub random: Option<RandomWeights>,
+    /// The checkpoint stores x̂·(1+w) norm weights already shifted (MLX's
+    /// conversion of Qwen3-Next / Qwen3.5 adds the 1 in `sanitize`).
+    pub norms_shifted: bool,
 }
 
 impl<B: Backend> WeightLoader<'_, B> {
@@ -41,8 +45,44 @@ impl<B: Backend> WeightLoader<'_, B> {
         self.backend.upload(t)
     }
 
+    /// A vector or matrix, plain or affine-quantized (`shape` is the logical `[out, in]`).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
+        if let Some(a) = self.affine(name, shape)? {
+            return self.place_affine(&a);
+        }
         self.place(&self.tensor(name, &[shape])?)
+    }
+
+    /// The weight `name` when stored affine-quantized, checked against the
+    /// logical `shape` (`[…, out, in]`).
+    pub fn affine(&self, name: &str, shape: &[usize]) -> Result<Option<AffineTensor>> {
+        if self.random.is_some() {
+            return Ok(None);
+        }
+        let Some(parts) = self.src.affine_parts(name)? else { return Ok(None) };
+        let a = AffineTensor::new(parts, *shape.last().unwrap_or(&0))?;
+        if a.shape != shape {
+            return Err(Error::tensor(name, format!("expected shape {shape:?}, found {:?} (quantized)", a.shape)));
+        }
+        Ok(Some(a))
+    }
+
+    pub fn place_affine(&self, a: &AffineTensor) -> Result<B::Weight> {
+        for t in [&a.packed, &a.scales, &a.biases] {
+            (self.on_tensor)(t);
+        }
+        self.backend.upload_affine(a)
+    }
+
+    /// A stacked `[E, out, in]` weight (MLX's `switch_mlp.*`), one matrix per
+    /// entry, each a view into the stored bytes.
+    pub fn stacked(&self, name: &str, shape: [usize; 3]) -> Result<Vec<B::Weight>> {
+        let [e_n, rows, cols] = shape;
+        if let Some(a) = self.affine(name, &shape)? {
+            return (0..e_n).map(|e| self.place_affine(&a.narrow(e, 1)?.squeeze_outer()?)).collect();
+        }
+        let t = self.tensor(name, &[&shape])?;
+        (0..e_n).map(|e| self.place(&t.narrow(e, 1)?.reshape(vec![rows, cols])?)).collect()
     }
 
     pub fn opt(&self, name: &str, shape: &[usize], present: bool) -> Result<Option<B::Weight>> {
@@ -53,7 +93,7 @@ impl<B: Backend> WeightLoader<'_, B> {
     /// Qwen3.5), so 1+w is formed once here, in f32 as the reference does.
     pub fn norm(&self, name: &str, dim: usize, unit_offset: bool) -> Result<B::Weight> {
         let t = self.tensor(name, &[&[dim]])?;
-        if !unit_offset {
+        if !unit_offset || self.norms_shifted {
             return self.place(&t);
         }
         let shifted: Vec<f32> = t.to_f32_vec().iter().map(|w| 1.0 + w).collect();

@@ -7,7 +7,6 @@ use super::WeightLoader;
 use super::mlp::Mlp;
 use crate::backend::{Backend, ExpertWeights, Routing};
 use crate::config::MoeConfig;
-use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 pub struct SparseMoe<B: Backend> {
@@ -48,19 +47,14 @@ impl<B: Backend> SparseMoe<B> {
                 });
             }
         } else if has(&format!("{p}.switch_mlp.gate_proj.weight")) {
-            let get = |proj: &str, shape: [usize; 3]| ld.tensor(&format!("{p}.switch_mlp.{proj}.weight"), &[&shape]);
+            // Each projection may be quantized or not on its own (mlx-lm skips
+            // matrices whose input width is not a multiple of the group size).
+            let get = |proj: &str, shape: [usize; 3]| ld.stacked(&format!("{p}.switch_mlp.{proj}.weight"), shape);
             let gate = get("gate_proj", [e_n, i, hidden])?;
             let up = get("up_proj", [e_n, i, hidden])?;
             let down = get("down_proj", [e_n, hidden, i])?;
-            let one = |t: &Tensor, e: usize, rows: usize, cols: usize| -> Result<B::Weight> {
-                ld.place(&t.narrow(e, 1)?.reshape(vec![rows, cols])?)
-            };
-            for e in 0..e_n {
-                experts.push(ExpertWeights {
-                    gate: one(&gate, e, i, hidden)?,
-                    up: one(&up, e, i, hidden)?,
-                    down: one(&down, e, hidden, i)?,
-                });
+            for ((gate, up), down) in gate.into_iter().zip(up).zip(down) {
+                experts.push(ExpertWeights { gate, up, down });
             }
         } else {
             for e in 0..e_n {

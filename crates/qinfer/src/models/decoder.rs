@@ -66,10 +66,32 @@ impl TensorSource for NoTensors {
     }
 }
 
-/// Where the text model's weights live: `model.` for text checkpoints,
-/// `model.language_model.` for Qwen3.5's multimodal hub checkpoints.
-fn text_prefix(src: &dyn TensorSource) -> &'static str {
-    if src.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." }
+/// Where the text model's weights live, and the name of its `lm_head`:
+/// `model.` for text checkpoints, `model.language_model.` for Qwen3.5's
+/// multimodal hub checkpoints, `language_model.model.` (head
+/// `language_model.lm_head`) for mlx-lm's conversions of those.
+fn text_prefix(src: &dyn TensorSource) -> (&'static str, &'static str) {
+    if src.contains("model.language_model.embed_tokens.weight") {
+        ("model.language_model.", "lm_head.weight")
+    } else if src.contains("language_model.model.embed_tokens.weight") {
+        ("language_model.model.", "language_model.lm_head.weight")
+    } else {
+        ("model.", "lm_head.weight")
+    }
+}
+
+/// Whether the x̂·(1+w) norm weights are stored with the 1 already added. mlx-lm's
+/// `sanitize` for Qwen3-Next / Qwen3.5 adds it exactly when it also moves the
+/// conv1d kernel axis (transformers `[C, 1, K]` → MLX `[C, K, 1]`), and uses the
+/// conv shape to tell converted checkpoints from hub ones; so do we.
+fn norms_stored_shifted(src: &dyn TensorSource, cfg: &ModelConfig, root: &str) -> Result<bool> {
+    let Some(l) = cfg.layer_kinds.iter().position(|k| *k == LayerKind::LinearAttention) else { return Ok(false) };
+    let name = format!("{root}layers.{l}.linear_attn.conv1d.weight");
+    if !src.contains(&name) {
+        return Ok(false);
+    }
+    let shape = src.tensor(&name)?.shape;
+    Ok(shape.len() == 3 && shape[2] == 1 && shape[1] > 1)
 }
 
 /// Tensors that belong to parts qinfer does not run (yet): said once, not an error.
@@ -106,10 +128,11 @@ impl<B: Backend> DecoderModel<B> {
         on_tensor: &dyn Fn(&Tensor),
         random: Option<RandomWeights>,
     ) -> Result<Self> {
-        let ld = WeightLoader { src, backend: &backend, on_tensor, random };
+        let (root, lm_head_name) = text_prefix(src);
+        let norms_shifted = cfg.arch.is_hybrid() && norms_stored_shifted(src, &cfg, root)?;
+        let ld = WeightLoader { src, backend: &backend, on_tensor, random, norms_shifted };
         let h = cfg.hidden_size;
         let unit_offset = cfg.arch.is_hybrid();
-        let root = text_prefix(src);
         note_unused_tensors(src);
         let embed_tokens = ld.get(&format!("{root}embed_tokens.weight"), &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -136,12 +159,12 @@ impl<B: Backend> DecoderModel<B> {
         let norm = ld.norm(&format!("{root}norm.weight"), h, unit_offset)?;
         // Some checkpoints declare untied embeddings yet omit lm_head; others
         // say tied and still ship a copy. Use lm_head whenever it exists.
-        let lm_head = if src.contains("lm_head.weight") || (random.is_some() && !cfg.tie_word_embeddings) {
-            Some(ld.get("lm_head.weight", &[cfg.vocab_size, h])?)
+        let lm_head = if src.contains(lm_head_name) || (random.is_some() && !cfg.tie_word_embeddings) {
+            Some(ld.get(lm_head_name, &[cfg.vocab_size, h])?)
         } else if cfg.tie_word_embeddings {
             None
         } else {
-            return Err(Error::tensor("lm_head.weight", "missing and tie_word_embeddings is false"));
+            return Err(Error::tensor(lm_head_name, "missing and tie_word_embeddings is false"));
         };
         let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
         Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope })

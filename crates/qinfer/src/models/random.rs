@@ -75,6 +75,9 @@ impl RandomWeights {
                     (0..32).for_each(|_| bytes.push(rng.next() as u8));
                 }
             }
+            DType::U32 => {
+                return Err(Error::tensor(name, "random weights cannot be packed u32 (use an affine quantizer)"));
+            }
             DType::Q4_0 | DType::Q4_1 => {
                 for _ in 0..n / 32 {
                     bytes.extend(f16::from_f32(scale / 8.0).to_le_bytes());

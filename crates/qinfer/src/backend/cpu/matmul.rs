@@ -117,6 +117,7 @@ fn matmul_float_avx2(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         DType::F16 => FloatWeights::F16,
         DType::BF16 => FloatWeights::BF16,
         DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => unreachable!("quantized weights use matmul_q8"),
+        DType::U32 => unreachable!("packed words are rejected by upload"),
     };
     let threads = rayon::current_num_threads().max(1);
     let rb = w.row_bytes();
@@ -303,7 +304,7 @@ mod tests {
                 DType::F32 => v.to_le_bytes().to_vec(),
                 DType::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
                 DType::BF16 => bf16::from_f32(*v).to_le_bytes().to_vec(),
-                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => unreachable!(),
+                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::U32 => unreachable!(),
             })
             .collect()
     }

@@ -1,6 +1,7 @@
 //! The CPU backend: f32 activations, weights consumed in their stored type,
 //! rayon for threads.
 
+pub mod affine;
 pub mod attention;
 pub mod gdn;
 pub mod matmul;
@@ -13,10 +14,11 @@ pub mod simd;
 use rayon::prelude::*;
 
 use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
 use crate::kv::contiguous::ContiguousKv;
 use crate::models::rope::Rope;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 use gdn::CpuGdnState;
 use matmul::{CpuMatrix, matmul};
@@ -44,6 +46,8 @@ impl CpuAct {
 #[derive(Debug, Clone)]
 pub enum CpuWeight {
     Matrix(CpuMatrix),
+    /// MLX affine-quantized matrix, kept packed.
+    Affine(affine::AffineMatrix),
     Vector(Vec<f32>),
 }
 
@@ -51,13 +55,14 @@ impl CpuWeight {
     fn matrix(&self) -> &CpuMatrix {
         match self {
             CpuWeight::Matrix(m) => m,
+            CpuWeight::Affine(_) => panic!("expected a float or ggml-block matrix, found an affine-quantized one"),
             CpuWeight::Vector(_) => panic!("expected a matrix weight, found a vector"),
         }
     }
     fn vector(&self) -> &[f32] {
         match self {
             CpuWeight::Vector(v) => v,
-            CpuWeight::Matrix(_) => panic!("expected a vector weight, found a matrix"),
+            CpuWeight::Matrix(_) | CpuWeight::Affine(_) => panic!("expected a vector weight, found a matrix"),
         }
     }
 }
@@ -96,6 +101,9 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, t: &Tensor) -> Result<CpuWeight> {
+        if t.dtype == DType::U32 {
+            return Err(Error::tensor(&t.name, "packed u32 words need their `.scales` and `.biases` (MLX affine)"));
+        }
         match t.shape.len() {
             1 => Ok(CpuWeight::Vector(t.to_f32_vec())),
             2 => Ok(CpuWeight::Matrix(CpuMatrix {
@@ -108,6 +116,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn upload_affine(&self, t: &AffineTensor) -> Result<CpuWeight> {
+        Ok(CpuWeight::Affine(affine::AffineMatrix::from_tensor(t)?))
+    }
+
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> ContiguousKv {
         ContiguousKv::new(num_layers, kv_dim, capacity)
     }
@@ -117,24 +129,40 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32]) -> Result<CpuAct> {
-        let m = table.matrix();
-        let mut out = CpuAct::zeros(ids.len(), m.cols);
-        for (row, &id) in out.data.chunks_exact_mut(m.cols).zip(ids) {
-            if id as usize >= m.rows {
-                return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", m.rows)));
+        let (rows, cols) = match table {
+            CpuWeight::Matrix(m) => (m.rows, m.cols),
+            CpuWeight::Affine(m) => (m.rows, m.cols),
+            CpuWeight::Vector(_) => return Err(Error::Invalid("the embedding table is a vector".into())),
+        };
+        let mut out = CpuAct::zeros(ids.len(), cols);
+        for (row, &id) in out.data.chunks_exact_mut(cols).zip(ids) {
+            if id as usize >= rows {
+                return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
             }
-            m.decode_row(id as usize, row);
+            match table {
+                CpuWeight::Matrix(m) => m.decode_row(id as usize, row),
+                CpuWeight::Affine(m) => m.decode_row(id as usize, row),
+                CpuWeight::Vector(_) => unreachable!("rejected above"),
+            }
         }
         Ok(out)
     }
 
     fn linear(&self, x: &CpuAct, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuAct {
-        let m = w.matrix();
-        let mut out = CpuAct::zeros(x.rows, m.rows);
-        matmul(&x.data, x.rows, m, &mut out.data);
+        let out_cols = match w {
+            CpuWeight::Matrix(m) => m.rows,
+            CpuWeight::Affine(m) => m.rows,
+            CpuWeight::Vector(_) => panic!("linear: expected a matrix weight, found a vector"),
+        };
+        let mut out = CpuAct::zeros(x.rows, out_cols);
+        match w {
+            CpuWeight::Matrix(m) => matmul(&x.data, x.rows, m, &mut out.data),
+            CpuWeight::Affine(m) => affine::matmul(&x.data, x.rows, m, &mut out.data),
+            CpuWeight::Vector(_) => unreachable!("rejected above"),
+        }
         if let Some(b) = bias {
             let b = b.vector();
-            for row in out.data.chunks_exact_mut(m.rows) {
+            for row in out.data.chunks_exact_mut(out_cols) {
                 for (o, bi) in row.iter_mut().zip(b) {
                     *o += bi;
                 }

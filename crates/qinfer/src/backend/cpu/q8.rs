@@ -87,7 +87,7 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
                 DType::Q4_0 => k::tile_q4_0(wp, xp, blocks),
                 DType::Q4_1 => k::tile_q4_1(wp, xp, blocks),
                 DType::Q8_0 => k::tile_q8_0(wp, xp, blocks),
-                DType::F32 | DType::F16 | DType::BF16 => unreachable!("float weights use the f32 path"),
+                DType::F32 | DType::F16 | DType::BF16 | DType::U32 => unreachable!("float weights use the f32 path"),
             }
         };
     }
@@ -143,7 +143,7 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             }
             acc
         }
-        DType::F32 | DType::F16 | DType::BF16 => unreachable!("float weights use the f32 path"),
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => unreachable!("float weights use the f32 path"),
     }
 }
 

@@ -19,6 +19,12 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
                 *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
+        // The words as numbers (for `inspect`); weights go through `affine`.
+        DType::U32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
+            }
+        }
         DType::F16 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = f16::from_le_bytes([c[0], c[1]]).to_f32();

@@ -1,0 +1,175 @@
+//! Affine-quantized matrices on the CPU (MLX layout, see [`crate::affine`]):
+//! the packed words stay in the mapped file; only the per-group scales and
+//! biases (1/16 to 1/64 of the values) are decoded to f32 at load.
+//!
+//! Per output and group, `Σ x·(s·q + b) = s·Σ x·q + b·Σ x`: the group sums of
+//! the activations are computed once per call, so the inner loop is a plain
+//! dot of the activations with the unpacked levels. A weight row is unpacked
+//! once (into a thread-local buffer) and meets every activation row, so a
+//! prefill reads each weight once, as the float matmul does.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::simd::dot;
+use crate::affine::{AffineParams, AffineTensor, unpack};
+use crate::tensor::Bytes;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone)]
+pub struct AffineMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub params: AffineParams,
+    /// `rows × cols·bits/8` bytes of packed levels.
+    pub packed: Bytes,
+    /// `rows × cols/group_size` each.
+    pub scales: Vec<f32>,
+    pub biases: Vec<f32>,
+}
+
+impl AffineMatrix {
+    pub fn from_tensor(t: &AffineTensor) -> Result<Self> {
+        let &[rows, cols] = t.shape.as_slice() else {
+            return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
+        };
+        Ok(AffineMatrix {
+            rows,
+            cols,
+            params: t.params,
+            packed: t.packed.data.clone(),
+            scales: t.scales.to_f32_vec(),
+            biases: t.biases.to_f32_vec(),
+        })
+    }
+
+    fn groups(&self) -> usize {
+        self.cols / self.params.group_size
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.params.row_bytes(self.cols)
+    }
+
+    /// Unpacks row `r`'s levels (not yet scaled) into `q` (len = cols).
+    fn unpack_row(&self, r: usize, q: &mut [f32]) {
+        let rb = self.row_bytes();
+        unpack(self.params.bits, &self.packed.as_slice()[r * rb..(r + 1) * rb], q);
+    }
+
+    /// Decodes row `r` into `out` (len = cols): an embedding lookup.
+    pub fn decode_row(&self, r: usize, out: &mut [f32]) {
+        self.unpack_row(r, out);
+        let g = self.groups();
+        let gs = self.params.group_size;
+        for (j, chunk) in out.chunks_exact_mut(gs).enumerate() {
+            let (s, b) = (self.scales[r * g + j], self.biases[r * g + j]);
+            for v in chunk {
+                *v = s * *v + b;
+            }
+        }
+    }
+}
+
+thread_local! {
+    static LEVELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Raw pointer for disjoint parallel writes into one output buffer.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of elements (its own weight rows).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// out[t, r] = Σ_c x[t, c] · W[r, c]; x is `[n, cols]`, out is `[n, rows]`.
+pub fn matmul(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
+    assert_eq!(x.len(), n * w.cols, "affine matmul: activation width {} != weight cols {}", x.len() / n.max(1), w.cols);
+    assert_eq!(out.len(), n * w.rows);
+    let gs = w.params.group_size;
+    let groups = w.groups();
+    let xsum: Vec<f32> = x.chunks_exact(gs).map(|c| c.iter().sum()).collect();
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
+    let n_tiles = w.rows.div_ceil(rows_per_tile);
+    let optr = OutPtr(out.as_mut_ptr());
+    let tile = |tile: usize| {
+        let r0 = tile * rows_per_tile;
+        let r1 = (r0 + rows_per_tile).min(w.rows);
+        LEVELS.with(|buf| {
+            let mut q = buf.borrow_mut();
+            q.resize(w.cols, 0.0);
+            for r in r0..r1 {
+                w.unpack_row(r, &mut q);
+                let (scales, biases) =
+                    (&w.scales[r * groups..(r + 1) * groups], &w.biases[r * groups..(r + 1) * groups]);
+                for t in 0..n {
+                    let xr = &x[t * w.cols..(t + 1) * w.cols];
+                    let sums = &xsum[t * groups..(t + 1) * groups];
+                    let mut acc = 0f32;
+                    for j in 0..groups {
+                        let span = j * gs..(j + 1) * gs;
+                        acc += scales[j] * dot(&xr[span.clone()], &q[span]) + biases[j] * sums[j];
+                    }
+                    // SAFETY: (t, r) is written by this tile only; in bounds by the asserts above.
+                    unsafe { *optr.get().add(t * w.rows + r) = acc };
+                }
+            }
+        });
+    };
+    if n_tiles == 1 || w.rows * w.cols * n.max(1) < 1 << 14 {
+        (0..n_tiles).for_each(tile);
+    } else {
+        (0..n_tiles).into_par_iter().for_each(tile);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::affine::{SUPPORTED_BITS, pack};
+
+    fn matrix(rows: usize, cols: usize, params: AffineParams) -> AffineMatrix {
+        let levels = 1u32 << params.bits;
+        let q: Vec<u8> = (0..rows * cols).map(|i| ((i * 7 + i / 5) as u32 % levels) as u8).collect();
+        let mut packed = Vec::new();
+        pack(params.bits, &q, &mut packed);
+        let groups = rows * cols / params.group_size;
+        AffineMatrix {
+            rows,
+            cols,
+            params,
+            packed: Bytes::from_vec(packed),
+            scales: (0..groups).map(|i| 0.01 + (i % 7) as f32 * 0.003).collect(),
+            biases: (0..groups).map(|i| -0.1 + (i % 5) as f32 * 0.02).collect(),
+        }
+    }
+
+    #[test]
+    fn matmul_matches_decoded_rows() {
+        for bits in SUPPORTED_BITS {
+            for (rows, cols, n, gs) in [(37, 128, 3, 32), (5, 64, 1, 64), (70, 256, 9, 128)] {
+                let w = matrix(rows, cols, AffineParams { bits, group_size: gs });
+                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
+                let mut out = vec![f32::NAN; n * rows];
+                matmul(&x, n, &w, &mut out);
+                let mut row = vec![0f32; cols];
+                for r in 0..rows {
+                    w.decode_row(r, &mut row);
+                    for t in 0..n {
+                        let want: f32 = (0..cols).map(|c| x[t * cols + c] * row[c]).sum();
+                        let got = out[t * rows + r];
+                        assert!((got - want).abs() < 1e-4, "{bits} bits {rows}x{cols} ({t},{r}): {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
