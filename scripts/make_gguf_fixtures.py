@@ -10,10 +10,11 @@
 2. llama.cpp's convert_hf_to_gguf.py turns it into an F16 GGUF, and
    llama-quantize --pure into each quantized type.
 3. llama.cpp's logits for a fixed token sequence (scripts/llamacpp/qinfer_ref.c,
-   teacher-forced, flash attention off, f32 KV cache, no repacked CPU layouts,
-   2 threads) go next to each GGUF.
+   teacher-forced, flash attention off, f32 KV cache, 2 threads) go next to
+   each GGUF: logits.npy without repacked CPU layouts (-norepack: the plain
+   ggml_vec_dot_* kernels), logits_repack.npy with llama.cpp's default repacking.
 
-Outputs tests/fixtures/gguf_quant/<TYPE>/{model.gguf, logits.npy} and
+Outputs tests/fixtures/gguf_quant/<TYPE>/{model.gguf, logits.npy, logits_repack.npy} and
 tests/fixtures/gguf_quant/reference.json (input ids, tensor types per file,
 llama.cpp commit). Needs a llama.cpp build with llama-quantize; the
 qinfer_ref helper is compiled from scripts/llamacpp/qinfer_ref.c.
@@ -190,9 +191,12 @@ def main() -> None:
         dst = OUT / name
         dst.mkdir()
         shutil.copy(path, dst / "model.gguf")
-        cmd = [str(helper), "-m", str(dst / "model.gguf"), "-t", str(args.threads), "-c", "512", "-fa", "off",
-               "-kv", "f32", "-norepack", "logits", ",".join(map(str, ids)), str(dst / "logits.npy")]
-        info = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        # Plain vec_dot kernels (-norepack), and the default with weights repacked
+        # into llama.cpp's interleaved CPU layouts (other float summation orders).
+        for file, extra in (("logits.npy", ["-norepack"]), ("logits_repack.npy", [])):
+            cmd = [str(helper), "-m", str(dst / "model.gguf"), "-t", str(args.threads), "-c", "512", "-fa", "off",
+                   "-kv", "f32", *extra, "logits", ",".join(map(str, ids)), str(dst / file)]
+            info = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         types = tensor_types(dst / "model.gguf", src)
         cases[name] = {"tensor_types": types, "argmax": info["argmax"]}
         log(f"{name}: {sorted(set(types.values()))}")
@@ -201,7 +205,8 @@ def main() -> None:
         "description": "tiny Qwen3 (hidden 256, intermediate 512, 4x64 heads, 2 kv heads, 1 layer, vocab 256, "
         "tied embeddings), converted by convert_hf_to_gguf.py (F16) and llama-quantize --pure",
         "llama_cpp_commit": commit,
-        "qinfer_ref": "logits IDS, -fa off -kv f32 -norepack -t %d -c 512" % args.threads,
+        "qinfer_ref": "logits IDS, -fa off -kv f32 -t %d -c 512; logits.npy with -norepack, "
+        "logits_repack.npy without" % args.threads,
         "input_ids": ids,
         "cases": cases,
     }
