@@ -90,8 +90,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             w = z
         elif "norm" in name:
             w = 1.0 + 0.3 * z
-        elif len(p.shape) == 2:
-            w = z * (2.0 / math.sqrt(p.shape[1]))
+        elif len(p.shape) in (2, 3):
+            # Matrices and stacked experts [E, out, in].
+            w = z * (2.0 / math.sqrt(p.shape[-1]))
         else:
             raise RuntimeError(f"unexpected parameter {name}")
         with torch.no_grad():
@@ -120,7 +121,10 @@ def make_model(dir_: Path) -> None:
     model = Qwen3ForCausalLM(cfg).eval()
     randomize_(model, SEED)
     model.to(torch.bfloat16).save_pretrained(dir_)
+    save_tokenizer(dir_)
 
+
+def save_tokenizer(dir_: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     # llama.cpp requires BPE merges: 248 byte tokens (0xf8..0xff never occur in
@@ -142,9 +146,74 @@ sys.path[:0] = [{src!r}, {src!r} + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", "f16"]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 convert_hf_to_gguf.main()
 """
+
+
+def convert(src: Path, model_dir: Path, out: Path, outtype: str) -> None:
+    code = CONVERT.format(src=str(src), model=str(model_dir), out=str(out), outtype=outtype)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py {model_dir} failed:\n{r.stderr[-3000:]}")
+
+
+def make_moe_model(dir_: Path, ids: list[int]) -> np.ndarray:
+    """A tiny all-MoE Qwen3-MoE (llama.cpp's qwen3moe has no dense layers and
+    always renormalizes the top-k weights); returns transformers' float32 logits."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: PLC0415
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    torch.manual_seed(SEED + 1)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    randomize_(model, SEED + 1)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().numpy()
+    cfg.dtype = torch.bfloat16
+    model.to(torch.bfloat16).save_pretrained(dir_)
+    save_tokenizer(dir_)
+    return logits
+
+
+def build_arch_cases(src: Path, helper: Path, tmp: Path, threads: int, ids: list[int]) -> None:
+    """Other architectures as F32 GGUFs: transformers' logits and llama.cpp's."""
+    out_root = ROOT / "tests" / "fixtures" / "gguf_arch"
+    if out_root.exists():
+        shutil.rmtree(out_root)
+    out_root.mkdir(parents=True)
+    for case, make in (("qwen3moe", make_moe_model),):
+        model_dir = tmp / case
+        dst = out_root / case
+        dst.mkdir()
+        np.save(dst / "transformers_logits.npy", make(model_dir, ids).astype("<f4"))
+        convert(src, model_dir, dst / "model.gguf", "f32")
+        cmd = [str(helper), "-m", str(dst / "model.gguf"), "-t", str(threads), "-c", "512", "-fa", "off",
+               "-kv", "f32", "logits", ",".join(map(str, ids)), str(dst / "llamacpp_logits.npy")]
+        subprocess.run(cmd, check=True, capture_output=True)
+        ref = {"input_ids": ids, "config": json.loads((model_dir / "config.json").read_text()),
+               "qinfer_ref": "logits IDS, -fa off -kv f32 -t %d -c 512" % threads}
+        (dst / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+        log(f"{case}: done")
 
 
 def tensor_types(path: Path, src: Path) -> dict[str, str]:
@@ -158,6 +227,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llamacpp", default="/work/llamacpp", help="root with src/, build/bin/ and qinfer_ref")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=["quant", "arch"], help="build only one kind of fixture")
     args = ap.parse_args()
     root = Path(args.llamacpp)
     src, bin_ = root / "src", root / "build" / "bin"
@@ -173,9 +243,13 @@ def main() -> None:
 
     model_dir = tmp / "hf"
     make_model(model_dir)
+    if args.only in (None, "arch"):
+        build_arch_cases(src, helper, tmp, args.threads, ids)
+    if args.only == "arch":
+        shutil.rmtree(tmp)
+        return
     f16 = tmp / "model-f16.gguf"
-    code = CONVERT.format(src=str(src), model=str(model_dir), out=str(f16))
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    convert(src, model_dir, f16, "f16")
 
     files = {"F16": f16}
     for name, ftype in FTYPES.items():

@@ -1,5 +1,6 @@
 //! GGUF metadata (`{arch}.block_count`, …) → [`ModelConfig`], following the keys
-//! llama.cpp's converter writes for llama, qwen2 and qwen3.
+//! llama.cpp's converter writes for llama, qwen2, qwen3 and qwen3moe (experts:
+//! see `moe_meta`).
 
 use super::GgufFile;
 use super::value::GgufValue;
@@ -8,19 +9,19 @@ use crate::formats::TensorSource;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
-struct Meta<'a> {
-    file: &'a GgufFile,
-    arch: &'a str,
+pub(super) struct Meta<'a> {
+    pub(super) file: &'a GgufFile,
+    pub(super) arch: &'a str,
 }
 
 impl Meta<'_> {
-    fn key(&self, suffix: &str) -> String {
+    pub(super) fn key(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.arch)
     }
-    fn get(&self, key: &str) -> Option<&GgufValue> {
+    pub(super) fn get(&self, key: &str) -> Option<&GgufValue> {
         self.file.metadata().get(key)
     }
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
             Some(GgufValue::Array(_)) => Err(Error::config(key, "per-layer values (an array) are not supported")),
@@ -31,10 +32,10 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a non-negative integer, found {v}"))),
         }
     }
-    fn req_usize(&self, key: &str) -> Result<usize> {
+    pub(super) fn req_usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| Error::config(key, "missing from GGUF metadata"))
     }
-    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+    pub(super) fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -43,7 +44,7 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a number, found {v}"))),
         }
     }
-    fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
+    pub(super) fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -53,7 +54,7 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a token id, found {v}"))),
         }
     }
-    fn has_tensor(&self, name: &str) -> bool {
+    pub(super) fn has_tensor(&self, name: &str) -> bool {
         self.file.tensor_info(name).is_some()
     }
 }
@@ -164,16 +165,16 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         .ok_or_else(|| Error::config("general.architecture", "missing from GGUF metadata"))?
         .as_str()
         .ok_or_else(|| Error::config("general.architecture", "expected a string"))?;
-    // GGUF names its architectures without underscores (`qwen3moe`); only the
-    // dense families are read from GGUF so far.
+    // GGUF names its architectures without underscores (`qwen3moe`).
     let arch = match arch_name {
         "llama" => Architecture::Llama,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
+        "qwen3moe" => Architecture::Qwen3Moe,
         other => {
             return Err(Error::UnknownArchitecture {
                 found: other.to_string(),
-                supported: "llama, qwen2, qwen3 (GGUF)".to_string(),
+                supported: "llama, qwen2, qwen3, qwen3moe (GGUF)".to_string(),
             });
         }
     };
@@ -231,11 +232,18 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         | Architecture::Qwen35
         | Architecture::Qwen35Moe => m.has_tensor("blk.0.attn_q.bias"),
     };
+    let (moe, moe_layers) = super::moe_meta::moe(&m, arch, num_layers)?;
+    // All-MoE files need no dense MLP width.
+    let intermediate_size = match m.opt_usize(&m.key("feed_forward_length"))? {
+        Some(n) => n,
+        None if moe_layers.iter().all(|&x| x) => 0,
+        None => return Err(Error::config(m.key("feed_forward_length"), "missing from GGUF metadata")),
+    };
     Ok(ModelConfig {
         arch,
         vocab_size: vocab_size(&m)?,
         hidden_size,
-        intermediate_size: m.req_usize(&m.key("feed_forward_length"))?,
+        intermediate_size,
         num_layers,
         num_heads,
         num_kv_heads,
@@ -246,13 +254,13 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         tie_word_embeddings: !m.has_tensor("output.weight"),
         attention_bias,
         o_bias: m.has_tensor("blk.0.attn_output.bias"),
-        qk_norm: matches!(arch, Architecture::Qwen3),
+        qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Qwen3Moe),
         layer_windows: vec![None; num_layers],
         bos_token_id,
         eos_token_ids,
         layer_kinds: vec![LayerKind::Attention; num_layers],
-        moe_layers: vec![false; num_layers],
-        moe: None,
+        moe_layers,
+        moe,
         gdn: None,
         rotary_dim: head_dim,
     })

@@ -6,6 +6,7 @@
 //! (default 32), then the tensor data; tensor offsets are relative to the data.
 
 mod config;
+mod moe_meta;
 mod ggml_type;
 mod names;
 mod reader;
@@ -136,7 +137,7 @@ impl GgufFile {
             Error::tensor(
                 name,
                 format!(
-                    "ggml type {} (GGUF tensor `{}` in {}) is not supported; supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0",
+                    "ggml type {} (GGUF tensor `{}` in {}) is not supported; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
                     ty.name,
                     info.name,
                     self.path.display()

@@ -1,5 +1,10 @@
 //! Tensor names: Hugging Face (`model.layers.3.self_attn.q_proj.weight`) ↔
-//! llama.cpp GGUF (`blk.3.attn_q.weight`), for the dense Llama/Qwen layouts.
+//! llama.cpp GGUF (`blk.3.attn_q.weight`), for the dense Llama/Qwen layouts
+//! and Qwen3-MoE (names from llama.cpp's gguf-py `tensor_mapping.py`).
+//!
+//! llama.cpp stacks experts into one tensor per projection
+//! (`blk.N.ffn_gate_exps.weight`, `[E, I, H]` outermost first); that is the
+//! MLX `switch_mlp` layout, which the MoE layer loads with `Tensor::narrow`.
 
 /// Whole-model tensors.
 const GLOBAL: &[(&str, &str)] = &[
@@ -21,6 +26,15 @@ const LAYER: &[(&str, &str)] = &[
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
     ("mlp.down_proj", "ffn_down"),
+    // Mixture of experts: router, stacked experts, shared expert and its gate.
+    ("mlp.gate", "ffn_gate_inp"),
+    ("mlp.switch_mlp.gate_proj", "ffn_gate_exps"),
+    ("mlp.switch_mlp.up_proj", "ffn_up_exps"),
+    ("mlp.switch_mlp.down_proj", "ffn_down_exps"),
+    ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+    ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
 ];
 
 const SUFFIXES: &[&str] = &["weight", "bias"];
@@ -74,6 +88,11 @@ mod tests {
             ("model.layers.3.self_attn.o_proj.weight", "blk.3.attn_output.weight"),
             ("model.layers.3.self_attn.k_norm.weight", "blk.3.attn_k_norm.weight"),
             ("model.layers.29.mlp.down_proj.weight", "blk.29.ffn_down.weight"),
+            ("model.layers.1.mlp.gate.weight", "blk.1.ffn_gate_inp.weight"),
+            ("model.layers.1.mlp.switch_mlp.gate_proj.weight", "blk.1.ffn_gate_exps.weight"),
+            ("model.layers.1.mlp.switch_mlp.down_proj.weight", "blk.1.ffn_down_exps.weight"),
+            ("model.layers.2.mlp.shared_expert.up_proj.weight", "blk.2.ffn_up_shexp.weight"),
+            ("model.layers.2.mlp.shared_expert_gate.weight", "blk.2.ffn_gate_inp_shexp.weight"),
         ];
         for (h, g) in pairs {
             assert_eq!(hf_to_gguf(h).as_deref(), Some(g), "{h}");
