@@ -1,10 +1,10 @@
 //! GGUF metadata (`{arch}.block_count`, …) → [`ModelConfig`], following the keys
-//! llama.cpp's converter writes for llama, qwen2, qwen3 and qwen3moe (experts:
-//! see `moe_meta`).
+//! llama.cpp's converter writes for llama, qwen2, qwen3, qwen3moe, qwen3next,
+//! qwen35 and qwen35moe (experts: `moe_meta`; linear attention: `gdn_meta`).
 
 use super::GgufFile;
 use super::value::GgufValue;
-use crate::config::{Architecture, LayerKind, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
+use crate::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
 use crate::formats::TensorSource;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -123,14 +123,17 @@ fn scaling_from_rope_freqs(m: &Meta, theta: f32, head_dim: usize) -> Result<Opti
     }))
 }
 
-fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<RopeConfig> {
+/// RoPE settings and the number of rotated dimensions per head.
+fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<(RopeConfig, usize)> {
     let theta = m.opt_f32(&m.key("rope.freq_base"))?.unwrap_or(10_000.0);
-    if let Some(d) = m.opt_usize(&m.key("rope.dimension_count"))?
-        && d != head_dim
-    {
+    let rotary_dim = m.opt_usize(&m.key("rope.dimension_count"))?.unwrap_or(head_dim);
+    // Partial rotary is a feature of the hybrid models (Qwen3-Next/3.5). Their
+    // `rope.dimension_sections` (multimodal RoPE) give every section the same
+    // position for text, which is plain RoPE over `rotary_dim`.
+    if rotary_dim != head_dim && (!arch.is_hybrid() || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2)) {
         return Err(Error::config(
             m.key("rope.dimension_count"),
-            format!("partial rotary ({d} of {head_dim} head dims) is not supported"),
+            format!("partial rotary ({rotary_dim} of {head_dim} head dims) is not supported for {}", m.arch),
         ));
     }
     let scaling_key = m.key("rope.scaling.type");
@@ -155,7 +158,7 @@ fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<RopeConfig> {
         | Architecture::Qwen35
         | Architecture::Qwen35Moe => RopeStyle::Neox,
     };
-    Ok(RopeConfig { theta, style, scaling })
+    Ok((RopeConfig { theta, style, scaling }, rotary_dim))
 }
 
 pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
@@ -171,16 +174,25 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
         "qwen3moe" => Architecture::Qwen3Moe,
+        "qwen3next" => Architecture::Qwen3Next,
+        "qwen35" => Architecture::Qwen35,
+        "qwen35moe" => Architecture::Qwen35Moe,
         other => {
             return Err(Error::UnknownArchitecture {
                 found: other.to_string(),
-                supported: "llama, qwen2, qwen3, qwen3moe (GGUF)".to_string(),
+                supported: "llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe (GGUF)".to_string(),
             });
         }
     };
     let m = Meta { file, arch: arch_name };
 
-    let num_layers = m.req_usize(&m.key("block_count"))?;
+    // block_count includes the multi-token-prediction blocks, which the
+    // forward pass does not run.
+    let blocks = m.req_usize(&m.key("block_count"))?;
+    let nextn = m.opt_usize(&m.key("nextn_predict_layers"))?.unwrap_or(0);
+    let num_layers = blocks.checked_sub(nextn).ok_or_else(|| {
+        Error::config(m.key("nextn_predict_layers"), format!("{nextn} exceeds block_count {blocks}"))
+    })?;
     let hidden_size = m.req_usize(&m.key("embedding_length"))?;
     let num_heads = m.req_usize(&m.key("attention.head_count"))?;
     let num_kv_heads = m.opt_usize(&m.key("attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -233,6 +245,7 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         | Architecture::Qwen35Moe => m.has_tensor("blk.0.attn_q.bias"),
     };
     let (moe, moe_layers) = super::moe_meta::moe(&m, arch, num_layers)?;
+    let (rope, rotary_dim) = rope(&m, arch, head_dim)?;
     // All-MoE files need no dense MLP width.
     let intermediate_size = match m.opt_usize(&m.key("feed_forward_length"))? {
         Some(n) => n,
@@ -249,19 +262,26 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         num_kv_heads,
         head_dim,
         rms_norm_eps,
-        rope: rope(&m, arch, head_dim)?,
+        rope,
         max_position_embeddings: m.req_usize(&m.key("context_length"))?,
         tie_word_embeddings: !m.has_tensor("output.weight"),
         attention_bias,
         o_bias: m.has_tensor("blk.0.attn_output.bias"),
-        qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Qwen3Moe),
+        qk_norm: match arch {
+            Architecture::Llama | Architecture::Qwen2 => false,
+            Architecture::Qwen3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => true,
+        },
         layer_windows: vec![None; num_layers],
         bos_token_id,
         eos_token_ids,
-        layer_kinds: vec![LayerKind::Attention; num_layers],
+        layer_kinds: super::gdn_meta::layer_kinds(&m, arch, num_layers)?,
         moe_layers,
         moe,
-        gdn: None,
-        rotary_dim: head_dim,
+        gdn: super::gdn_meta::gdn(&m, arch)?,
+        rotary_dim,
     })
 }

@@ -13,7 +13,7 @@ use crate::{Error, Result};
 pub(super) fn moe(m: &Meta, arch: Architecture, num_layers: usize) -> Result<(Option<MoeConfig>, Vec<bool>)> {
     let layers: Vec<bool> = (0..num_layers).map(|i| m.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight"))).collect();
     match arch {
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
+        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen35 => {
             if let Some(i) = layers.iter().position(|&x| x) {
                 return Err(Error::tensor(
                     format!("blk.{i}.ffn_gate_inp.weight"),
@@ -22,7 +22,7 @@ pub(super) fn moe(m: &Meta, arch: Architecture, num_layers: usize) -> Result<(Op
             }
             return Ok((None, layers));
         }
-        Architecture::Qwen3Moe | Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {}
+        Architecture::Qwen3Moe | Architecture::Qwen3Next | Architecture::Qwen35Moe => {}
     }
     let num_experts = m.req_usize(&m.key("expert_count"))?;
     let top_k = m.req_usize(&m.key("expert_used_count"))?;
