@@ -203,7 +203,7 @@ def copy_tiny_fixture(case: str):
     def make(dir_: Path, _ids: list[int]) -> tuple[np.ndarray, list[int]]:
         shutil.copytree(ROOT / "tests" / "fixtures" / "tiny" / case, dir_)
         # Qwen3.5's tokenizer class adds one special token of its own.
-        save_tokenizer(dir_, spare=1 if case == "qwen3_5" else 0)
+        save_tokenizer(dir_, spare=1 if case.startswith("qwen3_5") else 0)
         ref = json.loads((dir_ / "reference.json").read_text())
         return np.load(dir_ / "logits.npy"), ref["input_ids"]
 
@@ -218,7 +218,7 @@ def build_arch_cases(src: Path, helper: Path, tmp: Path, threads: int, ids: list
         shutil.rmtree(out_root)
     out_root.mkdir(parents=True)
     cases = (("qwen3moe", make_moe_model), ("qwen3next", copy_tiny_fixture("qwen3_next")),
-             ("qwen35", copy_tiny_fixture("qwen3_5")))
+             ("qwen35", copy_tiny_fixture("qwen3_5")), ("qwen35moe", copy_tiny_fixture("qwen3_5_moe")))
     for case, make in cases:
         model_dir = tmp / case
         dst = out_root / case
