@@ -100,7 +100,8 @@ fn hybrid_config_from_metadata() {
         assert_eq!(g.v_heads_tiled, case.starts_with("qwen35"));
         assert_eq!((c.head_dim, c.rotary_dim, c.num_layers), (32, 8, 4));
         // The fixture's transformers config says which layers are linear attention.
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("reference.json")).unwrap()).unwrap();
+        let r: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir(case).join("reference.json")).unwrap()).unwrap();
         let hf = &r["config"];
         let types = hf.get("text_config").unwrap_or(hf)["layer_types"].as_array().unwrap().clone();
         let want: Vec<LayerKind> = types

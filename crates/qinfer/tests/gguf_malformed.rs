@@ -354,8 +354,18 @@ fn every_truncation_is_an_error() {
 fn partial_blocks_of_every_quantized_type() {
     let dir = TempDir::new("blocks");
     // (ggml id, values per block, bytes per block)
-    let types =
-        [(2, 32, 18), (3, 32, 20), (6, 32, 22), (7, 32, 24), (8, 32, 34), (10, 256, 84), (11, 256, 110), (12, 256, 144), (13, 256, 176), (14, 256, 210)];
+    let types = [
+        (2, 32, 18),
+        (3, 32, 20),
+        (6, 32, 22),
+        (7, 32, 24),
+        (8, 32, 34),
+        (10, 256, 84),
+        (11, 256, 110),
+        (12, 256, 144),
+        (13, 256, 176),
+        (14, 256, 210),
+    ];
     for (id, block, bytes) in types {
         // Rows of half a block (two rows hold one block's worth of values).
         let (b, _) = Writer::new(3).tensor("w.weight", &[block / 2, 2], id, vec![0u8; bytes]).build();

@@ -262,7 +262,14 @@ mod tests {
     use super::*;
 
     fn cfg() -> GdnConfig {
-        GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4, v_heads_tiled: false }
+        GdnConfig {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: 16,
+            v_head_dim: 24,
+            conv_kernel: 4,
+            v_heads_tiled: false,
+        }
     }
 
     /// Deterministic pseudo-random values in [-1, 1) (xorshift), fresh per seed.

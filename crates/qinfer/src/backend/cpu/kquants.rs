@@ -62,9 +62,9 @@ pub fn unpack(dtype: DType, b: &[u8]) -> Unpacked {
             let (sc, qs) = (&b[0..16], &b[16..80]);
             u.d = f16_at(b, 80);
             u.dmin = f16_at(b, 82);
-            for g in 0..16 {
-                u.scales[g] = (sc[g] & 0x0f) as i32;
-                u.mins[g] = (sc[g] >> 4) as i32;
+            for (g, &s) in sc.iter().enumerate() {
+                u.scales[g] = (s & 0x0f) as i32;
+                u.mins[g] = (s >> 4) as i32;
             }
             for (i, q) in u.q.iter_mut().enumerate() {
                 let (half, j, l) = (i / 128, (i / 32) % 4, i % 32);
@@ -108,8 +108,8 @@ pub fn unpack(dtype: DType, b: &[u8]) -> Unpacked {
         DType::Q6_K => {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             u.d = f16_at(b, 208);
-            for g in 0..16 {
-                u.scales[g] = sc[g] as i8 as i32;
+            for (o, &s) in u.scales.iter_mut().zip(sc) {
+                *o = s as i8 as i32;
             }
             for (i, q) in u.q.iter_mut().enumerate() {
                 let (half, quarter, l) = (i / 128, (i / 32) % 4, i % 32);
@@ -120,14 +120,9 @@ pub fn unpack(dtype: DType, b: &[u8]) -> Unpacked {
                 *q = (low | (high << 4)) as i8 - 32;
             }
         }
-        DType::F32
-        | DType::F16
-        | DType::BF16
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q8_0 => unreachable!("{} is not a K-quant", dtype.name()),
+        DType::F32 | DType::F16 | DType::BF16 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
+            unreachable!("{} is not a K-quant", dtype.name())
+        }
     }
     u
 }

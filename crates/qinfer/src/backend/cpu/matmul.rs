@@ -15,9 +15,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::kquants;
 use super::q8::{self, Q8Block};
 use super::q8k::{self, Q8KBlock};
-use super::kquants;
 use super::quant::dequantize_into;
 use super::simd::dot;
 use crate::tensor::{Bytes, DType};
@@ -414,7 +414,12 @@ mod tests {
         let mut seed = 5u64;
         for dtype in [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
             for (rows, cols, n) in [(13, 512, 3), (5, 256, 1)] {
-                let w = CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)) };
+                let w = CpuMatrix {
+                    dtype,
+                    rows,
+                    cols,
+                    data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)),
+                };
                 let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
                 let mut out = vec![f32::NAN; n * rows];
                 matmul(&x, n, &w, &mut out);
@@ -437,7 +442,12 @@ mod tests {
         let mut seed = 3u64;
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0] {
             for (rows, cols, n) in [(37, 96, 5), (9, 32, 1), (70, 160, 9)] {
-                let w = CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)) };
+                let w = CpuMatrix {
+                    dtype,
+                    rows,
+                    cols,
+                    data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)),
+                };
                 let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
                 let mut out = vec![f32::NAN; n * rows];
                 matmul(&x, n, &w, &mut out);

@@ -171,14 +171,9 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             }
             acc
         }
-        DType::F32
-        | DType::F16
-        | DType::BF16
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K => unreachable!("{} does not take Q8_0 activations", dtype.name()),
+        DType::F32 | DType::F16 | DType::BF16 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            unreachable!("{} does not take Q8_0 activations", dtype.name())
+        }
     }
 }
 

@@ -190,9 +190,9 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     // forward pass does not run.
     let blocks = m.req_usize(&m.key("block_count"))?;
     let nextn = m.opt_usize(&m.key("nextn_predict_layers"))?.unwrap_or(0);
-    let num_layers = blocks.checked_sub(nextn).ok_or_else(|| {
-        Error::config(m.key("nextn_predict_layers"), format!("{nextn} exceeds block_count {blocks}"))
-    })?;
+    let num_layers = blocks
+        .checked_sub(nextn)
+        .ok_or_else(|| Error::config(m.key("nextn_predict_layers"), format!("{nextn} exceeds block_count {blocks}")))?;
     let hidden_size = m.req_usize(&m.key("embedding_length"))?;
     let num_heads = m.req_usize(&m.key("attention.head_count"))?;
     let num_kv_heads = m.opt_usize(&m.key("attention.head_count_kv"))?.unwrap_or(num_heads);

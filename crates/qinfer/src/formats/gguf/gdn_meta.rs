@@ -23,7 +23,10 @@ pub(super) fn gdn(m: &Meta, arch: Architecture) -> Result<Option<GdnConfig>> {
         ));
     }
     if !inner.is_multiple_of(num_v_heads) {
-        return Err(Error::config(m.key("ssm.inner_size"), format!("{inner} is not a multiple of {num_v_heads} heads")));
+        return Err(Error::config(
+            m.key("ssm.inner_size"),
+            format!("{inner} is not a multiple of {num_v_heads} heads"),
+        ));
     }
     let g = GdnConfig {
         num_k_heads,

@@ -7,9 +7,9 @@
 
 mod config;
 mod gdn_meta;
+mod ggml_type;
 mod hybrid;
 mod moe_meta;
-mod ggml_type;
 mod names;
 mod reader;
 mod value;

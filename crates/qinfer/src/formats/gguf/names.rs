@@ -146,7 +146,10 @@ mod tests {
             hf_to_gguf_all("model.layers.1.post_attention_layernorm.weight"),
             ["blk.1.ffn_norm.weight", "blk.1.post_attention_norm.weight"]
         );
-        assert_eq!(gguf_to_hf("blk.1.post_attention_norm.weight").unwrap(), "model.layers.1.post_attention_layernorm.weight");
+        assert_eq!(
+            gguf_to_hf("blk.1.post_attention_norm.weight").unwrap(),
+            "model.layers.1.post_attention_layernorm.weight"
+        );
     }
 
     #[test]
