@@ -84,7 +84,17 @@ impl AffineTensor {
         for t in [&scales, &biases] {
             match t.dtype {
                 DType::F32 | DType::F16 | DType::BF16 => {}
-                DType::U32 | DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+                DType::U32
+                | DType::Q4_0
+                | DType::Q4_1
+                | DType::Q5_0
+                | DType::Q5_1
+                | DType::Q8_0
+                | DType::Q2_K
+                | DType::Q3_K
+                | DType::Q4_K
+                | DType::Q5_K
+                | DType::Q6_K => {
                     return Err(Error::tensor(&t.name, format!("expected F32, F16 or BF16, found {}", t.dtype.name())));
                 }
             }

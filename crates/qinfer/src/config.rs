@@ -76,6 +76,11 @@ pub struct GdnConfig {
     pub k_head_dim: usize,
     pub v_head_dim: usize,
     pub conv_kernel: usize,
+    /// Order of the value heads in every value-sized weight: false for
+    /// transformers' grouped order (the `r = nv/nk` heads of key head g are
+    /// g·r..g·r+r), true for llama.cpp's Qwen3.5 GGUFs, which store them tiled
+    /// (value head j uses key head j mod nk) so that ggml can broadcast.
+    pub v_heads_tiled: bool,
 }
 
 impl GdnConfig {
@@ -84,6 +89,10 @@ impl GdnConfig {
     }
     pub fn value_dim(&self) -> usize {
         self.num_v_heads * self.v_head_dim
+    }
+    /// The key head that value head `v` attends with.
+    pub fn k_head_of(&self, v: usize) -> usize {
+        if self.v_heads_tiled { v % self.num_k_heads } else { v / (self.num_v_heads / self.num_k_heads) }
     }
     /// Channels through the depthwise conv: q, k and v concatenated.
     pub fn conv_dim(&self) -> usize {
@@ -373,6 +382,7 @@ fn parse_gdn(v: &Value, arch: Architecture) -> Result<Option<GdnConfig>> {
         k_head_dim: req_usize(v, "linear_key_head_dim")?,
         v_head_dim: req_usize(v, "linear_value_head_dim")?,
         conv_kernel: opt_usize(v, "linear_conv_kernel_dim")?.unwrap_or(4),
+        v_heads_tiled: false,
     };
     if g.num_k_heads == 0 || !g.num_v_heads.is_multiple_of(g.num_k_heads) {
         return Err(Error::config(

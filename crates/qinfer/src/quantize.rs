@@ -96,9 +96,16 @@ fn st_dtype(d: DType) -> Result<&'static str> {
         DType::F16 => Ok("F16"),
         DType::BF16 => Ok("BF16"),
         DType::U32 => Ok("U32"),
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
-            Err(Error::Invalid(format!("{} input cannot be requantized", d.name())))
-        }
+        DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q8_0
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => Err(Error::Invalid(format!("{} input cannot be requantized", d.name()))),
     }
 }
 
@@ -106,9 +113,18 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
         DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
-        DType::F32 | DType::U32 | DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
-            values.iter().flat_map(|v| v.to_le_bytes()).collect()
-        }
+        DType::F32
+        | DType::U32
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q8_0
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
 

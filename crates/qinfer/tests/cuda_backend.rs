@@ -217,34 +217,37 @@ fn attention_over_the_cache_matches_cpu() {
 fn gated_deltanet_and_moe_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    let cfg = GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4 };
-    let (cd, kd, vd, nv) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim(), cfg.num_v_heads);
-    let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
-    let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
-    let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
-    let mut sc = p.cpu.new_gdn_state(&cfg);
-    let mut sg = p.gpu.new_gdn_state(&cfg);
-    // A 70-token prompt (chunked on the CPU, recurrent on the GPU), then decode steps.
-    for t in [70usize, 1, 1, 3] {
-        let (xc, xg) = p.acts(t, cd, &r.vec(t * cd));
-        let mc = p.cpu.gdn_conv(&xc, &convc, &mut sc);
-        let mg = p.gpu.gdn_conv(&xg, &convg, &mut sg);
-        p.check(&format!("gdn_conv T={t}"), &mc, &mg, 1e-5);
-        let (qc, qg) = p.acts(t, kd, &r.vec(t * kd));
-        let (kc, kg) = p.acts(t, kd, &r.vec(t * kd));
-        let (vc, vg) = p.acts(t, vd, &r.vec(t * vd));
-        let (ac, ag) = p.acts(t, nv, &r.vec(t * nv));
-        let (bc, bg) = p.acts(t, nv, &r.vec(t * nv));
-        let oc = p.cpu.gated_delta_rule(&qc, &kc, &vc, &ac, &bc, &alc, &dtc, &mut sc);
-        let og = p.gpu.gated_delta_rule(&qg, &kg, &vg, &ag, &bg, &alg, &dtg, &mut sg);
-        p.check(&format!("gated_delta_rule T={t}"), &oc, &og, 1e-4);
+    for v_heads_tiled in [false, true] {
+        let cfg =
+            GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4, v_heads_tiled };
+        let (cd, kd, vd, nv) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim(), cfg.num_v_heads);
+        let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
+        let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
+        let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
+        let mut sc = p.cpu.new_gdn_state(&cfg);
+        let mut sg = p.gpu.new_gdn_state(&cfg);
+        // A 70-token prompt (chunked on the CPU, recurrent on the GPU), then decode steps.
+        for t in [70usize, 1, 1, 3] {
+            let (xc, xg) = p.acts(t, cd, &r.vec(t * cd));
+            let mc = p.cpu.gdn_conv(&xc, &convc, &mut sc);
+            let mg = p.gpu.gdn_conv(&xg, &convg, &mut sg);
+            p.check(&format!("gdn_conv T={t}"), &mc, &mg, 1e-5);
+            let (qc, qg) = p.acts(t, kd, &r.vec(t * kd));
+            let (kc, kg) = p.acts(t, kd, &r.vec(t * kd));
+            let (vc, vg) = p.acts(t, vd, &r.vec(t * vd));
+            let (ac, ag) = p.acts(t, nv, &r.vec(t * nv));
+            let (bc, bg) = p.acts(t, nv, &r.vec(t * nv));
+            let oc = p.cpu.gated_delta_rule(&qc, &kc, &vc, &ac, &bc, &alc, &dtc, &mut sc);
+            let og = p.gpu.gated_delta_rule(&qg, &kg, &vg, &ag, &bg, &alg, &dtg, &mut sg);
+            p.check(&format!("gated_delta_rule T={t} tiled {v_heads_tiled}"), &oc, &og, 1e-4);
+        }
+        let snapshot = sg.clone();
+        let (_, xg) = p.acts(1, cd, &r.vec(cd));
+        let after = p.gpu.gdn_conv(&xg, &convg, &mut sg);
+        let mut restored = snapshot.clone();
+        let again = p.gpu.gdn_conv(&xg, &convg, &mut restored);
+        assert_eq!(p.gpu.to_host(&after), p.gpu.to_host(&again), "a cloned state is an independent snapshot");
     }
-    let snapshot = sg.clone();
-    let (_, xg) = p.acts(1, cd, &r.vec(cd));
-    let after = p.gpu.gdn_conv(&xg, &convg, &mut sg);
-    let mut restored = snapshot.clone();
-    let again = p.gpu.gdn_conv(&xg, &convg, &mut restored);
-    assert_eq!(p.gpu.to_host(&after), p.gpu.to_host(&again), "a cloned state is an independent snapshot");
 
     let (h, i, e) = (64, 32, 8);
     let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)

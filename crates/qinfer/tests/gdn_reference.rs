@@ -16,7 +16,7 @@ fn load(name: &str) -> Vec<f32> {
 }
 
 fn cfg() -> GdnConfig {
-    GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4 }
+    GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4, v_heads_tiled: false }
 }
 
 struct Case {

@@ -190,8 +190,9 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// A file exercising every metadata type and three tensors: F32 [2, 3],
-/// Q8_0 [4, 32] and Q4_K [1, 256] (listed, but not loadable).
+/// A file exercising every metadata type and four tensors: F32 [2, 3],
+/// Q8_0 [4, 32], IQ4_XS [1, 256] (listed, but not loadable) and Q6_K [1, 256]
+/// (last, so that truncations cut into K-quant block data).
 fn sample(version: u32) -> Writer {
     let mut q8 = vec![];
     for row in 0..4u8 {
@@ -220,7 +221,8 @@ fn sample(version: u32) -> Writer {
         .kv("t.nested", V::Arr(9, vec![V::Arr(5, vec![V::I32(-1)]), V::Arr(8, vec![s("x"), s("y")])]))
         .tensor("a.weight", &[3, 2], 0, f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]))
         .tensor("b.weight", &[32, 4], 8, q8)
-        .tensor("k.weight", &[256, 1], 12, vec![7u8; 144])
+        .tensor("k.weight", &[256, 1], 23, vec![7u8; 136])
+        .tensor("q6.weight", &[256, 1], 14, vec![7u8; 210])
 }
 
 fn expect_malformed(path: &Path, what: &str) -> String {
@@ -285,7 +287,7 @@ fn parses_valid_v3_and_v2() {
         );
 
         let infos = f.tensor_infos();
-        assert_eq!(infos.len(), 3);
+        assert_eq!(infos.len(), 4);
         let a = &infos[0];
         assert_eq!((a.name.as_str(), a.type_name, a.ggml_type), ("a.weight", "F32", 0));
         assert_eq!(a.shape, vec![2, 3], "outermost first");
@@ -294,7 +296,9 @@ fn parses_valid_v3_and_v2() {
         assert_eq!((b.type_name, b.shape.as_slice(), b.n_bytes), ("Q8_0", &[4, 32][..], 4 * 34));
         assert_eq!(b.offset, marks["data"] + 32, "aligned after a");
         let k = &infos[2];
-        assert_eq!((k.type_name, k.shape.as_slice(), k.n_bytes), ("Q4_K", &[1, 256][..], 144));
+        assert_eq!((k.type_name, k.shape.as_slice(), k.n_bytes), ("IQ4_XS", &[1, 256][..], 136));
+        let q6 = f.raw_tensor("q6.weight").unwrap();
+        assert_eq!((q6.dtype, q6.shape.as_slice(), q6.data.len()), (DType::Q6_K, &[1, 256][..], 210));
 
         let t = f.raw_tensor("a.weight").unwrap();
         assert_eq!((t.dtype, t.shape.as_slice()), (DType::F32, &[2, 3][..]));
@@ -304,9 +308,9 @@ fn parses_valid_v3_and_v2() {
         assert_eq!(&t.data.as_slice()[2..5], &[0, 1, 2]);
         // Unsupported types are listed but refuse to load, naming tensor and type.
         let e = f.raw_tensor("k.weight").unwrap_err().to_string();
-        assert!(e.contains("k.weight") && e.contains("Q4_K"), "{e}");
+        assert!(e.contains("k.weight") && e.contains("IQ4_XS"), "{e}");
         assert!(f.raw_tensor("nope").is_err());
-        assert_eq!(f.names(), vec!["a.weight", "b.weight", "k.weight"]);
+        assert_eq!(f.names(), vec!["a.weight", "b.weight", "k.weight", "q6.weight"]);
     }
 }
 
@@ -341,6 +345,36 @@ fn every_truncation_is_an_error() {
         let path = dir.write("t.gguf", &bytes[..len]);
         let msg = expect_malformed(&path, &format!("truncated to {len}"));
         assert!(!msg.is_empty());
+    }
+}
+
+/// Block types whose rows are not whole blocks, or whose data is cut short:
+/// errors name the file and the tensor.
+#[test]
+fn partial_blocks_of_every_quantized_type() {
+    let dir = TempDir::new("blocks");
+    // (ggml id, values per block, bytes per block)
+    let types = [
+        (2, 32, 18),
+        (3, 32, 20),
+        (6, 32, 22),
+        (7, 32, 24),
+        (8, 32, 34),
+        (10, 256, 84),
+        (11, 256, 110),
+        (12, 256, 144),
+        (13, 256, 176),
+        (14, 256, 210),
+    ];
+    for (id, block, bytes) in types {
+        // Rows of half a block (two rows hold one block's worth of values).
+        let (b, _) = Writer::new(3).tensor("w.weight", &[block / 2, 2], id, vec![0u8; bytes]).build();
+        let msg = expect_malformed(&dir.write("half.gguf", &b), &format!("type {id}, half-block rows"));
+        assert!(msg.contains("w.weight"), "{msg}");
+        // Two rows declared, one row of data: the data section ends early.
+        let (b, _) = Writer::new(3).tensor("w.weight", &[block, 2], id, vec![0u8; bytes]).build();
+        let msg = expect_malformed(&dir.write("short.gguf", &b), &format!("type {id}, short data"));
+        assert!(msg.contains("w.weight"), "{msg}");
     }
 }
 

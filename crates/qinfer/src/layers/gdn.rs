@@ -35,12 +35,17 @@ impl<B: Backend> GatedDeltaNet<B> {
     pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, g: &GdnConfig) -> Result<Self> {
         let h = cfg.hidden_size;
         let (kd, vd, nv) = (g.key_dim(), g.value_dim(), g.num_v_heads);
+        // Next's checkpoints fuse the projections per key head; Qwen3.5's split
+        // them, and so do llama.cpp's GGUFs of both (the GGUF reader presents
+        // them under the split names).
         let proj = match cfg.arch {
-            Architecture::Qwen3Next => Projections::Fused {
-                qkvz: ld.get(&format!("{p}.in_proj_qkvz.weight"), &[2 * kd + 2 * vd, h])?,
-                ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
-            },
-            Architecture::Qwen35 | Architecture::Qwen35Moe => Projections::Split {
+            Architecture::Qwen3Next if ld.src.contains(&format!("{p}.in_proj_qkvz.weight")) || ld.random.is_some() => {
+                Projections::Fused {
+                    qkvz: ld.get(&format!("{p}.in_proj_qkvz.weight"), &[2 * kd + 2 * vd, h])?,
+                    ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
+                }
+            }
+            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => Projections::Split {
                 qkv: ld.get(&format!("{p}.in_proj_qkv.weight"), &[2 * kd + vd, h])?,
                 z: ld.get(&format!("{p}.in_proj_z.weight"), &[vd, h])?,
                 b: ld.get(&format!("{p}.in_proj_b.weight"), &[nv, h])?,

@@ -6,6 +6,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::backend::cpu::kquants;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -85,6 +86,19 @@ impl RandomWeights {
                         bytes.extend(f16::from_f32(-scale).to_le_bytes());
                     }
                     (0..16).for_each(|_| bytes.push(rng.next() as u8));
+                }
+            }
+            DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+                // Random bits with every f16 field set to a small step: values of
+                // magnitude about `scale` (K-quant sub-scales multiply by up to 63).
+                let step = if dtype.is_k_quant() { scale / 256.0 } else { scale / 16.0 };
+                let bb = dtype.block_bytes();
+                for _ in 0..n / dtype.block_len() {
+                    let start = bytes.len();
+                    (0..bb).for_each(|_| bytes.push(rng.next() as u8));
+                    for &off in kquants::f16_field_offsets(dtype) {
+                        bytes[start + off..start + off + 2].copy_from_slice(&f16::from_f32(step).to_le_bytes());
+                    }
                 }
             }
         }

@@ -126,9 +126,8 @@ where
     F: Fn(usize, usize, &mut [f32], &mut [f32]) + Sync,
 {
     let (nv, dk, dv) = (cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim);
-    let group = nv / cfg.num_k_heads;
     let mut per: Vec<Vec<f32>> = vec![vec![0f32; t_len * dv]; nv];
-    let run = |(h, (s, o)): (usize, (&mut [f32], &mut Vec<f32>))| per_head(h, h / group, s, o);
+    let run = |(h, (s, o)): (usize, (&mut [f32], &mut Vec<f32>))| per_head(h, cfg.k_head_of(h), s, o);
     if t_len * nv * dk * dv < 1 << 16 {
         state.chunks_mut(dk * dv).zip(per.iter_mut()).enumerate().for_each(run);
     } else {
@@ -263,7 +262,14 @@ mod tests {
     use super::*;
 
     fn cfg() -> GdnConfig {
-        GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4 }
+        GdnConfig {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: 16,
+            v_head_dim: 24,
+            conv_kernel: 4,
+            v_heads_tiled: false,
+        }
     }
 
     /// Deterministic pseudo-random values in [-1, 1) (xorshift), fresh per seed.

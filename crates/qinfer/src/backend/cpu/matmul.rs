@@ -8,13 +8,16 @@
 //! Float weights: with AVX2 rows are widened 8 values at a time in registers
 //! (`simd::float_tile`); without, a tile is widened into a thread-local f32
 //! buffer. Block-quantized weights: activations are quantized to 8-bit blocks
-//! once per call and multiplied in integers (see `q8`), as llama.cpp does.
+//! once per call and multiplied in integers (see `q8`), as llama.cpp does;
+//! K-quant weights take 256-value Q8_K activations (see `q8k`).
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::kquants;
 use super::q8::{self, Q8Block};
+use super::q8k::{self, Q8KBlock};
 use super::quant::dequantize_into;
 use super::simd::dot;
 use crate::tensor::{Bytes, DType};
@@ -64,6 +67,9 @@ const TILE_FLOATS: usize = 16 * 1024;
 pub fn matmul(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     assert_eq!(x.len(), n * w.cols, "matmul: activation width {} != weight cols {}", x.len() / n.max(1), w.cols);
     assert_eq!(out.len(), n * w.rows);
+    if w.dtype.is_k_quant() {
+        return matmul_q8k(x, n, w, out);
+    }
     if w.dtype.is_quantized() {
         return matmul_q8(x, n, w, out);
     }
@@ -116,7 +122,16 @@ fn matmul_float_avx2(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         DType::F32 => FloatWeights::F32,
         DType::F16 => FloatWeights::F16,
         DType::BF16 => FloatWeights::BF16,
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => unreachable!("quantized weights use matmul_q8"),
+        DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q8_0
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K => unreachable!("quantized weights use the integer paths"),
         DType::U32 => unreachable!("packed words are rejected by upload"),
     };
     let threads = rayon::current_num_threads().max(1);
@@ -258,6 +273,36 @@ fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
 
 thread_local! {
     static XQ: RefCell<Vec<Q8Block>> = const { RefCell::new(Vec::new()) };
+    static XQK: RefCell<Vec<Q8KBlock>> = const { RefCell::new(Vec::new()) };
+}
+
+/// K-quant weights: activations quantized to Q8_K once per call, then one
+/// integer dot per (activation row, weight row), parallel over weight-row tiles.
+fn matmul_q8k(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
+    let cols = w.cols;
+    let blocks = cols / kquants::QK_K;
+    let mut xq = XQK.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    xq.clear();
+    xq.resize(n * blocks, Q8KBlock::ZERO);
+    xq.par_chunks_mut(blocks.max(1)).zip(x.par_chunks(cols.max(1))).for_each(|(q, row)| q8k::quantize_row(row, q));
+    let threads = rayon::current_num_threads().max(1);
+    let rb = w.row_bytes();
+    let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
+    let n_tiles = w.rows.div_ceil(rows_per_tile);
+    let (bytes, rows, optr) = (w.data.as_slice(), w.rows, OutPtr(out.as_mut_ptr()));
+    let xq_ref = &xq;
+    (0..n_tiles).into_par_iter().for_each(|tile| {
+        let r0 = tile * rows_per_tile;
+        let r1 = (r0 + rows_per_tile).min(rows);
+        for t in 0..n {
+            let xr = &xq_ref[t * blocks..(t + 1) * blocks];
+            for r in r0..r1 {
+                let v = q8k::dot(w.dtype, &bytes[r * rb..(r + 1) * rb], xr);
+                store(optr, rows, t, r, [[v]]);
+            }
+        }
+    });
+    XQK.with(|b| *b.borrow_mut() = xq);
 }
 
 /// One quantized matmul: the weights, the quantized activations and the output.
@@ -304,7 +349,17 @@ mod tests {
                 DType::F32 => v.to_le_bytes().to_vec(),
                 DType::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
                 DType::BF16 => bf16::from_f32(*v).to_le_bytes().to_vec(),
-                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::U32 => unreachable!(),
+                DType::Q4_0
+                | DType::Q4_1
+                | DType::Q5_0
+                | DType::Q5_1
+                | DType::Q8_0
+                | DType::Q2_K
+                | DType::Q3_K
+                | DType::Q4_K
+                | DType::Q5_K
+                | DType::Q6_K
+                | DType::U32 => unreachable!(),
             })
             .collect()
     }
@@ -338,24 +393,63 @@ mod tests {
         }
     }
 
+    /// `n` values of `dtype` as random blocks whose f16 scales are finite (alternating sign).
+    fn random_blocks(seed: &mut u64, dtype: DType, n: usize) -> Vec<u8> {
+        let bb = dtype.block_bytes();
+        let mut bytes: Vec<u8> = (0..dtype.bytes_for(n).unwrap())
+            .map(|_| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (*seed >> 56) as u8
+            })
+            .collect();
+        for blk in bytes.chunks_exact_mut(bb) {
+            for (k, &off) in kquants::f16_field_offsets(dtype).iter().enumerate() {
+                blk[off..off + 2].copy_from_slice(&[[0x66, 0x2e], [0x00, 0xb0]][k]);
+            }
+        }
+        bytes
+    }
+
+    /// K-quant weights: the parallel matmul equals the Q8_K reference dot per output.
+    #[test]
+    fn k_quant_matmul_matches_reference_dot() {
+        let mut seed = 5u64;
+        for dtype in [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            for (rows, cols, n) in [(13, 512, 3), (5, 256, 1)] {
+                let w = CpuMatrix {
+                    dtype,
+                    rows,
+                    cols,
+                    data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)),
+                };
+                let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                let mut out = vec![f32::NAN; n * rows];
+                matmul(&x, n, &w, &mut out);
+                let rb = w.row_bytes();
+                let mut xq = vec![Q8KBlock::ZERO; cols / 256];
+                for t in 0..n {
+                    q8k::quantize_row(&x[t * cols..(t + 1) * cols], &mut xq);
+                    for r in 0..rows {
+                        let want = q8k::dot(dtype, &w.data.as_slice()[r * rb..(r + 1) * rb], &xq);
+                        assert_eq!(out[t * rows + r], want, "{dtype:?} ({t},{r})");
+                    }
+                }
+            }
+        }
+    }
+
     /// Quantized weights: the tiled matmul equals the scalar reference dot per output.
     #[test]
     fn quantized_matmul_matches_reference_dot() {
         let mut seed = 3u64;
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0] {
             for (rows, cols, n) in [(37, 96, 5), (9, 32, 1), (70, 160, 9)] {
-                let bb = dtype.block_bytes();
-                let bytes: Vec<u8> = (0..dtype.bytes_for(rows * cols).unwrap())
-                    .map(|i| {
-                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        if i % bb < 4 && (i % bb < 2 || dtype == DType::Q4_1) {
-                            [0x66, 0x2e, 0x00, 0xb0][i % bb]
-                        } else {
-                            (seed >> 56) as u8
-                        }
-                    })
-                    .collect();
-                let w = CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(bytes) };
+                let w = CpuMatrix {
+                    dtype,
+                    rows,
+                    cols,
+                    data: Bytes::from_vec(random_blocks(&mut seed, dtype, rows * cols)),
+                };
                 let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
                 let mut out = vec![f32::NAN; n * rows];
                 matmul(&x, n, &w, &mut out);

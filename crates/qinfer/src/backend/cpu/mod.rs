@@ -4,10 +4,12 @@
 pub mod affine;
 pub mod attention;
 pub mod gdn;
+pub mod kquants;
 pub mod matmul;
 pub mod moe;
 pub mod q8;
 pub mod q8_avx2;
+pub mod q8k;
 pub mod quant;
 pub mod simd;
 

@@ -1,5 +1,6 @@
 //! Activations quantized to 8 bits per 32-value block, and dot products of those
-//! blocks with ggml block weights (Q4_0, Q4_1, Q8_0) in integer arithmetic.
+//! blocks with ggml block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in integer
+//! arithmetic (the K-quants take 256-value Q8_K activations instead: `q8k`).
 //!
 //! This is how llama.cpp multiplies quantized weights (x is quantized to
 //! `Q8_0`/`Q8_1` first), so GGUF models reproduce llama.cpp's numbers, and it
@@ -82,14 +83,22 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
         let (wp, xp) = (w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()));
         // SAFETY: avx2, fma and f16c are present (checked above); every row
         // holds `blocks` blocks (asserted above).
-        return unsafe {
-            match dtype {
-                DType::Q4_0 => k::tile_q4_0(wp, xp, blocks),
-                DType::Q4_1 => k::tile_q4_1(wp, xp, blocks),
-                DType::Q8_0 => k::tile_q8_0(wp, xp, blocks),
-                DType::F32 | DType::F16 | DType::BF16 | DType::U32 => unreachable!("float weights use the f32 path"),
-            }
-        };
+        match dtype {
+            DType::Q4_0 => return unsafe { k::tile_q4_0(wp, xp, blocks) },
+            DType::Q4_1 => return unsafe { k::tile_q4_1(wp, xp, blocks) },
+            DType::Q8_0 => return unsafe { k::tile_q8_0(wp, xp, blocks) },
+            // Q5_0 and Q5_1 take the scalar loop below.
+            DType::Q5_0 | DType::Q5_1 => {}
+            DType::F32
+            | DType::F16
+            | DType::BF16
+            | DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::U32 => unreachable!("{} does not take Q8_0 activations", dtype.name()),
+        }
     }
     let mut out = [[0f32; NR]; MR];
     for (o, xr) in out.iter_mut().zip(x) {
@@ -132,6 +141,26 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             }
             acc + mins
         }
+        DType::Q5_0 | DType::Q5_1 => {
+            // As ggml_vec_dot_q5_0_q8_0 / q5_1_q8_1: 5-bit values, the 5th bit from `qh`.
+            let affine = dtype == DType::Q5_1;
+            let (qh_at, qs_at) = if affine { (4, 8) } else { (2, 6) };
+            let offset = if affine { 0 } else { 16 };
+            let mut acc = 0f32;
+            for (b, y) in w.chunks_exact(dtype.block_bytes()).zip(x) {
+                let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+                let mut s = 0i32;
+                for j in 0..16 {
+                    let q = b[qs_at + j];
+                    let lo = ((q & 0x0f) as u32 | (((qh >> j) << 4) & 0x10)) as i32 - offset;
+                    let hi = ((q >> 4) as u32 | ((qh >> (j + 12)) & 0x10)) as i32 - offset;
+                    s += lo * y.qs[j] as i32 + hi * y.qs[j + 16] as i32;
+                }
+                let min = if affine { f16_at(b, 2) * y.s } else { 0.0 };
+                acc += f16_at(b, 0) * y.d * s as f32 + min;
+            }
+            acc
+        }
         DType::Q8_0 => {
             let mut acc = 0f32;
             for (b, y) in w.chunks_exact(34).zip(x) {
@@ -143,7 +172,17 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
             }
             acc
         }
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => unreachable!("float weights use the f32 path"),
+        DType::F32
+        | DType::F16
+        | DType::BF16
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::U32 => {
+            unreachable!("{} does not take Q8_0 activations", dtype.name())
+        }
     }
 }
 
@@ -161,13 +200,14 @@ mod tests {
     #[test]
     fn integer_dot_matches_dequantized_dot() {
         let mut seed = 7;
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0] {
             let n = 128;
             let w: Vec<u8> = (0..dtype.bytes_for(n).unwrap())
                 .map(|i| {
                     // Keep f16 scales finite and small: bytes 0..2 (and 2..4) of each block.
                     let off = i % dtype.block_bytes();
-                    if off < 4 && !(dtype == DType::Q8_0 && off >= 2) && !(dtype == DType::Q4_0 && off >= 2) {
+                    let two_scales = matches!(dtype, DType::Q4_1 | DType::Q5_1);
+                    if off < 4 && (off < 2 || two_scales) {
                         [0x66, 0x2e, 0x00, 0xb0][off]
                     } else {
                         (lcg(&mut seed) * 127.0 + 128.0) as u8

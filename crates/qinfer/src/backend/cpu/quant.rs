@@ -1,5 +1,6 @@
-//! Decoding stored values to f32: plain floats and the ggml 32-value blocks
-//! (Q4_0, Q4_1, Q8_0). Used per row by the matmul and in whole for small tensors.
+//! Decoding stored values to f32: plain floats, the ggml 32-value blocks
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (see `kquants`). Used per
+//! row for embeddings and in whole for small tensors.
 
 use half::f16;
 
@@ -56,6 +57,30 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
                     o[j + 16] = d * (qs[j] >> 4) as f32 + m;
                 }
             }
+        }
+        DType::Q5_0 | DType::Q5_1 => {
+            let bb = dtype.block_bytes();
+            let (qh_at, qs_at) = if dtype == DType::Q5_1 { (4, 8) } else { (2, 6) };
+            for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+                let qs = &b[qs_at..qs_at + 16];
+                for j in 0..16 {
+                    let lo = (qs[j] & 0x0f) as u32 | (((qh >> j) << 4) & 0x10);
+                    let hi = (qs[j] >> 4) as u32 | ((qh >> (j + 12)) & 0x10);
+                    if dtype == DType::Q5_1 {
+                        let m = f16_at(b, 2);
+                        o[j] = lo as f32 * d + m;
+                        o[j + 16] = hi as f32 * d + m;
+                    } else {
+                        o[j] = (lo as i32 - 16) as f32 * d;
+                        o[j + 16] = (hi as i32 - 16) as f32 * d;
+                    }
+                }
+            }
+        }
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            super::kquants::dequantize_k(dtype, src, out)
         }
         DType::Q8_0 => {
             for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(34)) {

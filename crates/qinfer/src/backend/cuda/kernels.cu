@@ -322,9 +322,11 @@ extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const
 // state [dk, dv] (kept in global memory; it stays in L1/L2).
 extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const float* v, const float* g,
                                          const float* beta, float* state, float* out, int rows, int nk, int nv, int dk,
-                                         int dv) {
+                                         int dv, int tiled) {
     int h = blockIdx.x, j = threadIdx.x;
-    int kh = h / (nv / nk);
+    // Value head h reads key head h / (nv/nk) (transformers), or h % nk when
+    // the value heads are stored tiled (Qwen3.5 GGUFs).
+    int kh = tiled ? h % nk : h / (nv / nk);
     float* s = state + (size_t)h * dk * dv;
     for (int t = 0; t < rows; t++) {
         const float* qt = q + ((size_t)t * nk + kh) * dk;

@@ -401,13 +401,30 @@ impl Backend for CudaBackend {
                 cols: t.shape[1],
                 buf: self.upload_slice(t.data.as_slice()),
             }),
-            (2, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) => Err(Error::tensor(
+            (
+                2,
+                DType::U32
+                | DType::Q4_0
+                | DType::Q4_1
+                | DType::Q5_0
+                | DType::Q5_1
+                | DType::Q8_0
+                | DType::Q2_K
+                | DType::Q3_K
+                | DType::Q4_K
+                | DType::Q5_K
+                | DType::Q6_K,
+            ) => Err(Error::tensor(
                 &t.name,
                 format!("{} weights are not supported on CUDA yet (bf16, f16 and f32 are)", t.dtype.name()),
             )),
             _ => Err(Error::tensor(&t.name, format!("expected 1-D or 2-D, found shape {:?}", t.shape))),
         }
         .and_then(|w| self.check().map(|_| w))
+    }
+
+    fn upload_affine(&self, t: &crate::affine::AffineTensor) -> Result<CudaWeight> {
+        Err(Error::tensor(&t.name, "MLX affine-quantized weights are not supported on CUDA yet"))
     }
 
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
@@ -747,7 +764,8 @@ impl Backend for CudaBackend {
             c.num_k_heads as i32,
             c.num_v_heads as i32,
             c.k_head_dim as i32,
-            c.v_head_dim as i32
+            c.v_head_dim as i32,
+            c.v_heads_tiled as i32
         );
         out
     }

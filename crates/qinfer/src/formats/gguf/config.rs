@@ -1,26 +1,27 @@
 //! GGUF metadata (`{arch}.block_count`, …) → [`ModelConfig`], following the keys
-//! llama.cpp's converter writes for llama, qwen2 and qwen3.
+//! llama.cpp's converter writes for llama, qwen2, qwen3, qwen3moe, qwen3next,
+//! qwen35 and qwen35moe (experts: `moe_meta`; linear attention: `gdn_meta`).
 
 use super::GgufFile;
 use super::value::GgufValue;
-use crate::config::{Architecture, LayerKind, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
+use crate::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
 use crate::formats::TensorSource;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
-struct Meta<'a> {
-    file: &'a GgufFile,
-    arch: &'a str,
+pub(super) struct Meta<'a> {
+    pub(super) file: &'a GgufFile,
+    pub(super) arch: &'a str,
 }
 
 impl Meta<'_> {
-    fn key(&self, suffix: &str) -> String {
+    pub(super) fn key(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.arch)
     }
-    fn get(&self, key: &str) -> Option<&GgufValue> {
+    pub(super) fn get(&self, key: &str) -> Option<&GgufValue> {
         self.file.metadata().get(key)
     }
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
             Some(GgufValue::Array(_)) => Err(Error::config(key, "per-layer values (an array) are not supported")),
@@ -31,10 +32,10 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a non-negative integer, found {v}"))),
         }
     }
-    fn req_usize(&self, key: &str) -> Result<usize> {
+    pub(super) fn req_usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| Error::config(key, "missing from GGUF metadata"))
     }
-    fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+    pub(super) fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -43,7 +44,7 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a number, found {v}"))),
         }
     }
-    fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
+    pub(super) fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -53,7 +54,7 @@ impl Meta<'_> {
                 .ok_or_else(|| Error::config(key, format!("expected a token id, found {v}"))),
         }
     }
-    fn has_tensor(&self, name: &str) -> bool {
+    pub(super) fn has_tensor(&self, name: &str) -> bool {
         self.file.tensor_info(name).is_some()
     }
 }
@@ -122,14 +123,17 @@ fn scaling_from_rope_freqs(m: &Meta, theta: f32, head_dim: usize) -> Result<Opti
     }))
 }
 
-fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<RopeConfig> {
+/// RoPE settings and the number of rotated dimensions per head.
+fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<(RopeConfig, usize)> {
     let theta = m.opt_f32(&m.key("rope.freq_base"))?.unwrap_or(10_000.0);
-    if let Some(d) = m.opt_usize(&m.key("rope.dimension_count"))?
-        && d != head_dim
-    {
+    let rotary_dim = m.opt_usize(&m.key("rope.dimension_count"))?.unwrap_or(head_dim);
+    // Partial rotary is a feature of the hybrid models (Qwen3-Next/3.5). Their
+    // `rope.dimension_sections` (multimodal RoPE) give every section the same
+    // position for text, which is plain RoPE over `rotary_dim`.
+    if rotary_dim != head_dim && (!arch.is_hybrid() || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2)) {
         return Err(Error::config(
             m.key("rope.dimension_count"),
-            format!("partial rotary ({d} of {head_dim} head dims) is not supported"),
+            format!("partial rotary ({rotary_dim} of {head_dim} head dims) is not supported for {}", m.arch),
         ));
     }
     let scaling_key = m.key("rope.scaling.type");
@@ -154,7 +158,7 @@ fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<RopeConfig> {
         | Architecture::Qwen35
         | Architecture::Qwen35Moe => RopeStyle::Neox,
     };
-    Ok(RopeConfig { theta, style, scaling })
+    Ok((RopeConfig { theta, style, scaling }, rotary_dim))
 }
 
 pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
@@ -164,22 +168,31 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         .ok_or_else(|| Error::config("general.architecture", "missing from GGUF metadata"))?
         .as_str()
         .ok_or_else(|| Error::config("general.architecture", "expected a string"))?;
-    // GGUF names its architectures without underscores (`qwen3moe`); only the
-    // dense families are read from GGUF so far.
+    // GGUF names its architectures without underscores (`qwen3moe`).
     let arch = match arch_name {
         "llama" => Architecture::Llama,
         "qwen2" => Architecture::Qwen2,
         "qwen3" => Architecture::Qwen3,
+        "qwen3moe" => Architecture::Qwen3Moe,
+        "qwen3next" => Architecture::Qwen3Next,
+        "qwen35" => Architecture::Qwen35,
+        "qwen35moe" => Architecture::Qwen35Moe,
         other => {
             return Err(Error::UnknownArchitecture {
                 found: other.to_string(),
-                supported: "llama, qwen2, qwen3 (GGUF)".to_string(),
+                supported: "llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe (GGUF)".to_string(),
             });
         }
     };
     let m = Meta { file, arch: arch_name };
 
-    let num_layers = m.req_usize(&m.key("block_count"))?;
+    // block_count includes the multi-token-prediction blocks, which the
+    // forward pass does not run.
+    let blocks = m.req_usize(&m.key("block_count"))?;
+    let nextn = m.opt_usize(&m.key("nextn_predict_layers"))?.unwrap_or(0);
+    let num_layers = blocks
+        .checked_sub(nextn)
+        .ok_or_else(|| Error::config(m.key("nextn_predict_layers"), format!("{nextn} exceeds block_count {blocks}")))?;
     let hidden_size = m.req_usize(&m.key("embedding_length"))?;
     let num_heads = m.req_usize(&m.key("attention.head_count"))?;
     let num_kv_heads = m.opt_usize(&m.key("attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -231,29 +244,44 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         | Architecture::Qwen35
         | Architecture::Qwen35Moe => m.has_tensor("blk.0.attn_q.bias"),
     };
+    let (moe, moe_layers) = super::moe_meta::moe(&m, arch, num_layers)?;
+    let (rope, rotary_dim) = rope(&m, arch, head_dim)?;
+    // All-MoE files need no dense MLP width.
+    let intermediate_size = match m.opt_usize(&m.key("feed_forward_length"))? {
+        Some(n) => n,
+        None if moe_layers.iter().all(|&x| x) => 0,
+        None => return Err(Error::config(m.key("feed_forward_length"), "missing from GGUF metadata")),
+    };
     Ok(ModelConfig {
         arch,
         vocab_size: vocab_size(&m)?,
         hidden_size,
-        intermediate_size: m.req_usize(&m.key("feed_forward_length"))?,
+        intermediate_size,
         num_layers,
         num_heads,
         num_kv_heads,
         head_dim,
         rms_norm_eps,
-        rope: rope(&m, arch, head_dim)?,
+        rope,
         max_position_embeddings: m.req_usize(&m.key("context_length"))?,
         tie_word_embeddings: !m.has_tensor("output.weight"),
         attention_bias,
         o_bias: m.has_tensor("blk.0.attn_output.bias"),
-        qk_norm: matches!(arch, Architecture::Qwen3),
+        qk_norm: match arch {
+            Architecture::Llama | Architecture::Qwen2 => false,
+            Architecture::Qwen3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => true,
+        },
         layer_windows: vec![None; num_layers],
         bos_token_id,
         eos_token_ids,
-        layer_kinds: vec![LayerKind::Attention; num_layers],
-        moe_layers: vec![false; num_layers],
-        moe: None,
-        gdn: None,
-        rotary_dim: head_dim,
+        layer_kinds: super::gdn_meta::layer_kinds(&m, arch, num_layers)?,
+        moe_layers,
+        moe,
+        gdn: super::gdn_meta::gdn(&m, arch)?,
+        rotary_dim,
     })
 }

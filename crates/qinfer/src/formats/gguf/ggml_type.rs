@@ -1,6 +1,6 @@
 //! ggml tensor types as numbered in GGUF (`enum ggml_type`): names and block
 //! geometry for every type, so `inspect` can size and list tensors qinfer does
-//! not compute with; only a few map to a [`DType`].
+//! not compute with; those it computes with map to a [`DType`].
 
 use crate::tensor::DType;
 
@@ -71,7 +71,14 @@ impl GgmlType {
             30 => Some(DType::BF16),
             2 => Some(DType::Q4_0),
             3 => Some(DType::Q4_1),
+            6 => Some(DType::Q5_0),
+            7 => Some(DType::Q5_1),
             8 => Some(DType::Q8_0),
+            10 => Some(DType::Q2_K),
+            11 => Some(DType::Q3_K),
+            12 => Some(DType::Q4_K),
+            13 => Some(DType::Q5_K),
+            14 => Some(DType::Q6_K),
             _ => None,
         }
     }

@@ -6,7 +6,10 @@
 //! (default 32), then the tensor data; tensor offsets are relative to the data.
 
 mod config;
+mod gdn_meta;
 mod ggml_type;
+mod hybrid;
+mod moe_meta;
 mod names;
 mod reader;
 mod value;
@@ -126,7 +129,7 @@ impl GgufFile {
     /// The GGUF name a lookup resolves to: the mapped Hugging Face name when
     /// the file has it, else the name itself when the file has that.
     fn resolve(&self, name: &str) -> Option<&GgufTensorInfo> {
-        hf_to_gguf(name).and_then(|g| self.tensor_info(&g)).or_else(|| self.tensor_info(name))
+        names::hf_to_gguf_all(name).iter().find_map(|g| self.tensor_info(g)).or_else(|| self.tensor_info(name))
     }
 
     fn load(&self, info: &GgufTensorInfo, name: &str) -> Result<Tensor> {
@@ -136,7 +139,7 @@ impl GgufFile {
             Error::tensor(
                 name,
                 format!(
-                    "ggml type {} (GGUF tensor `{}` in {}) is not supported; supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0",
+                    "ggml type {} (GGUF tensor `{}` in {}) is not supported; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K",
                     ty.name,
                     info.name,
                     self.path.display()
@@ -150,8 +153,11 @@ impl GgufFile {
 
 impl TensorSource for GgufFile {
     fn tensor(&self, name: &str) -> Result<Tensor> {
+        let hybrid = hybrid::is_hybrid(self.architecture());
         match self.resolve(name) {
+            Some(info) if hybrid => hybrid::undo_transform(name, self.load(info, name)?),
             Some(info) => self.load(info, name),
+            None if hybrid && hybrid::fused_beta_alpha(self, name).is_some() => hybrid::split_beta_alpha(self, name),
             None => Err(Error::tensor(
                 name,
                 format!(
@@ -165,6 +171,7 @@ impl TensorSource for GgufFile {
 
     fn contains(&self, name: &str) -> bool {
         self.resolve(name).is_some()
+            || (hybrid::is_hybrid(self.architecture()) && hybrid::fused_beta_alpha(self, name).is_some())
     }
 
     fn names(&self) -> Vec<String> {

@@ -1,0 +1,126 @@
+//! Activations quantized to Q8_K (256 values, f32 scale, sums of 16-value
+//! groups) and their integer dot products with K-quant weights, as llama.cpp
+//! multiplies Q2_K…Q6_K (`quantize_row_q8_K_ref`, `ggml_vec_dot_q*_K_q8_K`).
+//!
+//! Per super-block the products are summed exactly in i32 and scaled once:
+//! `d_w·d_x·Σ sc·Σ q·x − dmin_w·d_x·Σ m·bsum`. ggml sums the same integers;
+//! only the order of the few float additions across blocks differs.
+
+use super::kquants::{self, QK_K};
+use crate::tensor::DType;
+
+/// One block of 256 activations: x ≈ d·q; `bsums[g]` = Σ of q over values 16g..16g+16.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8KBlock {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; 16],
+}
+
+impl Q8KBlock {
+    pub const ZERO: Q8KBlock = Q8KBlock { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
+}
+
+/// Quantizes `x` (length a multiple of 256) as ggml's `quantize_row_q8_K_ref`:
+/// the value of largest magnitude maps to −127, rounding half to even.
+pub fn quantize_row(x: &[f32], out: &mut [Q8KBlock]) {
+    assert_eq!(x.len(), out.len() * QK_K, "q8k::quantize_row: {} values for {} blocks", x.len(), out.len());
+    for (chunk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in chunk {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *o = Q8KBlock::ZERO;
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in o.qs.iter_mut().zip(chunk) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, g) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
+            *s = g.iter().map(|&q| q as i16).sum();
+        }
+        o.d = 1.0 / iscale;
+    }
+}
+
+/// Σ over super-blocks of weight row `w` (a K-quant `dtype`) times activations `x`.
+pub fn dot(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * dtype.block_bytes());
+    let mut acc = 0f32;
+    for (b, y) in w.chunks_exact(dtype.block_bytes()).zip(x) {
+        let u = kquants::unpack(dtype, b);
+        let mut isum = 0i32;
+        let mut msum = 0i32;
+        for g in 0..16 {
+            let qw = &u.q[g * 16..(g + 1) * 16];
+            let qx = &y.qs[g * 16..(g + 1) * 16];
+            let s: i32 = qw.iter().zip(qx).map(|(&a, &b)| a as i32 * b as i32).sum();
+            isum += u.scales[g] * s;
+            msum += u.mins[g] * y.bsums[g] as i32;
+        }
+        acc += u.d * y.d * isum as f32 - u.dmin * y.d * msum as f32;
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::quant::dequantize_into;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    /// Random super-blocks with small finite f16 scales.
+    pub(crate) fn random_blocks(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
+        let bb = dtype.block_bytes();
+        let mut w: Vec<u8> = (0..blocks * bb).map(|_| lcg(seed) as u8).collect();
+        for blk in w.chunks_exact_mut(bb) {
+            for &off in kquants::f16_field_offsets(dtype) {
+                let v = half::f16::from_f32((lcg(seed) % 1000) as f32 / 1000.0 * 0.02 + 0.001);
+                blk[off..off + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn integer_dot_matches_dequantized_dot() {
+        let mut seed = 11;
+        for dtype in [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+            let n = 3 * QK_K;
+            let w = random_blocks(&mut seed, dtype, 3);
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            let mut xq = vec![Q8KBlock::ZERO; 3];
+            quantize_row(&x, &mut xq);
+            let mut wf = vec![0f32; n];
+            dequantize_into(dtype, &w, &mut wf);
+            let xf: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+            let want: f64 = wf.iter().zip(&xf).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let scale: f64 = wf.iter().zip(&xf).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            let got = dot(dtype, &w, &xq) as f64;
+            assert!((got - want).abs() <= 1e-5 * scale, "{dtype:?}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn quantization_maps_largest_magnitude_to_minus_127() {
+        let mut x: Vec<f32> = (0..QK_K).map(|i| (i as f32 * 0.37).sin()).collect();
+        x[5] = -3.0;
+        let mut q = [Q8KBlock::ZERO];
+        quantize_row(&x, &mut q);
+        assert_eq!(q[0].qs[5], -127);
+        assert_eq!(q[0].d, 1.0 / (127.0 / 3.0));
+        assert_eq!(q[0].bsums[0], q[0].qs[..16].iter().map(|&v| v as i16).sum::<i16>());
+        for (qv, xv) in q[0].qs.iter().zip(&x) {
+            assert!((*qv as f32 * q[0].d - xv).abs() <= 0.51 * q[0].d.abs());
+        }
+    }
+}

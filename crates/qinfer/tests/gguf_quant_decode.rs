@@ -1,0 +1,64 @@
+//! Decoding of every ggml block type qinfer reads, bit for bit against gguf-py's
+//! `gguf.quants.dequantize` on random blocks (tests/fixtures/gguf_kquants,
+//! made by scripts/make_kquant_fixtures.py), and the Q8_0/Q8_K integer dots
+//! against the f64 dot of the decoded weights.
+
+use std::path::PathBuf;
+
+use qinfer::backend::cpu::matmul::{CpuMatrix, matmul};
+use qinfer::backend::cpu::quant::dequantize_into;
+use qinfer::tensor::{Bytes, DType};
+
+const TYPES: [DType; 10] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
+
+fn fixture(dtype: DType) -> (Vec<u8>, Vec<f32>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_kquants");
+    let blocks = std::fs::read(dir.join(format!("{}.blocks", dtype.name()))).unwrap();
+    let values = std::fs::read(dir.join(format!("{}.f32", dtype.name()))).unwrap();
+    let values = values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    (blocks, values)
+}
+
+#[test]
+fn decoding_matches_gguf_py_bit_for_bit() {
+    for dtype in TYPES {
+        let (blocks, want) = fixture(dtype);
+        assert_eq!(dtype.bytes_for(want.len()), Some(blocks.len()), "{dtype:?}");
+        let mut got = vec![f32::NAN; want.len()];
+        dequantize_into(dtype, &blocks, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), w.to_bits(), "{dtype:?} value {i}: {g} vs gguf-py {w}");
+        }
+    }
+}
+
+/// One weight row per fixture: the integer matmul against 8-bit activations
+/// stays within the activation quantization error of the exact f64 dot.
+#[test]
+fn integer_matmul_tracks_the_decoded_dot() {
+    for dtype in TYPES {
+        let (blocks, wf) = fixture(dtype);
+        let cols = wf.len();
+        let w = CpuMatrix { dtype, rows: 1, cols, data: Bytes::from_vec(blocks) };
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let mut out = [f32::NAN];
+        matmul(&x, 1, &w, &mut out);
+        let exact: f64 = wf.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+        // Each activation moves by at most half a step, amax/254, so the dot
+        // moves by at most Σ|w|·amax/254.
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let bound = wf.iter().map(|v| v.abs() as f64).sum::<f64>() * amax / 254.0 + 1e-4;
+        assert!((out[0] as f64 - exact).abs() <= bound, "{dtype:?}: {} vs {exact} (bound {bound})", out[0]);
+    }
+}
