@@ -63,6 +63,13 @@ pub trait Backend: Send + Sync {
     type GdnState: Clone + Send + 'static;
 
     fn name(&self) -> String;
+    /// Runs one whole forward pass where this backend's work is dispatched
+    /// from. The CPU backend moves it onto a worker of its thread pool, so each
+    /// op's parallel loop forks from there instead of waking the pool from an
+    /// outside thread and sleeping until it finishes (twice per op).
+    fn run_pass<R: Send>(&self, pass: impl FnOnce() -> R + Send) -> R {
+        pass()
+    }
     /// Reports a failure of earlier asynchronous work (device backends), after
     /// waiting for it to finish.
     fn check(&self) -> Result<()> {

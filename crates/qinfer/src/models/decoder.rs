@@ -285,6 +285,6 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
             .as_any_mut()
             .downcast_mut::<DecoderSequence<B>>()
             .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
-        self.forward_seq(seq, tokens, logits)
+        self.backend.run_pass(|| self.forward_seq(seq, tokens, logits))
     }
 }

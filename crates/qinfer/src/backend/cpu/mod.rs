@@ -101,6 +101,9 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
+    fn run_pass<R: Send>(&self, pass: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| pass())
+    }
 
     fn upload(&self, t: &Tensor) -> Result<CpuWeight> {
         if t.dtype == DType::U32 {
