@@ -15,8 +15,8 @@ use crate::formats::mlx::QuantizationConfig;
 use crate::formats::safetensors::SafetensorsSource;
 use crate::models::LanguageModel;
 use crate::models::decoder::DecoderModel;
-use crate::models::random::RandomWeights;
-use crate::tensor::{DType, Tensor};
+use crate::models::random::{RandomWeights, WeightStorage};
+use crate::tensor::Tensor;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -154,11 +154,15 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
 }
 
 /// A model of the shape `config.json` describes, with random weights stored as
-/// `dtype` (see [`RandomWeights`]), on the CPU backend.
-pub fn random_model(config_path: &Path, dtype: DType, device: Device) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
+/// `storage` (see [`RandomWeights`]), on `device`.
+pub fn random_model(
+    config_path: &Path,
+    storage: WeightStorage,
+    device: Device,
+) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
     let json = read_json(config_path)?;
     let cfg = ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))?;
-    let model = place(cfg.clone(), Weights::Random(RandomWeights { dtype, seed: 0 }), device)?;
+    let model = place(cfg.clone(), Weights::Random(RandomWeights::new(storage, 0)), device)?;
     Ok((cfg, model))
 }
 

@@ -6,38 +6,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
+use qinfer::models::random::WeightStorage;
 use qinfer::models::{LanguageModel, Logits};
-use qinfer::tensor::DType;
 use serde_json::json;
 
 use crate::common::open_model;
-
-/// Storage types for `--random-weights`.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum WeightType {
-    F32,
-    F16,
-    Bf16,
-    #[value(name = "q8_0")]
-    Q8_0,
-    #[value(name = "q4_0")]
-    Q4_0,
-    #[value(name = "q4_1")]
-    Q4_1,
-}
-
-impl WeightType {
-    fn dtype(self) -> DType {
-        match self {
-            WeightType::F32 => DType::F32,
-            WeightType::F16 => DType::F16,
-            WeightType::Bf16 => DType::BF16,
-            WeightType::Q8_0 => DType::Q8_0,
-            WeightType::Q4_0 => DType::Q4_0,
-            WeightType::Q4_1 => DType::Q4_1,
-        }
-    }
-}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -51,9 +24,10 @@ pub struct Args {
     /// Make the weights up (with --config).
     #[arg(long, requires = "config")]
     random_weights: bool,
-    /// Storage type of the random weights' matrices.
-    #[arg(long, value_enum, default_value = "bf16")]
-    dtype: WeightType,
+    /// Storage of the random weights' matrices: f32, f16, bf16, q8_0, q4_0,
+    /// q4_1, or MLX affine groups q<bits>g<group> (q4g64, q8g64, q3g32, …).
+    #[arg(long, default_value = "bf16")]
+    dtype: WeightStorage,
     /// Prompt lengths for the pp tests, comma-separated (0 skips it).
     #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128")]
     n_prompt: Vec<usize>,
@@ -127,8 +101,8 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
             (file, model.config.vocab_size, lm)
         }
         (None, Some(cfg_path)) => {
-            let (cfg, lm) = qinfer::loader::random_model(cfg_path, a.dtype.dtype(), device)?;
-            let name = format!("{} (random {})", cfg_path.display(), a.dtype.dtype().name());
+            let (cfg, lm) = qinfer::loader::random_model(cfg_path, a.dtype, device)?;
+            let name = format!("{} (random {})", cfg_path.display(), a.dtype);
             (name, cfg.vocab_size, lm)
         }
         (None, None) => bail!("pass --model, or --config with --random-weights"),

@@ -56,8 +56,8 @@ impl<B: Backend> WeightLoader<'_, B> {
     /// The weight `name` when stored affine-quantized, checked against the
     /// logical `shape` (`[…, out, in]`).
     pub fn affine(&self, name: &str, shape: &[usize]) -> Result<Option<AffineTensor>> {
-        if self.random.is_some() {
-            return Ok(None);
+        if let Some(r) = &self.random {
+            return r.affine_tensor(name, shape);
         }
         let Some(parts) = self.src.affine_parts(name)? else { return Ok(None) };
         let a = AffineTensor::new(parts, *shape.last().unwrap_or(&0))?;

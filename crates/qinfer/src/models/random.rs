@@ -6,6 +6,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::affine::{AffineParams, AffineTensor};
 use crate::backend::cpu::kquants;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
@@ -15,6 +16,9 @@ use crate::{Error, Result};
 pub struct RandomWeights {
     /// Storage type of matrices; vectors (norms, gates' biases) are f32.
     pub dtype: DType,
+    /// Affine-quantize every matrix whose rows split into whole groups (as
+    /// mlx-lm's conversion does) instead of storing it as `dtype`.
+    pub affine: Option<AffineParams>,
     pub seed: u64,
 }
 
@@ -38,7 +42,100 @@ impl Rng {
     }
 }
 
+/// How `--random-weights` stores matrices: a ggml/float type, or MLX-style
+/// affine groups (`q4g64`: 4 bits, groups of 64, bf16 scales and biases).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightStorage {
+    Plain(DType),
+    Affine(AffineParams),
+}
+
+impl std::str::FromStr for WeightStorage {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let plain = match s {
+            "f32" => Some(DType::F32),
+            "f16" => Some(DType::F16),
+            "bf16" => Some(DType::BF16),
+            "q8_0" => Some(DType::Q8_0),
+            "q4_0" => Some(DType::Q4_0),
+            "q4_1" => Some(DType::Q4_1),
+            _ => None,
+        };
+        if let Some(d) = plain {
+            return Ok(WeightStorage::Plain(d));
+        }
+        let affine = s
+            .strip_prefix('q')
+            .and_then(|r| r.split_once('g'))
+            .and_then(|(b, g)| Some((b.parse().ok()?, g.parse().ok()?)));
+        match affine {
+            Some((bits, group_size)) => Ok(WeightStorage::Affine(AffineParams::new(bits, group_size, s)?)),
+            None => Err(Error::Invalid(format!(
+                "unknown weight storage `{s}`: expected f32, f16, bf16, q8_0, q4_0, q4_1 or q<bits>g<group> (e.g. q4g64)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WeightStorage::Plain(d) => write!(f, "{}", d.name()),
+            WeightStorage::Affine(p) => write!(f, "q{}g{}", p.bits, p.group_size),
+        }
+    }
+}
+
 impl RandomWeights {
+    pub fn new(storage: WeightStorage, seed: u64) -> Self {
+        match storage {
+            WeightStorage::Plain(dtype) => RandomWeights { dtype, affine: None, seed },
+            // Matrices whose rows do not split into groups stay bf16, as mlx leaves them.
+            WeightStorage::Affine(p) => RandomWeights { dtype: DType::BF16, affine: Some(p), seed },
+        }
+    }
+
+    /// The matrix `name` affine-quantized, when these weights are affine and
+    /// its rows split into whole groups: random packed levels, bf16 scales and
+    /// biases (mlx's default for bf16 models) spanning about ±1/√fan-in.
+    pub fn affine_tensor(&self, name: &str, shape: &[usize]) -> Result<Option<AffineTensor>> {
+        let Some(params) = self.affine else { return Ok(None) };
+        let (Some(&cols), true) = (shape.last(), shape.len() >= 2) else { return Ok(None) };
+        if !cols.is_multiple_of(params.group_size) {
+            return Ok(None);
+        }
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        let mut rng = Rng::new(self.seed, name);
+        let mut packed = vec![0u8; rows * params.row_bytes(cols)];
+        packed.par_chunks_mut(4096).enumerate().for_each(|(i, chunk)| {
+            let mut rng = Rng::new(self.seed ^ (i as u64).wrapping_mul(0xD134_2543_DE82_EF95), name);
+            chunk.iter_mut().for_each(|b| *b = rng.next() as u8);
+        });
+        let scale = 1.0 / (cols as f32).sqrt();
+        let groups = rows * cols / params.group_size;
+        let step = 2.0 * scale / ((1u32 << params.bits) - 1) as f32;
+        let scales: Vec<f32> = (0..groups).map(|_| step * (1.0 + 0.1 * rng.uniform())).collect();
+        let biases: Vec<f32> = (0..groups).map(|_| -scale * (1.0 + 0.1 * rng.uniform())).collect();
+        let mut group_shape = shape.to_vec();
+        *group_shape.last_mut().expect("2-D or more") = cols / params.group_size;
+        let mut word_shape = shape.to_vec();
+        *word_shape.last_mut().expect("2-D or more") = cols * params.bits as usize / 32;
+        let bf16s = |n: &str, v: &[f32]| {
+            let bytes = v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect();
+            Tensor::new(n.to_string(), DType::BF16, group_shape.clone(), Bytes::from_vec(bytes))
+        };
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        Ok(Some(AffineTensor {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            params,
+            packed: Tensor::new(name.to_string(), DType::U32, word_shape, Bytes::from_vec(packed))?,
+            scales: bf16s(&format!("{stem}.scales"), &scales)?,
+            biases: bf16s(&format!("{stem}.biases"), &biases)?,
+        }))
+    }
+
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let mut rng = Rng::new(self.seed, name);
         let n: usize = shape.iter().product();
@@ -113,7 +210,7 @@ mod tests {
     #[test]
     fn every_type_makes_a_valid_tensor_of_the_shape() {
         for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let r = RandomWeights { dtype, seed: 1 };
+            let r = RandomWeights { dtype, affine: None, seed: 1 };
             let t = r.tensor("w", &[3, 64]).unwrap();
             assert_eq!(t.shape, vec![3, 64]);
             assert_eq!(t.dtype, dtype);

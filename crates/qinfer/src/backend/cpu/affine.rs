@@ -93,16 +93,191 @@ impl OutPtr {
 pub fn matmul(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
     assert_eq!(x.len(), n * w.cols, "affine matmul: activation width {} != weight cols {}", x.len() / n.max(1), w.cols);
     assert_eq!(out.len(), n * w.rows);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        return if n == 1 { gemv_avx2(x, w, out) } else { matmul_avx2(x, n, w, out) };
+    }
+    matmul_portable(x, n, w, out)
+}
+
+/// Splits `rows` into tiles for the threads and runs `tile(r0, r1)` on each,
+/// on this thread alone when the whole product is too small to share.
+fn for_row_tiles(rows: usize, rows_per_tile: usize, work: usize, tile: impl Fn(usize, usize) + Sync) {
+    let n_tiles = rows.div_ceil(rows_per_tile);
+    let run = |t: usize| tile(t * rows_per_tile, ((t + 1) * rows_per_tile).min(rows));
+    if n_tiles == 1 || work < 1 << 14 {
+        (0..n_tiles).for_each(run);
+    } else {
+        (0..n_tiles).into_par_iter().for_each(run);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AffineMatrix {
+    fn row_ptrs(&self, r: usize) -> super::affine_avx2::AffineRow {
+        let (rb, g) = (self.row_bytes(), self.groups());
+        super::affine_avx2::AffineRow {
+            packed: self.packed.as_slice()[r * rb..(r + 1) * rb].as_ptr(),
+            scales: self.scales[r * g..(r + 1) * g].as_ptr(),
+            biases: self.biases[r * g..(r + 1) * g].as_ptr(),
+        }
+    }
+}
+
+/// Decode: each weight row is dequantized in registers and meets the one
+/// activation row; 4 rows at a time share each activation load.
+#[cfg(target_arch = "x86_64")]
+fn gemv_avx2(x: &[f32], w: &AffineMatrix, out: &mut [f32]) {
+    use super::affine_avx2::dot_rows;
+    const NR: usize = 4;
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_tile = w.rows.div_ceil(threads * 8).next_multiple_of(NR).clamp(NR, 256);
+    let (bits, gs, cols) = (w.params.bits, w.params.group_size, w.cols);
+    let xsum: Vec<f32> = x.chunks_exact(gs).map(|c| c.iter().sum()).collect();
+    let optr = OutPtr(out.as_mut_ptr());
+    for_row_tiles(w.rows, rows_per_tile, w.rows * cols, |r0, r1| {
+        let mut r = r0;
+        while r < r1 {
+            let nr = if r + NR <= r1 { NR } else { 1 };
+            let mut v = [0f32; NR];
+            macro_rules! rows {
+                ($bits:literal) => {
+                    // SAFETY: avx2/fma present (checked in `matmul`); rows r..r+nr exist and hold
+                    // `cols` values in whole groups; x holds `cols` floats, xsum one per group.
+                    unsafe {
+                        if nr == NR {
+                            v = dot_rows::<$bits, NR>(
+                                gs,
+                                std::array::from_fn(|j| w.row_ptrs(r + j)),
+                                x.as_ptr(),
+                                xsum.as_ptr(),
+                                cols,
+                            );
+                        } else {
+                            v[0] = dot_rows::<$bits, 1>(gs, [w.row_ptrs(r)], x.as_ptr(), xsum.as_ptr(), cols)[0];
+                        }
+                    }
+                };
+            }
+            match bits {
+                2 => rows!(2),
+                3 => rows!(3),
+                4 => rows!(4),
+                5 => rows!(5),
+                6 => rows!(6),
+                _ => rows!(8),
+            }
+            for (j, vj) in v[..nr].iter().enumerate() {
+                // SAFETY: row r + j belongs to this tile only; in bounds (asserted in `matmul`).
+                unsafe { *optr.get().add(r + j) = *vj };
+            }
+            r += nr;
+        }
+    });
+}
+
+thread_local! {
+    static DEQUANTIZED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Bytes of dequantized f32 weights per prefill tile: it is reread for every
+/// group of activation rows, so it should stay in L2.
+#[cfg(target_arch = "x86_64")]
+const PREFILL_TILE_BYTES: usize = 128 * 1024;
+
+/// Prefill: a tile of rows is dequantized once into a thread-local f32 buffer
+/// (never the whole matrix), then multiplied with every activation row by the
+/// float register-tile kernel.
+#[cfg(target_arch = "x86_64")]
+fn matmul_avx2(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
+    use super::affine_avx2::dequantize_row;
+    let (bits, gs, cols) = (w.params.bits, w.params.group_size, w.cols);
+    let threads = rayon::current_num_threads().max(1);
+    let fit = (PREFILL_TILE_BYTES / (4 * cols)).clamp(3, 96) / 3 * 3;
+    let rows_per_tile = fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(3));
+    let optr = OutPtr(out.as_mut_ptr());
+    for_row_tiles(w.rows, rows_per_tile, w.rows * cols * n, |r0, r1| {
+        DEQUANTIZED.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            buf.resize(rows_per_tile * cols, 0.0);
+            for r in r0..r1 {
+                let (row, dst) = (w.row_ptrs(r), buf[(r - r0) * cols..].as_mut_ptr());
+                // SAFETY: avx2/fma present; row r holds `cols` values in whole
+                // groups; the buffer has room for `cols` floats at this offset.
+                unsafe {
+                    match bits {
+                        2 => dequantize_row::<2>(gs, row, cols, dst),
+                        3 => dequantize_row::<3>(gs, row, cols, dst),
+                        4 => dequantize_row::<4>(gs, row, cols, dst),
+                        5 => dequantize_row::<5>(gs, row, cols, dst),
+                        6 => dequantize_row::<6>(gs, row, cols, dst),
+                        _ => dequantize_row::<8>(gs, row, cols, dst),
+                    }
+                }
+            }
+            let wrow = |r: usize| buf[(r - r0) * cols..].as_ptr().cast::<u8>();
+            let mut t = 0;
+            while t < n {
+                let mut r = r0;
+                while r < r1 {
+                    // Full 4×3 register tiles where they fit, single rows/columns at the edges.
+                    if n - t >= 4 && r1 - r >= 3 {
+                        float_block::<4, 3>(optr, w.rows, cols, x, t, r, wrow);
+                        r += 3;
+                    } else {
+                        for i in t..(t + 4).min(n) {
+                            float_block::<1, 1>(optr, w.rows, cols, x, i, r, wrow);
+                        }
+                        r += 1;
+                    }
+                }
+                t += (n - t).min(4);
+            }
+        });
+    });
+}
+
+/// Activation rows `t..t+MR` against dequantized rows `r..r+NR` (`wrow(r)`
+/// points at row r's `cols` f32 values), written to the output.
+#[cfg(target_arch = "x86_64")]
+fn float_block<const MR: usize, const NR: usize>(
+    out: OutPtr,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    r: usize,
+    wrow: impl Fn(usize) -> *const u8,
+) {
+    use super::simd::{FloatWeights, float_tile};
+    // SAFETY: avx2/fma/f16c present (checked in `matmul`); each weight pointer
+    // holds `cols` f32 values and each activation row `cols` floats.
+    let v = unsafe {
+        float_tile::<MR, NR>(
+            FloatWeights::F32,
+            std::array::from_fn(|j| wrow(r + j)),
+            std::array::from_fn(|i| x[(t + i) * cols..].as_ptr()),
+            cols,
+        )
+    };
+    for (i, vi) in v.iter().enumerate() {
+        for (j, vij) in vi.iter().enumerate() {
+            // SAFETY: (t + i, r + j) belongs to the caller's tile only; in bounds.
+            unsafe { *out.get().add((t + i) * rows + r + j) = *vij };
+        }
+    }
+}
+
+/// Without AVX2: a row is unpacked into a thread-local buffer and dotted with
+/// every activation row, group by group, as `s·Σx·q + b·Σx`.
+fn matmul_portable(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
     let gs = w.params.group_size;
     let groups = w.groups();
     let xsum: Vec<f32> = x.chunks_exact(gs).map(|c| c.iter().sum()).collect();
     let threads = rayon::current_num_threads().max(1);
     let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
-    let n_tiles = w.rows.div_ceil(rows_per_tile);
     let optr = OutPtr(out.as_mut_ptr());
-    let tile = |tile: usize| {
-        let r0 = tile * rows_per_tile;
-        let r1 = (r0 + rows_per_tile).min(w.rows);
+    for_row_tiles(w.rows, rows_per_tile, w.rows * w.cols * n.max(1), |r0, r1| {
         LEVELS.with(|buf| {
             let mut q = buf.borrow_mut();
             q.resize(w.cols, 0.0);
@@ -123,12 +298,7 @@ pub fn matmul(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
                 }
             }
         });
-    };
-    if n_tiles == 1 || w.rows * w.cols * n.max(1) < 1 << 14 {
-        (0..n_tiles).for_each(tile);
-    } else {
-        (0..n_tiles).into_par_iter().for_each(tile);
-    }
+    });
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! rayon for threads.
 
 pub mod affine;
+#[cfg(target_arch = "x86_64")]
+mod affine_avx2;
 pub mod attention;
 pub mod gdn;
 pub mod kquants;
