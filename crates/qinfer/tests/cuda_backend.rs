@@ -101,7 +101,8 @@ fn linear_gemv_and_gemm_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        for (inp, out) in [(256, 96), (100, 33)] {
+        // 4096 inputs: the GEMV's unrolled loads; 100: the scalar tail.
+        for (inp, out) in [(256, 96), (100, 33), (4096, 40)] {
             for rows in [1, 3, 8, 9, 40] {
                 let w = tensor("w", dtype, vec![out, inp], &r.vec(out * inp));
                 let b = tensor("b", DType::F32, vec![out], &r.vec(out));
@@ -125,6 +126,48 @@ fn linear_gemv_and_gemm_match_cpu() {
                 println!("linear {dtype:?} {rows}x{inp}->{out} split activations: rel err {e:.2e}");
                 assert!(e <= 1e-4, "split activations: {e}");
             }
+        }
+    }
+}
+
+/// A random affine-quantized `[rows, cols]` weight in MLX's layout.
+fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: usize) -> qinfer::affine::AffineTensor {
+    let levels = 1u32 << bits;
+    let q: Vec<u8> = (0..rows * cols).map(|_| ((r.f() + 1.0) * 0.5 * levels as f32) as u32 as u8 % levels as u8).collect();
+    let mut packed = Vec::new();
+    qinfer::affine::pack(bits, &q, &mut packed);
+    let groups = rows * cols / group_size;
+    let scales: Vec<f32> = r.vec(groups).iter().map(|v| 0.02 + 0.01 * v).collect();
+    let biases: Vec<f32> = r.vec(groups).iter().map(|v| 0.1 * v).collect();
+    qinfer::affine::AffineTensor {
+        name: "w.weight".into(),
+        shape: vec![rows, cols],
+        params: qinfer::affine::AffineParams::new(bits, group_size, "test").unwrap(),
+        packed: Tensor::new("w.weight".into(), DType::U32, vec![rows, cols * bits as usize / 32], Bytes::from_vec(packed))
+            .unwrap(),
+        scales: tensor("w.scales", DType::BF16, vec![rows, cols / group_size], &scales),
+        biases: tensor("w.biases", DType::F32, vec![rows, cols / group_size], &biases),
+    }
+}
+
+#[test]
+fn affine_gemv_gemm_and_embedding_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    for bits in qinfer::affine::SUPPORTED_BITS {
+        for (group_size, inp, out) in [(32, 256, 70), (64, 2048, 33), (128, 1024, 9)] {
+            let t = affine_tensor(&mut r, bits, group_size, out, inp);
+            let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
+            for rows in [1, 5, 8, 9, 33] {
+                let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
+                let (yc, yg) = (p.cpu.linear(&xc, &wc, None), p.gpu.linear(&xg, &wg, None));
+                // The GEMM path multiplies bf16-rounded weights and activations.
+                let tol = if rows > 8 { 2e-2 } else { 1e-4 };
+                p.check(&format!("affine q{bits}g{group_size} {rows}x{inp}->{out}"), &yc, &yg, tol);
+            }
+            let ids: Vec<u32> = (0..6).map(|i| (i * 7 % out) as u32).collect();
+            let (ec, eg) = (p.cpu.embed(&wc, &ids).unwrap(), p.gpu.embed(&wg, &ids).unwrap());
+            p.check(&format!("affine embedding q{bits}g{group_size}"), &ec, &eg, 1e-6);
         }
     }
 }

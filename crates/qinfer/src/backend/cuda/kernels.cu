@@ -45,11 +45,34 @@ extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float*
 
 // ---------------------------------------------------------------------------
 // Decode GEMV for up to 8 activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
-// One warp per output row; each lane reads 16 bytes of the weight row per step
-// (8 bf16/f16 values, or 4 f32), so a warp streams 512 contiguous bytes, and the
-// weight is read once for all activation rows. Memory bound by design: the
-// weights are the bytes that must move.
+// One warp per output row; each lane reads 16 bytes of the weight row per load
+// (8 bf16/f16 values, or 4 f32), so a warp streams 512 contiguous bytes per
+// load, and the weight is read once for all activation rows. Memory bound by
+// design: each lane issues GEMV_UNROLL independent loads before using any, so
+// enough bytes are in flight to cover HBM latency (one load at a time reached
+// only ~37% of the bandwidth on the H200).
 #define GEMV_MAX_ROWS 8
+#define GEMV_UNROLL 4
+
+template <typename T, int VEC>
+__device__ __forceinline__ void gemv_step(const uint4& packed, const float* __restrict__ x, int c, int in_dim,
+                                          int n_rows, float* acc) {
+    const T* wv = reinterpret_cast<const T*>(&packed);
+    float w[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) w[j] = to_f32(wv[j]);
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
+        if (t < n_rows) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + c);
+#pragma unroll
+            for (int j = 0; j < VEC / 4; j++) {
+                float4 xv = xr[j];
+                acc[t] += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z + w[4 * j + 3] * xv.w;
+            }
+        }
+    }
+}
 
 template <typename T, int VEC>
 __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
@@ -64,18 +87,19 @@ __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const
     for (int t = 0; t < GEMV_MAX_ROWS; t++) acc[t] = 0.0f;
     // Vector path over the largest multiple of 32*VEC; scalar tail after.
     // (16-byte loads need every row 16-byte aligned: in_dim a multiple of VEC.)
-    int vec_end = in_dim % VEC == 0 ? (in_dim / (32 * VEC)) * (32 * VEC) : 0;
-    for (int c = lane * VEC; c < vec_end; c += 32 * VEC) {
-        uint4 packed = *reinterpret_cast<const uint4*>(row + c);
-        const T* wv = reinterpret_cast<const T*>(&packed);
+    const int step = 32 * VEC;
+    int vec_end = in_dim % VEC == 0 ? (in_dim / step) * step : 0;
+    int c = lane * VEC;
+    for (; c + (GEMV_UNROLL - 1) * step < vec_end; c += GEMV_UNROLL * step) {
+        uint4 packed[GEMV_UNROLL];
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_ROWS; t++) {
-            if (t < n_rows) {
-                const float* xr = x + (size_t)t * in_dim + c;
+        for (int u = 0; u < GEMV_UNROLL; u++) packed[u] = __ldcs(reinterpret_cast<const uint4*>(row + c + u * step));
 #pragma unroll
-                for (int j = 0; j < VEC; j++) acc[t] += to_f32(wv[j]) * xr[j];
-            }
-        }
+        for (int u = 0; u < GEMV_UNROLL; u++) gemv_step<T, VEC>(packed[u], x, c + u * step, in_dim, n_rows, acc);
+    }
+    for (; c < vec_end; c += step) {
+        uint4 packed = __ldcs(reinterpret_cast<const uint4*>(row + c));
+        gemv_step<T, VEC>(packed, x, c, in_dim, n_rows, acc);
     }
     for (int c = vec_end + lane; c < in_dim; c += 32) {
         float wv = to_f32(row[c]);
@@ -98,6 +122,143 @@ extern "C" __global__ void gemv_f16(const __half* w, const float* x, const float
 extern "C" __global__ void gemv_f32(const float* w, const float* x, const float* b, float* y, int o, int i, int n) {
     gemv<float, 4>(w, x, b, y, o, i, n);
 }
+
+// ---------------------------------------------------------------------------
+// Affine-quantized weights (MLX layout): each row is a bit stream of BITS-bit
+// levels in u32 words, low bits first; every run of 32 values fills exactly
+// BITS words, and w = scale·q + bias per group of `group` values (scales and
+// biases as f32 [rows, cols/group]).
+
+// Level k (0..31) of a 32-value chunk held in BITS words.
+template <int BITS>
+__device__ __forceinline__ float affine_level(const unsigned* words, int k) {
+    int bit = k * BITS, wi = bit >> 5, sh = bit & 31;
+    unsigned v = words[wi] >> sh;
+    if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
+    return (float)(v & ((1u << BITS) - 1));
+}
+
+// The BITS words of 32-value chunk `chunk` of a row (16-byte loads where the
+// chunk is a whole number of them: 4 and 8 bits).
+template <int BITS>
+__device__ __forceinline__ void affine_chunk(const unsigned* __restrict__ row, int chunk, unsigned* words) {
+    const unsigned* p = row + (size_t)chunk * BITS;
+    if (BITS % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < BITS / 4; i++) {
+            uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+            words[4 * i] = v.x; words[4 * i + 1] = v.y; words[4 * i + 2] = v.z; words[4 * i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < BITS; i++) words[i] = __ldcs(p + i);
+    }
+}
+
+// Decode GEMV, one warp per output row, one 32-value chunk per lane per step:
+// per chunk Σ x·(s·q + b) = s·Σ x·q + b·Σ x, the levels unpacked in registers.
+template <int BITS>
+__device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
+                            const float* __restrict__ biases, const float* __restrict__ x,
+                            const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
+                            int group, int n_rows) {
+    int warps = blockDim.x >> 5;
+    int o = blockIdx.x * warps + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (o >= out_dim) return;
+    const unsigned* row = w + (size_t)o * (in_dim / 32) * BITS;
+    int groups = in_dim / group;
+    float acc[GEMV_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_ROWS; t++) acc[t] = 0.0f;
+    for (int chunk = lane; chunk < in_dim / 32; chunk += 32) {
+        unsigned words[BITS];
+        affine_chunk<BITS>(row, chunk, words);
+        int g = chunk * 32 / group;
+        float s = scales[(size_t)o * groups + g], b = biases[(size_t)o * groups + g];
+        float q[32];
+#pragma unroll
+        for (int k = 0; k < 32; k++) q[k] = affine_level<BITS>(words, k);
+#pragma unroll
+        for (int t = 0; t < GEMV_MAX_ROWS; t++) {
+            if (t < n_rows) {
+                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + chunk * 32);
+                float dq = 0.0f, xs = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float4 xv = xr[j];
+                    dq += q[4 * j] * xv.x + q[4 * j + 1] * xv.y + q[4 * j + 2] * xv.z + q[4 * j + 3] * xv.w;
+                    xs += (xv.x + xv.y) + (xv.z + xv.w);
+                }
+                acc[t] += s * dq + b * xs;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
+        if (t < n_rows) {
+            float sum = warp_sum(acc[t]);
+            if (lane == 0) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+
+// Rows [row0, row0 + rows) dequantized to bf16 (prefill: a transient tile for
+// cuBLAS, never a resident copy); one thread per 32-value chunk.
+template <int BITS>
+__device__ void affine_to_bf16(const unsigned* __restrict__ w, const float* __restrict__ scales,
+                               const float* __restrict__ biases, __nv_bfloat16* __restrict__ out, int row0,
+                               int rows, int in_dim, int group) {
+    long chunks = (long)in_dim / 32;
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)rows * chunks) return;
+    long r = row0 + i / chunks;
+    int chunk = i % chunks;
+    unsigned words[BITS];
+    affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
+    int groups = in_dim / group, g = chunk * 32 / group;
+    float s = scales[r * groups + g], b = biases[r * groups + g];
+    __nv_bfloat16* dst = out + (i / chunks) * in_dim + chunk * 32;
+#pragma unroll
+    for (int k = 0; k < 32; k++) dst[k] = __float2bfloat16(s * affine_level<BITS>(words, k) + b);
+}
+
+// Embedding rows from an affine table, in f32.
+template <int BITS>
+__device__ void embed_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
+                             const float* __restrict__ biases, const unsigned* ids, float* out, int cols, int group) {
+    long r = ids[blockIdx.x];
+    int chunks = cols / 32, groups = cols / group;
+    for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
+        unsigned words[BITS];
+        affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
+        int g = chunk * 32 / group;
+        float s = scales[r * groups + g], b = biases[r * groups + g];
+        float* dst = out + (size_t)blockIdx.x * cols + chunk * 32;
+#pragma unroll
+        for (int k = 0; k < 32; k++) dst[k] = s * affine_level<BITS>(words, k) + b;
+    }
+}
+
+#define AFFINE_KERNELS(B)                                                                                          \
+    extern "C" __global__ void gemv_affine##B(const unsigned* w, const float* s, const float* bi, const float* x,  \
+                                              const float* b, float* y, int o, int i, int g, int n) {              \
+        gemv_affine<B>(w, s, bi, x, b, y, o, i, g, n);                                                             \
+    }                                                                                                              \
+    extern "C" __global__ void affine##B##_to_bf16(const unsigned* w, const float* s, const float* bi,             \
+                                                   __nv_bfloat16* out, int r0, int rows, int i, int g) {           \
+        affine_to_bf16<B>(w, s, bi, out, r0, rows, i, g);                                                          \
+    }                                                                                                              \
+    extern "C" __global__ void embed_affine##B(const unsigned* w, const float* s, const float* bi,                 \
+                                               const unsigned* ids, float* out, int cols, int g) {                 \
+        embed_affine<B>(w, s, bi, ids, out, cols, g);                                                              \
+    }
+AFFINE_KERNELS(2)
+AFFINE_KERNELS(3)
+AFFINE_KERNELS(4)
+AFFINE_KERNELS(5)
+AFFINE_KERNELS(6)
+AFFINE_KERNELS(8)
 
 // Small stored tensors (conv weights) to f32.
 extern "C" __global__ void bf16_to_f32(const __nv_bfloat16* x, float* y, long n) {

@@ -22,7 +22,7 @@ use crate::config::{GdnConfig, RopeStyle};
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
-pub use types::{CudaAct, CudaGdnState, CudaKv, CudaWeight};
+pub use types::{AffineWeight, CudaAct, CudaGdnState, CudaKv, CudaWeight};
 
 const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
@@ -50,7 +50,28 @@ const KERNEL_NAMES: &[&str] = &[
     "gdn_conv",
     "gdn_prepare",
     "gdn_recurrent",
+    "gemv_affine2",
+    "gemv_affine3",
+    "gemv_affine4",
+    "gemv_affine5",
+    "gemv_affine6",
+    "gemv_affine8",
+    "affine2_to_bf16",
+    "affine3_to_bf16",
+    "affine4_to_bf16",
+    "affine5_to_bf16",
+    "affine6_to_bf16",
+    "affine8_to_bf16",
+    "embed_affine2",
+    "embed_affine3",
+    "embed_affine4",
+    "embed_affine5",
+    "embed_affine6",
+    "embed_affine8",
 ];
+
+/// Values per prefill tile of dequantized affine weights (bf16 scratch of 128 MiB).
+const AFFINE_TILE_VALUES: usize = 64 << 20;
 
 /// Rows at or below this go through the GEMV kernel; above, cuBLAS.
 const GEMV_MAX_ROWS: usize = 8;
@@ -284,6 +305,10 @@ impl CudaBackend {
         let (dtype, n, buf) = match w {
             CudaWeight::Matrix { dtype, rows, cols, buf } => (*dtype, rows * cols, buf),
             CudaWeight::Vector(v) => return v.clone(),
+            CudaWeight::Affine(a) => {
+                self.record(Err(format!("a quantized {}×{} matrix where f32 values are needed", a.rows, a.cols)), "conv");
+                return self.zeros::<f32>(a.rows * a.cols);
+            }
         };
         let out = self.zeros::<f32>(n);
         let kernel = match dtype {
@@ -314,36 +339,61 @@ impl CudaBackend {
             self.record(Err("expected a matrix weight"), "linear");
             return;
         };
+        let inputs = self.gemm_inputs(x, *dtype);
+        self.gemm_rows(x, &inputs, *dtype, self.p(buf), *out_dim, *in_dim, self.p(&y.buf), *out_dim);
+    }
+
+    /// The activations as the GEMM reads them for weights of `dtype`.
+    fn gemm_inputs(&self, x: &CudaAct, dtype: DType) -> Vec<CudaSlice<u16>> {
         let count = x.rows * x.cols;
-        let (ty, parts): (cudaDataType, Vec<CudaSlice<u16>>) = match dtype {
-            DType::BF16 | DType::F16 => {
-                let bf = *dtype == DType::BF16;
-                let ty = if bf { cudaDataType::CUDA_R_16BF } else { cudaDataType::CUDA_R_16F };
-                if self.split_activations {
-                    let (hi, lo) = (self.zeros::<u16>(count), self.zeros::<u16>(count));
-                    let kernel = if bf { "f32_split_bf16" } else { "f32_split_f16" };
-                    let c = Self::elementwise_cfg(count);
-                    launch!(self, kernel, c, self.p(&x.buf), self.p(&hi), self.p(&lo), count as i64);
-                    (ty, vec![hi, lo])
-                } else {
-                    let conv = self.zeros::<u16>(count);
-                    let kernel = if bf { "f32_to_bf16" } else { "f32_to_f16" };
-                    launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&conv), count as i64);
-                    (ty, vec![conv])
-                }
-            }
-            _ => (cudaDataType::CUDA_R_32F, vec![]),
+        let bf = match dtype {
+            DType::BF16 => true,
+            DType::F16 => false,
+            _ => return vec![],
         };
-        let inputs: Vec<u64> =
-            if parts.is_empty() { vec![self.p(&x.buf)] } else { parts.iter().map(|p| self.p(p)).collect() };
-        let (m, n, k) = (*out_dim as i32, x.rows as i32, *in_dim as i32);
-        for (i, x_ptr) in inputs.iter().enumerate() {
+        if self.split_activations {
+            let (hi, lo) = (self.zeros::<u16>(count), self.zeros::<u16>(count));
+            let kernel = if bf { "f32_split_bf16" } else { "f32_split_f16" };
+            launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&hi), self.p(&lo), count as i64);
+            vec![hi, lo]
+        } else {
+            let conv = self.zeros::<u16>(count);
+            let kernel = if bf { "f32_to_bf16" } else { "f32_to_f16" };
+            launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&conv), count as i64);
+            vec![conv]
+        }
+    }
+
+    /// Output columns `[0, rows)` of `y` (row stride `ldy`, at `y_ptr`) from a
+    /// weight of `rows × in_dim` values of `dtype` at `w_ptr`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_rows(
+        &self,
+        x: &CudaAct,
+        inputs: &[CudaSlice<u16>],
+        dtype: DType,
+        w_ptr: u64,
+        rows: usize,
+        in_dim: usize,
+        y_ptr: u64,
+        ldy: usize,
+    ) {
+        let ty = match dtype {
+            DType::BF16 => cudaDataType::CUDA_R_16BF,
+            DType::F16 => cudaDataType::CUDA_R_16F,
+            _ => cudaDataType::CUDA_R_32F,
+        };
+        let x_ptrs: Vec<u64> =
+            if inputs.is_empty() { vec![self.p(&x.buf)] } else { inputs.iter().map(|p| self.p(p)).collect() };
+        let (m, n, k) = (rows as i32, x.rows as i32, in_dim as i32);
+        for (i, x_ptr) in x_ptrs.iter().enumerate() {
             if self.failed() {
                 return;
             }
             let alpha = 1.0f32;
             let beta = if i == 0 { 0.0f32 } else { 1.0f32 };
             // Column-major view: Yᵀ[out, n] = W[out, in] (row-major = Wᵀ column-major) · Xᵀ.
+            // SAFETY: the pointers hold the m×k, k×n and (ldy)×n values cuBLAS reads and writes.
             let r = unsafe {
                 cudarc::cublas::result::gemm_ex(
                     *self.blas.handle(),
@@ -353,21 +403,70 @@ impl CudaBackend {
                     n,
                     k,
                     (&alpha as *const f32).cast(),
-                    self.p(buf) as *const _,
+                    w_ptr as *const _,
                     ty,
                     k,
                     *x_ptr as *const _,
                     ty,
                     k,
                     (&beta as *const f32).cast(),
-                    self.p(&y.buf) as *mut _,
+                    y_ptr as *mut _,
                     cudaDataType::CUDA_R_32F,
-                    m,
+                    ldy as i32,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             };
             self.record(r, "cuBLAS GEMM");
+        }
+    }
+
+    /// Affine weights, decode: the GEMV unpacks levels in registers.
+    fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
+        let warps = 8u32;
+        let grid = (w.rows.div_ceil(warps as usize) as u32, 1, 1);
+        launch!(
+            self,
+            &format!("gemv_affine{}", w.params.bits),
+            cfg(grid, warps * 32, 0),
+            self.p(&w.packed),
+            self.p(&w.scales),
+            self.p(&w.biases),
+            self.p(&x.buf),
+            bias_ptr,
+            self.p(&y.buf),
+            w.rows as i32,
+            w.cols as i32,
+            w.params.group_size as i32,
+            x.rows as i32
+        );
+    }
+
+    /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one
+    /// transient buffer, each multiplied by cuBLAS into its output columns.
+    fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct) {
+        let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
+        let scratch = self.zeros::<u16>(tile_rows * w.cols);
+        let inputs = self.gemm_inputs(x, DType::BF16);
+        let kernel = format!("affine{}_to_bf16", w.params.bits);
+        for r0 in (0..w.rows).step_by(tile_rows) {
+            let rows = tile_rows.min(w.rows - r0);
+            let chunks = rows * w.cols / 32;
+            launch!(
+                self,
+                &kernel,
+                cfg(blocks(chunks, 256), 256, 0),
+                self.p(&w.packed),
+                self.p(&w.scales),
+                self.p(&w.biases),
+                self.p(&scratch),
+                r0 as i32,
+                rows as i32,
+                w.cols as i32,
+                w.params.group_size as i32
+            );
+            let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
+            self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows);
         }
     }
 }
@@ -423,7 +522,17 @@ impl Backend for CudaBackend {
     }
 
     fn upload_affine(&self, t: &crate::affine::AffineTensor) -> Result<CudaWeight> {
-        Err(Error::tensor(&t.name, "MLX affine-quantized weights are not supported on CUDA yet"))
+        let &[rows, cols] = t.shape.as_slice() else {
+            return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
+        };
+        Ok(CudaWeight::Affine(AffineWeight {
+            params: t.params,
+            rows,
+            cols,
+            packed: self.upload_slice(t.packed.data.as_slice()),
+            scales: self.upload_slice(&t.scales.to_f32_vec()),
+            biases: self.upload_slice(&t.biases.to_f32_vec()),
+        }))
     }
 
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
@@ -436,6 +545,26 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
+        if let CudaWeight::Affine(w) = table {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows) {
+                return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", w.rows)));
+            }
+            let out = self.act(ids.len(), w.cols);
+            let d_ids = self.upload_slice(ids);
+            launch!(
+                self,
+                &format!("embed_affine{}", w.params.bits),
+                cfg((ids.len() as u32, 1, 1), 128, 0),
+                self.p(&w.packed),
+                self.p(&w.scales),
+                self.p(&w.biases),
+                self.p(&d_ids),
+                self.p(&out.buf),
+                w.cols as i32,
+                w.params.group_size as i32
+            );
+            return Ok(out);
+        }
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
             return Err(Error::Invalid("embedding table must be a matrix".into()));
         };
@@ -462,6 +591,25 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>) -> CudaAct {
+        let bias_ptr = match bias {
+            Some(CudaWeight::Vector(b)) => self.p(b),
+            _ => 0u64,
+        };
+        if let CudaWeight::Affine(a) = w {
+            let mut y = self.act(x.rows, a.rows);
+            if x.cols != a.cols {
+                self.record(Err(format!("input width {} for a weight of {} columns", x.cols, a.cols)), "linear");
+            } else if x.rows <= GEMV_MAX_ROWS {
+                self.affine_gemv(x, a, bias_ptr, &mut y);
+            } else {
+                self.affine_gemm(x, a, &mut y);
+                if bias_ptr != 0 {
+                    let n = y.rows * y.cols;
+                    launch!(self, "add_bias", Self::elementwise_cfg(n), self.p(&y.buf), bias_ptr, y.cols as i32, n as i64);
+                }
+            }
+            return y;
+        }
         let CudaWeight::Matrix { dtype, rows: out_dim, cols: in_dim, buf } = w else {
             self.record(Err("expected a matrix weight, found a vector"), "linear");
             return self.act(x.rows, 1);
@@ -471,10 +619,6 @@ impl Backend for CudaBackend {
             self.record(Err(format!("input width {} for a weight of {in_dim} columns", x.cols)), "linear");
             return y;
         }
-        let bias_ptr = match bias {
-            Some(CudaWeight::Vector(b)) => self.p(b),
-            _ => 0u64,
-        };
         if x.rows <= GEMV_MAX_ROWS {
             let kernel = match dtype {
                 DType::BF16 => "gemv_bf16",

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 
+use crate::affine::AffineParams;
 use crate::backend::KvCache;
 use crate::config::GdnConfig;
 use crate::tensor::DType;
@@ -19,7 +20,21 @@ pub struct CudaAct {
 /// A weight on the device: matrices in their stored bytes, vectors as f32.
 pub enum CudaWeight {
     Matrix { dtype: DType, rows: usize, cols: usize, buf: CudaSlice<u8> },
+    /// MLX affine groups: packed levels as stored, scales and biases as f32.
+    Affine(AffineWeight),
     Vector(CudaSlice<f32>),
+}
+
+/// An affine-quantized `[rows, cols]` matrix (see [`crate::affine`]).
+pub struct AffineWeight {
+    pub params: AffineParams,
+    pub rows: usize,
+    pub cols: usize,
+    /// `rows × cols·bits/8` bytes of u32 words.
+    pub packed: CudaSlice<u8>,
+    /// `rows × cols/group_size` each.
+    pub scales: CudaSlice<f32>,
+    pub biases: CudaSlice<f32>,
 }
 
 /// One f32 key and value buffer per layer, allocated at full capacity on the
