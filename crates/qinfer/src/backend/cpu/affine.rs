@@ -164,17 +164,17 @@ mod tests {
             let mut out = vec![0f32; rows];
             matmul(&x, 1, &w, &mut out);
             let mut q = vec![0f32; cols];
-            for r in 0..rows {
+            for (r, &got) in out.iter().enumerate() {
                 w.unpack_row(r, &mut q);
                 let (mut exact, mut mag) = (0f64, 0f64);
-                for c in 0..cols {
+                for (c, (&xc, &qc)) in x.iter().zip(&q).enumerate() {
                     let j = r * w.groups() + c / gs;
-                    let wc = w.scales[j] as f64 * q[c] as f64 + w.biases[j] as f64;
-                    exact += x[c] as f64 * wc;
-                    mag += (x[c] as f64 * wc).abs();
+                    let p = xc as f64 * (w.scales[j] as f64 * qc as f64 + w.biases[j] as f64);
+                    exact += p;
+                    mag += p.abs();
                 }
-                let err = (out[r] as f64 - exact).abs();
-                assert!(err <= 1e-6 * mag, "{bits} bits row {r}: {} vs {exact} (Σ|x·w| {mag})", out[r]);
+                let err = (got as f64 - exact).abs();
+                assert!(err <= 1e-6 * mag, "{bits} bits row {r}: {got} vs {exact} (Σ|x·w| {mag})");
             }
         }
     }
