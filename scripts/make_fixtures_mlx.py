@@ -12,6 +12,9 @@ function of the weights, and the forward runs on the CPU device.
     /work/venv/bin/pip install "mlx[cpu]" mlx-lm
     /work/venv/bin/python scripts/make_fixtures_mlx.py [--only CASE]
 
+Rewrites reference.json: afterwards run scripts/mlx_f64_truth.py, which adds the
+float64 truth of the hybrid cases (logits_f64.npy, checks.float64_truth).
+
 Also writes tests/fixtures/mlx/packing.json: mx.quantize outputs (packed words,
 scales, biases, dequantized values) of one small matrix for every bit width.
 """

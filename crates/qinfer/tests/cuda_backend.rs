@@ -133,7 +133,8 @@ fn linear_gemv_and_gemm_match_cpu() {
 /// A random affine-quantized `[rows, cols]` weight in MLX's layout.
 fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: usize) -> qinfer::affine::AffineTensor {
     let levels = 1u32 << bits;
-    let q: Vec<u8> = (0..rows * cols).map(|_| ((r.f() + 1.0) * 0.5 * levels as f32) as u32 as u8 % levels as u8).collect();
+    let q: Vec<u8> =
+        (0..rows * cols).map(|_| ((r.f() + 1.0) * 0.5 * levels as f32) as u32 as u8 % levels as u8).collect();
     let mut packed = Vec::new();
     qinfer::affine::pack(bits, &q, &mut packed);
     let groups = rows * cols / group_size;
@@ -143,8 +144,13 @@ fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: u
         name: "w.weight".into(),
         shape: vec![rows, cols],
         params: qinfer::affine::AffineParams::new(bits, group_size, "test").unwrap(),
-        packed: Tensor::new("w.weight".into(), DType::U32, vec![rows, cols * bits as usize / 32], Bytes::from_vec(packed))
-            .unwrap(),
+        packed: Tensor::new(
+            "w.weight".into(),
+            DType::U32,
+            vec![rows, cols * bits as usize / 32],
+            Bytes::from_vec(packed),
+        )
+        .unwrap(),
         scales: tensor("w.scales", DType::BF16, vec![rows, cols / group_size], &scales),
         biases: tensor("w.biases", DType::F32, vec![rows, cols / group_size], &biases),
     }

@@ -75,6 +75,14 @@ unsafe fn levels8<const BITS: u32>(row: AffineRow, run_index: usize) -> __m256 {
     _mm256_cvtepi32_ps(levels(BITS, run))
 }
 
+/// `s·q + b`, rounded after the product and after the sum as `mx.dequantize`
+/// rounds it (a fused multiply-add would round once and drift from mlx-lm).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn dequantize8(q: __m256, s: __m256, b: __m256) -> __m256 {
+    _mm256_add_ps(_mm256_mul_ps(q, s), b)
+}
+
 /// Group `g`'s scale and bias of `row`, broadcast.
 ///
 /// # Safety
@@ -99,48 +107,46 @@ pub unsafe fn dequantize_row<const BITS: u32>(group_size: usize, row: AffineRow,
         let (s, b) = unsafe { scale_bias(row, g) };
         for run in g * runs_per_group..(g + 1) * runs_per_group {
             // SAFETY: run < cols/8 (caller's contract); out holds cols floats.
-            unsafe { _mm256_storeu_ps(out.add(8 * run), _mm256_fmadd_ps(levels8::<BITS>(row, run), s, b)) };
+            unsafe { _mm256_storeu_ps(out.add(8 * run), dequantize8(levels8::<BITS>(row, run), s, b)) };
         }
     }
 }
 
 /// `out[j]` = Σ_c `x[c]`·`W_j[c]` for `NR` rows: one activation row (decode)
-/// against rows unpacked in registers, 8 values at a time, as
-/// Σ_g `s_g`·(Σ x·q) + `b_g`·(Σ x) per group; `xsum[g]` is Σ x over group g.
+/// against rows dequantized in registers, 8 values at a time.
 ///
 /// # Safety
-/// As [`dequantize_row`] for every row; `x` points at `cols` floats and
-/// `xsum` at `cols/group_size`.
+/// As [`dequantize_row`] for every row; `x` points at `cols` floats.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_rows<const BITS: u32, const NR: usize>(
     group_size: usize,
     rows: [AffineRow; NR],
     x: *const f32,
-    xsum: *const f32,
     cols: usize,
 ) -> [f32; NR] {
-    let mut total = [_mm256_setzero_ps(); NR];
-    let mut bias = [0f32; NR];
+    // Two accumulators per row (even and odd runs) so consecutive FMAs do not
+    // wait on each other; groups hold a multiple of 4 runs.
+    let mut even = [_mm256_setzero_ps(); NR];
+    let mut odd = [_mm256_setzero_ps(); NR];
     let runs_per_group = group_size / 8;
     for g in 0..cols / group_size {
-        let mut dot = [_mm256_setzero_ps(); NR];
-        for run in g * runs_per_group..(g + 1) * runs_per_group {
-            // SAFETY: run < cols/8 (caller's contract).
-            let xv = unsafe { _mm256_loadu_ps(x.add(8 * run)) };
+        // SAFETY: g < cols/group_size (caller's contract).
+        let sb: [(__m256, __m256); NR] = std::array::from_fn(|j| unsafe { scale_bias(rows[j], g) });
+        let mut run = g * runs_per_group;
+        while run < (g + 1) * runs_per_group {
+            // SAFETY: run + 1 < cols/8 (caller's contract).
+            let (x0, x1) = unsafe { (_mm256_loadu_ps(x.add(8 * run)), _mm256_loadu_ps(x.add(8 * run + 8))) };
             for j in 0..NR {
+                let (s, b) = sb[j];
                 // SAFETY: as above.
-                dot[j] = _mm256_fmadd_ps(xv, unsafe { levels8::<BITS>(rows[j], run) }, dot[j]);
+                let (q0, q1) = unsafe { (levels8::<BITS>(rows[j], run), levels8::<BITS>(rows[j], run + 1)) };
+                even[j] = _mm256_fmadd_ps(x0, dequantize8(q0, s, b), even[j]);
+                odd[j] = _mm256_fmadd_ps(x1, dequantize8(q1, s, b), odd[j]);
             }
-        }
-        for j in 0..NR {
-            // SAFETY: g < cols/group_size (caller's contract).
-            unsafe {
-                total[j] = _mm256_fmadd_ps(dot[j], _mm256_set1_ps(*rows[j].scales.add(g)), total[j]);
-                bias[j] += *rows[j].biases.add(g) * *xsum.add(g);
-            }
+            run += 2;
         }
     }
-    std::array::from_fn(|j| hsum(total[j]) + bias[j])
+    std::array::from_fn(|j| hsum(_mm256_add_ps(even[j], odd[j])))
 }
 
 #[inline]

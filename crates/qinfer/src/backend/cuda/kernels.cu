@@ -155,8 +155,10 @@ __device__ __forceinline__ void affine_chunk(const unsigned* __restrict__ row, i
     }
 }
 
-// Decode GEMV, one warp per output row, one 32-value chunk per lane per step:
-// per chunk Σ x·(s·q + b) = s·Σ x·q + b·Σ x, the levels unpacked in registers.
+// Decode GEMV, one warp per output row, one 32-value chunk per lane per step,
+// the levels unpacked and dequantized (s·q + b) in registers. Not the shortcut
+// s·Σx·q + b·Σx: with b ≈ −s·2^(bits−1) its two terms cancel (see the CPU
+// backend's affine.rs).
 template <int BITS>
 __device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
                             const float* __restrict__ biases, const float* __restrict__ x,
@@ -176,21 +178,18 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restr
         affine_chunk<BITS>(row, chunk, words);
         int g = chunk * 32 / group;
         float s = scales[(size_t)o * groups + g], b = biases[(size_t)o * groups + g];
-        float q[32];
+        float wv[32];
 #pragma unroll
-        for (int k = 0; k < 32; k++) q[k] = affine_level<BITS>(words, k);
+        for (int k = 0; k < 32; k++) wv[k] = s * affine_level<BITS>(words, k) + b;
 #pragma unroll
         for (int t = 0; t < GEMV_MAX_ROWS; t++) {
             if (t < n_rows) {
                 const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + chunk * 32);
-                float dq = 0.0f, xs = 0.0f;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     float4 xv = xr[j];
-                    dq += q[4 * j] * xv.x + q[4 * j + 1] * xv.y + q[4 * j + 2] * xv.z + q[4 * j + 3] * xv.w;
-                    xs += (xv.x + xv.y) + (xv.z + xv.w);
+                    acc[t] += wv[4 * j] * xv.x + wv[4 * j + 1] * xv.y + wv[4 * j + 2] * xv.z + wv[4 * j + 3] * xv.w;
                 }
-                acc[t] += s * dq + b * xs;
             }
         }
     }

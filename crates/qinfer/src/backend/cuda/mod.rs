@@ -306,7 +306,10 @@ impl CudaBackend {
             CudaWeight::Matrix { dtype, rows, cols, buf } => (*dtype, rows * cols, buf),
             CudaWeight::Vector(v) => return v.clone(),
             CudaWeight::Affine(a) => {
-                self.record(Err(format!("a quantized {}×{} matrix where f32 values are needed", a.rows, a.cols)), "conv");
+                self.record(
+                    Err(format!("a quantized {}×{} matrix where f32 values are needed", a.rows, a.cols)),
+                    "conv",
+                );
                 return self.zeros::<f32>(a.rows * a.cols);
             }
         };
@@ -605,7 +608,15 @@ impl Backend for CudaBackend {
                 self.affine_gemm(x, a, &mut y);
                 if bias_ptr != 0 {
                     let n = y.rows * y.cols;
-                    launch!(self, "add_bias", Self::elementwise_cfg(n), self.p(&y.buf), bias_ptr, y.cols as i32, n as i64);
+                    launch!(
+                        self,
+                        "add_bias",
+                        Self::elementwise_cfg(n),
+                        self.p(&y.buf),
+                        bias_ptr,
+                        y.cols as i32,
+                        n as i64
+                    );
                 }
             }
             return y;

@@ -19,7 +19,12 @@ pub struct CudaAct {
 
 /// A weight on the device: matrices in their stored bytes, vectors as f32.
 pub enum CudaWeight {
-    Matrix { dtype: DType, rows: usize, cols: usize, buf: CudaSlice<u8> },
+    Matrix {
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        buf: CudaSlice<u8>,
+    },
     /// MLX affine groups: packed levels as stored, scales and biases as f32.
     Affine(AffineWeight),
     Vector(CudaSlice<f32>),
