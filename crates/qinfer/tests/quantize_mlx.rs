@@ -21,7 +21,7 @@ fn out_dir(tag: &str) -> PathBuf {
 
 fn run(tag: &str, bits: u32, group_size: usize, recipe: Option<Recipe>) -> PathBuf {
     let out = out_dir(tag);
-    let opts = QuantizeOptions { bits, group_size, recipe, force: false };
+    let opts = QuantizeOptions { bits, group_size, recipe, dtype: None, force: false };
     quantize(&fixtures().join("tiny/qwen3"), &out, &opts, &|_, _| {}).unwrap();
     out
 }
@@ -70,7 +70,7 @@ fn quantized_model_runs_close_to_the_original() {
 #[test]
 fn existing_output_is_refused_unless_forced() {
     let out = run("force", 4, 64, None);
-    let opts = QuantizeOptions { bits: 4, group_size: 64, recipe: None, force: false };
+    let opts = QuantizeOptions { bits: 4, group_size: 64, recipe: None, dtype: None, force: false };
     let e = quantize(&fixtures().join("tiny/qwen3"), &out, &opts, &|_, _| {}).unwrap_err().to_string();
     assert!(e.contains("--force"), "{e}");
     let opts = QuantizeOptions { force: true, ..opts };
