@@ -10,6 +10,7 @@
 //! group 64 (the model's `quant_predicate`) unless a [`Recipe`] decides;
 //! everything else is stored as is. Scales and biases take the weight's dtype.
 
+mod metadata;
 mod recipe;
 mod sanitize;
 mod writer;
@@ -100,17 +101,6 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
         | DType::Q5_K
         | DType::Q6_K => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
-}
-
-/// The dtype mlx-lm's `convert` casts to: `--dtype`, else config.json's
-/// `torch_dtype`, else `text_config.dtype` (transformers 5's top-level `dtype`
-/// is not read: mlx-lm does not read it either).
-fn conversion_dtype(requested: Option<DType>, cfg: &Value) -> Option<DType> {
-    if requested.is_some() {
-        return requested;
-    }
-    let named = cfg.get("torch_dtype").filter(|v| !v.is_null()).or_else(|| cfg.get("text_config")?.get("dtype"));
-    parse_dtype(named?.as_str()?).ok()
 }
 
 /// The model's `cast_predicate`: Qwen3.5 keeps `A_log` in its stored dtype.
@@ -223,7 +213,7 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?)
             .map_err(|e| Error::malformed(&cfg_path, e.to_string()))?;
-    let target = conversion_dtype(opts.dtype, &cfg);
+    let target = metadata::conversion_dtype(opts.dtype, &cfg);
 
     let mut quant = json!({"group_size": opts.group_size, "bits": opts.bits, "mode": "affine"});
     let mut jobs = Vec::new();
@@ -240,7 +230,7 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
     }
     cfg["quantization"] = quant.clone();
     cfg["quantization_config"] = quant;
-    finish_config(&mut cfg, src)?;
+    metadata::finish_config(&mut cfg, src, model.config.arch)?;
 
     // Everything goes to a sibling temporary directory, renamed into place at
     // the end, so an error never leaves a partial model at `out`.
@@ -298,38 +288,6 @@ fn module_params(
     Ok(Some(params))
 }
 
-/// What mlx-lm's `load_config` and `save_config` do to config.json besides
-/// the quantization block: generation_config's `eos_token_id` wins, and
-/// `_name_or_path` and `vision_config` (the vision tower is dropped) go.
-fn finish_config(cfg: &mut Value, src: &Path) -> Result<()> {
-    let gen_path = src.join("generation_config.json");
-    if gen_path.exists() {
-        let text = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
-        // mlx-lm ignores a generation config it cannot parse.
-        if let Ok(generation) = serde_json::from_str::<Value>(&text)
-            && let Some(eos) = generation.get("eos_token_id").filter(|v| python_truthy(v))
-        {
-            cfg["eos_token_id"] = eos.clone();
-        }
-    }
-    if let Some(obj) = cfg.as_object_mut() {
-        obj.remove("_name_or_path");
-        obj.remove("vision_config");
-    }
-    Ok(())
-}
-
-fn python_truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64() != Some(0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
-}
-
 fn write_dir(
     dir: &Path,
     src: &Path,
@@ -350,7 +308,8 @@ fn write_dir(
     for j in jobs {
         entries.extend(j.entries()?);
     }
-    let total_parameters = jobs.iter().map(|j| j.planned.shape.iter().product::<usize>()).sum();
+    let total_parameters =
+        metadata::total_parameters(jobs.iter().map(|j| (j.planned.name.as_str(), &j.planned.shape[..])));
     writer::write_index(dir, &entries, total_parameters)?;
     let mut st = SafetensorsWriter::create(&dir.join("model.safetensors"), entries)?;
     for (i, job) in jobs.iter().enumerate() {
