@@ -4,7 +4,8 @@
 For each setting: `qinfer quantize` the tiny qwen3 fixture, load the output with
 mlx-lm (`load_model`), compute teacher-forced logits and a 24-token greedy
 continuation, and compare them with `qinfer score` / qinfer's own load of the
-same directory. Writes bench/results/quantize-mlx-verify.json.
+same directory. Writes bench/results/quantize-mlx-verify.json (the dense entries;
+scripts/verify_quantize_mlx_moe.py adds the MoE and hybrid ones).
 
     cargo build --release -p qinfer-cli
     /work/venv/bin/python scripts/verify_quantize_mlx.py
@@ -81,9 +82,12 @@ def main():
                 "second_run_refused": again.returncode != 0 and "--force" in again.stderr,
             })
             print(json.dumps(results[-1]))
-    (ROOT / "bench" / "results" / "quantize-mlx-verify.json").write_text(json.dumps({
-        "source": "tests/fixtures/tiny/qwen3", "mlx_version": mx.__version__, "mlx_lm_version": mlx_lm.__version__,
-        "results": results}, indent=1) + "\n")
+    # The MoE/hybrid entry (scripts/verify_quantize_mlx_moe.py) shares the file: keep it.
+    path = ROOT / "bench" / "results" / "quantize-mlx-verify.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update({"source": "tests/fixtures/tiny/qwen3", "mlx_version": mx.__version__,
+                 "mlx_lm_version": mlx_lm.__version__, "results": results})
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use qinfer::quantize::{QuantizeOptions, Recipe, quantize};
+use qinfer::quantize::{QuantizeOptions, Recipe, parse_dtype, quantize};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Hugging Face model directory (safetensors; llama, qwen2 or qwen3).
+    /// Hugging Face model directory (safetensors; llama, qwen2, qwen3, qwen3_moe,
+    /// qwen3_next, qwen3_5 or qwen3_5_moe).
     #[arg(long)]
     model: PathBuf,
     /// Bits per weight: 2, 3, 4, 5, 6 or 8.
@@ -22,6 +23,11 @@ pub struct Args {
     /// all else the low width. Overrides --bits for the weights it names.
     #[arg(long)]
     mixed: Option<String>,
+    /// Storage dtype of the unquantized tensors, scales and biases, as mlx-lm's
+    /// `--dtype`: float16, bfloat16 or float32. Default: config.json's
+    /// `torch_dtype` (or `text_config.dtype`), else as stored.
+    #[arg(long)]
+    dtype: Option<String>,
     /// Output directory (must not exist unless --force).
     #[arg(long)]
     out: PathBuf,
@@ -32,7 +38,8 @@ pub struct Args {
 
 pub fn main(a: Args) -> Result<()> {
     let recipe = a.mixed.as_deref().map(Recipe::parse).transpose()?;
-    let opts = QuantizeOptions { bits: a.bits, group_size: a.group_size, recipe, force: a.force };
+    let dtype = a.dtype.as_deref().map(parse_dtype).transpose()?;
+    let opts = QuantizeOptions { bits: a.bits, group_size: a.group_size, recipe, dtype, force: a.force };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("quantizing {bar:40} {pos}/{len} tensors {elapsed}")

@@ -1,0 +1,101 @@
+//! Writing an MLX model directory as mlx-lm's `save` does: one safetensors
+//! file with `{"format": "mlx"}` metadata, an index (always, even for one
+//! shard), config.json with four-space indentation and sorted keys.
+//!
+//! The safetensors header is written first from the planned names, dtypes and
+//! shapes, then each tensor's bytes as they are produced, so the quantizer
+//! never holds more than one tensor's output in memory.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::{Error, Result};
+
+/// One tensor of the output file, known before its bytes are.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub name: String,
+    /// safetensors dtype name (`F32`, `BF16`, `U32`, …).
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub len: usize,
+}
+
+pub struct SafetensorsWriter {
+    path: PathBuf,
+    file: BufWriter<File>,
+    entries: Vec<Entry>,
+    next: usize,
+}
+
+impl SafetensorsWriter {
+    /// Creates `path` and writes the header; the data must then come in
+    /// `entries` order through [`SafetensorsWriter::write`].
+    pub fn create(path: &Path, entries: Vec<Entry>) -> Result<Self> {
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "mlx"}));
+        let mut offset = 0usize;
+        for e in &entries {
+            header.insert(
+                e.name.clone(),
+                json!({"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, offset + e.len]}),
+            );
+            offset += e.len;
+        }
+        let mut h = Value::Object(header).to_string().into_bytes();
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let io = |e| Error::io(path, e);
+        let mut file = BufWriter::new(File::create(path).map_err(io)?);
+        file.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
+        file.write_all(&h).map_err(io)?;
+        Ok(SafetensorsWriter { path: path.to_path_buf(), file, entries, next: 0 })
+    }
+
+    /// The next tensor's bytes; its name and length must be the planned ones.
+    pub fn write(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let e = self.entries.get(self.next).ok_or_else(|| Error::tensor(name, "written past the planned tensors"))?;
+        if e.name != name || e.len != bytes.len() {
+            return Err(Error::tensor(
+                name,
+                format!("planned as `{}` with {} bytes, produced {} bytes", e.name, e.len, bytes.len()),
+            ));
+        }
+        self.next += 1;
+        self.file.write_all(bytes).map_err(|e| Error::io(&self.path, e))
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        if let Some(e) = self.entries.get(self.next) {
+            return Err(Error::tensor(&e.name, "planned but never written"));
+        }
+        self.file.flush().map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// `model.safetensors.index.json` as mlx-lm's `save_model` writes it.
+pub fn write_index(dir: &Path, entries: &[Entry], total_parameters: usize) -> Result<()> {
+    let total_size: usize = entries.iter().map(|e| e.len).sum();
+    let weight_map: serde_json::Map<String, Value> =
+        entries.iter().map(|e| (e.name.clone(), Value::from("model.safetensors"))).collect();
+    let index = json!({
+        "metadata": {"total_size": total_size, "total_parameters": total_parameters},
+        "weight_map": weight_map,
+    });
+    write_json(&dir.join("model.safetensors.index.json"), &index)
+}
+
+/// JSON with Python's `json.dump(indent=4)` layout (serde_json's maps keep
+/// keys sorted, as mlx-lm's `save_config` sorts them).
+pub fn write_json(path: &Path, v: &Value) -> Result<()> {
+    let mut out = Vec::new();
+    let mut ser =
+        serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(b"    "));
+    v.serialize(&mut ser).map_err(|e| Error::Invalid(e.to_string()))?;
+    std::fs::write(path, out).map_err(|e| Error::io(path, e))
+}
