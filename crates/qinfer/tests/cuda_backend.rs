@@ -133,8 +133,7 @@ fn linear_gemv_and_gemm_match_cpu() {
 /// A random affine-quantized `[rows, cols]` weight in MLX's layout.
 fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: usize) -> qinfer::affine::AffineTensor {
     let levels = 1u32 << bits;
-    let q: Vec<u8> =
-        (0..rows * cols).map(|_| ((r.f() + 1.0) * 0.5 * levels as f32) as u32 as u8 % levels as u8).collect();
+    let q: Vec<u8> = (0..rows * cols).map(|_| (((r.f() + 1.0) * 0.5 * levels as f32) as u32 % levels) as u8).collect();
     let mut packed = Vec::new();
     qinfer::affine::pack(bits, &q, &mut packed);
     let groups = rows * cols / group_size;

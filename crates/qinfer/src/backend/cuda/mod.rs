@@ -261,6 +261,21 @@ impl CudaBackend {
         }
     }
 
+    /// A device buffer of `n` values left as the allocator hands them over:
+    /// for outputs a kernel writes whole (a zeroing memset per op would be one
+    /// more launch on the decode path; the poisoned-output tests catch any
+    /// element left unwritten).
+    fn uninit<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
+        // SAFETY: callers write every element before it is read.
+        match unsafe { self.stream.alloc::<T>(n.max(1)) } {
+            Ok(s) => s,
+            Err(e) => {
+                self.record(Err(e), &format!("allocating {n} values"));
+                self.zeros(1)
+            }
+        }
+    }
+
     /// New activations are NaN-filled instead of zeroed, so a kernel that
     /// leaves an element unwritten fails its test.
     pub fn with_poisoned_outputs(mut self) -> Self {
@@ -275,7 +290,7 @@ impl CudaBackend {
     }
 
     fn act(&self, rows: usize, cols: usize) -> CudaAct {
-        let buf = self.zeros::<f32>(rows * cols);
+        let buf = self.uninit::<f32>(rows * cols);
         if self.poison && !self.failed() {
             // SAFETY: the range is exactly the allocation.
             let r = unsafe {
@@ -355,12 +370,12 @@ impl CudaBackend {
             _ => return vec![],
         };
         if self.split_activations {
-            let (hi, lo) = (self.zeros::<u16>(count), self.zeros::<u16>(count));
+            let (hi, lo) = (self.uninit::<u16>(count), self.uninit::<u16>(count));
             let kernel = if bf { "f32_split_bf16" } else { "f32_split_f16" };
             launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&hi), self.p(&lo), count as i64);
             vec![hi, lo]
         } else {
-            let conv = self.zeros::<u16>(count);
+            let conv = self.uninit::<u16>(count);
             let kernel = if bf { "f32_to_bf16" } else { "f32_to_f16" };
             launch!(self, kernel, Self::elementwise_cfg(count), self.p(&x.buf), self.p(&conv), count as i64);
             vec![conv]
@@ -449,7 +464,7 @@ impl CudaBackend {
     /// transient buffer, each multiplied by cuBLAS into its output columns.
     fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct) {
         let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
-        let scratch = self.zeros::<u16>(tile_rows * w.cols);
+        let scratch = self.uninit::<u16>(tile_rows * w.cols);
         let inputs = self.gemm_inputs(x, DType::BF16);
         let kernel = format!("affine{}_to_bf16", w.params.bits);
         for r0 in (0..w.rows).step_by(tile_rows) {
