@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the CUDA kernel/model tests, the device-to-device
 # bandwidth (the roofline's denominator), then qinfer bench on random-weight
-# models of real shape. Expects the binaries built here in .device/ (see
-# bench/README.md); writes logs and JSON under $OUT.
+# models of real shape; writes $OUT/cuda-h200.json (and logs).
+# Expects the binaries built on the development machine in .device/:
+#   cargo build --release -p qinfer-cli --features cuda
+#   cargo test --release -p qinfer --features cuda --test cuda_backend --no-run
+#   (copy target/release/qinfer and the cuda_backend test binary to .device/)
+# Usage: bench/cuda_h200.sh [config:dtype ...]   (default: qwen3-0.6b:bf16)
+# For each model: decode at context 128 (tg128 from empty) and 8192 (tg32 @ d8192),
+# prefill of 512 and 8192 tokens, and the decode roofline ratio.
 set -uo pipefail
 OUT="${OUT:-/tmp/qinfer-out}"
-mkdir -p "$OUT"
+mkdir -p "$OUT/runs"
 # The test binary looks for fixtures under the path it was built in.
 mkdir -p /work && ln -sfn "$PWD" /work/main
 export QINFER_CACHE=/tmp/qinfer-cache
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 - <<'PY' | tee "$OUT/bandwidth.json"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/runs/gpu.txt"
+python3 - <<'PY' > "$OUT/runs/bandwidth.json"
 import json, torch
 n = 1 << 30  # 4 GiB of f32 per buffer: well past the L2
 a = torch.randn(n, device="cuda"); b = torch.empty_like(a)
@@ -24,13 +30,18 @@ times.sort()
 t = times[len(times) // 2]
 print(json.dumps({"bytes_read_plus_written": 2 * 4 * n, "median_s": t, "GBps": 2 * 4 * n / t / 1e9}))
 PY
-.device/cuda_backend --test-threads=1 --nocapture 2>&1 | tee "$OUT/tests.log" | grep -E "rel err|Δlogit|test |panicked|seed" | tail -80
+.device/cuda_backend --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
+echo "cuda tests rc $?" | tee "$OUT/runs/tests_rc.txt"
+grep -E "test result|panicked" "$OUT/tests.log"
 for spec in "${@:-qwen3-0.6b:bf16}"; do
   cfg="${spec%%:*}"; dtype="${spec##*:}"
-  for depth in 0 8192; do
-    .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
-      -p 512,8192 -n 128 -d "$depth" -r 3 --json > "$OUT/bench-$cfg-$dtype-d$depth.json" 2> "$OUT/bench-$cfg-$dtype-d$depth.err"
-    echo "== $cfg $dtype depth $depth: rc $?"
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(r['test'], round(r['avg_ts'],1)) for r in d['results']]" "$OUT/bench-$cfg-$dtype-d$depth.json" || tail -5 "$OUT/bench-$cfg-$dtype-d$depth.err"
-  done
+  timeout 240 .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
+    -p 512,8192 -n 128 -r 2 --json > "$OUT/runs/$cfg-$dtype-d0.json" 2> "$OUT/runs/$cfg-$dtype-d0.err"
+  echo "== $cfg $dtype depth 0: rc $?"
+  timeout 200 .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
+    -p 0 -n 32 -d 8192 -r 1 --json > "$OUT/runs/$cfg-$dtype-d8192.json" 2> "$OUT/runs/$cfg-$dtype-d8192.err"
+  echo "== $cfg $dtype depth 8192: rc $?"
 done
+python3 bench/cuda_summary.py "$OUT/runs" > "$OUT/cuda-h200.json"
+cat "$OUT/cuda-h200.json" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(k, v) for k, v in d['models'].items()]"
+tar -czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"

@@ -22,7 +22,7 @@ use crate::config::{GdnConfig, RopeStyle};
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
-pub use types::{AffineWeight, CudaAct, CudaGdnState, CudaKv, CudaWeight};
+pub use types::{AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight};
 
 const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
@@ -93,6 +93,8 @@ pub struct CudaBackend {
     /// RoPE inverse frequencies on the device, by their bits: uploaded once,
     /// not on every call (a host-to-device copy would stall the stream).
     rope_tables: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
+    /// Activation buffers for reuse (see [`BufferPool`]).
+    pool: Arc<BufferPool>,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -214,6 +216,7 @@ impl CudaBackend {
             split_activations: false,
             max_attention_keys: (max_shared as usize - 1024) / 4,
             rope_tables: Mutex::new(HashMap::new()),
+            pool: Arc::new(BufferPool::default()),
         })
     }
 
@@ -290,7 +293,8 @@ impl CudaBackend {
     }
 
     fn act(&self, rows: usize, cols: usize) -> CudaAct {
-        let buf = self.uninit::<f32>(rows * cols);
+        let n = (rows * cols).max(1);
+        let buf = self.pool.take(n).unwrap_or_else(|| self.uninit::<f32>(n));
         if self.poison && !self.failed() {
             // SAFETY: the range is exactly the allocation.
             let r = unsafe {
@@ -298,7 +302,7 @@ impl CudaBackend {
             };
             self.record(r, "poisoning an output");
         }
-        CudaAct { rows, cols, buf }
+        CudaAct::new(rows, cols, buf, Some(self.pool.clone()))
     }
 
     fn upload_slice<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, v: &[T]) -> CudaSlice<T> {
@@ -559,7 +563,7 @@ impl Backend for CudaBackend {
 
     fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaAct {
         assert_eq!(rows * cols, data.len());
-        CudaAct { rows, cols, buf: self.upload_slice(data) }
+        CudaAct::new(rows, cols, self.upload_slice(data), None)
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
@@ -796,7 +800,7 @@ impl Backend for CudaBackend {
         if self.failed() {
             return vec![0.0; x.rows * x.cols];
         }
-        match self.stream.clone_dtoh(&x.buf) {
+        match self.stream.clone_dtoh(&*x.buf) {
             Ok(mut v) => {
                 v.truncate(x.rows * x.cols);
                 v
@@ -894,7 +898,7 @@ impl Backend for CudaBackend {
             return out;
         }
         // Normalized copies of q and k; g and β per value head.
-        let (qn, kn) = (q.buf.clone(), k.buf.clone());
+        let (qn, kn): (CudaSlice<f32>, CudaSlice<f32>) = ((*q.buf).clone(), (*k.buf).clone());
         let g = self.zeros::<f32>(t * c.num_v_heads);
         let beta = self.zeros::<f32>(t * c.num_v_heads);
         let (CudaWeight::Vector(al), CudaWeight::Vector(dt)) = (a_log, dt_bias) else {
@@ -949,7 +953,7 @@ impl Backend for CudaBackend {
         // Routing is decided on the host (T×E floats cross the bus, one sync per
         // MoE layer); each routed expert then runs once over all its tokens.
         // An accumulator: zeroed even when outputs are poisoned.
-        let out = CudaAct { rows: x.rows, cols: x.cols, buf: self.zeros(x.rows * x.cols) };
+        let out = CudaAct::new(x.rows, x.cols, self.zeros(x.rows * x.cols), None);
         let logits = self.to_host(router_logits);
         let routes = crate::backend::cpu::moe::route(&logits, experts.len(), routing);
         for (e, tokens) in crate::backend::cpu::moe::group_by_expert(&routes, experts.len()).iter().enumerate() {

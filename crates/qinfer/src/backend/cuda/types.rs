@@ -1,7 +1,9 @@
 //! Device-side data of the CUDA backend: activations, weights, KV cache and
 //! Gated DeltaNet state.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 
@@ -10,11 +12,63 @@ use crate::backend::KvCache;
 use crate::config::GdnConfig;
 use crate::tensor::DType;
 
-/// Row-major f32 activations on the device.
+/// Row-major f32 activations on the device. When dropped, the buffer goes
+/// back to its pool (if any) for the next activation of the same length.
 pub struct CudaAct {
     pub rows: usize,
     pub cols: usize,
-    pub buf: CudaSlice<f32>,
+    pub buf: ManuallyDrop<CudaSlice<f32>>,
+    pool: Option<Arc<BufferPool>>,
+}
+
+impl CudaAct {
+    pub fn new(rows: usize, cols: usize, buf: CudaSlice<f32>, pool: Option<Arc<BufferPool>>) -> Self {
+        CudaAct { rows, cols, buf: ManuallyDrop::new(buf), pool }
+    }
+}
+
+impl Drop for CudaAct {
+    fn drop(&mut self) {
+        // SAFETY: `buf` is not used again after this.
+        let buf = unsafe { ManuallyDrop::take(&mut self.buf) };
+        if let Some(pool) = &self.pool {
+            pool.put(buf);
+        }
+    }
+}
+
+/// Finished activation buffers by length. Decode allocates the same few sizes
+/// every token: reusing them saves two driver calls (allocate and free) per op,
+/// which on small models cost more than the kernels. Every use is on the one
+/// stream, so a buffer handed out again is only written after its earlier
+/// readers ran. Bounded, so prefills of many lengths do not hoard memory.
+#[derive(Default)]
+pub struct BufferPool {
+    free: Mutex<FreeBuffers>,
+}
+
+/// Pooled bytes, and the buffers by length.
+type FreeBuffers = (usize, HashMap<usize, Vec<CudaSlice<f32>>>);
+
+/// Bytes the pool keeps at most; buffers beyond it go back to the driver.
+const POOL_BYTES: usize = 512 << 20;
+
+impl BufferPool {
+    pub fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
+        let mut free = self.free.lock().ok()?;
+        let buf = free.1.get_mut(&len)?.pop()?;
+        free.0 -= len * 4;
+        Some(buf)
+    }
+
+    fn put(&self, buf: CudaSlice<f32>) {
+        let Ok(mut free) = self.free.lock() else { return };
+        let bytes = buf.len() * 4;
+        if free.0 + bytes <= POOL_BYTES {
+            free.0 += bytes;
+            free.1.entry(buf.len()).or_default().push(buf);
+        }
+    }
 }
 
 /// A weight on the device: matrices in their stored bytes, vectors as f32.

@@ -1,0 +1,98 @@
+"""Summarizes bench/cuda_h200.sh's runs into one JSON: per model and dtype the
+decode and prefill rates, and the decode roofline (bytes that must be read per
+decoded token ÷ the measured device-to-device bandwidth).
+
+Bytes per token count every matrix a decode step reads, as qinfer stores it on
+the GPU: bf16 2 bytes per value; affine q<b>g<G> b/8 bytes per value plus f32
+scale and bias per group (matrices whose rows do not split into groups stay
+bf16); the embedding table is read one row per token unless it is also the
+lm_head (tied). MoE layers count the shared weights and top-k experts only.
+"""
+import datetime
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+def bytes_per_value(dtype: str, cols: int) -> float:
+    m = re.fullmatch(r"q(\d)g(\d+)", dtype)
+    if m and cols % int(m.group(2)) == 0:
+        bits, group = int(m.group(1)), int(m.group(2))
+        return bits / 8 + 8 / group
+    return {"bf16": 2, "f16": 2, "f32": 4}.get(dtype, 2)
+
+
+def decode_bytes(cfg: dict, dtype: str) -> int:
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    gated = cfg["model_type"].startswith("qwen3_5") or cfg["model_type"] == "qwen3_next"
+    mats = []  # (rows, cols, count)
+    n_layers, every = cfg["num_hidden_layers"], cfg.get("full_attention_interval")
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if every is None or (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
+    ]
+    for kind in kinds:
+        if kind == "full_attention":
+            mats += [(nq * hd * (2 if gated else 1), h, 1), (nkv * hd, h, 2), (h, nq * hd, 1)]
+        else:
+            nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+            dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+            key, value = nk * dk, nv * dv
+            mats += [(2 * key + value, h, 1), (value, h, 1), (nv, h, 2), (h, value, 1)]
+        if cfg.get("num_experts"):
+            e, k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+            mats += [(e, h, 1), (inter, h, 2 * k), (h, inter, k)]
+            if cfg.get("shared_expert_intermediate_size"):
+                s = cfg["shared_expert_intermediate_size"]
+                mats += [(s, h, 2), (h, s, 1), (1, h, 1)]
+        else:
+            i = cfg["intermediate_size"]
+            mats += [(i, h, 2), (h, i, 1)]
+    mats.append((v, h, 1))  # lm_head (or the tied embedding table)
+    total = sum(r * c * n * bytes_per_value(dtype, c) for r, c, n in mats)
+    if not cfg.get("tie_word_embeddings", False):
+        total += h * bytes_per_value(dtype, h)  # one embedding row
+    return int(total)
+
+
+def main() -> None:
+    runs = Path(sys.argv[1])
+    bw = json.loads((runs / "bandwidth.json").read_text())
+    gbps = bw["GBps"]
+    models = {}
+    for f in sorted(runs.glob("*-d0.json")):
+        name = f.name[: -len("-d0.json")]
+        cfg_name, dtype = name.rsplit("-", 1)
+        cfg = json.loads(Path(f"bench/configs/{cfg_name}.json").read_text())
+        cfg = cfg.get("text_config", cfg) | {"model_type": cfg["model_type"]}
+        row = {}
+        for depth_file in (f, runs / f"{name}-d8192.json"):
+            try:
+                for r in json.loads(depth_file.read_text())["results"]:
+                    row[r["test"]] = round(r["avg_ts"], 1)
+            except (OSError, ValueError, KeyError):
+                row[f"missing {depth_file.name}"] = (runs / depth_file.name.replace(".json", ".err")).read_text()[-300:] if (runs / depth_file.name.replace(".json", ".err")).exists() else "no output"
+        b = decode_bytes(cfg, dtype)
+        roof = gbps * 1e9 / b
+        row["bytes_per_token"] = b
+        row["roofline_tok_s"] = round(roof, 1)
+        if "tg128" in row:
+            row["decode_roofline_ratio"] = round(row["tg128"] / roof, 3)
+        models[f"{cfg_name} {dtype}"] = row
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps({
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit or "(tree copied without .git; see the commit that adds this file)",
+        "gpu": (runs / "gpu.txt").read_text().strip().splitlines()[-1],
+        "command": "bash bench/cuda_h200.sh " + " ".join(sys.argv[2:]),
+        "bandwidth_d2d_GBps": round(gbps, 1),
+        "cuda_tests": (runs / "tests_rc.txt").read_text().strip(),
+        "models": models,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
