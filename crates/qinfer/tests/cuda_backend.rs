@@ -239,11 +239,13 @@ fn attention_over_the_cache_matches_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
     let (nh, nkv, hd) = (4, 2, 32);
-    for window in [None, Some(5)] {
+    // Past 512 keys, decode steps (≤ 8 rows) take the split-K kernel: steps of
+    // 1, 3 and 8 rows at 600–1400 keys, windows shorter and longer than a chunk.
+    for window in [None, Some(5), Some(300)] {
         let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
-        let mut cc = p.cpu.new_cache(2, nkv * hd, 64);
-        let mut cg = p.gpu.new_cache(2, nkv * hd, 64);
-        for step in [9usize, 1, 1, 20] {
+        let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
+        let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
+        for step in [9usize, 1, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
             let (qc, qg) = p.acts(step, nh * hd, &r.vec(step * nh * hd));
             let kv = r.vec(step * nkv * hd);
             let vv = r.vec(step * nkv * hd);

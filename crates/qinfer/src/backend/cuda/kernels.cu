@@ -393,6 +393,88 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 }
 
 // ---------------------------------------------------------------------------
+// Split-K (flash-decoding) attention for a few query rows over a long cache:
+// block (row·head, split) scores its chunk of ATTN_CHUNK keys, keeps its own
+// max m and sum l and the unnormalized Σ e^(s−m)·v, and attention_combine
+// merges the splits (rescaling each by e^(m_s − M)). The simple kernel above
+// gives one block per head, 32 busy SMs for an 8B model at any context length.
+#define ATTN_CHUNK 256
+extern "C" __global__ void attention_split(const float* q, const float* keys, const float* values, float* part_o,
+                                           float* part_ml, int start, int num_heads, int num_kv_heads, int head_dim,
+                                           int window, float scale, int splits) {
+    __shared__ float scores[ATTN_CHUNK];
+    __shared__ float red[32];
+    int row_head = blockIdx.x, split = blockIdx.y;
+    int t = row_head / num_heads, h = row_head % num_heads;
+    int kvh = h / (num_heads / num_kv_heads);
+    int pos = start + t;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int lo = max(first, split * ATTN_CHUNK), hi = min(pos + 1, (split + 1) * ATTN_CHUNK);
+    int n = hi - lo;
+    size_t part = (size_t)row_head * splits + split;
+    float* o = part_o + part * head_dim;
+    if (n <= 0) {
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) o[c] = 0.0f;
+        if (threadIdx.x == 0) { part_ml[2 * part] = -__int_as_float(0x7f800000); part_ml[2 * part + 1] = 0.0f; }
+        return;
+    }
+    int kv_dim = num_kv_heads * head_dim;
+    const float* qh = q + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = warp; j < n; j += warps) {
+        const float* k = keys + (size_t)(lo + j) * kv_dim + (size_t)kvh * head_dim;
+        float d = 0.0f;
+        for (int c = lane; c < head_dim; c += 32) d += qh[c] * k[c];
+        d = warp_sum(d);
+        if (lane == 0) scores[j] = d * scale;
+    }
+    __syncthreads();
+    float m = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = -__int_as_float(0x7f800000);
+    for (int w = 0; w < warps; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc += scores[j] * values[(size_t)(lo + j) * kv_dim + (size_t)kvh * head_dim + c];
+        o[c] = acc;
+    }
+    if (threadIdx.x == 0) { part_ml[2 * part] = m; part_ml[2 * part + 1] = sum; }
+}
+
+// One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
+extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,
+                                             int splits) {
+    size_t base = (size_t)blockIdx.x * splits;
+    float big = -__int_as_float(0x7f800000);
+    for (int s = 0; s < splits; s++) big = fmaxf(big, part_ml[2 * (base + s)]);
+    float total = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float m = part_ml[2 * (base + s)];
+        if (m > -__int_as_float(0x7f800000)) total += expf(m - big) * part_ml[2 * (base + s) + 1];
+    }
+    float inv = 1.0f / total;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float m = part_ml[2 * (base + s)];
+            if (m > -__int_as_float(0x7f800000)) acc += expf(m - big) * part_o[(base + s) * head_dim + c];
+        }
+        out[(size_t)blockIdx.x * head_dim + c] = acc * inv;
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Elementwise.
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;

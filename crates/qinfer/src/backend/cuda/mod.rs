@@ -68,7 +68,12 @@ const KERNEL_NAMES: &[&str] = &[
     "embed_affine5",
     "embed_affine6",
     "embed_affine8",
+    "attention_split",
+    "attention_combine",
 ];
+
+/// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
+const ATTENTION_CHUNK: usize = 256;
 
 /// Values per prefill tile of dequantized affine weights (bf16 scratch of 128 MiB).
 const AFFINE_TILE_VALUES: usize = 64 << 20;
@@ -443,6 +448,50 @@ impl CudaBackend {
         }
     }
 
+    /// Decode attention over a long cache, split over chunks of keys so every
+    /// SM has work, then merged (see `attention_split` in kernels.cu).
+    fn attention_split(
+        &self,
+        q: &CudaAct,
+        keys: &CudaSlice<f32>,
+        values: &CudaSlice<f32>,
+        start: usize,
+        s: &AttentionShape,
+        out: &CudaAct,
+    ) {
+        let splits = (start + q.rows).div_ceil(ATTENTION_CHUNK);
+        let row_heads = q.rows * s.num_heads;
+        let part_o = self.uninit::<f32>(row_heads * splits * s.head_dim);
+        let part_ml = self.uninit::<f32>(row_heads * splits * 2);
+        launch!(
+            self,
+            "attention_split",
+            cfg((row_heads as u32, splits as u32, 1), 128, 0),
+            self.p(&q.buf),
+            self.p(keys),
+            self.p(values),
+            self.p(&part_o),
+            self.p(&part_ml),
+            start as i32,
+            s.num_heads as i32,
+            s.num_kv_heads as i32,
+            s.head_dim as i32,
+            s.window.unwrap_or(0) as i32,
+            s.scale,
+            splits as i32
+        );
+        launch!(
+            self,
+            "attention_combine",
+            cfg((row_heads as u32, 1, 1), 128, 0),
+            self.p(&part_o),
+            self.p(&part_ml),
+            self.p(&out.buf),
+            s.head_dim as i32,
+            splits as i32
+        );
+    }
+
     /// Affine weights, decode: the GEMV unpacks levels in registers.
     fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
         let warps = 8u32;
@@ -733,6 +782,10 @@ impl Backend for CudaBackend {
             return out;
         };
         let n_keys = cache.len() + q.rows;
+        if q.rows <= GEMV_MAX_ROWS && n_keys > 2 * ATTENTION_CHUNK {
+            self.attention_split(q, keys, values, cache.len(), s, &out);
+            return out;
+        }
         let shared = (n_keys * 4) as u32;
         if n_keys > self.max_attention_keys {
             self.record(
