@@ -344,23 +344,15 @@ extern "C" __global__ void rope(float* x, int start, const float* inv_freq, int 
 }
 
 // ---------------------------------------------------------------------------
-// Causal (optionally sliding-window) GQA attention over the f32 cache. One
-// block per (query row, head): scores for every visible key in shared memory,
-// softmax, then the weighted sum of values. The simple form; a split-K
-// flash-decoding kernel replaces it for long contexts.
-extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out, int start,
-                                     int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
-    extern __shared__ float scores[];
-    int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
-    int kvh = h / (num_heads / num_kv_heads);
-    int pos = start + t;
-    int first = window > 0 ? max(0, pos + 1 - window) : 0;
-    int n = pos + 1 - first;
-    int kv_dim = num_kv_heads * head_dim;
-    const float* qh = q + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+// Keys [lo, lo + n) of one KV head (at column `head_off` of rows `kv_dim` wide)
+// scored against the query `qh` into `scores`, then replaced by e^(score − max).
+// Returns (max, Σ e^(score − max)). Every thread of the block calls it.
+__device__ float2 score_keys(const float* qh, const float* keys, int lo, int n, int kv_dim, int head_off,
+                             int head_dim, float scale, float* scores) {
+    __shared__ float red[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int j = warp; j < n; j += warps) {
-        const float* k = keys + (size_t)(first + j) * kv_dim + (size_t)kvh * head_dim;
+        const float* k = keys + (size_t)(lo + j) * kv_dim + head_off;
         float d = 0.0f;
         for (int c = lane; c < head_dim; c += 32) d += qh[c] * k[c];
         d = warp_sum(d);
@@ -369,7 +361,6 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     __syncthreads();
     float m = -__int_as_float(0x7f800000);
     for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
-    __shared__ float red[32];
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) red[warp] = m;
     __syncthreads();
@@ -382,14 +373,35 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
         scores[j] = e;
         sum += e;
     }
-    sum = block_sum(sum);
-    float inv = 1.0f / sum;
-    float* o = out + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+    return make_float2(m, block_sum(sum));
+}
+
+// o[c] = mul · Σ_j weights[j] · values[lo + j][head_off + c].
+__device__ void weigh_values(const float* weights, const float* values, int lo, int n, int kv_dim, int head_off,
+                             int head_dim, float mul, float* o) {
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc += scores[j] * values[(size_t)(first + j) * kv_dim + (size_t)kvh * head_dim + c];
-        o[c] = acc * inv;
+        for (int j = 0; j < n; j++) acc += weights[j] * values[(size_t)(lo + j) * kv_dim + head_off + c];
+        o[c] = acc * mul;
     }
+}
+
+// Causal (optionally sliding-window) GQA attention over the f32 cache. One
+// block per (query row, head): scores for every visible key in shared memory,
+// softmax, then the weighted sum of values. The simple form; a split-K
+// flash-decoding kernel replaces it for long contexts.
+extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out, int start,
+                                     int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
+    extern __shared__ float scores[];
+    int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+    int head_off = h / (num_heads / num_kv_heads) * head_dim;
+    int pos = start + t;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos + 1 - first;
+    int kv_dim = num_kv_heads * head_dim;
+    size_t row_head = (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
+    float2 ml = score_keys(q + row_head, keys, first, n, kv_dim, head_off, head_dim, scale, scores);
+    weigh_values(scores, values, first, n, kv_dim, head_off, head_dim, 1.0f / ml.y, out + row_head);
 }
 
 // ---------------------------------------------------------------------------
@@ -403,10 +415,9 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
                                            float* part_ml, int start, int num_heads, int num_kv_heads, int head_dim,
                                            int window, float scale, int splits) {
     __shared__ float scores[ATTN_CHUNK];
-    __shared__ float red[32];
     int row_head = blockIdx.x, split = blockIdx.y;
     int t = row_head / num_heads, h = row_head % num_heads;
-    int kvh = h / (num_heads / num_kv_heads);
+    int head_off = h / (num_heads / num_kv_heads) * head_dim;
     int pos = start + t;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int lo = max(first, split * ATTN_CHUNK), hi = min(pos + 1, (split + 1) * ATTN_CHUNK);
@@ -419,37 +430,10 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
         return;
     }
     int kv_dim = num_kv_heads * head_dim;
-    const float* qh = q + (size_t)t * num_heads * head_dim + (size_t)h * head_dim;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int j = warp; j < n; j += warps) {
-        const float* k = keys + (size_t)(lo + j) * kv_dim + (size_t)kvh * head_dim;
-        float d = 0.0f;
-        for (int c = lane; c < head_dim; c += 32) d += qh[c] * k[c];
-        d = warp_sum(d);
-        if (lane == 0) scores[j] = d * scale;
-    }
-    __syncthreads();
-    float m = -__int_as_float(0x7f800000);
-    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = -__int_as_float(0x7f800000);
-    for (int w = 0; w < warps; w++) m = fmaxf(m, red[w]);
-    __syncthreads();
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        float e = expf(scores[j] - m);
-        scores[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum);
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc += scores[j] * values[(size_t)(lo + j) * kv_dim + (size_t)kvh * head_dim + c];
-        o[c] = acc;
-    }
-    if (threadIdx.x == 0) { part_ml[2 * part] = m; part_ml[2 * part + 1] = sum; }
+    const float* qh = q + (size_t)row_head * head_dim;
+    float2 ml = score_keys(qh, keys, lo, n, kv_dim, head_off, head_dim, scale, scores);
+    weigh_values(scores, values, lo, n, kv_dim, head_off, head_dim, 1.0f, o);
+    if (threadIdx.x == 0) { part_ml[2 * part] = ml.x; part_ml[2 * part + 1] = ml.y; }
 }
 
 // One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
