@@ -61,6 +61,9 @@ pub trait Backend: Send + Sync {
     /// Gated DeltaNet state of one layer for one sequence (conv window and the
     /// f32 recurrent state). Cloning it is a snapshot.
     type GdnState: Clone + Send + 'static;
+    /// What a backend keeps per sequence to run its decode steps faster (CUDA:
+    /// the recorded graphs); `()` where every pass simply runs.
+    type Step: Default + Send + 'static;
 
     fn name(&self) -> String;
     /// Runs one whole forward pass where this backend's work is dispatched
@@ -69,6 +72,24 @@ pub trait Backend: Send + Sync {
     /// outside thread and sleeping until it finishes (twice per op).
     fn run_pass<R: Send>(&self, pass: impl FnOnce() -> R + Send) -> R {
         pass()
+    }
+    /// Runs one forward pass of `tokens` at positions `start..`: `body` issues
+    /// its work and returns the activations whose host values this returns.
+    /// With `replayable` (one token, and `body` issues the same device work
+    /// at every position of the same step shape), a backend may record the
+    /// pass once and replay the recording for later tokens of `step`'s
+    /// sequence instead of calling `body`.
+    fn run_step(
+        &self,
+        step: &mut Self::Step,
+        start: usize,
+        tokens: &[u32],
+        replayable: bool,
+        body: &mut dyn FnMut() -> Result<Self::Act>,
+    ) -> Result<Vec<f32>> {
+        let _ = (step, start, tokens, replayable);
+        let out = body()?;
+        Ok(self.to_host(&out))
     }
     /// Reports a failure of earlier asynchronous work (device backends), after
     /// waiting for it to finish.

@@ -184,15 +184,39 @@ impl<B: Backend> DecoderModel<B> {
             return Err(Error::Invalid("forward needs at least one token".into()));
         }
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
+        // Routing decided on the host (MoE) differs per token: such passes are
+        // not replayable.
+        let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
+        let replayable = tokens.len() == 1 && !routed && logits == Logits::Last;
+        let DecoderSequence { cache, gdn, step, .. } = seq;
+        let out = b.run_step(step, start, tokens, replayable, &mut || {
+            self.layers_forward(cache, gdn, tokens, &positions, logits)
+        })?;
+        cache.set_len(start + tokens.len());
+        b.check()?;
+        Ok(out)
+    }
+
+    /// Embedding, every layer, the final norm and the head: the device work of
+    /// one pass, ending in the logits.
+    fn layers_forward(
+        &self,
+        cache: &mut B::Cache,
+        gdn: &mut [Option<B::GdnState>],
+        tokens: &[u32],
+        positions: &[usize],
+        logits: Logits,
+    ) -> Result<B::Act> {
+        let b = &self.backend;
         let mut h = b.embed(&self.embed_tokens, tokens)?;
         let eps = self.cfg.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
             let x = b.rms_norm(&h, &layer.input_layernorm, eps);
             let a = match &layer.mixer {
-                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, &x, &mut seq.cache, &positions),
-                Mixer::Linear(gdn) => {
-                    let state = seq.gdn[l].as_mut().expect("every linear-attention layer has a state");
-                    gdn.forward(b, &x, state)
+                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, &x, cache, positions),
+                Mixer::Linear(net) => {
+                    let state = gdn[l].as_mut().expect("every linear-attention layer has a state");
+                    net.forward(b, &x, state)
                 }
             };
             b.add_assign(&mut h, &a);
@@ -203,16 +227,13 @@ impl<B: Backend> DecoderModel<B> {
             };
             b.add_assign(&mut h, &m);
         }
-        seq.cache.set_len(start + tokens.len());
         let h = match logits {
-            Logits::Last => b.last_row(&h),
-            Logits::All => h,
+            Logits::Last if b.rows(&h) > 1 => b.last_row(&h),
+            _ => h,
         };
         let h = b.rms_norm(&h, &self.norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let out = b.to_host(&b.linear(&h, head, None));
-        b.check()?;
-        Ok(out)
+        Ok(b.linear(&h, head, None))
     }
 }
 
@@ -222,6 +243,8 @@ struct DecoderSequence<B: Backend> {
     gdn: Vec<Option<B::GdnState>>,
     /// The length rolled back to by each restore so far, oldest first.
     rollbacks: Vec<usize>,
+    /// The backend's recorded decode steps for this sequence.
+    step: B::Step,
 }
 
 impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
@@ -248,6 +271,8 @@ impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
             )));
         }
         self.gdn.clone_from(gdn);
+        // Recorded steps address the replaced states' buffers.
+        self.step = B::Step::default();
         self.rollbacks.push(snap.len);
         self.cache.set_len(snap.len);
         Ok(())
@@ -278,6 +303,7 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
             cache: self.backend.new_cache(self.cfg.num_layers, self.cfg.kv_dim(), capacity),
             gdn,
             rollbacks: Vec::new(),
+            step: B::Step::default(),
         })
     }
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {

@@ -99,6 +99,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Cache = ContiguousKv;
     type GdnState = CpuGdnState;
+    type Step = ();
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())

@@ -259,16 +259,6 @@ AFFINE_KERNELS(5)
 AFFINE_KERNELS(6)
 AFFINE_KERNELS(8)
 
-// Small stored tensors (conv weights) to f32.
-extern "C" __global__ void bf16_to_f32(const __nv_bfloat16* x, float* y, long n) {
-    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __bfloat162float(x[i]);
-}
-extern "C" __global__ void f16_to_f32(const __half* x, float* y, long n) {
-    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __half2float(x[i]);
-}
-
 // Activations to the weight's type for a cuBLAS GEMM.
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -322,10 +312,30 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, const float*
     }
 }
 
+// The pass's inputs on the device, so a recorded decode step (CUDA graph) can
+// be replayed at any position: step[0] is the first row's position, step[1]
+// the token id of a one-token pass. Set by a launch before the pass (or the
+// replay), never baked into the recorded kernels' arguments.
+extern "C" __global__ void set_step(int* step, int start, int id) {
+    step[0] = start;
+    step[1] = id;
+}
+
+// The rotation of pair i at position pos (angle in f32 as the reference
+// computes it, cos/sin in double so large positions keep their precision).
+__device__ __forceinline__ void rope_pair(float* head, int i, int pos, const float* inv_freq, int half, int style) {
+    float angle = (float)pos * inv_freq[i];
+    float c = (float)cos((double)angle), s = (float)sin((double)angle);
+    int ia = style == 0 ? i : 2 * i, ib = style == 0 ? i + half : 2 * i + 1;
+    float a = head[ia], b = head[ib];
+    head[ia] = a * c - b * s;
+    head[ib] = b * c + a * s;
+}
+
 // RoPE in place on every head of every row; one thread per rotated pair.
 // style 0: rotate_half (i, i + rot/2); style 1: adjacent pairs (2i, 2i+1).
-// Row r is at position start + r.
-extern "C" __global__ void rope(float* x, int start, const float* inv_freq, int rows, int cols,
+// Row r is at position step[0] + r.
+extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq, int rows, int cols,
                                 int head_dim, int rotary_dim, int style) {
     int half = rotary_dim / 2;
     int heads = cols / head_dim;
@@ -334,13 +344,17 @@ extern "C" __global__ void rope(float* x, int start, const float* inv_freq, int 
     int i = idx % half;
     int h = (idx / half) % heads;
     int r = idx / ((long)half * heads);
-    float angle = (float)(start + r) * inv_freq[i];
-    float c = (float)cos((double)angle), s = (float)sin((double)angle);
-    float* head = x + (size_t)r * cols + (size_t)h * head_dim;
-    int ia = style == 0 ? i : 2 * i, ib = style == 0 ? i + half : 2 * i + 1;
-    float a = head[ia], b = head[ib];
-    head[ia] = a * c - b * s;
-    head[ib] = b * c + a * s;
+    rope_pair(x + (size_t)r * cols + (size_t)h * head_dim, i, step[0] + r, inv_freq, half, style);
+}
+
+// Rows of k and v into the cache at positions step[0].. (one thread per value).
+extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values, const int* step,
+                                     int rows, int kv_dim) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= (long)rows * kv_dim) return;
+    size_t dst = (size_t)step[0] * kv_dim + i;
+    keys[dst] = k[i];
+    values[dst] = v[i];
 }
 
 // ---------------------------------------------------------------------------
@@ -390,12 +404,13 @@ __device__ void weigh_values(const float* weights, const float* values, int lo, 
 // block per (query row, head): scores for every visible key in shared memory,
 // softmax, then the weighted sum of values. The simple form; a split-K
 // flash-decoding kernel replaces it for long contexts.
-extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out, int start,
-                                     int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
+extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out,
+                                     const int* step, int num_heads, int num_kv_heads, int head_dim, int window,
+                                     float scale) {
     extern __shared__ float scores[];
     int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
     int head_off = h / (num_heads / num_kv_heads) * head_dim;
-    int pos = start + t;
+    int pos = step[0] + t;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
     int kv_dim = num_kv_heads * head_dim;
@@ -410,21 +425,25 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 // max m and sum l and the unnormalized Σ e^(s−m)·v, and attention_combine
 // merges the splits (rescaling each by e^(m_s − M)). The simple kernel above
 // gives one block per head, 32 busy SMs for an 8B model at any context length.
+// The number of splits is fixed by the caller (a power of two covering the
+// keys, so a recorded step stays valid as the cache grows); splits past the
+// last key are empty. With one split, `direct` receives the normalized output
+// and no combine is needed.
 #define ATTN_CHUNK 256
 extern "C" __global__ void attention_split(const float* q, const float* keys, const float* values, float* part_o,
-                                           float* part_ml, int start, int num_heads, int num_kv_heads, int head_dim,
-                                           int window, float scale, int splits) {
+                                           float* part_ml, float* direct, const int* step, int num_heads,
+                                           int num_kv_heads, int head_dim, int window, float scale, int splits) {
     __shared__ float scores[ATTN_CHUNK];
     int row_head = blockIdx.x, split = blockIdx.y;
     int t = row_head / num_heads, h = row_head % num_heads;
     int head_off = h / (num_heads / num_kv_heads) * head_dim;
-    int pos = start + t;
+    int pos = step[0] + t;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int lo = max(first, split * ATTN_CHUNK), hi = min(pos + 1, (split + 1) * ATTN_CHUNK);
     int n = hi - lo;
     size_t part = (size_t)row_head * splits + split;
     float* o = part_o + part * head_dim;
-    if (n <= 0) {
+    if (n <= 0 && !direct) {
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) o[c] = 0.0f;
         if (threadIdx.x == 0) { part_ml[2 * part] = -__int_as_float(0x7f800000); part_ml[2 * part + 1] = 0.0f; }
         return;
@@ -432,6 +451,10 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
     int kv_dim = num_kv_heads * head_dim;
     const float* qh = q + (size_t)row_head * head_dim;
     float2 ml = score_keys(qh, keys, lo, n, kv_dim, head_off, head_dim, scale, scores);
+    if (direct) {
+        weigh_values(scores, values, lo, n, kv_dim, head_off, head_dim, 1.0f / ml.y, direct + (size_t)row_head * head_dim);
+        return;
+    }
     weigh_values(scores, values, lo, n, kv_dim, head_off, head_dim, 1.0f, o);
     if (threadIdx.x == 0) { part_ml[2 * part] = ml.x; part_ml[2 * part + 1] = ml.y; }
 }
@@ -502,8 +525,8 @@ extern "C" __global__ void scatter_add_rows(const float* y, const int* idx, cons
 // Gated DeltaNet. Depthwise causal conv1d + SiLU, one thread per channel,
 // walking the rows in order; `window` holds the last kernel-1 inputs
 // [kernel-1, channels] and is updated. Weight [channels, kernel].
-extern "C" __global__ void gdn_conv(const float* x, const float* w, float* window, float* out, int rows, int channels,
-                                    int kernel) {
+template <typename T>
+__device__ void gdn_conv(const float* x, const T* w, float* window, float* out, int rows, int channels, int kernel) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float hist[8];  // kernel - 1 <= 8
@@ -512,14 +535,21 @@ extern "C" __global__ void gdn_conv(const float* x, const float* w, float* windo
     for (int t = 0; t < rows; t++) {
         float xt = x[(size_t)t * channels + c];
         float acc = 0.0f;
-        for (int j = 0; j < h; j++) acc += w[c * kernel + j] * hist[j];
-        acc += w[c * kernel + h] * xt;
+        for (int j = 0; j < h; j++) acc += to_f32(w[c * kernel + j]) * hist[j];
+        acc += to_f32(w[c * kernel + h]) * xt;
         out[(size_t)t * channels + c] = acc / (1.0f + expf(-acc));
         for (int j = 0; j + 1 < h; j++) hist[j] = hist[j + 1];
         if (h > 0) hist[h - 1] = xt;
     }
     for (int j = 0; j < h; j++) window[(size_t)j * channels + c] = hist[j];
 }
+#define GDN_CONV(NAME, T)                                                                                          \
+    extern "C" __global__ void NAME(const float* x, const T* w, float* win, float* out, int rows, int ch, int k) {  \
+        gdn_conv(x, w, win, out, rows, ch, k);                                                                     \
+    }
+GDN_CONV(gdn_conv_bf16, __nv_bfloat16)
+GDN_CONV(gdn_conv_f16, __half)
+GDN_CONV(gdn_conv_f32, float)
 
 // Per token: q, k L2-normalized per key head (q also ·1/√dk); g and β per value head.
 extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const float* b, const float* a_log,

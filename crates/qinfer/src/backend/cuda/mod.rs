@@ -11,11 +11,15 @@ mod compile;
 mod types;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 
 use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
 use crate::config::{GdnConfig, RopeStyle};
@@ -31,8 +35,6 @@ const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16",
     "gemv_f16",
     "gemv_f32",
-    "bf16_to_f32",
-    "f16_to_f32",
     "f32_to_bf16",
     "f32_to_f16",
     "f32_split_bf16",
@@ -47,7 +49,9 @@ const KERNEL_NAMES: &[&str] = &[
     "copy_columns",
     "gather_rows",
     "scatter_add_rows",
-    "gdn_conv",
+    "gdn_conv_bf16",
+    "gdn_conv_f16",
+    "gdn_conv_f32",
     "gdn_prepare",
     "gdn_recurrent",
     "gemv_affine2",
@@ -70,6 +74,8 @@ const KERNEL_NAMES: &[&str] = &[
     "embed_affine8",
     "attention_split",
     "attention_combine",
+    "set_step",
+    "kv_append",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
@@ -80,6 +86,12 @@ const AFFINE_TILE_VALUES: usize = 64 << 20;
 
 /// Rows at or below this go through the GEMV kernel; above, cuBLAS.
 const GEMV_MAX_ROWS: usize = 8;
+
+/// Key chunks of a decode step's split-K attention over `n_keys` keys: a power
+/// of two, so one recorded step serves every cache length up to it.
+fn decode_splits(n_keys: usize) -> usize {
+    n_keys.div_ceil(ATTENTION_CHUNK).next_power_of_two()
+}
 
 pub struct CudaBackend {
     ordinal: usize,
@@ -93,6 +105,10 @@ pub struct CudaBackend {
     /// Multi-row GEMMs see activations as two bf16/f16 halves (two GEMMs)
     /// instead of one rounding: twice the FLOPs, ~16-bit activations.
     split_activations: bool,
+    /// Record decode steps as CUDA graphs and replay them.
+    graphs: bool,
+    /// Decode steps replayed so far (shared with whoever asked to watch).
+    replays: Arc<AtomicUsize>,
     /// Keys the attention kernel's shared memory holds.
     max_attention_keys: usize,
     /// RoPE inverse frequencies on the device, by their bits: uploaded once,
@@ -100,6 +116,13 @@ pub struct CudaBackend {
     rope_tables: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
     /// Activation buffers for reuse (see [`BufferPool`]).
     pool: Arc<BufferPool>,
+    /// The pass's first position and one-token id on the device (`set_step`
+    /// in kernels.cu), and the host's record of what was last written there.
+    step: CudaSlice<i32>,
+    step_written: Mutex<Option<[i32; 2]>>,
+    /// While a decode step is recorded: the arena its buffers come from, and
+    /// whether the stream is capturing (nothing may be allocated then).
+    recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -208,8 +231,10 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention shared memory", &e))?;
-        let stream = ctx.default_stream();
+        // Not the legacy default stream: CUDA graphs cannot be captured from it.
+        let stream = ctx.new_stream().map_err(|e| err("creating a stream", &e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
+        let step = stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the step inputs", &e))?;
         Ok(CudaBackend {
             ordinal,
             device_name,
@@ -219,9 +244,14 @@ impl CudaBackend {
             error: Mutex::new(None),
             poison: false,
             split_activations: false,
+            graphs: true,
+            replays: Arc::new(AtomicUsize::new(0)),
             max_attention_keys: (max_shared as usize - 1024) / 4,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
+            step,
+            step_written: Mutex::new(None),
+            recording: Mutex::new(None),
         })
     }
 
@@ -291,6 +321,19 @@ impl CudaBackend {
         self
     }
 
+    /// Runs every decode step as it comes instead of replaying recorded graphs
+    /// (for comparison and debugging; the results are the same).
+    pub fn without_graphs(mut self) -> Self {
+        self.graphs = false;
+        self
+    }
+
+    /// Counts the decode steps replayed from recordings (tests and benchmarks
+    /// check that the fast path ran).
+    pub fn replay_counter(&self) -> Arc<AtomicUsize> {
+        self.replays.clone()
+    }
+
     /// Prefill GEMMs carry activations at about 16 bits (see `split_activations`).
     pub fn with_split_activations(mut self) -> Self {
         self.split_activations = true;
@@ -299,7 +342,20 @@ impl CudaBackend {
 
     fn act(&self, rows: usize, cols: usize) -> CudaAct {
         let n = (rows * cols).max(1);
-        let buf = self.pool.take(n).unwrap_or_else(|| self.uninit::<f32>(n));
+        let (pool, capturing) = match self.recording.lock().ok().and_then(|r| r.clone()) {
+            Some((arena, capturing)) => (arena, capturing),
+            None => (self.pool.clone(), false),
+        };
+        let buf = match pool.take(n) {
+            Some(b) => b,
+            None if capturing => {
+                // The warm-up pass allocated every buffer this step uses; a new
+                // one now would be a different program than the one that ran.
+                self.record(Err(format!("{n} values")), "recording a decode step: a buffer the warm-up did not use");
+                return CudaAct::new(rows, cols, self.zeros(1), None);
+            }
+            None => self.uninit::<f32>(n),
+        };
         if self.poison && !self.failed() {
             // SAFETY: the range is exactly the allocation.
             let r = unsafe {
@@ -307,7 +363,27 @@ impl CudaBackend {
             };
             self.record(r, "poisoning an output");
         }
-        CudaAct::new(rows, cols, buf, Some(self.pool.clone()))
+        CudaAct::new(rows, cols, buf, Some(pool))
+    }
+
+    /// Makes the device step inputs hold `start` (and `id`, when given), with
+    /// a `set_step` launch when they differ from what was last written.
+    fn ensure_step(&self, start: usize, id: Option<u32>) {
+        let Ok(mut written) = self.step_written.lock() else {
+            return self.record(Err("step lock poisoned"), "step inputs");
+        };
+        let old_id = written.map(|w| w[1]).unwrap_or(0);
+        let want = [start as i32, id.map(|i| i as i32).unwrap_or(old_id)];
+        if *written == Some(want) {
+            return;
+        }
+        if self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false) {
+            // A launch captured here would replay these values at every token.
+            return self.record(Err("the step inputs changed inside the recorded pass"), "recording a decode step");
+        }
+        *written = Some(want);
+        drop(written);
+        launch!(self, "set_step", cfg((1, 1, 1), 1, 0), self.p(&self.step), want[0], want[1]);
     }
 
     fn upload_slice<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, v: &[T]) -> CudaSlice<T> {
@@ -322,37 +398,6 @@ impl CudaBackend {
 
     fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
         ptr(s, &self.stream)
-    }
-
-    /// A matrix weight's values as f32 on the device (small tensors: conv weights).
-    fn matrix_f32(&self, w: &CudaWeight) -> CudaSlice<f32> {
-        let (dtype, n, buf) = match w {
-            CudaWeight::Matrix { dtype, rows, cols, buf } => (*dtype, rows * cols, buf),
-            CudaWeight::Vector(v) => return v.clone(),
-            CudaWeight::Affine(a) => {
-                self.record(
-                    Err(format!("a quantized {}×{} matrix where f32 values are needed", a.rows, a.cols)),
-                    "conv",
-                );
-                return self.zeros::<f32>(a.rows * a.cols);
-            }
-        };
-        let out = self.zeros::<f32>(n);
-        let kernel = match dtype {
-            DType::BF16 => "bf16_to_f32",
-            DType::F16 => "f16_to_f32",
-            _ => {
-                // f32 matrices are stored as raw bytes: copy them.
-                // SAFETY: both allocations hold n f32 values.
-                let r = unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(self.p(&out), self.p(buf), n * 4, self.stream.cu_stream())
-                };
-                self.record(r, "copy");
-                return out;
-            }
-        };
-        launch!(self, kernel, cfg(blocks(n, 256), 256, 0), self.p(buf), self.p(&out), n as i64);
-        out
     }
 
     fn elementwise_cfg(n: usize) -> LaunchConfig {
@@ -455,14 +500,35 @@ impl CudaBackend {
         q: &CudaAct,
         keys: &CudaSlice<f32>,
         values: &CudaSlice<f32>,
-        start: usize,
+        n_keys: usize,
         s: &AttentionShape,
         out: &CudaAct,
     ) {
-        let splits = (start + q.rows).div_ceil(ATTENTION_CHUNK);
+        let splits = decode_splits(n_keys);
         let row_heads = q.rows * s.num_heads;
-        let part_o = self.uninit::<f32>(row_heads * splits * s.head_dim);
-        let part_ml = self.uninit::<f32>(row_heads * splits * 2);
+        if splits == 1 {
+            launch!(
+                self,
+                "attention_split",
+                cfg((row_heads as u32, 1, 1), 128, 0),
+                self.p(&q.buf),
+                self.p(keys),
+                self.p(values),
+                0u64,
+                0u64,
+                self.p(&out.buf),
+                self.p(&self.step),
+                s.num_heads as i32,
+                s.num_kv_heads as i32,
+                s.head_dim as i32,
+                s.window.unwrap_or(0) as i32,
+                s.scale,
+                1i32
+            );
+            return;
+        }
+        let part_o = self.act(row_heads * splits, s.head_dim);
+        let part_ml = self.act(row_heads * splits, 2);
         launch!(
             self,
             "attention_split",
@@ -470,9 +536,10 @@ impl CudaBackend {
             self.p(&q.buf),
             self.p(keys),
             self.p(values),
-            self.p(&part_o),
-            self.p(&part_ml),
-            start as i32,
+            self.p(&part_o.buf),
+            self.p(&part_ml.buf),
+            0u64,
+            self.p(&self.step),
             s.num_heads as i32,
             s.num_kv_heads as i32,
             s.head_dim as i32,
@@ -484,8 +551,8 @@ impl CudaBackend {
             self,
             "attention_combine",
             cfg((row_heads as u32, 1, 1), 128, 0),
-            self.p(&part_o),
-            self.p(&part_ml),
+            self.p(&part_o.buf),
+            self.p(&part_ml.buf),
             self.p(&out.buf),
             s.head_dim as i32,
             splits as i32
@@ -547,9 +614,59 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Cache = CudaKv;
     type GdnState = CudaGdnState;
+    type Step = CudaStep;
 
     fn name(&self) -> String {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
+    }
+
+    fn run_step(
+        &self,
+        step: &mut CudaStep,
+        start: usize,
+        tokens: &[u32],
+        replayable: bool,
+        body: &mut dyn FnMut() -> Result<CudaAct>,
+    ) -> Result<Vec<f32>> {
+        self.ensure_step(start, (tokens.len() == 1).then(|| tokens[0]));
+        if !replayable || !self.graphs || self.failed() {
+            let out = body()?;
+            return Ok(self.to_host(&out));
+        }
+        let key = decode_splits(start + tokens.len());
+        if let Some(rec) = step.recorded.get(&key) {
+            let r = rec.graph.launch();
+            self.record(r, "replaying a decode step");
+            self.replays.fetch_add(1, Ordering::Relaxed);
+            return Ok(self.to_host(&rec.out));
+        }
+        // Warm-up: this token's pass runs for real, every buffer it takes from
+        // a fresh arena; then the same pass is captured (not run) and finds
+        // the same buffers free in the same order.
+        let arena = Arc::new(BufferPool::arena());
+        self.set_recording(Some((arena.clone(), false)));
+        let warm = body().map(|out| self.to_host(&out));
+        self.set_recording(None);
+        let logits = warm?;
+        if self.failed() {
+            return Ok(logits);
+        }
+        self.set_recording(Some((arena.clone(), true)));
+        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        self.record(began, "starting a decode step capture");
+        let out = body();
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.set_recording(None);
+        match (out, graph) {
+            (Ok(out), Ok(Some(graph))) if !self.failed() => {
+                step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+            }
+            (out, graph) => {
+                out?;
+                self.record(graph.map(|_| ()), "capturing a decode step");
+            }
+        }
+        Ok(logits)
     }
 
     fn check(&self) -> Result<()> {
@@ -621,7 +738,7 @@ impl Backend for CudaBackend {
                 return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", w.rows)));
             }
             let out = self.act(ids.len(), w.cols);
-            let d_ids = self.upload_slice(ids);
+            let (d_ids, ids_ptr) = self.device_ids(ids);
             launch!(
                 self,
                 &format!("embed_affine{}", w.params.bits),
@@ -629,11 +746,12 @@ impl Backend for CudaBackend {
                 self.p(&w.packed),
                 self.p(&w.scales),
                 self.p(&w.biases),
-                self.p(&d_ids),
+                ids_ptr,
                 self.p(&out.buf),
                 w.cols as i32,
                 w.params.group_size as i32
             );
+            drop(d_ids);
             return Ok(out);
         }
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
@@ -643,7 +761,7 @@ impl Backend for CudaBackend {
             return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
         }
         let out = self.act(ids.len(), *cols);
-        let d_ids = self.upload_slice(ids);
+        let (d_ids, ids_ptr) = self.device_ids(ids);
         let kernel = match dtype {
             DType::BF16 => "embed_bf16",
             DType::F16 => "embed_f16",
@@ -654,10 +772,11 @@ impl Backend for CudaBackend {
             kernel,
             cfg((ids.len() as u32, 1, 1), 256, 0),
             self.p(buf),
-            self.p(&d_ids),
+            ids_ptr,
             self.p(&out.buf),
             *cols as i32
         );
+        drop(d_ids);
         Ok(out)
     }
 
@@ -750,6 +869,7 @@ impl Backend for CudaBackend {
             }
             self.p(&tables[&key])
         };
+        self.ensure_step(start, None);
         let pairs = x.rows * (x.cols / head_dim) * (rope.rotary_dim / 2);
         let style = match rope.style {
             RopeStyle::Neox => 0i32,
@@ -760,7 +880,7 @@ impl Backend for CudaBackend {
             "rope",
             Self::elementwise_cfg(pairs),
             self.p(&x.buf),
-            start as i32,
+            self.p(&self.step),
             freq_ptr,
             x.rows as i32,
             x.cols as i32,
@@ -771,8 +891,23 @@ impl Backend for CudaBackend {
     }
 
     fn write_kv(&self, cache: &mut CudaKv, layer: usize, k: &CudaAct, v: &CudaAct) {
-        let r = cache.write(&self.stream, layer, &k.buf, &v.buf, k.rows);
-        self.record(r, "KV cache write");
+        let r = cache.reserve(&self.stream, layer, k.rows);
+        self.record(r, "KV cache allocation");
+        let Some((keys, values)) = cache.layer(layer) else { return };
+        self.ensure_step(cache.len(), None);
+        let n = k.rows * k.cols;
+        launch!(
+            self,
+            "kv_append",
+            Self::elementwise_cfg(n),
+            self.p(&k.buf),
+            self.p(&v.buf),
+            self.p(keys),
+            self.p(values),
+            self.p(&self.step),
+            k.rows as i32,
+            k.cols as i32
+        );
     }
 
     fn attention(&self, q: &CudaAct, cache: &CudaKv, layer: usize, s: &AttentionShape) -> CudaAct {
@@ -782,8 +917,9 @@ impl Backend for CudaBackend {
             return out;
         };
         let n_keys = cache.len() + q.rows;
-        if q.rows <= GEMV_MAX_ROWS && n_keys > 2 * ATTENTION_CHUNK {
-            self.attention_split(q, keys, values, cache.len(), s, &out);
+        self.ensure_step(cache.len(), None);
+        if q.rows <= GEMV_MAX_ROWS {
+            self.attention_split(q, keys, values, n_keys, s, &out);
             return out;
         }
         let shared = (n_keys * 4) as u32;
@@ -802,7 +938,7 @@ impl Backend for CudaBackend {
             self.p(keys),
             self.p(values),
             self.p(&out.buf),
-            cache.len() as i32,
+            self.p(&self.step),
             s.num_heads as i32,
             s.num_kv_heads as i32,
             s.head_dim as i32,
@@ -916,13 +1052,22 @@ impl Backend for CudaBackend {
             self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
             return out;
         }
-        let w = self.matrix_f32(weight);
+        let (name, w) = match weight {
+            CudaWeight::Matrix { dtype: DType::BF16, buf, .. } => ("gdn_conv_bf16", self.p(buf)),
+            CudaWeight::Matrix { dtype: DType::F16, buf, .. } => ("gdn_conv_f16", self.p(buf)),
+            CudaWeight::Matrix { dtype: DType::F32, buf, .. } => ("gdn_conv_f32", self.p(buf)),
+            CudaWeight::Vector(v) => ("gdn_conv_f32", self.p(v)),
+            _ => {
+                self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
+                return out;
+            }
+        };
         launch!(
             self,
-            "gdn_conv",
+            name,
             cfg(blocks(x.cols, 128), 128, 0),
             self.p(&x.buf),
-            self.p(&w),
+            w,
             self.p(&state.conv),
             self.p(&out.buf),
             x.rows as i32,
@@ -951,9 +1096,9 @@ impl Backend for CudaBackend {
             return out;
         }
         // Normalized copies of q and k; g and β per value head.
-        let (qn, kn): (CudaSlice<f32>, CudaSlice<f32>) = ((*q.buf).clone(), (*k.buf).clone());
-        let g = self.zeros::<f32>(t * c.num_v_heads);
-        let beta = self.zeros::<f32>(t * c.num_v_heads);
+        let (qn, kn) = (self.copy(q), self.copy(k));
+        let g = self.act(t, c.num_v_heads);
+        let beta = self.act(t, c.num_v_heads);
         let (CudaWeight::Vector(al), CudaWeight::Vector(dt)) = (a_log, dt_bias) else {
             self.record(Err("A_log and dt_bias must be vectors"), "gated_delta_rule");
             return out;
@@ -962,14 +1107,14 @@ impl Backend for CudaBackend {
             self,
             "gdn_prepare",
             cfg((t as u32, 1, 1), 128, 0),
-            self.p(&qn),
-            self.p(&kn),
+            self.p(&qn.buf),
+            self.p(&kn.buf),
             self.p(&a.buf),
             self.p(&b.buf),
             self.p(al),
             self.p(dt),
-            self.p(&g),
-            self.p(&beta),
+            self.p(&g.buf),
+            self.p(&beta.buf),
             c.num_k_heads as i32,
             c.num_v_heads as i32,
             c.k_head_dim as i32
@@ -979,11 +1124,11 @@ impl Backend for CudaBackend {
             self,
             "gdn_recurrent",
             cfg((c.num_v_heads as u32, 1, 1), threads, 0),
-            self.p(&qn),
-            self.p(&kn),
+            self.p(&qn.buf),
+            self.p(&kn.buf),
             self.p(&v.buf),
-            self.p(&g),
-            self.p(&beta),
+            self.p(&g.buf),
+            self.p(&beta.buf),
             self.p(&state.recurrent),
             self.p(&out.buf),
             t as i32,
@@ -1035,7 +1180,64 @@ impl Backend for CudaBackend {
     }
 }
 
+/// One sequence's recorded decode steps, by the number of attention key
+/// chunks they were recorded for (see [`decode_splits`]).
+#[derive(Default)]
+pub struct CudaStep {
+    recorded: HashMap<usize, Recorded>,
+}
+
+/// A captured decode step: the graph, the activations it leaves the logits in,
+/// and the arena holding every buffer the graph addresses.
+struct Recorded {
+    graph: CudaGraph,
+    out: CudaAct,
+    _arena: Arc<BufferPool>,
+}
+
+// SAFETY: a graph is used only through its sequence's state, which one thread
+// at a time holds (`&mut`), and only on the backend's one stream.
+unsafe impl Send for CudaStep {}
+
 impl CudaBackend {
+    fn set_recording(&self, to: Option<(Arc<BufferPool>, bool)>) {
+        match self.recording.lock() {
+            Ok(mut r) => *r = to,
+            Err(_) => self.record(Err("recording lock poisoned"), "recording a decode step"),
+        }
+    }
+
+    /// The token ids on the device: a one-token pass reads the step inputs
+    /// (so a recorded step replays with the next token), longer ones a copy.
+    fn device_ids(&self, ids: &[u32]) -> (Option<CudaSlice<u32>>, u64) {
+        if let [id] = ids {
+            let start = self.step_written.lock().ok().and_then(|w| *w).map(|w| w[0] as usize).unwrap_or(0);
+            self.ensure_step(start, Some(*id));
+            return (None, self.p(&self.step) + 4);
+        }
+        let d = self.upload_slice(ids);
+        let p = self.p(&d);
+        (Some(d), p)
+    }
+
+    /// A copy of `x` in a new activation buffer.
+    fn copy(&self, x: &CudaAct) -> CudaAct {
+        let out = self.act(x.rows, x.cols);
+        if !self.failed() {
+            // SAFETY: both buffers hold at least rows × cols values.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    self.p(&out.buf),
+                    self.p(&x.buf),
+                    x.rows * x.cols * 4,
+                    self.stream.cu_stream(),
+                )
+            };
+            self.record(r, "copy");
+        }
+        out
+    }
+
     fn norm(&self, x: &CudaAct, w: &CudaWeight, z: Option<&CudaAct>, eps: f32) -> CudaAct {
         let out = self.act(x.rows, x.cols);
         let CudaWeight::Vector(wv) = w else {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
+use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 
 use crate::affine::AffineParams;
 use crate::backend::KvCache;
@@ -45,6 +45,7 @@ impl Drop for CudaAct {
 #[derive(Default)]
 pub struct BufferPool {
     free: Mutex<FreeBuffers>,
+    unbounded: bool,
 }
 
 /// Pooled bytes, and the buffers by length.
@@ -54,6 +55,12 @@ type FreeBuffers = (usize, HashMap<usize, Vec<CudaSlice<f32>>>);
 const POOL_BYTES: usize = 512 << 20;
 
 impl BufferPool {
+    /// A pool without the bound: the buffers of one recorded decode step,
+    /// which its CUDA graph addresses for as long as it exists.
+    pub fn arena() -> Self {
+        BufferPool { free: Mutex::new((0, HashMap::new())), unbounded: true }
+    }
+
     pub fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
         let mut free = self.free.lock().ok()?;
         let buf = free.1.get_mut(&len)?.pop()?;
@@ -64,7 +71,7 @@ impl BufferPool {
     fn put(&self, buf: CudaSlice<f32>) {
         let Ok(mut free) = self.free.lock() else { return };
         let bytes = buf.len() * 4;
-        if free.0 + bytes <= POOL_BYTES {
+        if self.unbounded || free.0 + bytes <= POOL_BYTES {
             free.0 += bytes;
             free.1.entry(buf.len()).or_default().push(buf);
         }
@@ -110,28 +117,13 @@ impl CudaKv {
         CudaKv { kv_dim, capacity, len: 0, layers: (0..num_layers).map(|_| None).collect() }
     }
 
-    /// Copies `rows` rows of k and v to positions `[len, len + rows)` of `layer`.
-    pub fn write(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        layer: usize,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        rows: usize,
-    ) -> Result<(), DriverError> {
+    /// Makes room for `rows` rows at positions `[len, len + rows)` of `layer`
+    /// (its buffers are allocated at full capacity on first use).
+    pub fn reserve(&mut self, stream: &Arc<CudaStream>, layer: usize, rows: usize) -> Result<(), DriverError> {
         assert!(self.len + rows <= self.capacity, "KV cache overflow: {} + {rows} > {}", self.len, self.capacity);
         if self.layers[layer].is_none() {
             let n = self.capacity * self.kv_dim;
             self.layers[layer] = Some((stream.alloc_zeros(n.max(1))?, stream.alloc_zeros(n.max(1))?));
-        }
-        let (keys, values) = self.layers[layer].as_ref().expect("allocated above");
-        let bytes = rows * self.kv_dim * 4;
-        let offset = (self.len * self.kv_dim * 4) as u64;
-        for (dst, src) in [(keys, k), (values, v)] {
-            let (d, _g1) = dst.device_ptr(stream);
-            let (s, _g2) = src.device_ptr(stream);
-            // SAFETY: both ranges lie inside their allocations (capacity checked above).
-            unsafe { cudarc::driver::result::memcpy_dtod_async(d + offset, s, bytes, stream.cu_stream())? };
         }
         Ok(())
     }
