@@ -130,6 +130,33 @@ fn linear_gemv_and_gemm_match_cpu() {
     }
 }
 
+/// Every GEMV launch shape (rows per block, threads) gives the CPU's result,
+/// including output rows not a multiple of the block's and inputs with a tail.
+#[test]
+fn every_gemv_launch_shape_matches_cpu() {
+    let Some(_) = gpu() else { return };
+    let cpu = CpuBackend::new();
+    let mut r = Rng::fresh();
+    assert!(qinfer::backend::cuda::GemvShape::new(2, 1024).is_err());
+    assert!(qinfer::backend::cuda::GemvShape::new(3, 64).is_err());
+    for (rows_per_block, threads) in [(1, 32), (2, 64), (4, 256), (1, 256), (4, 96), (2, 224)] {
+        let shape = qinfer::backend::cuda::GemvShape::new(rows_per_block, threads).unwrap();
+        let gpu = CudaBackend::new(0).unwrap().with_poisoned_outputs().with_gemv_shape(shape);
+        for dtype in [DType::BF16, DType::F32] {
+            for (inp, out) in [(4096, 37), (1000, 5), (100, 9)] {
+                for act in [1, 5] {
+                    let w = tensor("w", dtype, vec![out, inp], &r.vec(out * inp));
+                    let x = r.vec(act * inp);
+                    let yc = cpu.linear(&cpu.act_from_host(act, inp, &x), &cpu.upload(&w).unwrap(), None);
+                    let yg = gpu.linear(&gpu.act_from_host(act, inp, &x), &gpu.upload(&w).unwrap(), None);
+                    let e = rel(&gpu.to_host(&yg), &cpu.to_host(&yc));
+                    assert!(e <= 1e-5, "{shape:?} {dtype:?} {act}x{inp}->{out}: rel {e}");
+                }
+            }
+        }
+    }
+}
+
 /// A random affine-quantized `[rows, cols]` weight in MLX's layout.
 fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: usize) -> qinfer::affine::AffineTensor {
     let levels = 1u32 << bits;
@@ -195,6 +222,21 @@ fn elementwise_norm_rope_and_column_ops_match_cpu() {
             1e-5,
         );
     }
+    // Wide rows: float4 groups held in registers (5000), past what the
+    // registers hold (20000), and groups not a multiple of 4 (1001); with and
+    // without the fused residual add.
+    for group in [5000, 20000, 1001] {
+        let n = 2 * group;
+        let (wc, wg) = p.weights(&tensor("n", DType::F32, vec![group], &r.vec(group)));
+        let hv = r.vec(n);
+        let (hc, hg) = p.acts(2, group, &hv);
+        p.check(&format!("rms_norm /{group}"), &p.cpu.rms_norm(&hc, &wc, 1e-6), &p.gpu.rms_norm(&hg, &wg, 1e-6), 1e-5);
+        let (mut hc, mut hg) = p.acts(2, group, &hv);
+        let (dc, dg) = p.acts(2, group, &r.vec(n));
+        let (oc, og) = (p.cpu.add_rms_norm(&mut hc, &dc, &wc, 1e-6), p.gpu.add_rms_norm(&mut hg, &dg, &wg, 1e-6));
+        p.check(&format!("add_rms_norm /{group}"), &oc, &og, 1e-5);
+        p.check(&format!("add_rms_norm /{group} residual"), &hc, &hg, 1e-7);
+    }
     p.check("silu_mul", &p.cpu.silu_mul(&xc, &yc), &p.gpu.silu_mul(&xg, &yg), 1e-6);
     let (mut ac, mut ag) = p.acts(rows, cols, &xv);
     p.cpu.add_assign(&mut ac, &yc);
@@ -238,27 +280,32 @@ fn elementwise_norm_rope_and_column_ops_match_cpu() {
 fn attention_over_the_cache_matches_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    let (nh, nkv, hd) = (4, 2, 32);
-    // Past 512 keys, decode steps (≤ 8 rows) take the split-K kernel: steps of
-    // 1, 3 and 8 rows at 600–1400 keys, windows shorter and longer than a chunk.
-    for window in [None, Some(5), Some(300)] {
-        let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
-        let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
-        let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
-        for step in [9usize, 1, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
-            let (qc, qg) = p.acts(step, nh * hd, &r.vec(step * nh * hd));
-            let kv = r.vec(step * nkv * hd);
-            let vv = r.vec(step * nkv * hd);
-            let (kc, kg) = p.acts(step, nkv * hd, &kv);
-            let (vc, vg) = p.acts(step, nkv * hd, &vv);
-            p.cpu.write_kv(&mut cc, 1, &kc, &vc);
-            p.gpu.write_kv(&mut cg, 1, &kg, &vg);
-            let oc = p.cpu.attention(&qc, &cc, 1, &shape);
-            let og = p.gpu.attention(&qg, &cg, 1, &shape);
-            p.check(&format!("attention window {window:?} at {} + {step}", cc.len()), &oc, &og, 1e-5);
-            let n = cc.len() + step;
-            cc.set_len(n);
-            cg.set_len(n);
+    // Decode steps (≤ 8 rows) take the split-K kernels: the GQA-sharing one
+    // for head dims 64/128/256 (groups of 1 to 8 query heads per KV head, more
+    // than one block of heads for 7 and 8), the plain split one for others.
+    // Steps of 1, 3 and 8 rows at up to 1400 keys, windows shorter and longer
+    // than a chunk; longer steps take the one-block-per-head kernel.
+    for (nh, nkv, hd) in [(4, 2, 32), (8, 2, 128), (14, 2, 64), (4, 4, 256), (16, 2, 128), (6, 3, 128)] {
+        for window in [None, Some(5), Some(300)] {
+            let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
+            let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
+            let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
+            for step in [9usize, 1, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
+                let (qc, qg) = p.acts(step, nh * hd, &r.vec(step * nh * hd));
+                let kv = r.vec(step * nkv * hd);
+                let vv = r.vec(step * nkv * hd);
+                let (kc, kg) = p.acts(step, nkv * hd, &kv);
+                let (vc, vg) = p.acts(step, nkv * hd, &vv);
+                p.cpu.write_kv(&mut cc, 1, &kc, &vc);
+                p.gpu.write_kv(&mut cg, 1, &kg, &vg);
+                let oc = p.cpu.attention(&qc, &cc, 1, &shape);
+                let og = p.gpu.attention(&qg, &cg, 1, &shape);
+                let what = format!("attention {nh}/{nkv}×{hd} window {window:?} at {} + {step}", cc.len());
+                p.check(&what, &oc, &og, 1e-5);
+                let n = cc.len() + step;
+                cc.set_len(n);
+                cg.set_len(n);
+            }
         }
     }
 }
@@ -397,18 +444,19 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-    for name in ["qwen3", "qwen2_sliding", "qwen3_5", "qwen3_next"] {
+    for name in ["qwen3", "qwen2_sliding", "qwen3_5"] {
         let m = loader::open(&root.join(name)).unwrap();
         let vocab = m.config.vocab_size;
         let mut r = Rng::fresh();
         let prompt: Vec<u32> = (0..250).map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32).collect();
-        let backend = CudaBackend::new(0).unwrap();
+        // Split activations: the prefill's GEMMs close to f32, like the CPU's.
+        let backend = CudaBackend::new(0).unwrap().with_split_activations();
         let replays = backend.replay_counter();
         let graphs = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {});
         let eager = DecoderModel::load(
             m.config.clone(),
             m.source.as_ref(),
-            CudaBackend::new(0).unwrap().without_graphs(),
+            CudaBackend::new(0).unwrap().with_split_activations().without_graphs(),
             &|_| {},
         );
         let (graphs, eager) = (graphs.unwrap(), eager.unwrap());
@@ -433,5 +481,103 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         // Three recordings (1, 2 and 4 key chunks), each after a warm-up pass.
         assert!(replayed >= 274, "{name}: only {replayed} steps replayed");
         assert!(worst < 1e-3, "{name}: rel {worst} to the CPU");
+    }
+}
+
+/// Device time of the decode step's ops at Qwen3-8B's shapes: each op issued
+/// 50 times inside one recorded step, the step replayed and timed, so host
+/// launch costs drop out. Prints µs per op and, for GEMVs, GB/s. Run on the
+/// GPU machine with `--ignored profile`.
+#[test]
+#[ignore]
+fn profile_decode_ops_at_8b_shapes() {
+    let Some(_) = gpu() else { return };
+    let mut r = Rng::fresh();
+    for (rows_per_block, threads) in [(2, 128), (4, 256)] {
+        let shape = qinfer::backend::cuda::GemvShape::new(rows_per_block, threads).unwrap();
+        let b = CudaBackend::new(0).unwrap().with_gemv_shape(shape);
+        for (name, rows, cols) in
+            [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
+        {
+            let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+            let x = b.act_from_host(1, cols, &r.vec(cols));
+            let reps = 50;
+            let mut step = Default::default();
+            let mut body = || {
+                let mut last = b.linear(&x, &w, None);
+                for _ in 1..reps {
+                    last = b.linear(&x, &w, None);
+                }
+                Ok(last)
+            };
+            b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
+            b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..5 {
+                b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
+            }
+            let us = t0.elapsed().as_secs_f64() * 1e6 / (5 * reps) as f64;
+            println!(
+                "{shape:?} gemv bf16 {name} {rows}x{cols} {us:8.2} µs {:.0} GB/s",
+                (rows * cols * 2) as f64 / us / 1e3
+            );
+        }
+    }
+    let b = CudaBackend::new(0).unwrap();
+    let time = |what: &str, bytes: usize, start: usize, op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct| {
+        let reps = 50;
+        let mut step = Default::default();
+        let mut body = || {
+            let mut last = op();
+            for _ in 1..reps {
+                last = op();
+            }
+            Ok(last)
+        };
+        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+        let t0 = std::time::Instant::now();
+        let n = 5;
+        for _ in 0..n {
+            b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / (n * reps) as f64;
+        let gbs = if bytes > 0 { format!("{:.0} GB/s", bytes as f64 / us / 1e3) } else { String::new() };
+        println!("{what:<40} {us:8.2} µs  {gbs}");
+    };
+    let (h, q, kv, inter) = (4096, 4096, 1024, 12288);
+    for (name, rows, cols) in [
+        ("q/o", q, h),
+        ("k/v", kv, h),
+        ("qkv", q + 2 * kv, h),
+        ("gate/up", inter, h),
+        ("gate_up", 2 * inter, h),
+        ("down", h, inter),
+        ("lm_head", 151936, h),
+    ] {
+        let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+        let x = b.act_from_host(1, cols, &r.vec(cols));
+        time(&format!("gemv bf16 {name} {rows}x{cols}"), rows * cols * 2, 0, &mut || b.linear(&x, &w, None));
+    }
+    let x = b.act_from_host(1, h, &r.vec(h));
+    let nw = b.upload(&tensor("n", DType::F32, vec![h], &r.vec(h))).unwrap();
+    time("rms_norm 4096", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));
+    let qn = b.upload(&tensor("qn", DType::F32, vec![128], &r.vec(128))).unwrap();
+    let xq = b.act_from_host(1, q, &r.vec(q));
+    time("rms_norm per head 32x128", 0, 0, &mut || b.rms_norm(&xq, &qn, 1e-6));
+    let g = b.act_from_host(1, inter, &r.vec(inter));
+    time("silu_mul 12288", 0, 0, &mut || b.silu_mul(&g, &g));
+    for keys in [128usize, 1024, 8192] {
+        let shape = AttentionShape { num_heads: 32, num_kv_heads: 8, head_dim: 128, window: None, scale: 0.088 };
+        let mut cache = b.new_cache(1, kv, keys + 1);
+        let kvs = b.act_from_host(keys, kv, &r.vec(keys * kv));
+        b.write_kv(&mut cache, 0, &kvs, &kvs);
+        cache.set_len(keys);
+        let k1 = b.act_from_host(1, kv, &r.vec(kv));
+        b.write_kv(&mut cache, 0, &k1, &k1);
+        let qa = b.act_from_host(1, q, &r.vec(q));
+        time(&format!("attention 32/8 heads, {keys} keys"), 2 * keys * kv * 4, keys, &mut || {
+            b.attention(&qa, &cache, 0, &shape)
+        });
     }
 }

@@ -110,6 +110,12 @@ pub trait Backend: Send + Sync {
     fn linear(&self, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Act;
     /// RMSNorm over each contiguous group of `w.len()` values (a whole row, or per head).
     fn rms_norm(&self, x: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act;
+    /// `h += y`, then the RMSNorm of the new `h` (a residual add feeding the
+    /// next norm: one pass over the row on a device).
+    fn add_rms_norm(&self, h: &mut Self::Act, y: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act {
+        self.add_assign(h, y);
+        self.rms_norm(h, w, eps)
+    }
     /// Rotates every head of width `head_dim` in place; `positions[i]` is row i's position.
     fn rope(&self, x: &mut Self::Act, head_dim: usize, positions: &[usize], rope: &Rope);
     /// Writes this layer's k/v rows at positions `[cache.len(), cache.len() + rows)`.

@@ -210,8 +210,10 @@ impl<B: Backend> DecoderModel<B> {
         let b = &self.backend;
         let mut h = b.embed(&self.embed_tokens, tokens)?;
         let eps = self.cfg.rms_norm_eps;
+        // Each residual add is fused with the norm that reads its result: the
+        // next layer's input norm, or the final norm.
+        let mut x = b.rms_norm(&h, &self.layers[0].input_layernorm, eps);
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = b.rms_norm(&h, &layer.input_layernorm, eps);
             let a = match &layer.mixer {
                 Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, &x, cache, positions),
                 Mixer::Linear(net) => {
@@ -219,19 +221,18 @@ impl<B: Backend> DecoderModel<B> {
                     net.forward(b, &x, state)
                 }
             };
-            b.add_assign(&mut h, &a);
-            let x = b.rms_norm(&h, &layer.post_attention_layernorm, eps);
+            let x_ffn = b.add_rms_norm(&mut h, &a, &layer.post_attention_layernorm, eps);
             let m = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward(b, &x),
-                FeedForward::Sparse(moe) => moe.forward(b, &x),
+                FeedForward::Dense(mlp) => mlp.forward(b, &x_ffn),
+                FeedForward::Sparse(moe) => moe.forward(b, &x_ffn),
             };
-            b.add_assign(&mut h, &m);
+            let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
+            x = b.add_rms_norm(&mut h, &m, next_norm, eps);
         }
         let h = match logits {
-            Logits::Last if b.rows(&h) > 1 => b.last_row(&h),
-            _ => h,
+            Logits::Last if b.rows(&x) > 1 => b.last_row(&x),
+            _ => x,
         };
-        let h = b.rms_norm(&h, &self.norm, eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(b.linear(&h, head, None))
     }

@@ -44,84 +44,112 @@ extern "C" __global__ void embed_f16(const __half* t, const unsigned* ids, float
 extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
 
 // ---------------------------------------------------------------------------
-// Decode GEMV for up to 8 activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
-// One warp per output row; each lane reads 16 bytes of the weight row per load
-// (8 bf16/f16 values, or 4 f32), so a warp streams 512 contiguous bytes per
-// load, and the weight is read once for all activation rows. Memory bound by
-// design: each lane issues GEMV_UNROLL independent loads before using any, so
-// enough bytes are in flight to cover HBM latency (one load at a time reached
-// only ~37% of the bandwidth on the H200).
+// Decode GEMV for a few activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
+// A block computes ROWS consecutive output rows. Its threads stride over the
+// rows' columns together in 16-byte chunks (8 bf16/f16 values or 4 f32), each
+// thread reading the same columns of all ROWS rows, so one read of x serves
+// ROWS rows and ROWS·GEMV_UNROLL independent loads are in flight per thread:
+// memory bound by design, and HBM needs tens of KB in flight per SM. ACT is
+// the activation rows' compile-time bound (1 for plain decode). The block then
+// sums its threads' partial dot products.
 #define GEMV_MAX_ROWS 8
 #define GEMV_UNROLL 4
 
-template <typename T, int VEC>
-__device__ __forceinline__ void gemv_step(const uint4& packed, const float* __restrict__ x, int c, int in_dim,
-                                          int n_rows, float* acc) {
-    const T* wv = reinterpret_cast<const T*>(&packed);
-    float w[VEC];
+template <typename T, int VEC, int ROWS, int ACT>
+__device__ __forceinline__ void gemv_chunk(const uint4 (&packed)[ROWS], const float* __restrict__ x, int c,
+                                           int in_dim, int n_act, float (&acc)[ROWS][ACT]) {
 #pragma unroll
-    for (int j = 0; j < VEC; j++) w[j] = to_f32(wv[j]);
-#pragma unroll
-    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
-        if (t < n_rows) {
+    for (int t = 0; t < ACT; t++) {
+        if (t < n_act) {
+            float xv[VEC];
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + c);
 #pragma unroll
             for (int j = 0; j < VEC / 4; j++) {
-                float4 xv = xr[j];
-                acc[t] += w[4 * j] * xv.x + w[4 * j + 1] * xv.y + w[4 * j + 2] * xv.z + w[4 * j + 3] * xv.w;
+                float4 v = xr[j];
+                xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const T* wv = reinterpret_cast<const T*>(&packed[r]);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) acc[r][t] += to_f32(wv[j]) * xv[j];
             }
         }
     }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, int ROWS, int ACT>
 __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
-                     float* __restrict__ y, int out_dim, int in_dim, int n_rows) {
-    int warps = blockDim.x >> 5;
-    int o = blockIdx.x * warps + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (o >= out_dim) return;
-    const T* row = w + (size_t)o * in_dim;
-    float acc[GEMV_MAX_ROWS];
+                     float* __restrict__ y, int out_dim, int in_dim, int n_act) {
+    __shared__ float partial[32][ROWS * ACT];
+    int row0 = blockIdx.x * ROWS;
+    const T* rows[ROWS];
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_ROWS; t++) acc[t] = 0.0f;
-    // Vector path over the largest multiple of 32*VEC; scalar tail after.
-    // (16-byte loads need every row 16-byte aligned: in_dim a multiple of VEC.)
-    const int step = 32 * VEC;
-    int vec_end = in_dim % VEC == 0 ? (in_dim / step) * step : 0;
-    int c = lane * VEC;
-    for (; c + (GEMV_UNROLL - 1) * step < vec_end; c += GEMV_UNROLL * step) {
-        uint4 packed[GEMV_UNROLL];
+    for (int r = 0; r < ROWS; r++) rows[r] = w + (size_t)min(row0 + r, out_dim - 1) * in_dim;
+    float acc[ROWS][ACT];
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) packed[u] = __ldcs(reinterpret_cast<const uint4*>(row + c + u * step));
+    for (int r = 0; r < ROWS; r++)
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) gemv_step<T, VEC>(packed[u], x, c + u * step, in_dim, n_rows, acc);
+        for (int t = 0; t < ACT; t++) acc[r][t] = 0.0f;
+    // 16-byte chunks need every row 16-byte aligned: in_dim a multiple of VEC.
+    int chunks = in_dim % VEC == 0 ? in_dim / VEC : 0;
+    int stride = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + (GEMV_UNROLL - 1) * stride < chunks; i += GEMV_UNROLL * stride) {
+        uint4 packed[GEMV_UNROLL][ROWS];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++)
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                packed[u][r] = __ldcs(reinterpret_cast<const uint4*>(rows[r]) + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++)
+            gemv_chunk<T, VEC, ROWS, ACT>(packed[u], x, (i + u * stride) * VEC, in_dim, n_act, acc);
     }
-    for (; c < vec_end; c += step) {
-        uint4 packed = __ldcs(reinterpret_cast<const uint4*>(row + c));
-        gemv_step<T, VEC>(packed, x, c, in_dim, n_rows, acc);
-    }
-    for (int c = vec_end + lane; c < in_dim; c += 32) {
-        float wv = to_f32(row[c]);
-        for (int t = 0; t < n_rows; t++) acc[t] += wv * x[(size_t)t * in_dim + c];
-    }
+    for (; i < chunks; i += stride) {
+        uint4 packed[ROWS];
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
-        if (t < n_rows) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(size_t)t * out_dim + o] = s + (bias ? bias[o] : 0.0f);
+        for (int r = 0; r < ROWS; r++) packed[r] = __ldcs(reinterpret_cast<const uint4*>(rows[r]) + i);
+        gemv_chunk<T, VEC, ROWS, ACT>(packed, x, i * VEC, in_dim, n_act, acc);
+    }
+    for (int c = chunks * VEC + threadIdx.x; c < in_dim; c += stride) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            float wv = to_f32(rows[r][c]);
+            for (int t = 0; t < n_act && t < ACT; t++) acc[r][t] += wv * x[(size_t)t * in_dim + c];
         }
     }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < ACT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == 0) partial[warp][r * ACT + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROWS * ACT) {
+        int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
+        float sum = 0.0f;
+        for (int k = 0; k < warps; k++) sum += partial[k][threadIdx.x];
+        if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
+    }
 }
-extern "C" __global__ void gemv_bf16(const __nv_bfloat16* w, const float* x, const float* b, float* y, int o, int i, int n) {
-    gemv<__nv_bfloat16, 8>(w, x, b, y, o, i, n);
-}
-extern "C" __global__ void gemv_f16(const __half* w, const float* x, const float* b, float* y, int o, int i, int n) {
-    gemv<__half, 8>(w, x, b, y, o, i, n);
-}
-extern "C" __global__ void gemv_f32(const float* w, const float* x, const float* b, float* y, int o, int i, int n) {
-    gemv<float, 4>(w, x, b, y, o, i, n);
-}
+
+#define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const T* w, const float* x, const float* b, float* y,    \
+                                                           int o, int i, int n) {                                  \
+        gemv<T, VEC, ROWS, ACT>(w, x, b, y, o, i, n);                                                              \
+    }
+#define GEMV_KERNELS(NAME, T, VEC)                                                                                 \
+    GEMV_KERNEL(NAME##_r1a1, T, VEC, 1, 1)                                                                         \
+    GEMV_KERNEL(NAME##_r2a1, T, VEC, 2, 1)                                                                         \
+    GEMV_KERNEL(NAME##_r4a1, T, VEC, 4, 1)                                                                         \
+    GEMV_KERNEL(NAME##_r1a8, T, VEC, 1, GEMV_MAX_ROWS)                                                             \
+    GEMV_KERNEL(NAME##_r2a8, T, VEC, 2, GEMV_MAX_ROWS)
+GEMV_KERNELS(gemv_bf16, __nv_bfloat16, 8)
+GEMV_KERNELS(gemv_f16, __half, 8)
+GEMV_KERNELS(gemv_f32, float, 4)
 
 // ---------------------------------------------------------------------------
 // Affine-quantized weights (MLX layout): each row is a bit stream of BITS-bit
@@ -293,23 +321,76 @@ extern "C" __global__ void add_bias(float* y, const float* bias, int cols, long 
 }
 
 // ---------------------------------------------------------------------------
-// RMSNorm over each group of `group` values: out = x·rsqrt(mean(x²)+eps)·w.
-// With `z`, the gated form: ·silu(z) (the Gated DeltaNet output norm).
-extern "C" __global__ void rms_norm(const float* x, const float* w, const float* z, float* out, int group, float eps) {
-    const float* xg = x + (size_t)blockIdx.x * group;
+// RMSNorm over each group of `group` values: out = x·rsqrt(mean(x²)+eps)·w,
+// one block per group. With `y`, first x += y, written back (the residual add
+// before the norm, fused). With `z`, the gated form: ·silu(z) (the Gated
+// DeltaNet output norm). Groups of a multiple of 4 values are read as float4
+// and up to NORM_HELD of them per thread stay in registers between the sum of
+// squares and the output.
+#define NORM_HELD 4
+__device__ __forceinline__ float norm_out(float v, float inv, float w, const float* z, size_t i) {
+    float o = w * (v * inv);
+    if (z) {
+        float g = z[i];
+        o *= g / (1.0f + expf(-g));
+    }
+    return o;
+}
+
+extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, const float* z, float* out, int group,
+                                    float eps) {
+    size_t base = (size_t)blockIdx.x * group;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < group; c += blockDim.x) ss += xg[c] * xg[c];
+    if (group % 4 == 0) {
+        int n4 = group / 4;
+        float4* x4 = reinterpret_cast<float4*>(x + base);
+        const float4* y4 = reinterpret_cast<const float4*>(y + base);
+        float4 held[NORM_HELD];
+        auto load = [&](int i) {
+            float4 v = x4[i];
+            if (y) {
+                float4 a = y4[i];
+                v.x += a.x; v.y += a.y; v.z += a.z; v.w += a.w;
+                x4[i] = v;
+            }
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            return v;
+        };
+        auto store = [&](int i, float4 v, float inv) {
+            int c = 4 * i;
+            size_t o = base + c;
+            out[o] = norm_out(v.x, inv, w[c], z, o);
+            out[o + 1] = norm_out(v.y, inv, w[c + 1], z, o + 1);
+            out[o + 2] = norm_out(v.z, inv, w[c + 2], z, o + 2);
+            out[o + 3] = norm_out(v.w, inv, w[c + 3], z, o + 3);
+        };
+#pragma unroll
+        for (int k = 0; k < NORM_HELD; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) held[k] = load(i);
+        }
+        for (int i = threadIdx.x + NORM_HELD * blockDim.x; i < n4; i += blockDim.x) load(i);
+        ss = block_sum(ss);
+        float inv = rsqrtf(ss / group + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_HELD; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) store(i, held[k], inv);
+        }
+        for (int i = threadIdx.x + NORM_HELD * blockDim.x; i < n4; i += blockDim.x) store(i, x4[i], inv);
+        return;
+    }
+    for (int c = threadIdx.x; c < group; c += blockDim.x) {
+        float v = x[base + c];
+        if (y) {
+            v += y[base + c];
+            x[base + c] = v;
+        }
+        ss += v * v;
+    }
     ss = block_sum(ss);
     float inv = rsqrtf(ss / group + eps);
-    for (int c = threadIdx.x; c < group; c += blockDim.x) {
-        size_t i = (size_t)blockIdx.x * group + c;
-        float v = w[c] * (xg[c] * inv);
-        if (z) {
-            float g = z[i];
-            v *= g / (1.0f + expf(-g));
-        }
-        out[i] = v;
-    }
+    for (int c = threadIdx.x; c < group; c += blockDim.x) out[base + c] = norm_out(x[base + c], inv, w[c], z, base + c);
 }
 
 // The pass's inputs on the device, so a recorded decode step (CUDA graph) can
@@ -429,7 +510,7 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 // keys, so a recorded step stays valid as the cache grows); splits past the
 // last key are empty. With one split, `direct` receives the normalized output
 // and no combine is needed.
-#define ATTN_CHUNK 256
+#define ATTN_CHUNK 128
 extern "C" __global__ void attention_split(const float* q, const float* keys, const float* values, float* part_o,
                                            float* part_ml, float* direct, const int* step, int num_heads,
                                            int num_kv_heads, int head_dim, int window, float scale, int splits) {
@@ -458,6 +539,149 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
     weigh_values(scores, values, lo, n, kv_dim, head_off, head_dim, 1.0f, o);
     if (threadIdx.x == 0) { part_ml[2 * part] = ml.x; part_ml[2 * part + 1] = ml.y; }
 }
+
+// The same split-K decode attention for head dims of 64, 128 and 256, with
+// GQA sharing: a block takes one KV head's chunk of keys for up to
+// DECODE_HEADS of the query heads that read it, so each key and value row is
+// read once for all of them. Scores: one thread per key (q in shared memory).
+// Softmax: one warp per head. Values: each warp a slice of the keys, each lane
+// 4 (or 8) contiguous dims, loads coalesced across the warp; then the warps'
+// sums are added. Output as attention_split's (parts, or `direct`).
+#define DECODE_HEADS 4
+#define DECODE_THREADS 256
+template <int HD>
+__device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,
+                                 float* part_ml, float* direct, const int* step, int num_heads, int num_kv_heads,
+                                 int window, float scale, int splits) {
+    constexpr int WARPS = DECODE_THREADS / 32, V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
+    __shared__ float qs[DECODE_HEADS][HD];
+    __shared__ float scores[DECODE_HEADS][ATTN_CHUNK];
+    __shared__ float4 red[WARPS][DECODE_HEADS][HD / 4];
+    __shared__ float ml[DECODE_HEADS][2];
+    int group = num_heads / num_kv_heads;
+    int t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads, split = blockIdx.y;
+    int g0 = blockIdx.z * DECODE_HEADS, gh = min(DECODE_HEADS, group - g0);
+    int h0 = kvh * group + g0;  // first query head of this block
+    int pos = step[0] + t;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int lo = max(first, split * ATTN_CHUNK), hi = min(pos + 1, (split + 1) * ATTN_CHUNK);
+    int n = hi - lo;
+    int kv_dim = num_kv_heads * HD;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (n <= 0) {
+        if (direct) return;  // one split always holds keys
+        for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS) {
+            size_t part = ((size_t)t * num_heads + h0 + i / HD) * splits + split;
+            part_o[part * HD + i % HD] = 0.0f;
+            if (i % HD == 0) { part_ml[2 * part] = -__int_as_float(0x7f800000); part_ml[2 * part + 1] = 0.0f; }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
+        qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += DECODE_THREADS) {
+        const float4* k = reinterpret_cast<const float4*>(keys + (size_t)(lo + j) * kv_dim + kvh * HD);
+        float d[DECODE_HEADS] = {};
+#pragma unroll 8
+        for (int c = 0; c < HD / 4; c++) {
+            float4 kv = k[c];
+#pragma unroll
+            for (int g = 0; g < DECODE_HEADS; g++) {
+                const float4 qv = reinterpret_cast<const float4*>(qs[g])[c];
+                d[g] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) scores[g][j] = d[g];
+    }
+    __syncthreads();
+    if (warp < gh) {
+        float m = -__int_as_float(0x7f800000);
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, scores[warp][j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float l = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            float e = expf(scores[warp][j] - m);
+            scores[warp][j] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) { ml[warp][0] = m; ml[warp][1] = l; }
+    }
+    __syncthreads();
+    float4 acc[DECODE_HEADS][V4];
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++)
+#pragma unroll
+        for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (HD >= 128) {
+#pragma unroll 4
+        for (int j = warp; j < n; j += WARPS) {
+            const float4* vr = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD);
+#pragma unroll
+            for (int v = 0; v < V4; v++) {
+                float4 x = vr[lane + 32 * v];
+#pragma unroll
+                for (int g = 0; g < DECODE_HEADS; g++) {
+                    float p = scores[g][j];
+                    acc[g][v].x += p * x.x; acc[g][v].y += p * x.y; acc[g][v].z += p * x.z; acc[g][v].w += p * x.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++)
+#pragma unroll
+            for (int v = 0; v < V4; v++) red[warp][g][lane + 32 * v] = acc[g][v];
+    } else {
+        // 64 dims: a half-warp per key, two keys per warp step.
+        int half = lane >> 4, l16 = lane & 15;
+        float4 a[DECODE_HEADS];
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) a[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int j = 2 * warp + half; j < n; j += 2 * WARPS) {
+            float4 x = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD)[l16];
+#pragma unroll
+            for (int g = 0; g < DECODE_HEADS; g++) {
+                float p = scores[g][j];
+                a[g].x += p * x.x; a[g].y += p * x.y; a[g].z += p * x.z; a[g].w += p * x.w;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) {
+            a[g].x += __shfl_xor_sync(0xffffffffu, a[g].x, 16);
+            a[g].y += __shfl_xor_sync(0xffffffffu, a[g].y, 16);
+            a[g].z += __shfl_xor_sync(0xffffffffu, a[g].z, 16);
+            a[g].w += __shfl_xor_sync(0xffffffffu, a[g].w, 16);
+            if (half == 0) red[warp][g][l16] = a[g];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS) {
+        int g = i / HD, c = i % HD;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) sum += reinterpret_cast<const float*>(red[w][g])[c];
+        size_t row_head = (size_t)t * num_heads + h0 + g;
+        if (direct) {
+            direct[row_head * HD + c] = sum / ml[g][1];
+        } else {
+            size_t part = row_head * splits + split;
+            part_o[part * HD + c] = sum;
+            if (c == 0) { part_ml[2 * part] = ml[g][0]; part_ml[2 * part + 1] = ml[g][1]; }
+        }
+    }
+}
+#define ATTENTION_DECODE(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
+        const float* q, const float* k, const float* v, float* po, float* pml, float* direct, const int* step,      \
+        int nh, int nkv, int window, float scale, int splits) {                                                    \
+        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits);                      \
+    }
+ATTENTION_DECODE(64)
+ATTENTION_DECODE(128)
+ATTENTION_DECODE(256)
 
 // One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,

@@ -32,9 +32,6 @@ const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
     "embed_f16",
     "embed_f32",
-    "gemv_bf16",
-    "gemv_f16",
-    "gemv_f32",
     "f32_to_bf16",
     "f32_to_f16",
     "f32_split_bf16",
@@ -75,17 +72,67 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_split",
     "attention_combine",
     "set_step",
+    "attention_decode64",
+    "attention_decode128",
+    "attention_decode256",
     "kv_append",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
-const ATTENTION_CHUNK: usize = 256;
+const ATTENTION_CHUNK: usize = 128;
+
+/// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
+const DECODE_HEADS: usize = 4;
 
 /// Values per prefill tile of dequantized affine weights (bf16 scratch of 128 MiB).
 const AFFINE_TILE_VALUES: usize = 64 << 20;
 
 /// Rows at or below this go through the GEMV kernel; above, cuBLAS.
 const GEMV_MAX_ROWS: usize = 8;
+
+/// The GEMV kernels compiled: (weight rows per block, activation-row bound).
+const GEMV_SHAPES: &[(usize, usize)] = &[(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
+
+fn gemv_kernel(ty: &str, rows_per_block: usize, act: usize) -> String {
+    format!("gemv_{ty}_r{rows_per_block}a{act}")
+}
+
+/// How a GEMV is launched: output rows per block and threads per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvShape {
+    rows_per_block: usize,
+    threads: u32,
+}
+
+impl GemvShape {
+    /// 1, 2 or 4 rows per block (at most 2 for several activation rows);
+    /// whole warps, at most 256 threads (the kernels' launch bound).
+    pub fn new(rows_per_block: usize, threads: u32) -> Result<Self> {
+        if !matches!(rows_per_block, 1 | 2 | 4) || !threads.is_multiple_of(32) || !(32..=256).contains(&threads) {
+            return Err(Error::Invalid(format!(
+                "GEMV launch shape {rows_per_block} rows × {threads} threads: rows must be 1, 2 or 4, threads \
+                 a multiple of 32 from 32 to 256"
+            )));
+        }
+        Ok(GemvShape { rows_per_block, threads })
+    }
+
+    /// The shape for `out_dim × in_dim` weights of 16-byte chunks of `vec`
+    /// values and `act` activation rows.
+    fn choose(out_dim: usize, in_dim: usize, vec: usize, act: usize) -> Self {
+        let chunks = in_dim.div_ceil(vec);
+        // Every thread takes at least two chunks of each row; at most 256 threads.
+        let threads = (chunks.div_ceil(2).div_ceil(32) * 32).clamp(32, 256) as u32;
+        let rows_per_block = if act > 1 {
+            2
+        } else if out_dim >= 4096 {
+            4
+        } else {
+            2
+        };
+        GemvShape { rows_per_block, threads }
+    }
+}
 
 /// Key chunks of a decode step's split-K attention over `n_keys` keys: a power
 /// of two, so one recorded step serves every cache length up to it.
@@ -98,7 +145,7 @@ pub struct CudaBackend {
     device_name: String,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    kernels: HashMap<&'static str, CudaFunction>,
+    kernels: HashMap<String, CudaFunction>,
     error: Mutex<Option<String>>,
     /// Fill every new activation with NaN (kernel tests: unwritten outputs show).
     poison: bool,
@@ -107,6 +154,8 @@ pub struct CudaBackend {
     split_activations: bool,
     /// Record decode steps as CUDA graphs and replay them.
     graphs: bool,
+    /// A fixed GEMV launch shape instead of the per-shape choice (profiling).
+    gemv_shape: Option<GemvShape>,
     /// Decode steps replayed so far (shared with whoever asked to watch).
     replays: Arc<AtomicUsize>,
     /// Keys the attention kernel's shared memory holds.
@@ -217,8 +266,11 @@ impl CudaBackend {
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str());
         let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
         let mut kernels = HashMap::new();
-        for name in KERNEL_NAMES {
-            kernels.insert(*name, module.load_function(name).map_err(|e| err(name, &e))?);
+        let gemv_names =
+            ["bf16", "f16", "f32"].iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
+        for name in KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names) {
+            let f = module.load_function(&name).map_err(|e| err(&name, &e))?;
+            kernels.insert(name, f);
         }
         // The simple attention kernel keeps one score per key in shared memory:
         // let it use all the device allows per block.
@@ -245,6 +297,7 @@ impl CudaBackend {
             poison: false,
             split_activations: false,
             graphs: true,
+            gemv_shape: None,
             replays: Arc::new(AtomicUsize::new(0)),
             max_attention_keys: (max_shared as usize - 1024) / 4,
             rope_tables: Mutex::new(HashMap::new()),
@@ -325,6 +378,12 @@ impl CudaBackend {
     /// (for comparison and debugging; the results are the same).
     pub fn without_graphs(mut self) -> Self {
         self.graphs = false;
+        self
+    }
+
+    /// Launches every GEMV with `shape` (profiling the choice of shapes).
+    pub fn with_gemv_shape(mut self, shape: GemvShape) -> Self {
+        self.gemv_shape = Some(shape);
         self
     }
 
@@ -506,6 +565,10 @@ impl CudaBackend {
     ) {
         let splits = decode_splits(n_keys);
         let row_heads = q.rows * s.num_heads;
+        if matches!(s.head_dim, 64 | 128 | 256) {
+            self.attention_decode(q, keys, values, splits, s, out);
+            return;
+        }
         if splits == 1 {
             launch!(
                 self,
@@ -557,6 +620,56 @@ impl CudaBackend {
             s.head_dim as i32,
             splits as i32
         );
+    }
+
+    /// Split-K decode attention with GQA sharing (`attention_decode` in
+    /// kernels.cu): blocks over (row·KV head, key chunk, group of query heads).
+    fn attention_decode(
+        &self,
+        q: &CudaAct,
+        keys: &CudaSlice<f32>,
+        values: &CudaSlice<f32>,
+        splits: usize,
+        s: &AttentionShape,
+        out: &CudaAct,
+    ) {
+        let row_heads = q.rows * s.num_heads;
+        let group = s.num_heads / s.num_kv_heads;
+        let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
+        let parts = (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
+        let (po, pml, direct) = match &parts {
+            Some((o, ml)) => (self.p(&o.buf), self.p(&ml.buf), 0u64),
+            None => (0, 0, self.p(&out.buf)),
+        };
+        launch!(
+            self,
+            &format!("attention_decode{}", s.head_dim),
+            cfg(grid, 256, 0),
+            self.p(&q.buf),
+            self.p(keys),
+            self.p(values),
+            po,
+            pml,
+            direct,
+            self.p(&self.step),
+            s.num_heads as i32,
+            s.num_kv_heads as i32,
+            s.window.unwrap_or(0) as i32,
+            s.scale,
+            splits as i32
+        );
+        if let Some((o, ml)) = &parts {
+            launch!(
+                self,
+                "attention_combine",
+                cfg((row_heads as u32, 1, 1), 128, 0),
+                self.p(&o.buf),
+                self.p(&ml.buf),
+                self.p(&out.buf),
+                s.head_dim as i32,
+                splits as i32
+            );
+        }
     }
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
@@ -818,17 +931,21 @@ impl Backend for CudaBackend {
             return y;
         }
         if x.rows <= GEMV_MAX_ROWS {
-            let kernel = match dtype {
-                DType::BF16 => "gemv_bf16",
-                DType::F16 => "gemv_f16",
-                _ => "gemv_f32",
+            let (ty, vec) = match dtype {
+                DType::BF16 => ("bf16", 8),
+                DType::F16 => ("f16", 8),
+                _ => ("f32", 4),
             };
-            let warps = 8u32;
-            let grid = (out_dim.div_ceil(warps as usize) as u32, 1, 1);
+            let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
+            let mut shape = self.gemv_shape.unwrap_or_else(|| GemvShape::choose(*out_dim, *in_dim, vec, act));
+            if act > 1 {
+                shape.rows_per_block = shape.rows_per_block.min(2);
+            }
+            let grid = (out_dim.div_ceil(shape.rows_per_block) as u32, 1, 1);
             launch!(
                 self,
-                kernel,
-                cfg(grid, warps * 32, 0),
+                &gemv_kernel(ty, shape.rows_per_block, act),
+                cfg(grid, shape.threads, 0),
                 self.p(buf),
                 self.p(&x.buf),
                 bias_ptr,
@@ -848,7 +965,11 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
-        self.norm(x, w, None, eps)
+        self.norm(x, None, w, None, eps)
+    }
+
+    fn add_rms_norm(&self, h: &mut CudaAct, y: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
+        self.norm(h, Some(y), w, None, eps)
     }
 
     fn rope(&self, x: &mut CudaAct, head_dim: usize, positions: &[usize], rope: &Rope) {
@@ -1034,7 +1155,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm_gated(&self, x: &CudaAct, z: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
-        self.norm(x, w, Some(z), eps)
+        self.norm(x, None, w, Some(z), eps)
     }
 
     fn new_gdn_state(&self, cfg: &GdnConfig) -> CudaGdnState {
@@ -1238,7 +1359,9 @@ impl CudaBackend {
         out
     }
 
-    fn norm(&self, x: &CudaAct, w: &CudaWeight, z: Option<&CudaAct>, eps: f32) -> CudaAct {
+    /// RMSNorm of `x` (after `x += y` when given, written back), gated by
+    /// silu(`z`) when given.
+    fn norm(&self, x: &CudaAct, y: Option<&CudaAct>, w: &CudaWeight, z: Option<&CudaAct>, eps: f32) -> CudaAct {
         let out = self.act(x.rows, x.cols);
         let CudaWeight::Vector(wv) = w else {
             self.record(Err("norm weight must be a vector"), "rms_norm");
@@ -1246,14 +1369,16 @@ impl CudaBackend {
         };
         let group = wv.len();
         let groups = x.rows * x.cols / group;
-        let z_ptr = z.map(|z| self.p(&z.buf)).unwrap_or(0);
+        // About two float4 per thread, whole warps, at most 1024.
+        let threads = (group.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32;
         launch!(
             self,
             "rms_norm",
-            cfg((groups as u32, 1, 1), 128, 0),
+            cfg((groups as u32, 1, 1), threads, 0),
             self.p(&x.buf),
+            y.map(|y| self.p(&y.buf)).unwrap_or(0),
             self.p(wv),
-            z_ptr,
+            z.map(|z| self.p(&z.buf)).unwrap_or(0),
             self.p(&out.buf),
             group as i32,
             eps
