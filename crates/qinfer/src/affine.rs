@@ -163,6 +163,34 @@ impl AffineTensor {
         })
     }
 
+    /// `[rows, cols]` matrices with the same quantization stacked by rows
+    /// (see [`Tensor::concat_rows`]); `None` when their parameters, row
+    /// lengths or storage types differ.
+    pub fn concat_rows(name: &str, parts: &[&AffineTensor]) -> Result<Option<Self>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        if first.shape.len() != 2 || parts.iter().any(|a| a.params != first.params || a.shape[1..] != first.shape[1..])
+        {
+            return Ok(None);
+        }
+        let stack = |pick: fn(&AffineTensor) -> &Tensor| {
+            Tensor::concat_rows(name, &parts.iter().map(|a| pick(a)).collect::<Vec<_>>())
+        };
+        let (Some(packed), Some(scales), Some(biases)) =
+            (stack(|a| &a.packed)?, stack(|a| &a.scales)?, stack(|a| &a.biases)?)
+        else {
+            return Ok(None);
+        };
+        let rows = parts.iter().map(|a| a.shape[0]).sum();
+        Ok(Some(AffineTensor {
+            name: name.to_string(),
+            shape: vec![rows, first.shape[1]],
+            params: first.params,
+            packed,
+            scales,
+            biases,
+        }))
+    }
+
     /// Drops a leading dimension of 1: `[1, rows, cols]` → `[rows, cols]`.
     pub fn squeeze_outer(&self) -> Result<Self> {
         if self.shape.len() < 2 || self.shape[0] != 1 {

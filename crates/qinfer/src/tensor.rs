@@ -202,6 +202,26 @@ impl Tensor {
         shape[0] = len;
         Tensor::new(self.name.clone(), self.dtype, shape, self.data.slice(start * bytes_per, len * bytes_per))
     }
+    /// Matrices (or vectors) of one dtype and row length stacked along the
+    /// outermost dimension into a new tensor named `name`: projections that
+    /// one matmul computes together. `None` when their dtypes or row shapes
+    /// differ.
+    pub fn concat_rows(name: &str, parts: &[&Tensor]) -> Result<Option<Tensor>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        let alike = |t: &&Tensor| {
+            t.dtype == first.dtype && t.shape.len() == first.shape.len() && t.shape[1..] == first.shape[1..]
+        };
+        if first.shape.is_empty() || !parts.iter().all(alike) {
+            return Ok(None);
+        }
+        let mut data = Vec::with_capacity(parts.iter().map(|t| t.data.len()).sum());
+        for t in parts {
+            data.extend_from_slice(t.data.as_slice());
+        }
+        let mut shape = first.shape.clone();
+        shape[0] = parts.iter().map(|t| t.shape[0]).sum();
+        Tensor::new(name.to_string(), first.dtype, shape, Bytes::from_vec(data)).map(Some)
+    }
     /// Decodes every value to f32 (for small tensors: norms, biases).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];

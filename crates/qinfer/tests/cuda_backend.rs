@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::CudaBackend;
-use qinfer::backend::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use qinfer::backend::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::sampler::SamplingParams;
@@ -579,5 +579,54 @@ fn profile_decode_ops_at_8b_shapes() {
         time(&format!("attention 32/8 heads, {keys} keys"), 2 * keys * kv * 4, keys, &mut || {
             b.attention(&qa, &cache, 0, &shape)
         });
+    }
+}
+
+/// The fused q|k|v prologue (per-head norms, RoPE full or partial, output
+/// gates, the KV append) and SwiGLU on a stacked gate|up, against the CPU's
+/// composition of the separate ops; the caches compared through attention.
+#[test]
+fn qkv_prologue_and_swiglu_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let configs = [
+        (4, 2, 32, false, true, 32, RopeStyle::Neox),
+        (4, 2, 64, true, true, 16, RopeStyle::Neox),
+        (6, 3, 128, false, false, 128, RopeStyle::Interleaved),
+        (8, 2, 256, true, true, 64, RopeStyle::Neox),
+    ];
+    for (nh, nkv, hd, output_gate, with_norms, rot, style) in configs {
+        let shape = QkvShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, output_gate };
+        let rope = Rope::new(&RopeConfig { theta: 1e6, style, scaling: None }, rot);
+        let (qn, kn) = (r.vec(hd), r.vec(hd));
+        let (qnc, qng) = p.weights(&tensor("qn", DType::F32, vec![hd], &qn));
+        let (knc, kng) = p.weights(&tensor("kn", DType::F32, vec![hd], &kn));
+        let width = nh * hd * if output_gate { 2 } else { 1 } + 2 * nkv * hd;
+        let mut cc = p.cpu.new_cache(1, nkv * hd, 64);
+        let mut cg = p.gpu.new_cache(1, nkv * hd, 64);
+        let attn = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window: None, scale: 0.1 };
+        for rows in [5usize, 1, 3] {
+            let start = cc.len();
+            let positions: Vec<usize> = (start..start + rows).collect();
+            let (xc, xg) = p.acts(rows, width, &r.vec(rows * width));
+            let what = format!("qkv_prologue {nh}/{nkv}×{hd} gate {output_gate} rot {rot} {style:?} at {start}+{rows}");
+            let norms_c = with_norms.then_some((&qnc, &knc));
+            let norms_g = with_norms.then_some((&qng, &kng));
+            let (qc, gc) = p.cpu.qkv_prologue(&xc, &shape, norms_c, 1e-6, &positions, &rope, &mut cc, 0);
+            let (qg, gg) = p.gpu.qkv_prologue(&xg, &shape, norms_g, 1e-6, &positions, &rope, &mut cg, 0);
+            p.check(&what, &qc, &qg, 1e-5);
+            assert_eq!(gc.is_some(), gg.is_some());
+            if let (Some(gc), Some(gg)) = (gc, gg) {
+                p.check(&format!("{what} gate"), &gc, &gg, 0.0);
+            }
+            let (oc, og) = (p.cpu.attention(&qc, &cc, 0, &attn), p.gpu.attention(&qg, &cg, 0, &attn));
+            p.check(&format!("{what} cache"), &oc, &og, 1e-5);
+            cc.set_len(start + rows);
+            cg.set_len(start + rows);
+        }
+    }
+    for (rows, width) in [(1, 12288), (5, 100)] {
+        let (xc, xg) = p.acts(rows, 2 * width, &r.vec(rows * 2 * width));
+        p.check(&format!("swiglu {rows}x{width}"), &p.cpu.swiglu(&xc), &p.gpu.swiglu(&xg), 1e-6);
     }
 }

@@ -24,6 +24,16 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// The attention heads a stacked q|k|v projection holds.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// q_proj emits `[query(head_dim), gate(head_dim)]` per head.
+    pub output_gate: bool,
+}
+
 /// Per-sequence key/value storage for every layer. Positions `[0, len())` are
 /// committed; a forward writes rows past `len()` and then commits them.
 pub trait KvCache: Send {
@@ -124,10 +134,61 @@ pub trait Backend: Send + Sync {
     fn attention(&self, q: &Self::Act, cache: &Self::Cache, layer: usize, shape: &AttentionShape) -> Self::Act;
     /// silu(gate) ⊙ up.
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act) -> Self::Act;
+
+    /// Whether layers should stack projections that share an input (q|k|v,
+    /// gate|up) into one weight: one matmul instead of several, which pays
+    /// where each launch costs (devices).
+    fn fuses_projections(&self) -> bool {
+        false
+    }
+    /// silu(gate) ⊙ up from a stacked gate|up projection `[T, 2·width]`.
+    fn swiglu(&self, gate_up: &Self::Act) -> Self::Act {
+        let width = self.cols(gate_up) / 2;
+        let all = 2 * width;
+        self.silu_mul(&self.gather_columns(gate_up, all, 0, width), &self.gather_columns(gate_up, all, width, width))
+    }
+    /// The attention inputs from a stacked q|k|v projection `qkv` (`[T, q_rows
+    /// + 2·kv]`, `q_rows` holding a gate after each query head when
+    /// `shape.output_gate`): queries and keys RMS-normed per head with
+    /// `norms` (when given) and rotated at `positions`, keys and values
+    /// appended to `cache` at layer `layer`. Returns the queries and the gate.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_prologue(
+        &self,
+        qkv: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let (hd, q, kv) = (shape.head_dim, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
+        let q_rows = if shape.output_gate { 2 * q } else { q };
+        let all = q_rows + 2 * kv;
+        let projected = self.gather_columns(qkv, all, 0, q_rows);
+        let (mut qs, gate) = if shape.output_gate {
+            (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
+        } else {
+            (projected, None)
+        };
+        let mut k = self.gather_columns(qkv, all, q_rows, kv);
+        let v = self.gather_columns(qkv, all, q_rows + kv, kv);
+        if let Some((qn, kn)) = norms {
+            qs = self.rms_norm(&qs, qn, eps);
+            k = self.rms_norm(&k, kn, eps);
+        }
+        self.rope(&mut qs, hd, positions, rope);
+        self.rope(&mut k, hd, positions, rope);
+        self.write_kv(cache, layer, &k, &v);
+        (qs, gate)
+    }
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
     /// The last row only (decode and generation need only the last logits).
     fn last_row(&self, x: &Self::Act) -> Self::Act;
     fn rows(&self, x: &Self::Act) -> usize;
+    fn cols(&self, x: &Self::Act) -> usize;
     fn to_host(&self, x: &Self::Act) -> Vec<f32>;
 
     /// From each row, columns `[offset, offset + len)` of every consecutive group

@@ -6,18 +6,21 @@
 
 use super::WeightLoader;
 use crate::Result;
-use crate::backend::{AttentionShape, Backend};
+use crate::backend::{AttentionShape, Backend, QkvShape};
 use crate::config::ModelConfig;
 use crate::models::rope::Rope;
+use crate::tensor::Tensor;
+
+/// The q, k and v projections: one weight of their rows stacked (backends
+/// that fuse projections), or one each.
+enum QkvProj<W> {
+    Stacked { w: W, bias: Option<W> },
+    Separate { q: W, k: W, v: W, q_bias: Option<W>, k_bias: Option<W>, v_bias: Option<W> },
+}
 
 pub struct Attention<B: Backend> {
-    q_proj: B::Weight,
-    k_proj: B::Weight,
-    v_proj: B::Weight,
+    proj: QkvProj<B::Weight>,
     o_proj: B::Weight,
-    q_bias: Option<B::Weight>,
-    k_bias: Option<B::Weight>,
-    v_bias: Option<B::Weight>,
     o_bias: Option<B::Weight>,
     q_norm: Option<B::Weight>,
     k_norm: Option<B::Weight>,
@@ -39,14 +42,36 @@ impl<B: Backend> Attention<B> {
         let norm = |name: &str| -> Result<Option<B::Weight>> {
             if cfg.qk_norm { ld.norm(&format!("{p}.{name}.weight"), hd, unit_offset).map(Some) } else { Ok(None) }
         };
+        let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{p}.{n}.weight"));
+        let mut stacked = ld.stacked_rows(&names, &[[q_rows, h], [kv, h], [kv, h]])?;
+        let proj = match (stacked.pop(), stacked.pop(), stacked.pop()) {
+            (Some(w), None, None) => {
+                // Biases are f32 vectors on every backend: stack their values.
+                let bias = if bias {
+                    let mut values = Vec::with_capacity(q_rows + 2 * kv);
+                    for (n, len) in [("q_proj", q_rows), ("k_proj", kv), ("v_proj", kv)] {
+                        values.extend(ld.tensor(&format!("{p}.{n}.bias"), &[&[len]])?.to_f32_vec());
+                    }
+                    let name = format!("{p}.qkv_proj.bias(stacked)");
+                    Some(ld.place(&Tensor::from_f32(&name, vec![values.len()], &values)?)?)
+                } else {
+                    None
+                };
+                QkvProj::Stacked { w, bias }
+            }
+            (Some(v), Some(k), Some(q)) => QkvProj::Separate {
+                q,
+                k,
+                v,
+                q_bias: ld.opt(&format!("{p}.q_proj.bias"), &[q_rows], bias)?,
+                k_bias: ld.opt(&format!("{p}.k_proj.bias"), &[kv], bias)?,
+                v_bias: ld.opt(&format!("{p}.v_proj.bias"), &[kv], bias)?,
+            },
+            _ => unreachable!("stacked_rows returns one weight or one per name"),
+        };
         Ok(Attention {
-            q_proj: ld.get(&format!("{p}.q_proj.weight"), &[q_rows, h])?,
-            k_proj: ld.get(&format!("{p}.k_proj.weight"), &[kv, h])?,
-            v_proj: ld.get(&format!("{p}.v_proj.weight"), &[kv, h])?,
+            proj,
             o_proj: ld.get(&format!("{p}.o_proj.weight"), &[h, q])?,
-            q_bias: ld.opt(&format!("{p}.q_proj.bias"), &[q_rows], bias)?,
-            k_bias: ld.opt(&format!("{p}.k_proj.bias"), &[kv], bias)?,
-            v_bias: ld.opt(&format!("{p}.v_proj.bias"), &[kv], bias)?,
             o_bias: ld.opt(&format!("{p}.o_proj.bias"), &[h], cfg.o_bias)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
@@ -66,21 +91,38 @@ impl<B: Backend> Attention<B> {
         positions: &[usize],
     ) -> B::Act {
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
-        let projected = b.linear(x, &self.q_proj, self.q_bias.as_ref());
-        let (mut q, gate) = if self.output_gate {
-            (b.gather_columns(&projected, 2 * hd, 0, hd), Some(b.gather_columns(&projected, 2 * hd, hd, hd)))
-        } else {
-            (projected, None)
+        let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let (q, gate) = match &self.proj {
+            QkvProj::Stacked { w, bias } => {
+                let qkv = b.linear(x, w, bias.as_ref());
+                let shape = QkvShape {
+                    num_heads: cfg.num_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: hd,
+                    output_gate: self.output_gate,
+                };
+                b.qkv_prologue(&qkv, &shape, norms, eps, positions, rope, cache, self.layer)
+            }
+            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => {
+                let projected = b.linear(x, q, q_bias.as_ref());
+                let (mut q, gate) = if self.output_gate {
+                    let query = b.gather_columns(&projected, 2 * hd, 0, hd);
+                    (query, Some(b.gather_columns(&projected, 2 * hd, hd, hd)))
+                } else {
+                    (projected, None)
+                };
+                let mut k = b.linear(x, k, k_bias.as_ref());
+                let v = b.linear(x, v, v_bias.as_ref());
+                if let Some((qn, kn)) = norms {
+                    q = b.rms_norm(&q, qn, eps);
+                    k = b.rms_norm(&k, kn, eps);
+                }
+                b.rope(&mut q, hd, positions, rope);
+                b.rope(&mut k, hd, positions, rope);
+                b.write_kv(cache, self.layer, &k, &v);
+                (q, gate)
+            }
         };
-        let mut k = b.linear(x, &self.k_proj, self.k_bias.as_ref());
-        let v = b.linear(x, &self.v_proj, self.v_bias.as_ref());
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = b.rms_norm(&q, qn, eps);
-            k = b.rms_norm(&k, kn, eps);
-        }
-        b.rope(&mut q, hd, positions, rope);
-        b.rope(&mut k, hd, positions, rope);
-        b.write_kv(cache, self.layer, &k, &v);
         let shape = AttentionShape {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,

@@ -85,6 +85,35 @@ impl<B: Backend> WeightLoader<'_, B> {
         (0..e_n).map(|e| self.place(&t.narrow(e, 1)?.reshape(vec![rows, cols])?)).collect()
     }
 
+    /// Matrices that one matmul can compute together (q|k|v, gate|up), by
+    /// name and logical `[out, in]` shape: one weight of their rows stacked
+    /// when the backend takes fused projections and all are stored alike
+    /// (same dtype, or same affine parameters); else one weight each.
+    pub fn stacked_rows(&self, names: &[String], shapes: &[[usize; 2]]) -> Result<Vec<B::Weight>> {
+        let fused = format!("{}(stacked)", names.join("+"));
+        if self.backend.fuses_projections() {
+            let mut affine = Vec::new();
+            for (n, s) in names.iter().zip(shapes) {
+                affine.push(self.affine(n, s)?);
+            }
+            if affine.iter().all(Option::is_some) {
+                let parts: Vec<&AffineTensor> = affine.iter().flatten().collect();
+                if let Some(a) = AffineTensor::concat_rows(&fused, &parts)? {
+                    return Ok(vec![self.place_affine(&a)?]);
+                }
+            } else if affine.iter().all(Option::is_none) {
+                let mut plain = Vec::new();
+                for (n, s) in names.iter().zip(shapes) {
+                    plain.push(self.tensor(n, &[s])?);
+                }
+                if let Some(t) = Tensor::concat_rows(&fused, &plain.iter().collect::<Vec<_>>())? {
+                    return Ok(vec![self.place(&t)?]);
+                }
+            }
+        }
+        names.iter().zip(shapes).map(|(n, s)| self.get(n, s)).collect()
+    }
+
     pub fn opt(&self, name: &str, shape: &[usize], present: bool) -> Result<Option<B::Weight>> {
         if present { self.get(name, shape).map(Some) } else { Ok(None) }
     }

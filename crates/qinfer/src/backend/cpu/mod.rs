@@ -258,6 +258,10 @@ impl Backend for CpuBackend {
         x.rows
     }
 
+    fn cols(&self, x: &CpuAct) -> usize {
+        x.cols
+    }
+
     fn to_host(&self, x: &CpuAct) -> Vec<f32> {
         x.data.clone()
     }

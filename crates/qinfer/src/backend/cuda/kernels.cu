@@ -428,6 +428,47 @@ extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq
     rope_pair(x + (size_t)r * cols + (size_t)h * head_dim, i, step[0] + r, inv_freq, half, style);
 }
 
+// The attention prologue from a stacked q|k|v projection, one block per
+// (row, head) over the query heads then the KV heads: the head's values
+// (after the gate, for q_proj rows holding [query, gate] per head) RMS-normed
+// with `q_norm`/`k_norm` when given, rotated at position step[0] + row, and
+// written to `q_out`, or for KV heads the key to the cache with the value
+// beside it. Same arithmetic as rms_norm then rope then kv_append.
+extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
+                                        const float* q_norm, const float* k_norm, const float* inv_freq,
+                                        const int* step, int num_heads, int num_kv_heads, int head_dim,
+                                        int output_gate, float eps, int rotary_dim, int style) {
+    extern __shared__ float head[];
+    int t = blockIdx.x, hh = blockIdx.y;
+    int q_rows = num_heads * head_dim * (output_gate ? 2 : 1), kv_dim = num_kv_heads * head_dim;
+    const float* row = qkv + (size_t)t * (q_rows + 2 * kv_dim);
+    bool is_q = hh < num_heads;
+    int kh = hh - num_heads;
+    const float* src = is_q ? row + (size_t)hh * head_dim * (output_gate ? 2 : 1) : row + q_rows + kh * head_dim;
+    int pos = step[0] + t;
+    if (!is_q) {
+        const float* v = row + q_rows + kv_dim + kh * head_dim;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) values[(size_t)pos * kv_dim + kh * head_dim + c] = v[c];
+    } else if (output_gate) {
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
+            gate_out[((size_t)t * num_heads + hh) * head_dim + c] = src[head_dim + c];
+    }
+    const float* w = is_q ? q_norm : k_norm;
+    float inv = 1.0f;
+    if (w) {
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) ss += src[c] * src[c];
+        inv = rsqrtf(block_sum(ss) / head_dim + eps);
+    }
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) head[c] = w ? w[c] * (src[c] * inv) : src[c];
+    __syncthreads();
+    int half = rotary_dim / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_pair(head, i, pos, inv_freq, half, style);
+    __syncthreads();
+    float* dst = is_q ? q_out + ((size_t)t * num_heads + hh) * head_dim : keys + (size_t)pos * kv_dim + kh * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
+}
+
 // Rows of k and v into the cache at positions step[0].. (one thread per value).
 extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values, const int* step,
                                      int rows, int kv_dim) {
@@ -580,20 +621,33 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
     for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
         qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
     __syncthreads();
-    for (int j = threadIdx.x; j < n; j += DECODE_THREADS) {
-        const float4* k = reinterpret_cast<const float4*>(keys + (size_t)(lo + j) * kv_dim + kvh * HD);
-        float d[DECODE_HEADS] = {};
-#pragma unroll 8
-        for (int c = 0; c < HD / 4; c++) {
-            float4 kv = k[c];
+    // LPK lanes per key, each holding F4 float4s of q per head; KPW keys per warp step.
+    constexpr int LPK = HD / 4 < 32 ? HD / 4 : 32, KPW = 32 / LPK, F4 = HD / 4 / LPK;
+    int sub = lane / LPK, l = lane % LPK;
+    float4 qv[DECODE_HEADS][F4];
 #pragma unroll
-            for (int g = 0; g < DECODE_HEADS; g++) {
-                const float4 qv = reinterpret_cast<const float4*>(qs[g])[c];
-                d[g] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+    for (int g = 0; g < DECODE_HEADS; g++)
+#pragma unroll
+        for (int f = 0; f < F4; f++) qv[g][f] = reinterpret_cast<const float4*>(qs[g])[f * LPK + l];
+#pragma unroll 4
+    for (int j0 = warp * KPW; j0 < n; j0 += WARPS * KPW) {
+        int j = j0 + sub;
+        float d[DECODE_HEADS] = {};
+        if (j < n) {
+            const float4* k = reinterpret_cast<const float4*>(keys + (size_t)(lo + j) * kv_dim + kvh * HD);
+#pragma unroll
+            for (int f = 0; f < F4; f++) {
+                float4 kv = k[f * LPK + l];
+#pragma unroll
+                for (int g = 0; g < DECODE_HEADS; g++)
+                    d[g] += qv[g][f].x * kv.x + qv[g][f].y * kv.y + qv[g][f].z * kv.z + qv[g][f].w * kv.w;
             }
         }
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++) scores[g][j] = d[g];
+        for (int g = 0; g < DECODE_HEADS; g++) {
+            for (int o = LPK / 2; o > 0; o >>= 1) d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
+            if (l == 0 && j < n) scores[g][j] = d[g];
+        }
     }
     __syncthreads();
     if (warp < gh) {
@@ -616,7 +670,7 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 #pragma unroll
         for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (HD >= 128) {
-#pragma unroll 4
+#pragma unroll 8
         for (int j = warp; j < n; j += WARPS) {
             const float4* vr = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD);
 #pragma unroll
@@ -710,6 +764,14 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+// silu(gate) ⊙ up from stacked gate|up rows [rows, 2·width].
+extern "C" __global__ void swiglu(const float* gu, float* out, int width, long n) {
+    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long r = i / width, c = i % width;
+    float g = gu[r * 2 * width + c], u = gu[r * 2 * width + width + c];
+    out[i] = g / (1.0f + expf(-g)) * u;
 }
 extern "C" __global__ void add_assign(float* x, const float* y, long n) {
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;

@@ -21,7 +21,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 
-use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
+use super::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
@@ -76,6 +76,8 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_decode128",
     "attention_decode256",
     "kv_append",
+    "qkv_prologue",
+    "swiglu",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
@@ -979,23 +981,10 @@ impl Backend for CudaBackend {
             self.record(Err("positions must be consecutive"), "rope");
             return;
         }
-        let key: Vec<u32> = rope.inv_freq.iter().map(|f| f.to_bits()).collect();
-        let freq_ptr = {
-            let mut tables = match self.rope_tables.lock() {
-                Ok(t) => t,
-                Err(_) => return self.record(Err("rope table lock poisoned"), "rope"),
-            };
-            if !tables.contains_key(&key) {
-                tables.insert(key.clone(), self.upload_slice(&rope.inv_freq));
-            }
-            self.p(&tables[&key])
-        };
+        let Some(freq_ptr) = self.rope_table(rope) else { return };
         self.ensure_step(start, None);
         let pairs = x.rows * (x.cols / head_dim) * (rope.rotary_dim / 2);
-        let style = match rope.style {
-            RopeStyle::Neox => 0i32,
-            RopeStyle::Interleaved => 1i32,
-        };
+        let style = rope_style(rope);
         launch!(
             self,
             "rope",
@@ -1069,6 +1058,81 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn fuses_projections(&self) -> bool {
+        true
+    }
+
+    fn swiglu(&self, gate_up: &CudaAct) -> CudaAct {
+        let width = gate_up.cols / 2;
+        let out = self.act(gate_up.rows, width);
+        let n = gate_up.rows * width;
+        launch!(
+            self,
+            "swiglu",
+            Self::elementwise_cfg(n),
+            self.p(&gate_up.buf),
+            self.p(&out.buf),
+            width as i32,
+            n as i64
+        );
+        out
+    }
+
+    fn qkv_prologue(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut CudaKv,
+        layer: usize,
+    ) -> (CudaAct, Option<CudaAct>) {
+        let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let q = self.act(qkv.rows, nh * hd);
+        let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
+        let start = positions.first().copied().unwrap_or(0);
+        if start != cache.len() || positions.iter().enumerate().any(|(i, &p)| p != start + i) {
+            self.record(Err("positions must continue the cache"), "qkv_prologue");
+            return (q, gate);
+        }
+        let r = cache.reserve(&self.stream, layer, qkv.rows);
+        self.record(r, "KV cache allocation");
+        let (Some((keys, values)), Some(freq_ptr)) = (cache.layer(layer), self.rope_table(rope)) else {
+            return (q, gate);
+        };
+        let norm_ptr = |w: &CudaWeight| match w {
+            CudaWeight::Vector(v) => self.p(v),
+            _ => 0,
+        };
+        let (qn, kn) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
+        self.ensure_step(start, None);
+        let threads = (hd.div_ceil(32) * 32).min(256) as u32;
+        launch!(
+            self,
+            "qkv_prologue",
+            cfg((qkv.rows as u32, (nh + nkv) as u32, 1), threads, (hd * 4) as u32),
+            self.p(&qkv.buf),
+            self.p(&q.buf),
+            gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
+            self.p(keys),
+            self.p(values),
+            qn,
+            kn,
+            freq_ptr,
+            self.p(&self.step),
+            nh as i32,
+            nkv as i32,
+            hd as i32,
+            shape.output_gate as i32,
+            eps,
+            rope.rotary_dim as i32,
+            rope_style(rope)
+        );
+        (q, gate)
+    }
+
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
         let out = self.act(gate.rows, gate.cols);
         let n = gate.rows * gate.cols;
@@ -1104,6 +1168,10 @@ impl Backend for CudaBackend {
 
     fn rows(&self, x: &CudaAct) -> usize {
         x.rows
+    }
+
+    fn cols(&self, x: &CudaAct) -> usize {
+        x.cols
     }
 
     fn to_host(&self, x: &CudaAct) -> Vec<f32> {
@@ -1320,7 +1388,27 @@ struct Recorded {
 // at a time holds (`&mut`), and only on the backend's one stream.
 unsafe impl Send for CudaStep {}
 
+fn rope_style(rope: &Rope) -> i32 {
+    match rope.style {
+        RopeStyle::Neox => 0,
+        RopeStyle::Interleaved => 1,
+    }
+}
+
 impl CudaBackend {
+    /// The RoPE inverse frequencies on the device, uploaded on first use.
+    fn rope_table(&self, rope: &Rope) -> Option<u64> {
+        let key: Vec<u32> = rope.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let Ok(mut tables) = self.rope_tables.lock() else {
+            self.record(Err("rope table lock poisoned"), "rope");
+            return None;
+        };
+        if !tables.contains_key(&key) {
+            tables.insert(key.clone(), self.upload_slice(&rope.inv_freq));
+        }
+        Some(self.p(&tables[&key]))
+    }
+
     fn set_recording(&self, to: Option<(Arc<BufferPool>, bool)>) {
         match self.recording.lock() {
             Ok(mut r) => *r = to,
