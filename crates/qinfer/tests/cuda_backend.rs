@@ -559,6 +559,44 @@ fn profile_decode_ops_at_8b_shapes() {
         let x = b.act_from_host(1, cols, &r.vec(cols));
         time(&format!("gemv bf16 {name} {rows}x{cols}"), rows * cols * 2, 0, &mut || b.linear(&x, &w, None));
     }
+    for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("gate_up", 2 * inter, h), ("down", h, inter)] {
+        for bits in [4u32, 8] {
+            let w = b.upload_affine(&affine_tensor(&mut r, bits, 64, rows, cols)).unwrap();
+            let x = b.act_from_host(1, cols, &r.vec(cols));
+            // Packed levels plus f32 scales and biases per group of 64.
+            let bytes = rows * cols * bits as usize / 8 + rows * cols / 64 * 8;
+            time(&format!("gemv q{bits}g64 {name} {rows}x{cols}"), bytes, 0, &mut || b.linear(&x, &w, None));
+        }
+    }
+    // Prefill of 512 tokens, timed eagerly (each op is long enough).
+    let eager = |what: &str, flops: f64, op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct| {
+        drop(op());
+        b.check().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            drop(op());
+        }
+        b.check().unwrap();
+        let us = t0.elapsed().as_secs_f64() * 1e6 / 10.0;
+        println!("{what:<40} {us:8.1} µs  {:.0} TFLOP/s", flops / us / 1e6);
+    };
+    let t = 512;
+    for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("gate_up", 2 * inter, h), ("down", h, inter)] {
+        let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+        let x = b.act_from_host(t, cols, &r.vec(t * cols));
+        let flops = 2.0 * (t * rows * cols) as f64;
+        eager(&format!("gemm bf16 {name} {t}x{cols}->{rows}"), flops, &mut || b.linear(&x, &w, None));
+    }
+    for keys in [512usize, 8192] {
+        let shape = AttentionShape { num_heads: 32, num_kv_heads: 8, head_dim: 128, window: None, scale: 0.088 };
+        let mut cache = b.new_cache(1, kv, keys);
+        let kvs = b.act_from_host(keys, kv, &r.vec(keys * kv));
+        b.write_kv(&mut cache, 0, &kvs, &kvs);
+        let qa = b.act_from_host(keys, q, &r.vec(keys * q));
+        // Causal: half the score matrix, QKᵀ and PV.
+        let flops = 2.0 * 2.0 * (keys * keys / 2 * 32 * 128) as f64;
+        eager(&format!("attention prefill {keys} rows"), flops, &mut || b.attention(&qa, &cache, 0, &shape));
+    }
     let x = b.act_from_host(1, h, &r.vec(h));
     let nw = b.upload(&tensor("n", DType::F32, vec![h], &r.vec(h))).unwrap();
     time("rms_norm 4096", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));

@@ -163,7 +163,9 @@ __device__ __forceinline__ float affine_level(const unsigned* words, int k) {
     int bit = k * BITS, wi = bit >> 5, sh = bit & 31;
     unsigned v = words[wi] >> sh;
     if (sh + BITS > 32) v |= words[wi + 1] << (32 - sh);
-    return (float)(v & ((1u << BITS) - 1));
+    // 2^23 + level as float bits, minus 2^23: exact, and on the FP32 pipe
+    // instead of the much narrower integer-to-float conversion.
+    return __uint_as_float(0x4B000000u | (v & ((1u << BITS) - 1))) - 8388608.0f;
 }
 
 // The BITS words of 32-value chunk `chunk` of a row (16-byte loads where the
@@ -183,50 +185,77 @@ __device__ __forceinline__ void affine_chunk(const unsigned* __restrict__ row, i
     }
 }
 
-// Decode GEMV, one warp per output row, one 32-value chunk per lane per step,
-// the levels unpacked and dequantized (s·q + b) in registers. Not the shortcut
-// s·Σx·q + b·Σx: with b ≈ −s·2^(bits−1) its two terms cancel (see the CPU
-// backend's affine.rs).
-template <int BITS>
-__device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
-                            const float* __restrict__ biases, const float* __restrict__ x,
-                            const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
-                            int group, int n_rows) {
-    int warps = blockDim.x >> 5;
-    int o = blockIdx.x * warps + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (o >= out_dim) return;
-    const unsigned* row = w + (size_t)o * (in_dim / 32) * BITS;
-    int groups = in_dim / group;
-    float acc[GEMV_MAX_ROWS];
+// Decode GEMV, laid out as the float GEMV above: a block computes ROWS output
+// rows, its threads striding over the rows' 32-value chunks together, each
+// thread taking the same chunks of all ROWS rows (one read of x for ROWS rows,
+// ROWS·GEMV_UNROLL chunk loads in flight). Levels are unpacked and
+// dequantized (s·q + b) in registers. Not the shortcut s·Σx·q + b·Σx: with
+// b ≈ −s·2^(bits−1) its two terms cancel (see the CPU backend's affine.rs).
+template <int BITS, int ROWS, int ACT>
+__device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][BITS], const float (&sc)[ROWS],
+                                                 const float (&bi)[ROWS], const float* __restrict__ x, int c,
+                                                 int in_dim, int n_act, float (&acc)[ROWS][ACT]) {
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_ROWS; t++) acc[t] = 0.0f;
-    for (int chunk = lane; chunk < in_dim / 32; chunk += 32) {
-        unsigned words[BITS];
-        affine_chunk<BITS>(row, chunk, words);
-        int g = chunk * 32 / group;
-        float s = scales[(size_t)o * groups + g], b = biases[(size_t)o * groups + g];
-        float wv[32];
+    for (int t = 0; t < ACT; t++) {
+        if (t < n_act) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + c);
 #pragma unroll
-        for (int k = 0; k < 32; k++) wv[k] = s * affine_level<BITS>(words, k) + b;
+            for (int j = 0; j < 8; j++) {
+                float4 xv = xr[j];
 #pragma unroll
-        for (int t = 0; t < GEMV_MAX_ROWS; t++) {
-            if (t < n_rows) {
-                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + chunk * 32);
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    float4 xv = xr[j];
-                    acc[t] += wv[4 * j] * xv.x + wv[4 * j + 1] * xv.y + wv[4 * j + 2] * xv.z + wv[4 * j + 3] * xv.w;
+                for (int r = 0; r < ROWS; r++) {
+                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j) + bi[r]) * xv.x;
+                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 1) + bi[r]) * xv.y;
+                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 2) + bi[r]) * xv.z;
+                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 3) + bi[r]) * xv.w;
                 }
             }
         }
     }
+}
+
+template <int BITS, int ROWS, int ACT>
+__device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
+                            const float* __restrict__ biases, const float* __restrict__ x,
+                            const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
+                            int group, int n_act) {
+    __shared__ float partial[32][ROWS * ACT];
+    int row0 = blockIdx.x * ROWS;
+    int chunks = in_dim / 32, groups = in_dim / group;
+    int rows[ROWS];
 #pragma unroll
-    for (int t = 0; t < GEMV_MAX_ROWS; t++) {
-        if (t < n_rows) {
-            float sum = warp_sum(acc[t]);
-            if (lane == 0) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
+    for (int r = 0; r < ROWS; r++) rows[r] = min(row0 + r, out_dim - 1);
+    float acc[ROWS][ACT];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < ACT; t++) acc[r][t] = 0.0f;
+    for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
+        unsigned words[ROWS][BITS];
+        float sc[ROWS], bi[ROWS];
+        int g = i * 32 / group;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            affine_chunk<BITS>(w + (size_t)rows[r] * chunks * BITS, i, words[r]);
+            sc[r] = scales[(size_t)rows[r] * groups + g];
+            bi[r] = biases[(size_t)rows[r] * groups + g];
         }
+        affine_chunk_dot<BITS, ROWS, ACT>(words, sc, bi, x, i * 32, in_dim, n_act, acc);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < ACT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == 0) partial[warp][r * ACT + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROWS * ACT) {
+        int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
+        float sum = 0.0f;
+        for (int k = 0; k < warps; k++) sum += partial[k][threadIdx.x];
+        if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
     }
 }
 
@@ -267,11 +296,18 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const float* __rest
     }
 }
 
+#define GEMV_AFFINE(B, R, A)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                              \
+        gemv_affine##B##_r##R##a##A(const unsigned* w, const float* s, const float* bi, const float* x,            \
+                                    const float* b, float* y, int o, int i, int g, int n) {                        \
+        gemv_affine<B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                            \
+    }
 #define AFFINE_KERNELS(B)                                                                                          \
-    extern "C" __global__ void gemv_affine##B(const unsigned* w, const float* s, const float* bi, const float* x,  \
-                                              const float* b, float* y, int o, int i, int g, int n) {              \
-        gemv_affine<B>(w, s, bi, x, b, y, o, i, g, n);                                                             \
-    }                                                                                                              \
+    GEMV_AFFINE(B, 1, 1)                                                                                           \
+    GEMV_AFFINE(B, 2, 1)                                                                                           \
+    GEMV_AFFINE(B, 4, 1)                                                                                           \
+    GEMV_AFFINE(B, 1, 8)                                                                                           \
+    GEMV_AFFINE(B, 2, 8)                                                                                           \
     extern "C" __global__ void affine##B##_to_bf16(const unsigned* w, const float* s, const float* bi,             \
                                                    __nv_bfloat16* out, int r0, int rows, int i, int g) {           \
         affine_to_bf16<B>(w, s, bi, out, r0, rows, i, g);                                                          \

@@ -51,12 +51,6 @@ const KERNEL_NAMES: &[&str] = &[
     "gdn_conv_f32",
     "gdn_prepare",
     "gdn_recurrent",
-    "gemv_affine2",
-    "gemv_affine3",
-    "gemv_affine4",
-    "gemv_affine5",
-    "gemv_affine6",
-    "gemv_affine8",
     "affine2_to_bf16",
     "affine3_to_bf16",
     "affine4_to_bf16",
@@ -91,6 +85,9 @@ const AFFINE_TILE_VALUES: usize = 64 << 20;
 
 /// Rows at or below this go through the GEMV kernel; above, cuBLAS.
 const GEMV_MAX_ROWS: usize = 8;
+
+/// The GEMV kernels' weight formats (`gemv_{format}_r{rows}a{act}`).
+const GEMV_WEIGHTS: &[&str] = &["bf16", "f16", "f32", "affine2", "affine3", "affine4", "affine5", "affine6", "affine8"];
 
 /// The GEMV kernels compiled: (weight rows per block, activation-row bound).
 const GEMV_SHAPES: &[(usize, usize)] = &[(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
@@ -268,8 +265,7 @@ impl CudaBackend {
         let arch: &'static str = Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str());
         let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
         let mut kernels = HashMap::new();
-        let gemv_names =
-            ["bf16", "f16", "f32"].iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
+        let gemv_names = GEMV_WEIGHTS.iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
         for name in KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names) {
             let f = module.load_function(&name).map_err(|e| err(&name, &e))?;
             kernels.insert(name, f);
@@ -314,7 +310,9 @@ impl CudaBackend {
         if self.failed() {
             return;
         }
-        let f = &self.kernels[name];
+        let Some(f) = self.kernels.get(name) else {
+            return self.record(Err("no such kernel in kernels.cu"), name);
+        };
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -624,6 +622,16 @@ impl CudaBackend {
         );
     }
 
+    /// The GEMV launch for `out_dim × in_dim` weights read in chunks of `vec`
+    /// values with `act` activation rows: the fixed shape when one is set.
+    fn gemv_launch_shape(&self, out_dim: usize, in_dim: usize, vec: usize, act: usize) -> GemvShape {
+        let mut shape = self.gemv_shape.unwrap_or_else(|| GemvShape::choose(out_dim, in_dim, vec, act));
+        if act > 1 {
+            shape.rows_per_block = shape.rows_per_block.min(2);
+        }
+        shape
+    }
+
     /// Split-K decode attention with GQA sharing (`attention_decode` in
     /// kernels.cu): blocks over (row·KV head, key chunk, group of query heads).
     fn attention_decode(
@@ -676,12 +684,13 @@ impl CudaBackend {
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
     fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
-        let warps = 8u32;
-        let grid = (w.rows.div_ceil(warps as usize) as u32, 1, 1);
+        let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
+        let shape = self.gemv_launch_shape(w.rows, w.cols, 32, act);
+        let grid = (w.rows.div_ceil(shape.rows_per_block) as u32, 1, 1);
         launch!(
             self,
-            &format!("gemv_affine{}", w.params.bits),
-            cfg(grid, warps * 32, 0),
+            &gemv_kernel(&format!("affine{}", w.params.bits), shape.rows_per_block, act),
+            cfg(grid, shape.threads, 0),
             self.p(&w.packed),
             self.p(&w.scales),
             self.p(&w.biases),
@@ -939,10 +948,7 @@ impl Backend for CudaBackend {
                 _ => ("f32", 4),
             };
             let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
-            let mut shape = self.gemv_shape.unwrap_or_else(|| GemvShape::choose(*out_dim, *in_dim, vec, act));
-            if act > 1 {
-                shape.rows_per_block = shape.rows_per_block.min(2);
-            }
+            let shape = self.gemv_launch_shape(*out_dim, *in_dim, vec, act);
             let grid = (out_dim.div_ceil(shape.rows_per_block) as u32, 1, 1);
             launch!(
                 self,
