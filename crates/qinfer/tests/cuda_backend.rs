@@ -290,8 +290,10 @@ fn attention_over_the_cache_matches_cpu() {
             let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
             let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
             let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
+            let mut cs = p.split.new_cache(2, nkv * hd, 1500);
             for step in [9usize, 1, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
-                let (qc, qg) = p.acts(step, nh * hd, &r.vec(step * nh * hd));
+                let qv = r.vec(step * nh * hd);
+                let (qc, qg) = p.acts(step, nh * hd, &qv);
                 let kv = r.vec(step * nkv * hd);
                 let vv = r.vec(step * nkv * hd);
                 let (kc, kg) = p.acts(step, nkv * hd, &kv);
@@ -301,10 +303,20 @@ fn attention_over_the_cache_matches_cpu() {
                 let oc = p.cpu.attention(&qc, &cc, 1, &shape);
                 let og = p.gpu.attention(&qg, &cg, 1, &shape);
                 let what = format!("attention {nh}/{nkv}×{hd} window {window:?} at {} + {step}", cc.len());
-                p.check(&what, &oc, &og, 1e-5);
+                // Prefill steps of head dims 64/128/256 run on the tensor
+                // cores with f16 inputs; the split-activation backend keeps
+                // them exact.
+                let flash = step > 8 && matches!(hd, 64 | 128 | 256);
+                p.check(&what, &oc, &og, if flash { 3e-3 } else { 1e-5 });
+                let (ks, vs) = (p.split.act_from_host(step, nkv * hd, &kv), p.split.act_from_host(step, nkv * hd, &vv));
+                p.split.write_kv(&mut cs, 1, &ks, &vs);
+                let os = p.split.attention(&p.split.act_from_host(step, nh * hd, &qv), &cs, 1, &shape);
+                let e = rel(&p.split.to_host(&os), &p.cpu.to_host(&oc));
+                assert!(e <= 1e-5, "{what} split activations: rel {e}");
                 let n = cc.len() + step;
                 cc.set_len(n);
                 cg.set_len(n);
+                cs.set_len(n);
             }
         }
     }

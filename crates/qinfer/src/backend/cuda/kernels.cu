@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -772,6 +773,167 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)
 ATTENTION_DECODE(256)
+
+// ---------------------------------------------------------------------------
+// Prefill attention on the tensor cores (flash attention): a block of 4 warps
+// takes FLASH_BQ query rows of one head and walks the visible keys in tiles
+// of BK, keeping a running max m, sum l and unnormalized output O per row, so
+// the score matrix never leaves shared memory. Q·Kᵀ and P·V run as 16×16×16
+// f16 WMMA products with f32 accumulation: q (pre-scaled), k, v and the
+// probabilities are rounded to f16 (11 significant bits; the default prefill
+// GEMMs already see activations at bf16's 8). O lives in shared memory so each
+// row can be rescaled by e^(m_old − m_new) between tiles.
+#define FLASH_BQ 64
+#define FLASH_THREADS 128
+template <int HD, int BK>
+__device__ void flash_prefill(const float* __restrict__ q, const float* __restrict__ keys,
+                              const float* __restrict__ values, float* __restrict__ out, const int* step, int rows,
+                              int num_heads, int num_kv_heads, int window, float scale) {
+    using namespace nvcuda;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __half* qs = reinterpret_cast<__half*>(smem);  // [BQ][HD]
+    __half* ks = qs + FLASH_BQ * HD;                // [BK][HD]
+    __half* vs = ks + BK * HD;                      // [BK][HD]
+    float* ss = reinterpret_cast<float*>(vs + BK * HD);  // [BQ][BK]
+    __half* ps = reinterpret_cast<__half*>(ss + FLASH_BQ * BK);  // [BQ][BK]
+    float* os = reinterpret_cast<float*>(ps + FLASH_BQ * BK);    // [BQ][HD]
+    float* row_m = os + FLASH_BQ * HD;
+    float* row_l = row_m + FLASH_BQ;
+    float* row_a = row_l + FLASH_BQ;
+    const float neg_inf = -__int_as_float(0x7f800000);
+    int h = blockIdx.y, kvh = h / (num_heads / num_kv_heads);
+    int q0 = blockIdx.x * FLASH_BQ, start = step[0];
+    int kv_dim = num_kv_heads * HD, q_dim = num_heads * HD;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // q as float4s, eight loads in flight per thread.
+    for (int base = threadIdx.x; base < FLASH_BQ * HD / 4; base += 8 * FLASH_THREADS) {
+        float4 ql[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * FLASH_THREADS, r = i / (HD / 4);
+            bool ok = i < FLASH_BQ * HD / 4 && q0 + r < rows;
+            ql[u] = ok ? reinterpret_cast<const float4*>(q + (size_t)(q0 + r) * q_dim + h * HD)[i % (HD / 4)]
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * FLASH_THREADS;
+            if (i < FLASH_BQ * HD / 4) {
+                __half2* d = reinterpret_cast<__half2*>(qs + 4 * i);
+                d[0] = __floats2half2_rn(ql[u].x * scale, ql[u].y * scale);
+                d[1] = __floats2half2_rn(ql[u].z * scale, ql[u].w * scale);
+                reinterpret_cast<float4*>(os)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    }
+    for (int r = threadIdx.x; r < FLASH_BQ; r += FLASH_THREADS) { row_m[r] = neg_inf; row_l[r] = 0.0f; }
+    __syncthreads();
+    // This warp's 16 query rows stay in registers as WMMA fragments.
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qf[HD / 16];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) wmma::load_matrix_sync(qf[kk], qs + warp * 16 * HD + kk * 16, HD);
+    int last = start + min(q0 + FLASH_BQ, rows) - 1;  // the block's last query position
+    int k_begin = window > 0 ? max(0, start + q0 + 1 - window) / BK * BK : 0;
+    int k_end = last + 1;
+    __syncthreads();
+    for (int k0 = k_begin; k0 < k_end; k0 += BK) {
+        // The tiles as float4s, all of a thread's loads issued before any is
+        // converted (a loop of dependent load-then-store pairs waits out the
+        // memory latency once per value).
+        constexpr int PER = BK * HD / 4 / FLASH_THREADS;
+        float4 kl[PER], vl[PER];
+#pragma unroll
+        for (int u = 0; u < PER; u++) {
+            int i = threadIdx.x + u * FLASH_THREADS, j = i / (HD / 4), c4 = i % (HD / 4), key = k0 + j;
+            bool ok = key < k_end;
+            const size_t at = (size_t)key * kv_dim + kvh * HD;
+            kl[u] = ok ? reinterpret_cast<const float4*>(keys + at)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+            vl[u] = ok ? reinterpret_cast<const float4*>(values + at)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < PER; u++) {
+            int i = threadIdx.x + u * FLASH_THREADS;
+            __half2* kd = reinterpret_cast<__half2*>(ks + 4 * i);
+            __half2* vd = reinterpret_cast<__half2*>(vs + 4 * i);
+            kd[0] = __floats2half2_rn(kl[u].x, kl[u].y);
+            kd[1] = __floats2half2_rn(kl[u].z, kl[u].w);
+            vd[0] = __floats2half2_rn(vl[u].x, vl[u].y);
+            vd[1] = __floats2half2_rn(vl[u].z, vl[u].w);
+        }
+        __syncthreads();
+        // S = Q·Kᵀ for this warp's 16 rows.
+#pragma unroll
+        for (int n = 0; n < BK / 16; n++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+                wmma::load_matrix_sync(b, ks + n * 16 * HD + kk * 16, HD);
+                wmma::mma_sync(acc, qf[kk], b, acc);
+            }
+            wmma::store_matrix_sync(ss + warp * 16 * BK + n * 16, acc, BK, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // Online softmax of the warp's rows over this tile (causal and window masks).
+        for (int rr = 0; rr < 16; rr++) {
+            int r = warp * 16 + rr, pos = start + q0 + r;
+            float sv[BK / 32];
+            float mx = neg_inf;
+#pragma unroll
+            for (int u = 0; u < BK / 32; u++) {
+                int j = lane + 32 * u, key = k0 + j;
+                bool ok = key <= pos && (window <= 0 || key > pos - window);
+                sv[u] = ok ? ss[r * BK + j] : neg_inf;
+                mx = fmaxf(mx, sv[u]);
+            }
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            float m_old = row_m[r], m_new = fmaxf(m_old, mx);
+            float alpha = m_old == neg_inf ? (m_new == neg_inf ? 1.0f : 0.0f) : expf(m_old - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < BK / 32; u++) {
+                float p = sv[u] == neg_inf ? 0.0f : expf(sv[u] - m_new);
+                ps[r * BK + lane + 32 * u] = __float2half(p);
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) { row_l[r] = row_l[r] * alpha + sum; row_m[r] = m_new; row_a[r] = alpha; }
+        }
+        __syncwarp();
+        for (int i = lane; i < 16 * HD; i += 32) os[warp * 16 * HD + i] *= row_a[warp * 16 + i / HD];
+        __syncwarp();
+        // O += P·V for this warp's rows.
+#pragma unroll
+        for (int n = 0; n < HD / 16; n++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, os + warp * 16 * HD + n * 16, HD, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
+                wmma::load_matrix_sync(a, ps + warp * 16 * BK + kk * 16, BK);
+                wmma::load_matrix_sync(b, vs + kk * 16 * HD + n * 16, HD);
+                wmma::mma_sync(acc, a, b, acc);
+            }
+            wmma::store_matrix_sync(os + warp * 16 * HD + n * 16, acc, HD, wmma::mem_row_major);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < FLASH_BQ * HD; i += FLASH_THREADS) {
+        int r = i / HD, c = i % HD;
+        if (q0 + r < rows) out[(size_t)(q0 + r) * q_dim + h * HD + c] = os[i] / row_l[r];
+    }
+}
+#define FLASH_PREFILL(HD, BK)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_prefill##HD(                                 \
+        const float* q, const float* k, const float* v, float* o, const int* step, int rows, int nh, int nkv,      \
+        int window, float scale) {                                                                                 \
+        flash_prefill<HD, BK>(q, k, v, o, step, rows, nh, nkv, window, scale);                                     \
+    }
+FLASH_PREFILL(64, 64)
+FLASH_PREFILL(128, 64)
+FLASH_PREFILL(256, 32)
 
 // One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,

@@ -72,10 +72,25 @@ const KERNEL_NAMES: &[&str] = &[
     "kv_append",
     "qkv_prologue",
     "swiglu",
+    "flash_prefill64",
+    "flash_prefill128",
+    "flash_prefill256",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
 const ATTENTION_CHUNK: usize = 128;
+
+/// Query rows per block of the tensor-core prefill attention (`FLASH_BQ`).
+const FLASH_ROWS: usize = 64;
+
+/// Keys per tile of `flash_prefill{head_dim}` and its shared memory in bytes:
+/// f16 q, k and v tiles, f32 scores, f16 probabilities, the f32 output, and
+/// three f32 values per row.
+fn flash_tile(head_dim: usize) -> (usize, usize) {
+    let keys = if head_dim > 128 { 32 } else { 64 };
+    let (q, kv, s) = (FLASH_ROWS * head_dim, keys * head_dim, FLASH_ROWS * keys);
+    (keys, 2 * q + 2 * 2 * kv + 4 * s + 2 * s + 4 * q + 4 * 3 * FLASH_ROWS)
+}
 
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
 const DECODE_HEADS: usize = 4;
@@ -282,6 +297,14 @@ impl CudaBackend {
             )
             .map_err(|e| err("attention shared memory", &e))?;
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
+        for hd in [64, 128, 256] {
+            kernels[&format!("flash_prefill{hd}")]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    flash_tile(hd).1 as i32,
+                )
+                .map_err(|e| err("flash attention shared memory", &e))?;
+        }
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", &e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
         let step = stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the step inputs", &e))?;
@@ -1038,6 +1061,26 @@ impl Backend for CudaBackend {
             self.attention_split(q, keys, values, n_keys, s, &out);
             return out;
         }
+        if !self.split_activations && matches!(s.head_dim, 64 | 128 | 256) {
+            let grid = (q.rows.div_ceil(FLASH_ROWS) as u32, s.num_heads as u32, 1);
+            launch!(
+                self,
+                &format!("flash_prefill{}", s.head_dim),
+                cfg(grid, 128, flash_tile(s.head_dim).1 as u32),
+                self.p(&q.buf),
+                self.p(keys),
+                self.p(values),
+                self.p(&out.buf),
+                self.p(&self.step),
+                q.rows as i32,
+                s.num_heads as i32,
+                s.num_kv_heads as i32,
+                s.window.unwrap_or(0) as i32,
+                s.scale
+            );
+            return out;
+        }
+        // Exact f32 (the parity configuration, and other head dims).
         let shared = (n_keys * 4) as u32;
         if n_keys > self.max_attention_keys {
             self.record(
