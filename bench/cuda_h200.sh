@@ -6,7 +6,7 @@
 #   cargo build --release -p qinfer-cli --features cuda
 #   cargo test --release -p qinfer --features cuda --test cuda_backend --no-run
 #   (copy target/release/qinfer and the cuda_backend test binary to .device/)
-# Usage: bench/cuda_h200.sh [config:dtype ...]   (default: qwen3-0.6b:bf16)
+# Usage: QINFER_COMMIT=<commit> bench/cuda_h200.sh [config:dtype ...]   (default: qwen3-0.6b:bf16)
 # For each model: decode at context 128 (tg128 from empty) and 8192 (tg32 @ d8192),
 # prefill of 512 and 8192 tokens, and the decode roofline ratio.
 set -uo pipefail
@@ -42,6 +42,6 @@ for spec in "${@:-qwen3-0.6b:bf16}"; do
     -p 0 -n 32 -d 8192 -r 1 --json > "$OUT/runs/$cfg-$dtype-d8192.json" 2> "$OUT/runs/$cfg-$dtype-d8192.err"
   echo "== $cfg $dtype depth 8192: rc $?"
 done
-python3 bench/cuda_summary.py "$OUT/runs" > "$OUT/cuda-h200.json"
+python3 bench/cuda_summary.py "$OUT/runs" "$@" > "$OUT/cuda-h200.json"
 cat "$OUT/cuda-h200.json" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(k, v) for k, v in d['models'].items()]"
 tar -czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"

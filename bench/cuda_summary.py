@@ -11,6 +11,7 @@ lm_head (tied). MoE layers count the shared weights and top-k experts only.
 import datetime
 import json
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,10 @@ def main() -> None:
         if "tg128" in row:
             row["decode_roofline_ratio"] = round(row["tg128"] / roof, 3)
         models[f"{cfg_name} {dtype}"] = row
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The device's copy of the tree may carry a stale .git: the caller names the commit.
+    commit = os.environ.get("QINFER_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     print(json.dumps({
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": commit or "(tree copied without .git; see the commit that adds this file)",
