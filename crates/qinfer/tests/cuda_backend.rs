@@ -57,7 +57,14 @@ fn tensor(name: &str, dtype: DType, shape: Vec<usize>, v: &[f32]) -> Tensor {
 /// max |got − want| / max |want|; NaN fails.
 fn rel(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    assert!(got.iter().all(|x| x.is_finite()), "non-finite output (unwritten element?)");
+    let bad: Vec<usize> = (0..got.len()).filter(|&i| !got[i].is_finite()).collect();
+    assert!(
+        bad.is_empty(),
+        "{} non-finite outputs of {} (unwritten elements?), first at {:?}",
+        bad.len(),
+        got.len(),
+        &bad[..bad.len().min(8)]
+    );
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
     got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
 }
@@ -326,9 +333,11 @@ fn attention_over_the_cache_matches_cpu() {
 fn gated_deltanet_and_moe_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    for v_heads_tiled in [false, true] {
+    // Key heads of 16 (state in memory) and 128 (state held in registers,
+    // value heads of 40 to cover a partial warp of columns).
+    for (v_heads_tiled, dk, dv) in [(false, 16, 24), (true, 16, 24), (false, 128, 40), (true, 128, 128)] {
         let cfg =
-            GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: 16, v_head_dim: 24, conv_kernel: 4, v_heads_tiled };
+            GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, v_heads_tiled };
         let (cd, kd, vd, nv) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim(), cfg.num_v_heads);
         let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
         let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
@@ -348,7 +357,7 @@ fn gated_deltanet_and_moe_match_cpu() {
             let (bc, bg) = p.acts(t, nv, &r.vec(t * nv));
             let oc = p.cpu.gated_delta_rule(&qc, &kc, &vc, &ac, &bc, &alc, &dtc, &mut sc);
             let og = p.gpu.gated_delta_rule(&qg, &kg, &vg, &ag, &bg, &alg, &dtg, &mut sg);
-            p.check(&format!("gated_delta_rule T={t} tiled {v_heads_tiled}"), &oc, &og, 1e-4);
+            p.check(&format!("gated_delta_rule T={t} tiled {v_heads_tiled} dk {dk} dv {dv}"), &oc, &og, 1e-4);
         }
         let snapshot = sg.clone();
         let (_, xg) = p.acts(1, cd, &r.vec(cd));

@@ -666,24 +666,31 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
     for (int g = 0; g < DECODE_HEADS; g++)
 #pragma unroll
         for (int f = 0; f < F4; f++) qv[g][f] = reinterpret_cast<const float4*>(qs[g])[f * LPK + l];
-#pragma unroll 4
-    for (int j0 = warp * KPW; j0 < n; j0 += WARPS * KPW) {
-        int j = j0 + sub;
-        float d[DECODE_HEADS] = {};
-        if (j < n) {
+    // Batches of 8 keys per warp step, every load of a batch issued first.
+    for (int j0 = warp * KPW; j0 < n; j0 += 8 * WARPS * KPW) {
+        float4 kv[8][F4];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int j = j0 + u * WARPS * KPW + sub;
             const float4* k = reinterpret_cast<const float4*>(keys + (size_t)(lo + j) * kv_dim + kvh * HD);
 #pragma unroll
-            for (int f = 0; f < F4; f++) {
-                float4 kv = k[f * LPK + l];
-#pragma unroll
-                for (int g = 0; g < DECODE_HEADS; g++)
-                    d[g] += qv[g][f].x * kv.x + qv[g][f].y * kv.y + qv[g][f].z * kv.z + qv[g][f].w * kv.w;
-            }
+            for (int f = 0; f < F4; f++) kv[u][f] = j < n ? k[f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++) {
-            for (int o = LPK / 2; o > 0; o >>= 1) d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
-            if (l == 0 && j < n) scores[g][j] = d[g];
+        for (int u = 0; u < 8; u++) {
+            int j = j0 + u * WARPS * KPW + sub;
+            float d[DECODE_HEADS] = {};
+#pragma unroll
+            for (int f = 0; f < F4; f++)
+#pragma unroll
+                for (int g = 0; g < DECODE_HEADS; g++)
+                    d[g] += qv[g][f].x * kv[u][f].x + qv[g][f].y * kv[u][f].y + qv[g][f].z * kv[u][f].z +
+                            qv[g][f].w * kv[u][f].w;
+#pragma unroll
+            for (int g = 0; g < DECODE_HEADS; g++) {
+                for (int o = LPK / 2; o > 0; o >>= 1) d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
+                if (l == 0 && j < n) scores[g][j] = d[g];
+            }
         }
     }
     __syncthreads();
@@ -707,16 +714,27 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 #pragma unroll
         for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (HD >= 128) {
-#pragma unroll 8
-        for (int j = warp; j < n; j += WARPS) {
-            const float4* vr = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD);
+        for (int j0 = warp; j0 < n; j0 += 8 * WARPS) {
+            float4 x[8][V4];
 #pragma unroll
-            for (int v = 0; v < V4; v++) {
-                float4 x = vr[lane + 32 * v];
+            for (int u = 0; u < 8; u++) {
+                int j = j0 + u * WARPS;
+                const float4* vr = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD);
 #pragma unroll
-                for (int g = 0; g < DECODE_HEADS; g++) {
-                    float p = scores[g][j];
-                    acc[g][v].x += p * x.x; acc[g][v].y += p * x.y; acc[g][v].z += p * x.z; acc[g][v].w += p * x.w;
+                for (int v = 0; v < V4; v++) x[u][v] = j < n ? vr[lane + 32 * v] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int j = j0 + u * WARPS;
+                if (j >= n) break;
+#pragma unroll
+                for (int v = 0; v < V4; v++) {
+#pragma unroll
+                    for (int g = 0; g < DECODE_HEADS; g++) {
+                        float p = scores[g][j];
+                        acc[g][v].x += p * x[u][v].x; acc[g][v].y += p * x[u][v].y;
+                        acc[g][v].z += p * x[u][v].z; acc[g][v].w += p * x[u][v].w;
+                    }
                 }
             }
         }
@@ -1090,4 +1108,61 @@ extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const f
             out[((size_t)t * nv + h) * dv + j] = o;
         }
     }
+}
+
+// The same recurrence with the state in registers, for key heads of DK = 128
+// (Qwen3-Next, Qwen3.5): one warp per (value head, 16 value columns), each
+// column split between two lanes (half of S[:, j] each, the halves' dot
+// products added with one shuffle), held across all the tokens of the call:
+// the state is read and written once per call instead of twice per token.
+// q and k of each token are staged in shared memory and read as broadcasts.
+template <int DK>
+__device__ void gdn_recurrent_held(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                                   float* state, float* out, int rows, int nk, int nv, int dv, int tiled) {
+    constexpr int HALF = DK / 2;
+    __shared__ float qs[DK], ks[DK];
+    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 16 + (lane & 15), i0 = (lane >> 4) * HALF;
+    int kh = tiled ? h % nk : h / (nv / nk);
+    bool ok = j < dv;
+    float* st = state + (size_t)h * DK * dv;
+    float s[HALF];
+#pragma unroll
+    for (int i = 0; i < HALF; i++) s[i] = ok ? st[(size_t)(i0 + i) * dv + j] : 0.0f;
+    for (int t = 0; t < rows; t++) {
+        for (int c = lane; c < DK; c += 32) {
+            qs[c] = q[((size_t)t * nk + kh) * DK + c];
+            ks[c] = k[((size_t)t * nk + kh) * DK + c];
+        }
+        __syncwarp();
+        float decay = expf(g[(size_t)t * nv + h]);
+        float bt = beta[(size_t)t * nv + h];
+        float mem = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) {
+            s[i] *= decay;
+            mem += ks[i0 + i] * s[i];
+        }
+        mem += __shfl_xor_sync(0xffffffffu, mem, 16);
+        float delta = ((ok ? v[((size_t)t * nv + h) * dv + j] : 0.0f) - mem) * bt;
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HALF; i++) {
+            s[i] += ks[i0 + i] * delta;
+            o += qs[i0 + i] * s[i];
+        }
+        o += __shfl_xor_sync(0xffffffffu, o, 16);
+        if (ok && lane < 16) out[((size_t)t * nv + h) * dv + j] = o;
+        __syncwarp();
+    }
+    if (ok) {
+#pragma unroll
+        for (int i = 0; i < HALF; i++) st[(size_t)(i0 + i) * dv + j] = s[i];
+    }
+}
+// Arguments as gdn_recurrent's; `dk` must be 128 (the caller checks).
+extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_held128(const float* q, const float* k, const float* v,
+                                                                     const float* g, const float* beta, float* state,
+                                                                     float* out, int rows, int nk, int nv, int dk,
+                                                                     int dv, int tiled) {
+    gdn_recurrent_held<128>(q, k, v, g, beta, state, out, rows, nk, nv, dv, tiled);
 }

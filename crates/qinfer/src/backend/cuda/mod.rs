@@ -75,6 +75,7 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_prefill64",
     "flash_prefill128",
     "flash_prefill256",
+    "gdn_recurrent_held128",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
@@ -1357,11 +1358,17 @@ impl Backend for CudaBackend {
             c.num_v_heads as i32,
             c.k_head_dim as i32
         );
-        let threads = c.v_head_dim.div_ceil(32) as u32 * 32;
+        // Key heads of 128: the state held in registers (16 value columns per
+        // warp); other sizes: one thread per value column, state in memory.
+        let (name, grid, threads) = if c.k_head_dim == 128 {
+            ("gdn_recurrent_held128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(16) as u32, 1), 32)
+        } else {
+            ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)
+        };
         launch!(
             self,
-            "gdn_recurrent",
-            cfg((c.num_v_heads as u32, 1, 1), threads, 0),
+            name,
+            cfg(grid, threads, 0),
             self.p(&qn.buf),
             self.p(&kn.buf),
             self.p(&v.buf),
