@@ -808,14 +808,17 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
                               const float* __restrict__ values, float* __restrict__ out, const int* step, int rows,
                               int num_heads, int num_kv_heads, int window, float scale) {
     using namespace nvcuda;
+    // Rows padded by 16 bytes so the rows of a 16×16 fragment fall in
+    // different banks (unpadded, every row of a tile maps to the same ones).
+    constexpr int QLD = HD + 8, KLD = HD + 8, SLD = BK + 4, PLD = BK + 8, OLD = HD + 4;
     extern __shared__ __align__(128) unsigned char smem[];
-    __half* qs = reinterpret_cast<__half*>(smem);  // [BQ][HD]
-    __half* ks = qs + FLASH_BQ * HD;                // [BK][HD]
-    __half* vs = ks + BK * HD;                      // [BK][HD]
-    float* ss = reinterpret_cast<float*>(vs + BK * HD);  // [BQ][BK]
-    __half* ps = reinterpret_cast<__half*>(ss + FLASH_BQ * BK);  // [BQ][BK]
-    float* os = reinterpret_cast<float*>(ps + FLASH_BQ * BK);    // [BQ][HD]
-    float* row_m = os + FLASH_BQ * HD;
+    __half* qs = reinterpret_cast<__half*>(smem);  // [BQ][QLD]
+    __half* ks = qs + FLASH_BQ * QLD;               // [BK][KLD]
+    __half* vs = ks + BK * KLD;                     // [BK][KLD]
+    float* ss = reinterpret_cast<float*>(vs + BK * KLD);          // [BQ][SLD]
+    __half* ps = reinterpret_cast<__half*>(ss + FLASH_BQ * SLD);  // [BQ][PLD]
+    float* os = reinterpret_cast<float*>(ps + FLASH_BQ * PLD);    // [BQ][OLD]
+    float* row_m = os + FLASH_BQ * OLD;
     float* row_l = row_m + FLASH_BQ;
     float* row_a = row_l + FLASH_BQ;
     const float neg_inf = -__int_as_float(0x7f800000);
@@ -837,10 +840,11 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
         for (int u = 0; u < 8; u++) {
             int i = base + u * FLASH_THREADS;
             if (i < FLASH_BQ * HD / 4) {
-                __half2* d = reinterpret_cast<__half2*>(qs + 4 * i);
+                int r = i / (HD / 4), c = 4 * (i % (HD / 4));
+                __half2* d = reinterpret_cast<__half2*>(qs + r * QLD + c);
                 d[0] = __floats2half2_rn(ql[u].x * scale, ql[u].y * scale);
                 d[1] = __floats2half2_rn(ql[u].z * scale, ql[u].w * scale);
-                reinterpret_cast<float4*>(os)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+                *reinterpret_cast<float4*>(os + r * OLD + c) = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
     }
@@ -849,7 +853,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
     // This warp's 16 query rows stay in registers as WMMA fragments.
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qf[HD / 16];
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) wmma::load_matrix_sync(qf[kk], qs + warp * 16 * HD + kk * 16, HD);
+    for (int kk = 0; kk < HD / 16; kk++) wmma::load_matrix_sync(qf[kk], qs + warp * 16 * QLD + kk * 16, QLD);
     int last = start + min(q0 + FLASH_BQ, rows) - 1;  // the block's last query position
     int k_begin = window > 0 ? max(0, start + q0 + 1 - window) / BK * BK : 0;
     int k_end = last + 1;
@@ -870,9 +874,9 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
         }
 #pragma unroll
         for (int u = 0; u < PER; u++) {
-            int i = threadIdx.x + u * FLASH_THREADS;
-            __half2* kd = reinterpret_cast<__half2*>(ks + 4 * i);
-            __half2* vd = reinterpret_cast<__half2*>(vs + 4 * i);
+            int i = threadIdx.x + u * FLASH_THREADS, at = i / (HD / 4) * KLD + 4 * (i % (HD / 4));
+            __half2* kd = reinterpret_cast<__half2*>(ks + at);
+            __half2* vd = reinterpret_cast<__half2*>(vs + at);
             kd[0] = __floats2half2_rn(kl[u].x, kl[u].y);
             kd[1] = __floats2half2_rn(kl[u].z, kl[u].w);
             vd[0] = __floats2half2_rn(vl[u].x, vl[u].y);
@@ -887,60 +891,63 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
-                wmma::load_matrix_sync(b, ks + n * 16 * HD + kk * 16, HD);
+                wmma::load_matrix_sync(b, ks + n * 16 * KLD + kk * 16, KLD);
                 wmma::mma_sync(acc, qf[kk], b, acc);
             }
-            wmma::store_matrix_sync(ss + warp * 16 * BK + n * 16, acc, BK, wmma::mem_row_major);
+            wmma::store_matrix_sync(ss + warp * 16 * SLD + n * 16, acc, SLD, wmma::mem_row_major);
         }
         __syncwarp();
-        // Online softmax of the warp's rows over this tile (causal and window masks).
-        for (int rr = 0; rr < 16; rr++) {
-            int r = warp * 16 + rr, pos = start + q0 + r;
-            float sv[BK / 32];
+        // Online softmax of the warp's 16 rows over this tile (causal and
+        // window masks): two lanes per row, half the tile's keys each.
+        {
+            constexpr int C = BK / 2;
+            int r = warp * 16 + (lane >> 1), half = lane & 1, pos = start + q0 + r;
+            float sv[C];
             float mx = neg_inf;
 #pragma unroll
-            for (int u = 0; u < BK / 32; u++) {
-                int j = lane + 32 * u, key = k0 + j;
+            for (int u = 0; u < C; u++) {
+                int j = half * C + u, key = k0 + j;
                 bool ok = key <= pos && (window <= 0 || key > pos - window);
-                sv[u] = ok ? ss[r * BK + j] : neg_inf;
+                sv[u] = ok ? ss[r * SLD + j] : neg_inf;
                 mx = fmaxf(mx, sv[u]);
             }
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             float m_old = row_m[r], m_new = fmaxf(m_old, mx);
             float alpha = m_old == neg_inf ? (m_new == neg_inf ? 1.0f : 0.0f) : expf(m_old - m_new);
             float sum = 0.0f;
 #pragma unroll
-            for (int u = 0; u < BK / 32; u++) {
+            for (int u = 0; u < C; u++) {
                 float p = sv[u] == neg_inf ? 0.0f : expf(sv[u] - m_new);
-                ps[r * BK + lane + 32 * u] = __float2half(p);
+                ps[r * PLD + half * C + u] = __float2half(p);
                 sum += p;
             }
-            sum = warp_sum(sum);
-            if (lane == 0) { row_l[r] = row_l[r] * alpha + sum; row_m[r] = m_new; row_a[r] = alpha; }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            __syncwarp();
+            if (half == 0) { row_l[r] = row_l[r] * alpha + sum; row_m[r] = m_new; row_a[r] = alpha; }
         }
         __syncwarp();
-        for (int i = lane; i < 16 * HD; i += 32) os[warp * 16 * HD + i] *= row_a[warp * 16 + i / HD];
+        for (int i = lane; i < 16 * HD; i += 32) os[(warp * 16 + i / HD) * OLD + i % HD] *= row_a[warp * 16 + i / HD];
         __syncwarp();
         // O += P·V for this warp's rows.
 #pragma unroll
         for (int n = 0; n < HD / 16; n++) {
             wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::load_matrix_sync(acc, os + warp * 16 * HD + n * 16, HD, wmma::mem_row_major);
+            wmma::load_matrix_sync(acc, os + warp * 16 * OLD + n * 16, OLD, wmma::mem_row_major);
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> b;
-                wmma::load_matrix_sync(a, ps + warp * 16 * BK + kk * 16, BK);
-                wmma::load_matrix_sync(b, vs + kk * 16 * HD + n * 16, HD);
+                wmma::load_matrix_sync(a, ps + warp * 16 * PLD + kk * 16, PLD);
+                wmma::load_matrix_sync(b, vs + kk * 16 * KLD + n * 16, KLD);
                 wmma::mma_sync(acc, a, b, acc);
             }
-            wmma::store_matrix_sync(os + warp * 16 * HD + n * 16, acc, HD, wmma::mem_row_major);
+            wmma::store_matrix_sync(os + warp * 16 * OLD + n * 16, acc, OLD, wmma::mem_row_major);
         }
         __syncthreads();
     }
     for (int i = threadIdx.x; i < FLASH_BQ * HD; i += FLASH_THREADS) {
         int r = i / HD, c = i % HD;
-        if (q0 + r < rows) out[(size_t)(q0 + r) * q_dim + h * HD + c] = os[i] / row_l[r];
+        if (q0 + r < rows) out[(size_t)(q0 + r) * q_dim + h * HD + c] = os[r * OLD + c] / row_l[r];
     }
 }
 #define FLASH_PREFILL(HD, BK)                                                                                      \

@@ -85,12 +85,13 @@ const ATTENTION_CHUNK: usize = 128;
 const FLASH_ROWS: usize = 64;
 
 /// Keys per tile of `flash_prefill{head_dim}` and its shared memory in bytes:
-/// f16 q, k and v tiles, f32 scores, f16 probabilities, the f32 output, and
-/// three f32 values per row.
+/// f16 q, k and v tiles, f32 scores, f16 probabilities, the f32 output (rows
+/// padded as the kernel pads them), and three f32 values per row.
 fn flash_tile(head_dim: usize) -> (usize, usize) {
     let keys = if head_dim > 128 { 32 } else { 64 };
-    let (q, kv, s) = (FLASH_ROWS * head_dim, keys * head_dim, FLASH_ROWS * keys);
-    (keys, 2 * q + 2 * 2 * kv + 4 * s + 2 * s + 4 * q + 4 * 3 * FLASH_ROWS)
+    let (q, kv) = (FLASH_ROWS * (head_dim + 8), keys * (head_dim + 8));
+    let (s, p, o) = (FLASH_ROWS * (keys + 4), FLASH_ROWS * (keys + 8), FLASH_ROWS * (head_dim + 4));
+    (keys, 2 * q + 2 * 2 * kv + 4 * s + 2 * p + 4 * o + 4 * 3 * FLASH_ROWS)
 }
 
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
