@@ -188,6 +188,8 @@ pub struct CudaBackend {
     /// While a decode step is recorded: the arena its buffers come from, and
     /// whether the stream is capturing (nothing may be allocated then).
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
+    /// Held for the length of each [`Backend::run_step`].
+    pass: Mutex<()>,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -328,6 +330,7 @@ impl CudaBackend {
             step,
             step_written: Mutex::new(None),
             recording: Mutex::new(None),
+            pass: Mutex::new(()),
         })
     }
 
@@ -777,6 +780,8 @@ impl Backend for CudaBackend {
         replayable: bool,
         body: &mut dyn FnMut() -> Result<CudaAct>,
     ) -> Result<Vec<f32>> {
+        // Passes share the step inputs and the recording state: one at a time.
+        let _pass = self.pass.lock().map_err(|_| Error::Invalid("cuda: a pass panicked".into()))?;
         self.ensure_step(start, (tokens.len() == 1).then(|| tokens[0]));
         if !replayable || !self.graphs || self.failed() {
             let out = body()?;
