@@ -21,7 +21,10 @@ def bytes_per_value(dtype: str, cols: int) -> float:
     m = re.fullmatch(r"q(\d)g(\d+)", dtype)
     if m and cols % int(m.group(2)) == 0:
         bits, group = int(m.group(1)), int(m.group(2))
-        return bits / 8 + 8 / group
+        # Packed levels plus a bf16 scale and bias per group: what MLX stores
+        # and the least a kernel must read (qinfer's GPU copy holds them as
+        # f32, 8 bytes per group, and reads more than this).
+        return bits / 8 + 4 / group
     return {"bf16": 2, "f16": 2, "f32": 4}.get(dtype, 2)
 
 

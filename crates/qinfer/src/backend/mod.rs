@@ -220,6 +220,11 @@ pub trait Backend: Send + Sync {
         dt_bias: &Self::Weight,
         state: &mut Self::GdnState,
     ) -> Self::Act;
+    /// Whether [`Backend::moe`] decides a decode step's routing without the
+    /// host, so steps of MoE models can be recorded (see `run_step`).
+    fn routes_on_device(&self) -> bool {
+        false
+    }
     /// Routed experts: softmax over `router_logits` `[T, E]`, top-k, then the
     /// weighted sum of the chosen experts' SwiGLU outputs.
     fn moe(

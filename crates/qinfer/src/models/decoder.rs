@@ -184,10 +184,10 @@ impl<B: Backend> DecoderModel<B> {
             return Err(Error::Invalid("forward needs at least one token".into()));
         }
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
-        // Routing decided on the host (MoE) differs per token: such passes are
-        // not replayable.
+        // Routing decided on the host (MoE on backends that route there)
+        // differs per token: such passes are not replayable.
         let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
-        let replayable = tokens.len() == 1 && !routed && logits == Logits::Last;
+        let replayable = tokens.len() == 1 && (!routed || b.routes_on_device()) && logits == Logits::Last;
         let DecoderSequence { cache, gdn, step, .. } = seq;
         let out = b.run_step(step, start, tokens, replayable, &mut || {
             self.layers_forward(cache, gdn, tokens, &positions, logits)

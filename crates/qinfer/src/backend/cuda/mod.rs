@@ -8,6 +8,18 @@
 //! the error through [`Backend::check`].
 
 mod compile;
+#[macro_use]
+mod launch_macro {
+    /// Launches kernel `$name` with `$cfg` and the arguments, unless an earlier
+    /// call failed; records a failure.
+    macro_rules! launch {
+        ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+            let args: Vec<Arg> = vec![$(Arg::from($arg)),*];
+            $self.launch_args($name, $cfg, &args);
+        }};
+    }
+}
+mod moe;
 mod types;
 
 use std::collections::HashMap;
@@ -76,6 +88,17 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_prefill128",
     "flash_prefill256",
     "gdn_recurrent_held128",
+    "moe_route",
+    "moe_gemv_bf16",
+    "moe_gemv_f16",
+    "moe_gemv_f32",
+    "moe_gemv_affine2",
+    "moe_gemv_affine3",
+    "moe_gemv_affine4",
+    "moe_gemv_affine5",
+    "moe_gemv_affine6",
+    "moe_gemv_affine8",
+    "moe_combine",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
@@ -135,7 +158,7 @@ impl GemvShape {
 
     /// The shape for `out_dim × in_dim` weights of 16-byte chunks of `vec`
     /// values and `act` activation rows.
-    fn choose(out_dim: usize, in_dim: usize, vec: usize, act: usize) -> Self {
+    pub(crate) fn choose(out_dim: usize, in_dim: usize, vec: usize, act: usize) -> Self {
         let chunks = in_dim.div_ceil(vec);
         // Every thread takes at least two chunks of each row; at most 256 threads.
         let threads = (chunks.div_ceil(2).div_ceil(32) * 32).clamp(32, 256) as u32;
@@ -190,6 +213,8 @@ pub struct CudaBackend {
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
     /// Held for the length of each [`Backend::run_step`].
     pass: Mutex<()>,
+    /// Device pointer tables of MoE layers' experts (see moe.rs).
+    moe_tables: Mutex<HashMap<(usize, usize), Arc<moe::ExpertTables>>>,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -202,12 +227,12 @@ fn blocks(n: usize, threads: u32) -> (u32, u32, u32) {
     (n.div_ceil(threads as usize).max(1) as u32, 1, 1)
 }
 
-fn cfg(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConfig {
+pub(crate) fn cfg(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }
 }
 
 /// A kernel argument: a device pointer or a scalar.
-enum Arg {
+pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
     I64(i64),
@@ -233,15 +258,6 @@ impl From<f32> for Arg {
     fn from(v: f32) -> Self {
         Arg::F32(v)
     }
-}
-
-/// Launches kernel `$name` with `$cfg` and the arguments, unless an earlier
-/// call failed; records a failure.
-macro_rules! launch {
-    ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        let args: Vec<Arg> = vec![$(Arg::from($arg)),*];
-        $self.launch_args($name, $cfg, &args);
-    }};
 }
 
 impl CudaBackend {
@@ -331,6 +347,7 @@ impl CudaBackend {
             step_written: Mutex::new(None),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
+            moe_tables: Mutex::new(HashMap::new()),
         })
     }
 
@@ -1392,6 +1409,10 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn routes_on_device(&self) -> bool {
+        true
+    }
+
     fn moe(
         &self,
         x: &CudaAct,
@@ -1399,8 +1420,19 @@ impl Backend for CudaBackend {
         experts: &[ExpertWeights<CudaWeight>],
         routing: Routing,
     ) -> CudaAct {
-        // Routing is decided on the host (T×E floats cross the bus, one sync per
-        // MoE layer); each routed expert then runs once over all its tokens.
+        // Decode-sized batches route on the device; their steps can be recorded.
+        if x.rows <= GEMV_MAX_ROWS
+            && experts.len() <= moe::MAX_DEVICE_EXPERTS
+            && routing.top_k <= experts.len()
+            && let Some(tables) = self.expert_tables(experts)
+        {
+            return self.moe_on_device(x, router_logits, &tables, routing);
+        }
+        if self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false) {
+            self.record(Err("experts that cannot be routed on the device"), "recording a decode step");
+        }
+        // Otherwise routing is decided on the host (T×E floats cross the bus, one
+        // sync per MoE layer); each routed expert then runs once over all its tokens.
         // An accumulator: zeroed even when outputs are poisoned.
         let out = CudaAct::new(x.rows, x.cols, self.zeros(x.rows * x.cols), None);
         let logits = self.to_host(router_logits);
