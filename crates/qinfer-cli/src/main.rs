@@ -14,6 +14,10 @@ struct Cli {
     /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a `--features cuda` build).
     #[arg(long, global = true, default_value = "cpu")]
     device: qinfer::loader::Device,
+    /// Run every CUDA decode step as it comes instead of replaying recorded
+    /// CUDA graphs (debugging; same results, slower).
+    #[arg(long, global = true)]
+    no_cuda_graphs: bool,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,
@@ -51,12 +55,19 @@ fn main() {
         eprintln!("error: could not start {n} threads: {e}");
         std::process::exit(2);
     }
+    let device = match cli.no_cuda_graphs {
+        true => cli.device.without_graphs().unwrap_or_else(|e| {
+            eprintln!("error: --no-cuda-graphs: {e}");
+            std::process::exit(2);
+        }),
+        false => cli.device,
+    };
     let result = match cli.command {
-        Command::Run(a) => commands::run::main(a, cli.device),
-        Command::Generate(a) => commands::generate::main(a, cli.device),
-        Command::Score(a) => commands::score::main(a, cli.device),
-        Command::Perplexity(a) => commands::perplexity::main(a, cli.device),
-        Command::Bench(a) => commands::bench::main(a, cli.device),
+        Command::Run(a) => commands::run::main(a, device),
+        Command::Generate(a) => commands::generate::main(a, device),
+        Command::Score(a) => commands::score::main(a, device),
+        Command::Perplexity(a) => commands::perplexity::main(a, device),
+        Command::Bench(a) => commands::bench::main(a, device),
         Command::Inspect(a) => commands::inspect::main(a),
         Command::Quantize(a) => commands::quantize::main(a),
     };

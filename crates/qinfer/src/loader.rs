@@ -24,8 +24,23 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     Cpu,
-    /// CUDA device by ordinal (builds with the `cuda` feature).
-    Cuda(usize),
+    /// CUDA device by ordinal (builds with the `cuda` feature); `graphs`:
+    /// record decode steps as CUDA graphs and replay them (the default).
+    Cuda {
+        ordinal: usize,
+        graphs: bool,
+    },
+}
+
+impl Device {
+    /// The same device, running every decode step as it comes instead of
+    /// replaying recorded graphs (debugging; the results are the same).
+    pub fn without_graphs(self) -> std::result::Result<Self, String> {
+        match self {
+            Device::Cuda { ordinal, .. } => Ok(Device::Cuda { ordinal, graphs: false }),
+            Device::Cpu => Err("turning CUDA graphs off needs a CUDA device (--device cuda[:N])".into()),
+        }
+    }
 }
 
 impl std::str::FromStr for Device {
@@ -33,9 +48,9 @@ impl std::str::FromStr for Device {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
+            "cuda" => Ok(Device::Cuda { ordinal: 0, graphs: true }),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                Some(Ok(n)) => Ok(Device::Cuda { ordinal: n, graphs: true }),
                 _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
             },
         }
@@ -63,9 +78,14 @@ fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Result<Box<dyn L
     match device {
         Device::Cpu => build(cfg, weights, CpuBackend::new()),
         #[cfg(feature = "cuda")]
-        Device::Cuda(n) => build(cfg, weights, crate::backend::cuda::CudaBackend::new(n)?),
+        Device::Cuda { ordinal, graphs } => {
+            let backend = crate::backend::cuda::CudaBackend::new(ordinal)?;
+            build(cfg, weights, if graphs { backend } else { backend.without_graphs() })
+        }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(Error::Invalid("this build has no CUDA support: rebuild with `--features cuda`".into())),
+        Device::Cuda { .. } => {
+            Err(Error::Invalid("this build has no CUDA support: rebuild with `--features cuda`".into()))
+        }
     }
 }
 
