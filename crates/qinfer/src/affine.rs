@@ -278,6 +278,7 @@ pub fn quantize_group(w: &[f32], bits: u32, q: &mut [u8]) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::{Bytes, DType, Tensor};
 
     #[test]
     fn pack_then_unpack_round_trips_every_width() {
@@ -290,6 +291,40 @@ mod tests {
             unpack(bits, &packed, &mut back);
             assert!(back.iter().zip(&q).all(|(a, b)| *a == *b as f32), "{bits} bits");
         }
+    }
+
+    /// A `[rows, 64]` 4-bit weight whose packed words, scales and biases are
+    /// `seed`-dependent.
+    fn weight(name: &str, rows: usize, seed: u8, scale_dtype: DType) -> AffineTensor {
+        let bytes =
+            |n: usize, k: u8| Bytes::from_vec((0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(k)).collect());
+        let packed = Tensor::new(format!("{name}.weight"), DType::U32, vec![rows, 8], bytes(rows * 32, seed)).unwrap();
+        let per = if scale_dtype == DType::F32 { 4 } else { 2 };
+        let side =
+            |n: &str, k| Tensor::new(format!("{name}.{n}"), scale_dtype, vec![rows, 1], bytes(rows * per, k)).unwrap();
+        let parts =
+            AffineParts { packed, scales: side("scales", seed + 1), biases: side("biases", seed + 2), declared: None };
+        AffineTensor::new(parts, 64).unwrap()
+    }
+
+    #[test]
+    fn concat_rows_stacks_packed_scales_and_biases() {
+        let (a, b) = (weight("a", 3, 1, DType::BF16), weight("b", 2, 9, DType::BF16));
+        let c = AffineTensor::concat_rows("ab", &[&a, &b]).unwrap().expect("alike weights stack");
+        assert_eq!((c.shape.clone(), c.params), (vec![5, 64], a.params));
+        for (t, (x, y)) in [
+            (&c.packed, (&a.packed, &b.packed)),
+            (&c.scales, (&a.scales, &b.scales)),
+            (&c.biases, (&a.biases, &b.biases)),
+        ] {
+            assert_eq!(t.shape[0], 5);
+            assert_eq!(t.data.as_slice(), [x.data.as_slice(), y.data.as_slice()].concat());
+        }
+        // Scales stored differently, or other parameters: not stacked.
+        assert!(AffineTensor::concat_rows("x", &[&a, &weight("f", 2, 4, DType::F32)]).unwrap().is_none());
+        let mut other = weight("g", 2, 5, DType::BF16);
+        other.params.group_size = 32;
+        assert!(AffineTensor::concat_rows("x", &[&a, &other]).unwrap().is_none());
     }
 
     #[test]

@@ -229,3 +229,32 @@ impl Tensor {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(name: &str, dtype: DType, rows: usize, cols: usize, seed: u8) -> Tensor {
+        let n = dtype.bytes_for(rows * cols).unwrap();
+        Tensor::new(name.into(), dtype, vec![rows, cols], Bytes::from_vec((0..n).map(|i| i as u8 ^ seed).collect()))
+            .unwrap()
+    }
+
+    #[test]
+    fn concat_rows_stacks_alike_matrices_and_refuses_others() {
+        for dtype in [DType::BF16, DType::F32, DType::Q4_K, DType::Q8_0] {
+            let cols = 256;
+            let (a, b, c) =
+                (matrix("q", dtype, 4, cols, 1), matrix("k", dtype, 2, cols, 2), matrix("v", dtype, 3, cols, 3));
+            let s = Tensor::concat_rows("qkv", &[&a, &b, &c]).unwrap().expect("alike matrices stack");
+            assert_eq!((s.dtype, s.shape.clone()), (dtype, vec![9, cols]));
+            assert_eq!(s.data.as_slice(), [a.data.as_slice(), b.data.as_slice(), c.data.as_slice()].concat());
+            // Rows 4..6 of the stack are k.
+            assert_eq!(s.narrow(4, 2).unwrap().data.as_slice(), b.data.as_slice());
+        }
+        let a = matrix("a", DType::BF16, 2, 64, 0);
+        assert!(Tensor::concat_rows("x", &[&a, &matrix("b", DType::F16, 2, 64, 0)]).unwrap().is_none());
+        assert!(Tensor::concat_rows("x", &[&a, &matrix("b", DType::BF16, 2, 32, 0)]).unwrap().is_none());
+        assert!(Tensor::concat_rows("x", &[]).unwrap().is_none());
+    }
+}
