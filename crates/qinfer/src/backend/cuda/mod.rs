@@ -7,18 +7,16 @@
 //! sticky error, later launches are skipped, and the model's forward returns
 //! the error through [`Backend::check`].
 
-mod compile;
-#[macro_use]
-mod launch_macro {
-    /// Launches kernel `$name` with `$cfg` and the arguments, unless an earlier
-    /// call failed; records a failure.
-    macro_rules! launch {
-        ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-            let args: Vec<Arg> = vec![$(Arg::from($arg)),*];
-            $self.launch_args($name, $cfg, &args);
-        }};
-    }
+/// Launches kernel `$name` with `$cfg` and the arguments, unless an earlier
+/// call failed; records a failure. (Defined before the submodules that use it.)
+macro_rules! launch {
+    ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let args: Vec<Arg> = vec![$(Arg::from($arg)),*];
+        $self.launch_args($name, $cfg, &args);
+    }};
 }
+
+mod compile;
 mod moe;
 mod types;
 
