@@ -171,6 +171,16 @@ impl GemvShape {
     }
 }
 
+/// The kernels' name suffix for matrices stored as `dtype`, and the values
+/// in one 16-byte load. `upload` keeps matrices as bf16, f16 or f32 only.
+fn float_format(dtype: DType) -> (&'static str, usize) {
+    match dtype {
+        DType::BF16 => ("bf16", 8),
+        DType::F16 => ("f16", 8),
+        _ => ("f32", 4),
+    }
+}
+
 /// Key chunks of a decode step's split-K attention over `n_keys` keys: a power
 /// of two, so one recorded step serves every cache length up to it.
 fn decode_splits(n_keys: usize) -> usize {
@@ -444,10 +454,8 @@ impl CudaBackend {
 
     fn act(&self, rows: usize, cols: usize) -> CudaAct {
         let n = (rows * cols).max(1);
-        let (pool, capturing) = match self.recording.lock().ok().and_then(|r| r.clone()) {
-            Some((arena, capturing)) => (arena, capturing),
-            None => (self.pool.clone(), false),
-        };
+        let (pool, capturing) =
+            self.recording.lock().ok().and_then(|r| r.clone()).unwrap_or((self.pool.clone(), false));
         let buf = match pool.take(n) {
             Some(b) => b,
             None if capturing => {
@@ -479,7 +487,7 @@ impl CudaBackend {
         if *written == Some(want) {
             return;
         }
-        if self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false) {
+        if self.capturing() {
             // A launch captured here would replay these values at every token.
             return self.record(Err("the step inputs changed inside the recorded pass"), "recording a decode step");
         }
@@ -595,8 +603,12 @@ impl CudaBackend {
         }
     }
 
-    /// Decode attention over a long cache, split over chunks of keys so every
-    /// SM has work, then merged (see `attention_split` in kernels.cu).
+    /// Decode attention split over chunks of keys so every SM has work, the
+    /// chunks merged by `attention_combine` (with one chunk the kernel writes
+    /// the output itself). Head dims of 64/128/256 take `attention_decode`,
+    /// blocks over (row·KV head, chunk, group of query heads) sharing each
+    /// key and value row; others `attention_split`, a block per (row·head,
+    /// chunk).
     fn attention_split(
         &self,
         q: &CudaAct,
@@ -608,109 +620,57 @@ impl CudaBackend {
     ) {
         let splits = decode_splits(n_keys);
         let row_heads = q.rows * s.num_heads;
-        if matches!(s.head_dim, 64 | 128 | 256) {
-            self.attention_decode(q, keys, values, splits, s, out);
-            return;
-        }
-        if splits == 1 {
-            launch!(
-                self,
-                "attention_split",
-                cfg((row_heads as u32, 1, 1), 128, 0),
-                self.p(&q.buf),
-                self.p(keys),
-                self.p(values),
-                0u64,
-                0u64,
-                self.p(&out.buf),
-                self.p(&self.step),
-                s.num_heads as i32,
-                s.num_kv_heads as i32,
-                s.head_dim as i32,
-                s.window.unwrap_or(0) as i32,
-                s.scale,
-                1i32
-            );
-            return;
-        }
-        let part_o = self.act(row_heads * splits, s.head_dim);
-        let part_ml = self.act(row_heads * splits, 2);
-        launch!(
-            self,
-            "attention_split",
-            cfg((row_heads as u32, splits as u32, 1), 128, 0),
-            self.p(&q.buf),
-            self.p(keys),
-            self.p(values),
-            self.p(&part_o.buf),
-            self.p(&part_ml.buf),
-            0u64,
-            self.p(&self.step),
-            s.num_heads as i32,
-            s.num_kv_heads as i32,
-            s.head_dim as i32,
-            s.window.unwrap_or(0) as i32,
-            s.scale,
-            splits as i32
-        );
-        launch!(
-            self,
-            "attention_combine",
-            cfg((row_heads as u32, 1, 1), 128, 0),
-            self.p(&part_o.buf),
-            self.p(&part_ml.buf),
-            self.p(&out.buf),
-            s.head_dim as i32,
-            splits as i32
-        );
-    }
-
-    /// The GEMV launch for `out_dim × in_dim` weights read in chunks of `vec`
-    /// values with `act` activation rows: the fixed shape when one is set.
-    fn gemv_launch_shape(&self, out_dim: usize, in_dim: usize, vec: usize, act: usize) -> GemvShape {
-        let mut shape = self.gemv_shape.unwrap_or_else(|| GemvShape::choose(out_dim, in_dim, vec, act));
-        if act > 1 {
-            shape.rows_per_block = shape.rows_per_block.min(2);
-        }
-        shape
-    }
-
-    /// Split-K decode attention with GQA sharing (`attention_decode` in
-    /// kernels.cu): blocks over (row·KV head, key chunk, group of query heads).
-    fn attention_decode(
-        &self,
-        q: &CudaAct,
-        keys: &CudaSlice<f32>,
-        values: &CudaSlice<f32>,
-        splits: usize,
-        s: &AttentionShape,
-        out: &CudaAct,
-    ) {
-        let row_heads = q.rows * s.num_heads;
-        let group = s.num_heads / s.num_kv_heads;
-        let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
         let parts = (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
         let (po, pml, direct) = match &parts {
             Some((o, ml)) => (self.p(&o.buf), self.p(&ml.buf), 0u64),
             None => (0, 0, self.p(&out.buf)),
         };
-        launch!(
-            self,
-            &format!("attention_decode{}", s.head_dim),
-            cfg(grid, 256, 0),
-            self.p(&q.buf),
-            self.p(keys),
-            self.p(values),
-            po,
-            pml,
-            direct,
-            self.p(&self.step),
-            s.num_heads as i32,
-            s.num_kv_heads as i32,
-            s.window.unwrap_or(0) as i32,
-            s.scale,
-            splits as i32
-        );
+        let (window, step) = (s.window.unwrap_or(0) as i32, self.p(&self.step));
+        let (heads, kv_heads) = (s.num_heads as i32, s.num_kv_heads as i32);
+        let (qp, kp, vp) = (self.p(&q.buf), self.p(keys), self.p(values));
+        if matches!(s.head_dim, 64 | 128 | 256) {
+            let group = s.num_heads / s.num_kv_heads;
+            let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
+            let name = format!("attention_decode{}", s.head_dim);
+            launch!(
+                self,
+                &name,
+                cfg(grid, 256, 0),
+                qp,
+                kp,
+                vp,
+                po,
+                pml,
+                direct,
+                step,
+                heads,
+                kv_heads,
+                window,
+                s.scale,
+                splits as i32
+            );
+        } else {
+            let grid = (row_heads as u32, splits as u32, 1);
+            let hd = s.head_dim as i32;
+            launch!(
+                self,
+                "attention_split",
+                cfg(grid, 128, 0),
+                qp,
+                kp,
+                vp,
+                po,
+                pml,
+                direct,
+                step,
+                heads,
+                kv_heads,
+                hd,
+                window,
+                s.scale,
+                splits as i32
+            );
+        }
         if let Some((o, ml)) = &parts {
             launch!(
                 self,
@@ -723,6 +683,16 @@ impl CudaBackend {
                 splits as i32
             );
         }
+    }
+
+    /// The GEMV launch for `out_dim × in_dim` weights read in chunks of `vec`
+    /// values with `act` activation rows: the fixed shape when one is set.
+    fn gemv_launch_shape(&self, out_dim: usize, in_dim: usize, vec: usize, act: usize) -> GemvShape {
+        let mut shape = self.gemv_shape.unwrap_or_else(|| GemvShape::choose(out_dim, in_dim, vec, act));
+        if act > 1 {
+            shape.rows_per_block = shape.rows_per_block.min(2);
+        }
+        shape
     }
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
@@ -931,14 +901,9 @@ impl Backend for CudaBackend {
         }
         let out = self.act(ids.len(), *cols);
         let (d_ids, ids_ptr) = self.device_ids(ids);
-        let kernel = match dtype {
-            DType::BF16 => "embed_bf16",
-            DType::F16 => "embed_f16",
-            _ => "embed_f32",
-        };
         launch!(
             self,
-            kernel,
+            &format!("embed_{}", float_format(*dtype).0),
             cfg((ids.len() as u32, 1, 1), 256, 0),
             self.p(buf),
             ids_ptr,
@@ -987,11 +952,7 @@ impl Backend for CudaBackend {
             return y;
         }
         if x.rows <= GEMV_MAX_ROWS {
-            let (ty, vec) = match dtype {
-                DType::BF16 => ("bf16", 8),
-                DType::F16 => ("f16", 8),
-                _ => ("f32", 4),
-            };
+            let (ty, vec) = float_format(*dtype);
             let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
             let shape = self.gemv_launch_shape(*out_dim, *in_dim, vec, act);
             let grid = (out_dim.div_ceil(shape.rows_per_block) as u32, 1, 1);
@@ -1312,19 +1273,17 @@ impl Backend for CudaBackend {
             self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
             return out;
         }
-        let (name, w) = match weight {
-            CudaWeight::Matrix { dtype: DType::BF16, buf, .. } => ("gdn_conv_bf16", self.p(buf)),
-            CudaWeight::Matrix { dtype: DType::F16, buf, .. } => ("gdn_conv_f16", self.p(buf)),
-            CudaWeight::Matrix { dtype: DType::F32, buf, .. } => ("gdn_conv_f32", self.p(buf)),
-            CudaWeight::Vector(v) => ("gdn_conv_f32", self.p(v)),
-            _ => {
+        let (ty, w) = match weight {
+            CudaWeight::Matrix { dtype, buf, .. } => (float_format(*dtype).0, self.p(buf)),
+            CudaWeight::Vector(v) => ("f32", self.p(v)),
+            CudaWeight::Affine(_) => {
                 self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
                 return out;
             }
         };
         launch!(
             self,
-            name,
+            &format!("gdn_conv_{ty}"),
             cfg(blocks(x.cols, 128), 128, 0),
             self.p(&x.buf),
             w,
@@ -1426,7 +1385,7 @@ impl Backend for CudaBackend {
         {
             return self.moe_on_device(x, router_logits, &tables, routing);
         }
-        if self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false) {
+        if self.capturing() {
             self.record(Err("experts that cannot be routed on the device"), "recording a decode step");
         }
         // Otherwise routing is decided on the host (T×E floats cross the bus, one
@@ -1499,6 +1458,12 @@ impl CudaBackend {
             tables.insert(key.clone(), self.upload_slice(&rope.inv_freq));
         }
         Some(self.p(&tables[&key]))
+    }
+
+    /// Whether the stream is capturing a decode step (nothing may be
+    /// allocated, synchronized or changed on the host's side then).
+    fn capturing(&self) -> bool {
+        self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false)
     }
 
     fn set_recording(&self, to: Option<(Arc<BufferPool>, bool)>) {

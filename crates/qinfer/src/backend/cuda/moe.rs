@@ -8,9 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::{Arg, CudaAct, CudaBackend, CudaWeight, GemvShape, cfg};
+use super::{Arg, CudaAct, CudaBackend, CudaWeight, GemvShape, cfg, float_format};
 use crate::backend::{ExpertWeights, Routing};
-use crate::tensor::DType;
 
 /// Experts per MoE layer the routing kernel holds (`probs[1024]`).
 pub(super) const MAX_DEVICE_EXPERTS: usize = 1024;
@@ -60,11 +59,7 @@ impl CudaBackend {
     ) -> Option<ProjectionTable> {
         match pick(experts.first()?) {
             CudaWeight::Matrix { dtype, rows, cols, .. } => {
-                let (name, vec) = match dtype {
-                    DType::BF16 => ("bf16", 8),
-                    DType::F16 => ("f16", 8),
-                    _ => ("f32", 4),
-                };
+                let (name, vec) = float_format(*dtype);
                 let ptrs = experts
                     .iter()
                     .map(|e| match pick(e) {
