@@ -79,10 +79,32 @@ __device__ __forceinline__ void gemv_chunk(const uint4 (&packed)[ROWS], const fl
     }
 }
 
+// The end of both GEMVs: each thread's partial dot products summed over the
+// block, y[t][row0 + r] = Σ + bias for the block's rows.
+template <int ROWS, int ACT>
+__device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const float* __restrict__ bias,
+                                           float* __restrict__ y, int row0, int out_dim, int n_act) {
+    __shared__ float partial[32][ROWS * ACT];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int t = 0; t < ACT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == 0) partial[warp][r * ACT + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROWS * ACT) {
+        int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
+        float sum = 0.0f;
+        for (int k = 0; k < warps; k++) sum += partial[k][threadIdx.x];
+        if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
+    }
+}
+
 template <typename T, int VEC, int ROWS, int ACT>
 __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
                      float* __restrict__ y, int out_dim, int in_dim, int n_act) {
-    __shared__ float partial[32][ROWS * ACT];
     int row0 = blockIdx.x * ROWS;
     const T* rows[ROWS];
 #pragma unroll
@@ -120,21 +142,7 @@ __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const
             for (int t = 0; t < n_act && t < ACT; t++) acc[r][t] += wv * x[(size_t)t * in_dim + c];
         }
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int t = 0; t < ACT; t++) {
-            float v = warp_sum(acc[r][t]);
-            if (lane == 0) partial[warp][r * ACT + t] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < ROWS * ACT) {
-        int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
-        float sum = 0.0f;
-        for (int k = 0; k < warps; k++) sum += partial[k][threadIdx.x];
-        if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
-    }
+    gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
 }
 
 #define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT)                                                                       \
@@ -220,7 +228,6 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restr
                             const float* __restrict__ biases, const float* __restrict__ x,
                             const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
                             int group, int n_act) {
-    __shared__ float partial[32][ROWS * ACT];
     int row0 = blockIdx.x * ROWS;
     int chunks = in_dim / 32, groups = in_dim / group;
     int rows[ROWS];
@@ -243,21 +250,7 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restr
         }
         affine_chunk_dot<BITS, ROWS, ACT>(words, sc, bi, x, i * 32, in_dim, n_act, acc);
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int t = 0; t < ACT; t++) {
-            float v = warp_sum(acc[r][t]);
-            if (lane == 0) partial[warp][r * ACT + t] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < ROWS * ACT) {
-        int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
-        float sum = 0.0f;
-        for (int k = 0; k < warps; k++) sum += partial[k][threadIdx.x];
-        if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
-    }
+    gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
 }
 
 // Rows [row0, row0 + rows) dequantized to bf16 (prefill: a transient tile for
