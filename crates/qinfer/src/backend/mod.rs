@@ -164,25 +164,45 @@ pub trait Backend: Send + Sync {
         cache: &mut Self::Cache,
         layer: usize,
     ) -> (Self::Act, Option<Self::Act>) {
-        let (hd, q, kv) = (shape.head_dim, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
+        let (q, kv) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
         let q_rows = if shape.output_gate { 2 * q } else { q };
         let all = q_rows + 2 * kv;
         let projected = self.gather_columns(qkv, all, 0, q_rows);
-        let (mut qs, gate) = if shape.output_gate {
+        let k = self.gather_columns(qkv, all, q_rows, kv);
+        let v = self.gather_columns(qkv, all, q_rows + kv, kv);
+        self.attention_prologue(projected, k, &v, shape, norms, eps, positions, rope, cache, layer)
+    }
+    /// [`Backend::qkv_prologue`] from separate projections: `projected` is
+    /// q_proj's output (queries, with a gate after each head when
+    /// `shape.output_gate`), `k` and `v` the key and value projections.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_prologue(
+        &self,
+        projected: Self::Act,
+        mut k: Self::Act,
+        v: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let hd = shape.head_dim;
+        let (mut q, gate) = if shape.output_gate {
             (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
         } else {
             (projected, None)
         };
-        let mut k = self.gather_columns(qkv, all, q_rows, kv);
-        let v = self.gather_columns(qkv, all, q_rows + kv, kv);
         if let Some((qn, kn)) = norms {
-            qs = self.rms_norm(&qs, qn, eps);
+            q = self.rms_norm(&q, qn, eps);
             k = self.rms_norm(&k, kn, eps);
         }
-        self.rope(&mut qs, hd, positions, rope);
+        self.rope(&mut q, hd, positions, rope);
         self.rope(&mut k, hd, positions, rope);
-        self.write_kv(cache, layer, &k, &v);
-        (qs, gate)
+        self.write_kv(cache, layer, &k, v);
+        (q, gate)
     }
     fn add_assign(&self, x: &mut Self::Act, y: &Self::Act);
     /// The last row only (decode and generation need only the last logits).

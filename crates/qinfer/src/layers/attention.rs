@@ -92,35 +92,21 @@ impl<B: Backend> Attention<B> {
     ) -> B::Act {
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let shape = QkvShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            output_gate: self.output_gate,
+        };
         let (q, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
                 let qkv = b.linear(x, w, bias.as_ref());
-                let shape = QkvShape {
-                    num_heads: cfg.num_heads,
-                    num_kv_heads: cfg.num_kv_heads,
-                    head_dim: hd,
-                    output_gate: self.output_gate,
-                };
                 b.qkv_prologue(&qkv, &shape, norms, eps, positions, rope, cache, self.layer)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => {
                 let projected = b.linear(x, q, q_bias.as_ref());
-                let (mut q, gate) = if self.output_gate {
-                    let query = b.gather_columns(&projected, 2 * hd, 0, hd);
-                    (query, Some(b.gather_columns(&projected, 2 * hd, hd, hd)))
-                } else {
-                    (projected, None)
-                };
-                let mut k = b.linear(x, k, k_bias.as_ref());
-                let v = b.linear(x, v, v_bias.as_ref());
-                if let Some((qn, kn)) = norms {
-                    q = b.rms_norm(&q, qn, eps);
-                    k = b.rms_norm(&k, kn, eps);
-                }
-                b.rope(&mut q, hd, positions, rope);
-                b.rope(&mut k, hd, positions, rope);
-                b.write_kv(cache, self.layer, &k, &v);
-                (q, gate)
+                let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
+                b.attention_prologue(projected, k, &v, &shape, norms, eps, positions, rope, cache, self.layer)
             }
         };
         let shape = AttentionShape {
