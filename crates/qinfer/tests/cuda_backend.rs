@@ -532,6 +532,37 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
     }
 }
 
+/// Prints the device time of `op`: issued 50 times inside one recorded step
+/// at position `start`, the step replayed 5 times (host launch costs drop
+/// out), and GB/s when `bytes` is the data one call must read.
+fn time_replayed(
+    b: &CudaBackend,
+    what: &str,
+    bytes: usize,
+    start: usize,
+    op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct,
+) {
+    let (reps, n) = (50, 5);
+    let mut step = Default::default();
+    let mut body = || {
+        let mut last = op();
+        for _ in 1..reps {
+            last = op();
+        }
+        Ok(last)
+    };
+    // Warm-up and recording, then one replay before the timed ones.
+    b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+    b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+    }
+    let us = t0.elapsed().as_secs_f64() * 1e6 / (n * reps) as f64;
+    let gbs = if bytes > 0 { format!("{:.0} GB/s", bytes as f64 / us / 1e3) } else { String::new() };
+    println!("{what:<40} {us:8.2} µs  {gbs}");
+}
+
 /// Device time of the decode step's ops at Qwen3-8B's shapes: each op issued
 /// 50 times inside one recorded step, the step replayed and timed, so host
 /// launch costs drop out. Prints µs per op and, for GEMVs, GB/s. Run on the
@@ -549,50 +580,11 @@ fn profile_decode_ops_at_8b_shapes() {
         {
             let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
             let x = b.act_from_host(1, cols, &r.vec(cols));
-            let reps = 50;
-            let mut step = Default::default();
-            let mut body = || {
-                let mut last = b.linear(&x, &w, None);
-                for _ in 1..reps {
-                    last = b.linear(&x, &w, None);
-                }
-                Ok(last)
-            };
-            b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
-            b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
-            let t0 = std::time::Instant::now();
-            for _ in 0..5 {
-                b.run_step(&mut step, 0, &[0], true, &mut body).unwrap();
-            }
-            let us = t0.elapsed().as_secs_f64() * 1e6 / (5 * reps) as f64;
-            println!(
-                "{shape:?} gemv bf16 {name} {rows}x{cols} {us:8.2} µs {:.0} GB/s",
-                (rows * cols * 2) as f64 / us / 1e3
-            );
+            let what = format!("{shape:?} gemv bf16 {name} {rows}x{cols}");
+            time_replayed(&b, &what, rows * cols * 2, 0, &mut || b.linear(&x, &w, None));
         }
     }
     let b = CudaBackend::new(0).unwrap();
-    let time = |what: &str, bytes: usize, start: usize, op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct| {
-        let reps = 50;
-        let mut step = Default::default();
-        let mut body = || {
-            let mut last = op();
-            for _ in 1..reps {
-                last = op();
-            }
-            Ok(last)
-        };
-        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
-        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
-        let t0 = std::time::Instant::now();
-        let n = 5;
-        for _ in 0..n {
-            b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
-        }
-        let us = t0.elapsed().as_secs_f64() * 1e6 / (n * reps) as f64;
-        let gbs = if bytes > 0 { format!("{:.0} GB/s", bytes as f64 / us / 1e3) } else { String::new() };
-        println!("{what:<40} {us:8.2} µs  {gbs}");
-    };
     let (h, q, kv, inter) = (4096, 4096, 1024, 12288);
     for (name, rows, cols) in [
         ("q/o", q, h),
@@ -605,7 +597,9 @@ fn profile_decode_ops_at_8b_shapes() {
     ] {
         let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
         let x = b.act_from_host(1, cols, &r.vec(cols));
-        time(&format!("gemv bf16 {name} {rows}x{cols}"), rows * cols * 2, 0, &mut || b.linear(&x, &w, None));
+        time_replayed(&b, &format!("gemv bf16 {name} {rows}x{cols}"), rows * cols * 2, 0, &mut || {
+            b.linear(&x, &w, None)
+        });
     }
     for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("gate_up", 2 * inter, h), ("down", h, inter)] {
         for bits in [4u32, 8] {
@@ -613,7 +607,9 @@ fn profile_decode_ops_at_8b_shapes() {
             let x = b.act_from_host(1, cols, &r.vec(cols));
             // Packed levels plus f32 scales and biases per group of 64.
             let bytes = rows * cols * bits as usize / 8 + rows * cols / 64 * 8;
-            time(&format!("gemv q{bits}g64 {name} {rows}x{cols}"), bytes, 0, &mut || b.linear(&x, &w, None));
+            time_replayed(&b, &format!("gemv q{bits}g64 {name} {rows}x{cols}"), bytes, 0, &mut || {
+                b.linear(&x, &w, None)
+            });
         }
     }
     // Prefill of 512 tokens, timed eagerly (each op is long enough).
@@ -647,12 +643,12 @@ fn profile_decode_ops_at_8b_shapes() {
     }
     let x = b.act_from_host(1, h, &r.vec(h));
     let nw = b.upload(&tensor("n", DType::F32, vec![h], &r.vec(h))).unwrap();
-    time("rms_norm 4096", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));
+    time_replayed(&b, "rms_norm 4096", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));
     let qn = b.upload(&tensor("qn", DType::F32, vec![128], &r.vec(128))).unwrap();
     let xq = b.act_from_host(1, q, &r.vec(q));
-    time("rms_norm per head 32x128", 0, 0, &mut || b.rms_norm(&xq, &qn, 1e-6));
+    time_replayed(&b, "rms_norm per head 32x128", 0, 0, &mut || b.rms_norm(&xq, &qn, 1e-6));
     let g = b.act_from_host(1, inter, &r.vec(inter));
-    time("silu_mul 12288", 0, 0, &mut || b.silu_mul(&g, &g));
+    time_replayed(&b, "silu_mul 12288", 0, 0, &mut || b.silu_mul(&g, &g));
     for keys in [128usize, 1024, 8192] {
         let shape = AttentionShape { num_heads: 32, num_kv_heads: 8, head_dim: 128, window: None, scale: 0.088 };
         let mut cache = b.new_cache(1, kv, keys + 1);
@@ -662,7 +658,7 @@ fn profile_decode_ops_at_8b_shapes() {
         let k1 = b.act_from_host(1, kv, &r.vec(kv));
         b.write_kv(&mut cache, 0, &k1, &k1);
         let qa = b.act_from_host(1, q, &r.vec(q));
-        time(&format!("attention 32/8 heads, {keys} keys"), 2 * keys * kv * 4, keys, &mut || {
+        time_replayed(&b, &format!("attention 32/8 heads, {keys} keys"), 2 * keys * kv * 4, keys, &mut || {
             b.attention(&qa, &cache, 0, &shape)
         });
     }
