@@ -11,7 +11,7 @@ use qinfer::backend::cuda::CudaBackend;
 use qinfer::backend::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
-use qinfer::engine::sampler::SamplingParams;
+use qinfer::engine::sampler::{Sampler, SamplingParams};
 use qinfer::loader::{self, Device};
 use qinfer::models::decoder::DecoderModel;
 use qinfer::models::rope::Rope;
@@ -522,6 +522,18 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
             assert_eq!(g, e, "{name}: step {i} at {} keys, replayed vs eager", 251 + i);
             worst = worst.max(rel(&g, &c));
         }
+        // Steps that end in a greedy pick on the device: replayed and eager
+        // steps pick alike, and the pick is a maximum of the CPU's logits.
+        let mut greedy = Sampler::new(SamplingParams::default()).unwrap();
+        for i in 0..8 {
+            let t = (i * 53 % vocab) as u32;
+            let a = graphs.forward_sample(sg.as_mut(), &[t], &mut greedy, &[]).unwrap();
+            let b = eager.forward_sample(se.as_mut(), &[t], &mut greedy, &[]).unwrap();
+            let c = cpu.forward(sc.as_mut(), &[t], Logits::Last).unwrap();
+            let top = c.iter().fold(f32::MIN, |m, v| m.max(*v));
+            assert_eq!(a, b, "{name}: greedy step {i}, replayed vs eager");
+            assert!(top - c[a as usize] <= 1e-3 * top.abs().max(1.0), "{name}: greedy step {i} picked {a}");
+        }
         let replayed = replays.load(std::sync::atomic::Ordering::Relaxed);
         println!(
             "{name}: {replayed} of 280 decode steps replayed, equal to eager ones; rel to CPU at most {worst:.1e}"
@@ -551,12 +563,14 @@ fn time_replayed(
         }
         Ok(last)
     };
+    // Each replay ends with its output copied to the host (a synchronization).
+    let mut finish = |out: &qinfer::backend::cuda::CudaAct| Ok(b.to_host(out).len());
     // Warm-up and recording, then one replay before the timed ones.
-    b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
-    b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+    b.run_step(&mut step, start, &[0], true, &mut body, &mut finish).unwrap();
+    b.run_step(&mut step, start, &[0], true, &mut body, &mut finish).unwrap();
     let t0 = std::time::Instant::now();
     for _ in 0..n {
-        b.run_step(&mut step, start, &[0], true, &mut body).unwrap();
+        b.run_step(&mut step, start, &[0], true, &mut body, &mut finish).unwrap();
     }
     let us = t0.elapsed().as_secs_f64() * 1e6 / (n * reps) as f64;
     let gbs = if bytes > 0 { format!("{:.0} GB/s", bytes as f64 / us / 1e3) } else { String::new() };
@@ -710,5 +724,123 @@ fn qkv_prologue_and_swiglu_match_cpu() {
     for (rows, width) in [(1, 12288), (5, 100)] {
         let (xc, xg) = p.acts(rows, 2 * width, &r.vec(rows * 2 * width));
         p.check(&format!("swiglu {rows}x{width}"), &p.cpu.swiglu(&xc), &p.gpu.swiglu(&xg), 1e-6);
+    }
+}
+
+/// How close `pick`'s choice came to flipping, recomputed in f64: the least
+/// distance of top_p, of min_p (relative to the top probability) and of the
+/// draw u·total from a boundary of the sorted candidates' running mass. f32
+/// sums in another order may decide differently within such a distance.
+fn sampling_margin(p: &SamplingParams, logits: &[f32], u: f32) -> f64 {
+    if p.temperature == 0.0 {
+        return f64::INFINITY;
+    }
+    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1 as f64;
+    let mut probs: Vec<f64> = cand.iter().map(|c| (c.1 as f64 - max).exp()).collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= sum);
+    let mut margin = f64::INFINITY;
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, pr) in probs.iter().enumerate() {
+            acc += pr;
+            margin = margin.min((acc - p.top_p as f64).abs());
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        let cut = probs[0] * p.min_p as f64;
+        probs.iter().for_each(|x| margin = margin.min((x - cut).abs() / probs[0]));
+        let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let r = u as f64 * total;
+    let mut acc = 0.0;
+    for pr in &probs {
+        acc += pr;
+        margin = margin.min((acc - r).abs() / total);
+    }
+    margin
+}
+
+/// Device sampling picks what the host's `pick` picks: greedy (first of equal
+/// maxima), the repetition penalty, and temperature with top-k, top-p and
+/// min-p, on vocabularies of 5 to 151,936 with tied logits among them. Draws
+/// within 1e-4 of a boundary of the running mass are skipped (and counted).
+#[test]
+fn device_sampling_matches_the_host_sampler() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let base = SamplingParams::default();
+    let combos = [
+        SamplingParams { ..base.clone() },
+        SamplingParams { repetition_penalty: 1.5, ..base.clone() },
+        SamplingParams { temperature: 0.7, top_k: 40, ..base.clone() },
+        SamplingParams { temperature: 1.0, top_p: 0.9, ..base.clone() },
+        SamplingParams { temperature: 1.3, min_p: 0.05, ..base.clone() },
+        SamplingParams { temperature: 0.8, top_k: 50, top_p: 0.95, min_p: 0.02, ..base.clone() },
+        SamplingParams { temperature: 1.0, ..base.clone() },
+        SamplingParams { temperature: 0.9, top_p: 0.8, repetition_penalty: 1.3, ..base.clone() },
+        SamplingParams { temperature: 2.0, top_k: 3, ..base.clone() },
+    ];
+    for p in &combos {
+        let (mut checked, mut skipped) = (0, 0);
+        for vocab in [5, 1000, 151_936] {
+            for trial in 0..20 {
+                // A bulk of logits in [-8, 8) and a few spikes above it, of a
+                // height that decides how much mass the bulk keeps; every
+                // other trial on a grid of 0.5, so that many logits tie.
+                let mut logits: Vec<f32> = r.vec(vocab).iter().map(|x| x * 8.0).collect();
+                let height = 10.0 + 6.0 * r.f();
+                for _ in 0..vocab.min(8) {
+                    let i = ((r.f().abs() * 1e6) as usize) % vocab;
+                    logits[i] += height + r.f();
+                }
+                if trial % 2 == 1 {
+                    logits.iter_mut().for_each(|x| *x = (*x * 2.0).round() / 2.0);
+                }
+                let top = qinfer::engine::sampler::argmax(&logits);
+                // A second equal maximum after the first, for greedy's tie rule.
+                if vocab > 5 && trial % 4 == 0 {
+                    logits[vocab - 1] = logits[top as usize];
+                }
+                let penalized: Vec<u32> = if p.repetition_penalty != 1.0 {
+                    let mut ids: Vec<u32> = (0..20).map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32).collect();
+                    ids.push(top);
+                    ids.sort();
+                    ids.dedup();
+                    ids
+                } else {
+                    Vec::new()
+                };
+                let u = (r.f() + 1.0) / 2.0;
+                let mut host = logits.clone();
+                let want = qinfer::engine::sampler::pick(p, &mut host, &penalized, u);
+                if sampling_margin(p, &host, u) < 1e-4 {
+                    skipped += 1;
+                    continue;
+                }
+                // Two rows: the sampler reads the last one.
+                let mut rows = r.vec(vocab);
+                rows.extend_from_slice(&logits);
+                let act = g.act_from_host(2, vocab, &rows);
+                let got = g.sample(&act, p, &penalized, u).unwrap();
+                assert_eq!(got, want, "{p:?} vocab {vocab} trial {trial} u {u}");
+                checked += 1;
+            }
+        }
+        println!("{p:?}: {checked} picks equal to the host's, {skipped} skipped at a boundary");
+        assert!(checked >= 40, "{p:?}: only {checked} of 60 draws clear of a boundary");
     }
 }

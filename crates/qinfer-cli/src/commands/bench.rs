@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
+use qinfer::engine::sampler::{Sampler, SamplingParams};
 use qinfer::models::random::WeightStorage;
 use qinfer::models::{LanguageModel, Logits};
 use serde_json::json;
@@ -79,9 +80,13 @@ fn pp(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
 
 fn tg(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
     let mut seq = context(lm, ctx, ids.len())?;
+    // Greedy picks, where the model samples (on the device for GPU models):
+    // each step ends with a token id on the host, as in generation. The fed
+    // tokens stay the fixed sequence, so every run does the same work.
+    let mut greedy = Sampler::new(SamplingParams::default())?;
     let t = Instant::now();
     for id in ids {
-        lm.forward(seq.as_mut(), std::slice::from_ref(id), Logits::Last)?;
+        lm.forward_sample(seq.as_mut(), std::slice::from_ref(id), &mut greedy, &[])?;
     }
     Ok(ids.len() as f64 / t.elapsed().as_secs_f64())
 }

@@ -9,6 +9,7 @@ pub mod cuda;
 use crate::Result;
 use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
+use crate::engine::sampler::{SamplingParams, pick};
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
 
@@ -84,22 +85,36 @@ pub trait Backend: Send + Sync {
         pass()
     }
     /// Runs one forward pass of `tokens` at positions `start..`: `body` issues
-    /// its work and returns the activations whose host values this returns.
-    /// With `replayable` (one token, and `body` issues the same device work
-    /// at every position of the same step shape), a backend may record the
-    /// pass once and replay the recording for later tokens of `step`'s
-    /// sequence instead of calling `body`.
-    fn run_step(
+    /// its work and returns the pass's output activations, which `finish`
+    /// turns into the result (host logits, a sampled token). With
+    /// `replayable` (one token, and `body` issues the same device work at
+    /// every position of the same step shape), a backend may record the pass
+    /// once and replay the recording for later tokens of `step`'s sequence
+    /// instead of calling `body`; `finish` runs after every pass, outside
+    /// the recording.
+    fn run_step<R>(
         &self,
         step: &mut Self::Step,
         start: usize,
         tokens: &[u32],
         replayable: bool,
         body: &mut dyn FnMut() -> Result<Self::Act>,
-    ) -> Result<Vec<f32>> {
+        finish: &mut dyn FnMut(&Self::Act) -> Result<R>,
+    ) -> Result<R> {
         let _ = (step, start, tokens, replayable);
         let out = body()?;
-        Ok(self.to_host(&out))
+        finish(&out)
+    }
+    /// The next token from the last row of `logits`, chosen as
+    /// [`crate::engine::sampler::pick`] chooses: `penalized` are the distinct
+    /// context tokens the repetition penalty applies to, `u` the sampler's
+    /// uniform draw. Device backends override this so that only the token
+    /// id crosses to the host.
+    fn sample(&self, logits: &Self::Act, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
+        let host = self.to_host(logits);
+        let cols = self.cols(logits);
+        let mut row = host[host.len() - cols..].to_vec();
+        Ok(pick(params, &mut row, penalized, u))
     }
     /// Reports a failure of earlier asynchronous work (device backends), after
     /// waiting for it to finish.

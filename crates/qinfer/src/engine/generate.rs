@@ -34,21 +34,24 @@ impl GenerationStats {
     }
 }
 
-/// Feeds `tokens` into `seq` in chunks and returns the last token's logits.
-pub fn prefill(
+/// Feeds `tokens` into `seq` in chunks; the last chunk's forward returns
+/// the token `sampler` picks after them (`context` is the whole sequence).
+fn prefill_sample(
     model: &dyn LanguageModel,
     seq: &mut dyn SequenceState,
     tokens: &[u32],
     chunk: usize,
-) -> Result<Vec<f32>> {
-    if tokens.is_empty() {
+    sampler: &mut Sampler,
+    context: &[u32],
+) -> Result<u32> {
+    let chunks: Vec<&[u32]> = tokens.chunks(chunk.max(1)).collect();
+    let Some((last, head)) = chunks.split_last() else {
         return Err(Error::Invalid("the prompt is empty".into()));
+    };
+    for part in head {
+        model.forward(seq, part, Logits::Last)?;
     }
-    let mut logits = Vec::new();
-    for part in tokens.chunks(chunk.max(1)) {
-        logits = model.forward(seq, part, Logits::Last)?;
-    }
-    Ok(logits)
+    model.forward_sample(seq, last, sampler, context)
 }
 
 /// Generates up to `opts.max_new_tokens` after `prompt`. `on_token` sees each new
@@ -74,18 +77,17 @@ pub fn generate(
         return Ok((out, stats));
     }
     let t0 = Instant::now();
-    let mut logits = prefill(model, seq.as_mut(), prompt, opts.prefill_chunk)?;
+    let mut next = prefill_sample(model, seq.as_mut(), prompt, opts.prefill_chunk, &mut sampler, &context)?;
     stats.prefill_time = t0.elapsed();
     let t1 = Instant::now();
     loop {
-        let next = sampler.sample(&mut logits, &context);
         out.push(next);
         context.push(next);
         let go_on = on_token(next)?;
         if !go_on || opts.stop_tokens.contains(&next) || out.len() >= opts.max_new_tokens {
             break;
         }
-        logits = model.forward(seq.as_mut(), &[next], Logits::Last)?;
+        next = model.forward_sample(seq.as_mut(), &[next], &mut sampler, &context)?;
         stats.decode_tokens += 1;
     }
     stats.decode_time = t1.elapsed();

@@ -69,60 +69,92 @@ impl Sampler {
         Ok(Sampler { params, rng })
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The uniform number in [0, 1) the next sample uses: one per non-greedy
+    /// sample and none for greedy, so the host and a device that samples
+    /// draw the seed's stream alike.
+    pub fn draw(&mut self) -> f32 {
+        if self.params.temperature == 0.0 { 0.0 } else { self.rng.random::<f32>() }
+    }
+
+    /// The distinct tokens of `context` that the repetition penalty applies
+    /// to, in order of first appearance (none when the penalty is off).
+    pub fn penalized(&self, context: &[u32]) -> Vec<u32> {
+        if self.params.repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        let mut seen = std::collections::HashSet::new();
+        context.iter().copied().filter(|t| seen.insert(*t)).collect()
+    }
+
     /// Picks the next token from `logits`, given the tokens of the context so far.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let mut seen = std::collections::HashSet::new();
-            for &t in context {
-                if seen.insert(t)
-                    && let Some(l) = logits.get_mut(t as usize)
-                {
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-                }
-            }
-        }
-        if p.temperature == 0.0 {
-            return argmax(logits);
-        }
-        // Candidates sorted by logit, descending; ties keep the lower id first.
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= sum);
-        if p.top_p < 1.0 {
-            // Keep the smallest prefix whose mass reaches top_p (always at least one).
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            let cut = probs[0] * p.min_p;
-            let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
-            probs.truncate(keep);
-        }
-        let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, pr) in probs.iter().enumerate() {
-            r -= pr;
-            if r <= 0.0 {
-                return cand[i].0;
-            }
-        }
-        cand[probs.len() - 1].0
+        let penalized = self.penalized(context);
+        let u = self.draw();
+        pick(&self.params, logits, &penalized, u)
     }
+}
+
+/// Divides positive logits of `penalized` tokens by the penalty and
+/// multiplies negative ones (as transformers' repetition penalty does).
+pub fn apply_repetition_penalty(penalty: f32, logits: &mut [f32], penalized: &[u32]) {
+    for &t in penalized {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        }
+    }
+}
+
+/// The token `params` choose from `logits` after penalizing the distinct
+/// tokens `penalized`, with `u` the sampler's uniform draw (unused when
+/// greedy). The host's reference for device samplers.
+pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -> u32 {
+    if p.repetition_penalty != 1.0 {
+        apply_repetition_penalty(p.repetition_penalty, logits, penalized);
+    }
+    if p.temperature == 0.0 {
+        return argmax(logits);
+    }
+    // Candidates sorted by logit, descending; ties keep the lower id first.
+    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= sum);
+    if p.top_p < 1.0 {
+        // Keep the smallest prefix whose mass reaches top_p (always at least one).
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (i, pr) in probs.iter().enumerate() {
+            acc += pr;
+            if acc >= p.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        let cut = probs[0] * p.min_p;
+        let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
+        probs.truncate(keep);
+    }
+    let total: f32 = probs.iter().sum();
+    let mut r = u * total;
+    for (i, pr) in probs.iter().enumerate() {
+        r -= pr;
+        if r <= 0.0 {
+            return cand[i].0;
+        }
+    }
+    cand[probs.len() - 1].0
 }
 
 #[cfg(test)]

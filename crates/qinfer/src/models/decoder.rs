@@ -7,6 +7,7 @@ use std::any::Any;
 
 use crate::backend::{Backend, KvCache};
 use crate::config::{LayerKind, ModelConfig};
+use crate::engine::sampler::Sampler;
 use crate::formats::TensorSource;
 use crate::layers::WeightLoader;
 use crate::layers::attention::Attention;
@@ -170,7 +171,15 @@ impl<B: Backend> DecoderModel<B> {
         Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope })
     }
 
-    fn forward_seq(&self, seq: &mut DecoderSequence<B>, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+    /// Runs `tokens` through the model and hands the pass's logits
+    /// activations to `finish`.
+    fn forward_seq<R>(
+        &self,
+        seq: &mut DecoderSequence<B>,
+        tokens: &[u32],
+        logits: Logits,
+        finish: &mut dyn FnMut(&B::Act) -> Result<R>,
+    ) -> Result<R> {
         let b = &self.backend;
         let start = seq.cache.len();
         if start + tokens.len() > seq.cache.capacity() {
@@ -189,9 +198,14 @@ impl<B: Backend> DecoderModel<B> {
         let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
         let replayable = tokens.len() == 1 && (!routed || b.routes_on_device()) && logits == Logits::Last;
         let DecoderSequence { cache, gdn, step, .. } = seq;
-        let out = b.run_step(step, start, tokens, replayable, &mut || {
-            self.layers_forward(cache, gdn, tokens, &positions, logits)
-        })?;
+        let out = b.run_step(
+            step,
+            start,
+            tokens,
+            replayable,
+            &mut || self.layers_forward(cache, gdn, tokens, &positions, logits),
+            finish,
+        )?;
         cache.set_len(start + tokens.len());
         b.check()?;
         Ok(out)
@@ -312,6 +326,23 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
             .as_any_mut()
             .downcast_mut::<DecoderSequence<B>>()
             .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
-        self.backend.run_pass(|| self.forward_seq(seq, tokens, logits))
+        let b = &self.backend;
+        b.run_pass(|| self.forward_seq(seq, tokens, logits, &mut |out| Ok(b.to_host(out))))
+    }
+    fn forward_sample(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        context: &[u32],
+    ) -> Result<u32> {
+        let seq = seq
+            .as_any_mut()
+            .downcast_mut::<DecoderSequence<B>>()
+            .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
+        let penalized = sampler.penalized(context);
+        let u = sampler.draw();
+        let (b, params) = (&self.backend, sampler.params());
+        b.run_pass(|| self.forward_seq(seq, tokens, Logits::Last, &mut |out| b.sample(out, params, &penalized, u)))
     }
 }

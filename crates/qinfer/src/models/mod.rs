@@ -9,6 +9,7 @@ use std::any::Any;
 
 use crate::Result;
 use crate::config::ModelConfig;
+use crate::engine::sampler::Sampler;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,4 +66,18 @@ pub trait LanguageModel: Send + Sync {
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState>;
     /// Appends `tokens` to the sequence and returns logits.
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
+    /// Appends `tokens` and returns the token `sampler` picks from the last
+    /// one's logits, given every token of the sequence so far (`context`,
+    /// for the repetition penalty). Models on a device sample there, so only
+    /// the token id comes back.
+    fn forward_sample(
+        &self,
+        seq: &mut dyn SequenceState,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        context: &[u32],
+    ) -> Result<u32> {
+        let mut logits = self.forward(seq, tokens, Logits::Last)?;
+        Ok(sampler.sample(&mut logits, context))
+    }
 }

@@ -18,6 +18,7 @@ macro_rules! launch {
 
 mod compile;
 mod moe;
+mod sampling;
 mod types;
 
 use std::collections::HashMap;
@@ -33,6 +34,7 @@ use cudarc::driver::{
 
 use super::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
+use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
@@ -97,6 +99,9 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_gemv_affine6",
     "moe_gemv_affine8",
     "moe_combine",
+    "sample_argmax",
+    "sample_filtered",
+    "sample_penalty",
 ];
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
@@ -221,6 +226,8 @@ pub struct CudaBackend {
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
     /// Held for the length of each [`Backend::run_step`].
     pass: Mutex<()>,
+    /// The sampling kernels' buffers (see sampling.rs).
+    sampling: Mutex<sampling::SampleScratch>,
     /// Device pointer tables of MoE layers' experts (see moe.rs).
     moe_tables: Mutex<HashMap<(usize, usize), Arc<moe::ExpertTables>>>,
 }
@@ -336,6 +343,7 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", &e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
         let step = stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the step inputs", &e))?;
+        let sampling = sampling::SampleScratch::new(&stream).map_err(|e| err("allocating the sampling buffers", &e))?;
         Ok(CudaBackend {
             ordinal,
             device_name,
@@ -355,6 +363,7 @@ impl CudaBackend {
             step_written: Mutex::new(None),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
+            sampling,
             moe_tables: Mutex::new(HashMap::new()),
         })
     }
@@ -757,38 +766,40 @@ impl Backend for CudaBackend {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
     }
 
-    fn run_step(
+    fn run_step<R>(
         &self,
         step: &mut CudaStep,
         start: usize,
         tokens: &[u32],
         replayable: bool,
         body: &mut dyn FnMut() -> Result<CudaAct>,
-    ) -> Result<Vec<f32>> {
+        finish: &mut dyn FnMut(&CudaAct) -> Result<R>,
+    ) -> Result<R> {
         // Passes share the step inputs and the recording state: one at a time.
         let _pass = self.pass.lock().map_err(|_| Error::Invalid("cuda: a pass panicked".into()))?;
         self.ensure_step(start, (tokens.len() == 1).then(|| tokens[0]));
         if !replayable || !self.graphs || self.failed() {
             let out = body()?;
-            return Ok(self.to_host(&out));
+            return finish(&out);
         }
         let key = decode_splits(start + tokens.len());
         if let Some(rec) = step.recorded.get(&key) {
             let r = rec.graph.launch();
             self.record(r, "replaying a decode step");
             self.replays.fetch_add(1, Ordering::Relaxed);
-            return Ok(self.to_host(&rec.out));
+            return finish(&rec.out);
         }
         // Warm-up: this token's pass runs for real, every buffer it takes from
         // a fresh arena; then the same pass is captured (not run) and finds
-        // the same buffers free in the same order.
+        // the same buffers free in the same order (so `finish`, which may
+        // take buffers of its own, runs outside the arena).
         let arena = Arc::new(BufferPool::arena());
         self.set_recording(Some((arena.clone(), false)));
-        let warm = body().map(|out| self.to_host(&out));
+        let warm = body();
         self.set_recording(None);
-        let logits = warm?;
+        let result = finish(&warm?)?;
         if self.failed() {
-            return Ok(logits);
+            return Ok(result);
         }
         self.set_recording(Some((arena.clone(), true)));
         let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
@@ -805,7 +816,11 @@ impl Backend for CudaBackend {
                 self.record(graph.map(|_| ()), "capturing a decode step");
             }
         }
-        Ok(logits)
+        Ok(result)
+    }
+
+    fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
+        self.sample_on_device(logits, params, penalized, u)
     }
 
     fn check(&self) -> Result<()> {

@@ -1,0 +1,303 @@
+// Sampling on the device, so that only a token id crosses to the host. The
+// reference is `pick` in engine/sampler.rs: repetition penalty, temperature,
+// top-k, top-p, min-p, then a draw from what is left, with candidates ordered
+// by scaled logit, descending, ties by lower token id.
+//
+// Nothing is sorted. Every filter keeps a prefix of that order, so each is a
+// cut: the position in the order where a running total (of candidates, or of
+// probability) first reaches a target. A cut is found by a radix select over
+// the order-preserving bits of the scaled logit, 8 bits per pass, with a
+// histogram of the total per digit; ties at the final key are resolved in
+// token order. The draw itself is one more cut, at u times the kept mass.
+
+#define SAMPLE_THREADS 1024
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define ARGMAX_BLOCKS 64
+
+// Unsigned keys in the order of the floats (larger float, larger key).
+__device__ __forceinline__ unsigned sample_key(float v) {
+    unsigned b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// A position in the candidate order: everything with a larger key, and the
+// candidates of this key up to token `idx`, are at or before it.
+struct SamplePos {
+    unsigned key;
+    int idx;
+};
+
+__device__ __forceinline__ bool sample_within(unsigned key, int idx, SamplePos p) {
+    return key > p.key || (key == p.key && idx <= p.idx);
+}
+
+__device__ __forceinline__ SamplePos sample_earlier(SamplePos a, SamplePos b) {
+    return sample_within(a.key, a.idx, b) ? a : b;
+}
+
+// Block-wide reductions for SAMPLE_THREADS threads. `red` is shared scratch
+// of SAMPLE_WARPS values; every thread gets the result.
+__device__ float sample_sum(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+
+__device__ unsigned sample_max_u(unsigned v, unsigned* red) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    return v;
+}
+
+__device__ unsigned sample_min_u(unsigned v, unsigned* red) {
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    return v;
+}
+
+// Inclusive prefix sum over the block in thread order; `red` as above.
+__device__ float sample_scan(float v, float* red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        float t = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += t;
+    }
+    if (lane == 31) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = red[lane];
+        for (int o = 1; o < 32; o <<= 1) {
+            float t = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += t;
+        }
+        red[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) v += red[warp - 1];
+    __syncthreads();
+    return v;
+}
+
+struct SampleShared {
+    float hist[SAMPLE_WARPS * 256];
+    float bins[256];
+    float red[SAMPLE_WARPS];
+    unsigned ured[SAMPLE_WARPS];
+    int found;
+    float above;
+};
+
+// The last candidate at or before `limit`.
+__device__ SamplePos sample_last(const float* x, int n, float temperature, SamplePos limit, SampleShared& sh) {
+    unsigned kmin = 0xffffffffu;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        unsigned k = sample_key(x[i] / temperature);
+        if (sample_within(k, i, limit)) kmin = min(kmin, k);
+    }
+    kmin = sample_min_u(kmin, sh.ured);
+    unsigned last = 0;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        unsigned k = sample_key(x[i] / temperature);
+        if (k == kmin && sample_within(k, i, limit)) last = max(last, (unsigned)i + 1);
+    }
+    last = sample_max_u(last, sh.ured);
+    return SamplePos{kmin, (int)last - 1};
+}
+
+// The first position at or before `limit` where the running total of
+// weight(scaled logit) over the order reaches `target` (> 0); the last
+// candidate within `limit` when rounding leaves the total short of it.
+template <typename Weight>
+__device__ SamplePos sample_cut(const float* x, int n, float temperature, SamplePos limit, float target, Weight weight,
+                                SampleShared& sh) {
+    int warp = threadIdx.x >> 5;
+    unsigned prefix = 0;
+    float above = 0.0f;  // weight of the candidates with a larger key
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < SAMPLE_WARPS * 256; b += SAMPLE_THREADS) sh.hist[b] = 0.0f;
+        if (threadIdx.x == 0) sh.found = 0x7fffffff;
+        __syncthreads();
+        unsigned high = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+            float s = x[i] / temperature;
+            unsigned k = sample_key(s);
+            if ((k & high) == prefix && sample_within(k, i, limit)) {
+                atomicAdd(&sh.hist[warp * 256 + ((k >> shift) & 255)], weight(s));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 256) {
+            float t = 0.0f;
+            for (int w = 0; w < SAMPLE_WARPS; ++w) t += sh.hist[w * 256 + threadIdx.x];
+            sh.bins[threadIdx.x] = t;
+        }
+        __syncthreads();
+        // Thread t looks at digit 255 - t: the inclusive scan is the weight
+        // of this digit and every larger one. The cut is in the largest digit
+        // whose total reaches the target.
+        float mine = threadIdx.x < 256 ? sh.bins[255 - threadIdx.x] : 0.0f;
+        float incl = sample_scan(mine, sh.red);
+        if (threadIdx.x < 256 && above + incl >= target) atomicMin(&sh.found, (int)threadIdx.x);
+        __syncthreads();
+        int t = sh.found;
+        if (t == 0x7fffffff) return sample_last(x, n, temperature, limit, sh);
+        if (threadIdx.x == t) sh.above = above + incl - mine;
+        __syncthreads();
+        above = sh.above;
+        prefix |= (unsigned)(255 - t) << shift;
+        __syncthreads();
+    }
+    // The key is `prefix`; walk its candidates in token order, 1024 at a time.
+    for (int base = 0; base < n; base += SAMPLE_THREADS) {
+        int i = base + threadIdx.x;
+        bool tie = false;
+        float w = 0.0f;
+        if (i < n) {
+            float s = x[i] / temperature;
+            tie = sample_key(s) == prefix && sample_within(prefix, i, limit);
+            if (tie) w = weight(s);
+        }
+        if (threadIdx.x == 0) sh.found = 0x7fffffff;
+        float incl = sample_scan(w, sh.red);
+        if (tie && above + incl >= target) atomicMin(&sh.found, i);
+        __syncthreads();
+        int hit = sh.found;
+        if (hit != 0x7fffffff) return SamplePos{prefix, hit};
+        above += sh.red[SAMPLE_WARPS - 1];
+        __syncthreads();
+    }
+    return sample_last(x, n, temperature, limit, sh);
+}
+
+struct SampleCount {
+    __device__ float operator()(float) const { return 1.0f; }
+};
+
+struct SampleProb {
+    float max, inv_z;
+    __device__ float operator()(float s) const { return expf(s - max) * inv_z; }
+};
+
+// One block of SAMPLE_THREADS: temperature > 0, top_k = 0 for none, top_p = 1
+// for none, min_p = 0 for none; u in [0, 1).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_filtered(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
+                    unsigned* out) {
+    __shared__ SampleShared sh;
+    unsigned kmax = 0;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) kmax = max(kmax, sample_key(x[i] / temperature));
+    kmax = sample_max_u(kmax, sh.ured);
+    float smax = __uint_as_float((kmax & 0x80000000u) ? (kmax & 0x7fffffffu) : ~kmax);
+    SamplePos limit{0u, 0x7fffffff};
+    if (top_k > 0 && top_k < n) limit = sample_cut(x, n, temperature, limit, (float)top_k, SampleCount{}, sh);
+    float z = 0.0f;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        float s = x[i] / temperature;
+        if (sample_within(sample_key(s), i, limit)) z += expf(s - smax);
+    }
+    z = sample_sum(z, sh.red);
+    SampleProb prob{smax, 1.0f / z};
+    if (top_p < 1.0f) limit = sample_cut(x, n, temperature, limit, top_p, prob, sh);
+    if (min_p > 0.0f) {
+        // The most likely candidate has weight exp(0) = 1.
+        float cut = prob(smax) * min_p;
+        unsigned kmin = 0xffffffffu;
+        for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+            float s = x[i] / temperature;
+            unsigned k = sample_key(s);
+            if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
+        }
+        kmin = sample_min_u(kmin, sh.ured);
+        if (kmin != 0xffffffffu) limit = sample_earlier(limit, SamplePos{kmin, 0x7fffffff});
+    }
+    float total = 0.0f;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        float s = x[i] / temperature;
+        if (sample_within(sample_key(s), i, limit)) total += prob(s);
+    }
+    total = sample_sum(total, sh.red);
+    SamplePos pick = sample_cut(x, n, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh);
+    if (threadIdx.x == 0) *out = (unsigned)pick.idx;
+}
+
+// Greedy: the first index of the largest value. ARGMAX_BLOCKS blocks take a
+// slice each; the last block to finish (by the ticket) reduces their results
+// and rearms the ticket.
+__device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ void argmax_block(float& v, int& i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_better(ov, oi, v, i)) v = ov, i = oi;
+    }
+    if ((threadIdx.x & 31) == 0) sv[threadIdx.x >> 5] = v, si[threadIdx.x >> 5] = i;
+    __syncthreads();
+    int nwarps = blockDim.x >> 5;
+    v = threadIdx.x < nwarps ? sv[threadIdx.x] : __int_as_float(0xff800000);
+    i = threadIdx.x < nwarps ? si[threadIdx.x] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_better(ov, oi, v, i)) v = ov, i = oi;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out) {
+    __shared__ bool last;
+    float v = __int_as_float(0xff800000);
+    int idx = 0x7fffffff;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        if (argmax_better(x[i], i, v, idx)) v = x[i], idx = i;
+    }
+    argmax_block(v, idx);
+    if (threadIdx.x == 0) {
+        part_v[blockIdx.x] = v;
+        part_i[blockIdx.x] = idx;
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    v = __int_as_float(0xff800000);
+    idx = 0x7fffffff;
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        float bv = ((volatile float*)part_v)[b];
+        int bi = ((volatile int*)part_i)[b];
+        if (argmax_better(bv, bi, v, idx)) v = bv, idx = bi;
+    }
+    __syncthreads();
+    argmax_block(v, idx);
+    if (threadIdx.x == 0) {
+        // All NaN (or empty): index 0, as the host's argmax.
+        *out = idx < n ? (unsigned)idx : 0u;
+        *ticket = 0u;
+    }
+}
+
+// Repetition penalty on the distinct token ids `ids` (no two threads share a
+// logit): positive logits divided by the penalty, negative ones multiplied.
+extern "C" __global__ void sample_penalty(float* x, const unsigned* ids, int count, int n, float penalty) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count || ids[j] >= (unsigned)n) return;
+    float l = x[ids[j]];
+    x[ids[j]] = l > 0.0f ? l / penalty : l * penalty;
+}

@@ -1,0 +1,126 @@
+//! Sampling on the device (sampling.cu): the repetition penalty, greedy
+//! argmax, and temperature with top-k/top-p/min-p, so a decode step ends with
+//! a 4-byte token id crossing to the host instead of the vocabulary's logits.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::{Arg, CudaAct, CudaBackend, cfg};
+use crate::backend::Backend;
+use crate::engine::sampler::SamplingParams;
+use crate::{Error, Result};
+
+/// Blocks of `sample_argmax` (`ARGMAX_BLOCKS` in sampling.cu).
+const ARGMAX_BLOCKS: usize = 64;
+
+/// Threads of the one block of `sample_filtered` (`SAMPLE_THREADS`).
+const SAMPLE_THREADS: u32 = 1024;
+
+/// Device buffers the sampling kernels share: the argmax blocks' partial
+/// results and ticket, and the chosen token.
+pub(super) struct SampleScratch {
+    part_values: CudaSlice<f32>,
+    part_ids: CudaSlice<i32>,
+    /// Zero between calls: the last argmax block resets it.
+    ticket: CudaSlice<u32>,
+    token: CudaSlice<u32>,
+}
+
+impl SampleScratch {
+    pub(super) fn new(stream: &Arc<CudaStream>) -> std::result::Result<Mutex<Self>, cudarc::driver::DriverError> {
+        Ok(Mutex::new(SampleScratch {
+            part_values: stream.alloc_zeros(ARGMAX_BLOCKS)?,
+            part_ids: stream.alloc_zeros(ARGMAX_BLOCKS)?,
+            ticket: stream.alloc_zeros(1)?,
+            token: stream.alloc_zeros(1)?,
+        }))
+    }
+}
+
+impl CudaBackend {
+    /// [`crate::backend::Backend::sample`] on the device.
+    pub(super) fn sample_on_device(
+        &self,
+        logits: &CudaAct,
+        params: &SamplingParams,
+        penalized: &[u32],
+        u: f32,
+    ) -> Result<u32> {
+        let vocab = logits.cols;
+        let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        let mut row = self.p(&logits.buf) + ((logits.rows - 1) * vocab * 4) as u64;
+        // The penalty rewrites logits: on a copy, never on the pass's output.
+        let _penalized_copy = if params.repetition_penalty != 1.0 && !penalized.is_empty() {
+            let copy = self.act(1, vocab);
+            if !self.failed() {
+                // SAFETY: one row of `vocab` values inside both allocations.
+                let r = unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        self.p(&copy.buf),
+                        row,
+                        vocab * 4,
+                        self.stream.cu_stream(),
+                    )
+                };
+                self.record(r, "copying logits for the repetition penalty");
+            }
+            let ids = self.upload_slice(penalized);
+            launch!(
+                self,
+                "sample_penalty",
+                cfg((penalized.len().div_ceil(256) as u32, 1, 1), 256, 0),
+                self.p(&copy.buf),
+                self.p(&ids),
+                penalized.len() as i32,
+                vocab as i32,
+                params.repetition_penalty
+            );
+            row = self.p(&copy.buf);
+            Some((copy, ids))
+        } else {
+            None
+        };
+        let token = self.p(&scratch.token);
+        if params.temperature == 0.0 {
+            launch!(
+                self,
+                "sample_argmax",
+                cfg((ARGMAX_BLOCKS as u32, 1, 1), 256, 0),
+                row,
+                vocab as i32,
+                self.p(&scratch.part_values),
+                self.p(&scratch.part_ids),
+                self.p(&scratch.ticket),
+                token
+            );
+        } else {
+            launch!(
+                self,
+                "sample_filtered",
+                cfg((1, 1, 1), SAMPLE_THREADS, 0),
+                row,
+                vocab as i32,
+                params.temperature,
+                params.top_k.min(vocab) as i32,
+                params.top_p,
+                params.min_p,
+                u,
+                token
+            );
+        }
+        let id = match self.failed() {
+            true => 0,
+            false => match self.stream.clone_dtoh(&scratch.token) {
+                Ok(v) => v[0],
+                Err(e) => {
+                    self.record(Err(e), "reading the sampled token");
+                    0
+                }
+            },
+        };
+        drop(scratch);
+        self.check()?;
+        Ok(id)
+    }
+}
