@@ -164,8 +164,18 @@ fn every_gemv_launch_shape_matches_cpu() {
     }
 }
 
-/// A random affine-quantized `[rows, cols]` weight in MLX's layout.
-fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: usize) -> qinfer::affine::AffineTensor {
+/// A random affine-quantized `[rows, cols]` weight in MLX's layout, with bf16
+/// scales and biases stored as `biases` (bf16: the GPU keeps both as bf16;
+/// f32: as f32).
+fn affine_tensor(
+    r: &mut Rng,
+    bits: u32,
+    group_size: usize,
+    rows: usize,
+    cols: usize,
+    biases: DType,
+) -> qinfer::affine::AffineTensor {
+    let bias_dtype = biases;
     let levels = 1u32 << bits;
     let q: Vec<u8> = (0..rows * cols).map(|_| (((r.f() + 1.0) * 0.5 * levels as f32) as u32 % levels) as u8).collect();
     let mut packed = Vec::new();
@@ -185,7 +195,7 @@ fn affine_tensor(r: &mut Rng, bits: u32, group_size: usize, rows: usize, cols: u
         )
         .unwrap(),
         scales: tensor("w.scales", DType::BF16, vec![rows, cols / group_size], &scales),
-        biases: tensor("w.biases", DType::F32, vec![rows, cols / group_size], &biases),
+        biases: tensor("w.biases", bias_dtype, vec![rows, cols / group_size], &biases),
     }
 }
 
@@ -194,15 +204,20 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
     for bits in qinfer::affine::SUPPORTED_BITS {
-        for (group_size, inp, out) in [(32, 256, 70), (64, 2048, 33), (128, 1024, 9)] {
-            let t = affine_tensor(&mut r, bits, group_size, out, inp);
+        for (group_size, inp, out, side) in [
+            (32, 256, 70, DType::F32),
+            (64, 2048, 33, DType::BF16),
+            (128, 1024, 9, DType::F32),
+            (64, 4096, 40, DType::BF16),
+        ] {
+            let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
             for rows in [1, 5, 8, 9, 33] {
                 let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
                 let (yc, yg) = (p.cpu.linear(&xc, &wc, None), p.gpu.linear(&xg, &wg, None));
                 // The GEMM path multiplies bf16-rounded weights and activations.
                 let tol = if rows > 8 { 2e-2 } else { 1e-4 };
-                p.check(&format!("affine q{bits}g{group_size} {rows}x{inp}->{out}"), &yc, &yg, tol);
+                p.check(&format!("affine q{bits}g{group_size} {side:?} biases {rows}x{inp}->{out}"), &yc, &yg, tol);
             }
             let ids: Vec<u32> = (0..6).map(|i| (i * 7 % out) as u32).collect();
             let (ec, eg) = (p.cpu.embed(&wc, &ids).unwrap(), p.gpu.embed(&wg, &ids).unwrap());
@@ -397,7 +412,7 @@ fn gated_deltanet_and_moe_match_cpu() {
     let affine: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
         .map(|_| {
             let mut both = |rows, cols| {
-                let t = affine_tensor(&mut r, 4, 32, rows, cols);
+                let t = affine_tensor(&mut r, 4, 32, rows, cols, if cols > rows { DType::BF16 } else { DType::F32 });
                 (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap())
             };
             let ((gc, gg), (uc, ug), (dc, dg)) = (both(i, h), both(i, h), both(h, i));
@@ -536,7 +551,7 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         }
         let replayed = replays.load(std::sync::atomic::Ordering::Relaxed);
         println!(
-            "{name}: {replayed} of 280 decode steps replayed, equal to eager ones; rel to CPU at most {worst:.1e}"
+            "{name}: {replayed} of 288 decode steps replayed, equal to eager ones; rel to CPU at most {worst:.1e}"
         );
         // Three recordings (1, 2 and 4 key chunks), each after a warm-up pass.
         assert!(replayed >= 274, "{name}: only {replayed} steps replayed");
@@ -615,15 +630,21 @@ fn profile_decode_ops_at_8b_shapes() {
             b.linear(&x, &w, None)
         });
     }
+    // The affine GEMVs: the default kernel (x in registers, 8 rows a block)
+    // and, with a fixed launch shape, the block-per-rows one.
+    let fixed = CudaBackend::new(0).unwrap().with_gemv_shape(qinfer::backend::cuda::GemvShape::new(4, 64).unwrap());
     for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("gate_up", 2 * inter, h), ("down", h, inter)] {
         for bits in [4u32, 8] {
-            let w = b.upload_affine(&affine_tensor(&mut r, bits, 64, rows, cols)).unwrap();
-            let x = b.act_from_host(1, cols, &r.vec(cols));
-            // Packed levels plus f32 scales and biases per group of 64.
-            let bytes = rows * cols * bits as usize / 8 + rows * cols / 64 * 8;
-            time_replayed(&b, &format!("gemv q{bits}g64 {name} {rows}x{cols}"), bytes, 0, &mut || {
-                b.linear(&x, &w, None)
-            });
+            let t = affine_tensor(&mut r, bits, 64, rows, cols, DType::BF16);
+            for (kernel, b) in [("default", &b), ("r4×64", &fixed)] {
+                let w = b.upload_affine(&t).unwrap();
+                let x = b.act_from_host(1, cols, &r.vec(cols));
+                // Packed levels plus bf16 scales and biases per group of 64.
+                let bytes = rows * cols * bits as usize / 8 + rows * cols / 64 * 4;
+                time_replayed(b, &format!("gemv q{bits}g64 {kernel} {name} {rows}x{cols}"), bytes, 0, &mut || {
+                    b.linear(&x, &w, None)
+                });
+            }
         }
     }
     // Prefill of 512 tokens, timed eagerly (each op is long enough).

@@ -196,36 +196,86 @@ __device__ __forceinline__ void affine_chunk(const unsigned* __restrict__ row, i
 
 // Decode GEMV, laid out as the float GEMV above: a block computes ROWS output
 // rows, its threads striding over the rows' 32-value chunks together, each
-// thread taking the same chunks of all ROWS rows (one read of x for ROWS rows,
-// ROWS·GEMV_UNROLL chunk loads in flight). Levels are unpacked and
-// dequantized (s·q + b) in registers. Not the shortcut s·Σx·q + b·Σx: with
-// b ≈ −s·2^(bits−1) its two terms cancel (see the CPU backend's affine.rs).
+// thread taking the same chunks of all ROWS rows (one read of x for ROWS rows),
+// two chunks per row in flight. Per chunk and row it forms d = Σ q·x over the
+// chunk's levels and adds s·d + b·Σx: two FMAs per chunk instead of a
+// dequantizing FMA per value. (The two terms partly cancel when b ≈ −s·2^(bits−1);
+// in f32 that costs a few of 24 bits, far below the bf16 weights' own error.)
+//
+// Levels of 2-, 4- and 8-bit weights are read without shifting: masked in
+// place and ORed into the mantissa of 2^23, which gives 2^23 + q·2^p exactly
+// for a level at bit p ≤ 23 − BITS (levels higher in the word come from its
+// top half, p − 16). Subtracting 2^23 leaves q·2^p, and the chunk's x values
+// are pre-scaled by 2^−p, so one LOP3, one FADD and one FFMA per level and row.
+__host__ __device__ constexpr int affine_bitpos(int bits, int k) { return (k * bits) & 31; }
+__host__ __device__ constexpr bool affine_from_top(int bits, int k) { return affine_bitpos(bits, k) + bits > 23; }
+__host__ __device__ constexpr int affine_shift(int bits, int k) {
+    return affine_from_top(bits, k) ? affine_bitpos(bits, k) - 16 : affine_bitpos(bits, k);
+}
+
+template <int BITS>
+__device__ __forceinline__ float affine_level_scaled(const unsigned* words, const unsigned* tops, int k) {
+    constexpr unsigned mask = (1u << BITS) - 1;
+    unsigned src = affine_from_top(BITS, k) ? tops[(k * BITS) >> 5] : words[(k * BITS) >> 5];
+    return __uint_as_float((src & (mask << affine_shift(BITS, k))) | 0x4B000000u) - 8388608.0f;
+}
+
+// Word-aligned levels share one of few offsets p (a multiple of BITS): their
+// products q·2^p·x are summed per offset and scaled by 2^−p once per chunk.
+template <int BITS>
+__host__ __device__ constexpr int affine_offsets() { return 32 % BITS == 0 ? (23 - BITS) / BITS + 1 : 4; }
+
 template <int BITS, int ROWS, int ACT>
 __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][BITS], const float (&sc)[ROWS],
                                                  const float (&bi)[ROWS], const float* __restrict__ x, int c,
                                                  int in_dim, int n_act, float (&acc)[ROWS][ACT]) {
+    constexpr bool aligned = 32 % BITS == 0;
+    constexpr int parts = affine_offsets<BITS>();
+    unsigned tops[ROWS][BITS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int i = 0; i < BITS; i++) tops[r][i] = words[r][i] >> 16;
 #pragma unroll
     for (int t = 0; t < ACT; t++) {
         if (t < n_act) {
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + c);
+            float xv[32], sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                float4 xv = xr[j];
+                float4 v = xr[j];
+                xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
+                sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
+            }
+            float sx = (sum[0] + sum[1]) + (sum[2] + sum[3]);
 #pragma unroll
-                for (int r = 0; r < ROWS; r++) {
-                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j) + bi[r]) * xv.x;
-                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 1) + bi[r]) * xv.y;
-                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 2) + bi[r]) * xv.z;
-                    acc[r][t] += (sc[r] * affine_level<BITS>(words[r], 4 * j + 3) + bi[r]) * xv.w;
+            for (int r = 0; r < ROWS; r++) {
+                float d[parts];
+#pragma unroll
+                for (int p = 0; p < parts; p++) d[p] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 32; k++) {
+                    if (aligned) {
+                        d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words[r], tops[r], k) * xv[k];
+                    } else {
+                        d[k & 3] += affine_level<BITS>(words[r], k) * xv[k];
+                    }
                 }
+                float dot = 0.0f;
+#pragma unroll
+                for (int p = 0; p < parts; p++)
+                    dot += aligned ? d[p] * __uint_as_float((unsigned)(127 - p * BITS) << 23) : d[p];
+                acc[r][t] += sc[r] * dot + bi[r] * sx;
             }
         }
     }
 }
 
-template <int BITS, int ROWS, int ACT>
-__device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
-                            const float* __restrict__ biases, const float* __restrict__ x,
+#define AFFINE_UNROLL 2
+
+template <typename S, int BITS, int ROWS, int ACT>
+__device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict__ scales,
+                            const S* __restrict__ biases, const float* __restrict__ x,
                             const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
                             int group, int n_act) {
     int row0 = blockIdx.x * ROWS;
@@ -238,27 +288,153 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const float* __restr
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int t = 0; t < ACT; t++) acc[r][t] = 0.0f;
-    for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
-        unsigned words[ROWS][BITS];
-        float sc[ROWS], bi[ROWS];
-        int g = i * 32 / group;
+    int stride = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < chunks; i0 += AFFINE_UNROLL * stride) {
+        unsigned words[AFFINE_UNROLL][ROWS][BITS];
+        float sc[AFFINE_UNROLL][ROWS], bi[AFFINE_UNROLL][ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            affine_chunk<BITS>(w + (size_t)rows[r] * chunks * BITS, i, words[r]);
-            sc[r] = scales[(size_t)rows[r] * groups + g];
-            bi[r] = biases[(size_t)rows[r] * groups + g];
+        for (int u = 0; u < AFFINE_UNROLL; u++) {
+            int i = min(i0 + u * stride, chunks - 1), g = i * 32 / group;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                affine_chunk<BITS>(w + (size_t)rows[r] * chunks * BITS, i, words[u][r]);
+                sc[u][r] = to_f32(scales[(size_t)rows[r] * groups + g]);
+                bi[u][r] = to_f32(biases[(size_t)rows[r] * groups + g]);
+            }
         }
-        affine_chunk_dot<BITS, ROWS, ACT>(words, sc, bi, x, i * 32, in_dim, n_act, acc);
+#pragma unroll
+        for (int u = 0; u < AFFINE_UNROLL; u++) {
+            int i = i0 + u * stride;
+            if (i < chunks) affine_chunk_dot<BITS, ROWS, ACT>(words[u], sc[u], bi[u], x, i * 32, in_dim, n_act, acc);
+        }
     }
     gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
 }
 
+// One activation row against many weight rows, x held in registers: each
+// thread keeps two 32-value chunks of x (with their sums) for the whole block, which walks AFFINE_BLOCK_ROWS weight rows two at
+// a time, loading the next two rows' levels while it works on these. No x
+// traffic per row, so about three instructions per weight. For in_dim up to
+// 64 values per thread × 256 threads.
+#define AFFINE_BLOCK_ROWS 8
+
+template <typename S, int BITS>
+__device__ __forceinline__ void affine_load_row(const unsigned* __restrict__ w, const S* __restrict__ scales,
+                                                const S* __restrict__ biases, int row, int chunks, int groups,
+                                                int group, unsigned (&words)[2][BITS], float (&sc)[2],
+                                                float (&bi)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        int i = min((int)threadIdx.x + j * (int)blockDim.x, chunks - 1), g = i * 32 / group;
+        affine_chunk<BITS>(w + (size_t)row * chunks * BITS, i, words[j]);
+        sc[j] = to_f32(scales[(size_t)row * groups + g]);
+        bi[j] = to_f32(biases[(size_t)row * groups + g]);
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ float affine_row_dot(const unsigned (&words)[2][BITS], const float (&sc)[2],
+                                                const float (&bi)[2], const float (&xs)[2][32],
+                                                const float (&sx)[2]) {
+    constexpr int parts = affine_offsets<BITS>();
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        unsigned tops[BITS];
+#pragma unroll
+        for (int i = 0; i < BITS; i++) tops[i] = words[j][i] >> 16;
+        float d[parts];
+#pragma unroll
+        for (int p = 0; p < parts; p++) d[p] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 32; k++)
+            d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words[j], tops, k) * xs[j][k];
+        float dot = 0.0f;
+#pragma unroll
+        for (int p = 0; p < parts; p++) dot += d[p] * __uint_as_float((unsigned)(127 - p * BITS) << 23);
+        acc += sc[j] * dot + bi[j] * sx[j];
+    }
+    return acc;
+}
+
+template <typename S, int BITS>
+__device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __restrict__ scales,
+                                 const S* __restrict__ biases, const float* __restrict__ x,
+                                 const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
+                                 int group) {
+    static_assert(32 % BITS == 0, "word-aligned levels only");
+    __shared__ float partial[AFFINE_BLOCK_ROWS][32];
+    int chunks = in_dim / 32, groups = in_dim / group;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float xs[2][32], sx[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)min(i, chunks - 1) * 32);
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            float4 v = xr[q];
+            if (i >= chunks) v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                sum[m] += e[m];
+                xs[j][4 * q + m] = e[m];
+            }
+        }
+        sx[j] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    }
+    int row0 = blockIdx.x * AFFINE_BLOCK_ROWS;
+    unsigned words[2][2][BITS];
+    float sc[2][2], bi[2][2];
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+        affine_load_row<S, BITS>(w, scales, biases, min(row0 + u, out_dim - 1), chunks, groups, group, words[u],
+                                 sc[u], bi[u]);
+#pragma unroll
+    for (int r = 0; r < AFFINE_BLOCK_ROWS; r += 2) {
+        unsigned next[2][2][BITS];
+        float nsc[2][2], nbi[2][2];
+        if (r + 2 < AFFINE_BLOCK_ROWS) {
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                affine_load_row<S, BITS>(w, scales, biases, min(row0 + r + 2 + u, out_dim - 1), chunks, groups,
+                                         group, next[u], nsc[u], nbi[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            float v = warp_sum(affine_row_dot<BITS>(words[u], sc[u], bi[u], xs, sx));
+            if (lane == 0) partial[r + u][warp] = v;
+        }
+        if (r + 2 < AFFINE_BLOCK_ROWS) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+#pragma unroll
+                    for (int i = 0; i < BITS; i++) words[u][j][i] = next[u][j][i];
+                    sc[u][j] = nsc[u][j];
+                    bi[u][j] = nbi[u][j];
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < AFFINE_BLOCK_ROWS) {
+        int o = row0 + threadIdx.x;
+        float sum = 0.0f;
+        for (int k = 0; k < (int)(blockDim.x >> 5); k++) sum += partial[threadIdx.x][k];
+        if (o < out_dim) y[o] = sum + (bias ? bias[o] : 0.0f);
+    }
+}
+
 // Rows [row0, row0 + rows) dequantized to bf16 (prefill: a transient tile for
 // cuBLAS, never a resident copy); one thread per 32-value chunk.
-template <int BITS>
-__device__ void affine_to_bf16(const unsigned* __restrict__ w, const float* __restrict__ scales,
-                               const float* __restrict__ biases, __nv_bfloat16* __restrict__ out, int row0,
-                               int rows, int in_dim, int group) {
+template <typename S, int BITS>
+__device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restrict__ scales,
+                               const S* __restrict__ biases, __nv_bfloat16* __restrict__ out, int row0, int rows,
+                               int in_dim, int group) {
     long chunks = (long)in_dim / 32;
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)rows * chunks) return;
@@ -267,55 +443,73 @@ __device__ void affine_to_bf16(const unsigned* __restrict__ w, const float* __re
     unsigned words[BITS];
     affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
     int groups = in_dim / group, g = chunk * 32 / group;
-    float s = scales[r * groups + g], b = biases[r * groups + g];
+    float s = to_f32(scales[r * groups + g]), b = to_f32(biases[r * groups + g]);
     __nv_bfloat16* dst = out + (i / chunks) * in_dim + chunk * 32;
 #pragma unroll
     for (int k = 0; k < 32; k++) dst[k] = __float2bfloat16(s * affine_level<BITS>(words, k) + b);
 }
 
 // Embedding rows from an affine table, in f32.
-template <int BITS>
-__device__ void embed_affine(const unsigned* __restrict__ w, const float* __restrict__ scales,
-                             const float* __restrict__ biases, const unsigned* ids, float* out, int cols, int group) {
+template <typename S, int BITS>
+__device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict__ scales,
+                             const S* __restrict__ biases, const unsigned* ids, float* out, int cols, int group) {
     long r = ids[blockIdx.x];
     int chunks = cols / 32, groups = cols / group;
     for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
         unsigned words[BITS];
         affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
         int g = chunk * 32 / group;
-        float s = scales[r * groups + g], b = biases[r * groups + g];
+        float s = to_f32(scales[r * groups + g]), b = to_f32(biases[r * groups + g]);
         float* dst = out + (size_t)blockIdx.x * cols + chunk * 32;
 #pragma unroll
         for (int k = 0; k < 32; k++) dst[k] = s * affine_level<BITS>(words, k) + b;
     }
 }
 
-#define GEMV_AFFINE(B, R, A)                                                                                       \
+// Every affine kernel twice: scales and biases as f32 (format `affine{B}`) and
+// as bf16 (`affine{B}_bf16`, when the checkpoint stores them so: half the
+// bytes, and exact).
+#define GEMV_AFFINE(F, S, B, R, A)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                              \
-        gemv_affine##B##_r##R##a##A(const unsigned* w, const float* s, const float* bi, const float* x,            \
-                                    const float* b, float* y, int o, int i, int g, int n) {                        \
-        gemv_affine<B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                            \
+        gemv_##F##_r##R##a##A(const unsigned* w, const S* s, const S* bi, const float* x, const float* b,          \
+                              float* y, int o, int i, int g, int n) {                                              \
+        gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                         \
     }
-#define AFFINE_KERNELS(B)                                                                                          \
-    GEMV_AFFINE(B, 1, 1)                                                                                           \
-    GEMV_AFFINE(B, 2, 1)                                                                                           \
-    GEMV_AFFINE(B, 4, 1)                                                                                           \
-    GEMV_AFFINE(B, 1, 8)                                                                                           \
-    GEMV_AFFINE(B, 2, 8)                                                                                           \
-    extern "C" __global__ void affine##B##_to_bf16(const unsigned* w, const float* s, const float* bi,             \
-                                                   __nv_bfloat16* out, int r0, int rows, int i, int g) {           \
-        affine_to_bf16<B>(w, s, bi, out, r0, rows, i, g);                                                          \
+#define AFFINE_KERNELS(F, S, B)                                                                                    \
+    GEMV_AFFINE(F, S, B, 1, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 2, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 4, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 1, 8)                                                                                     \
+    GEMV_AFFINE(F, S, B, 2, 8)                                                                                     \
+    extern "C" __global__ void F##_to_bf16(const unsigned* w, const S* s, const S* bi, __nv_bfloat16* out,         \
+                                           int r0, int rows, int i, int g) {                                       \
+        affine_to_bf16<S, B>(w, s, bi, out, r0, rows, i, g);                                                       \
     }                                                                                                              \
-    extern "C" __global__ void embed_affine##B(const unsigned* w, const float* s, const float* bi,                 \
-                                               const unsigned* ids, float* out, int cols, int g) {                 \
-        embed_affine<B>(w, s, bi, ids, out, cols, g);                                                              \
+    extern "C" __global__ void embed_##F(const unsigned* w, const S* s, const S* bi, const unsigned* ids,          \
+                                         float* out, int cols, int g) {                                            \
+        embed_affine<S, B>(w, s, bi, ids, out, cols, g);                                                           \
     }
-AFFINE_KERNELS(2)
-AFFINE_KERNELS(3)
-AFFINE_KERNELS(4)
-AFFINE_KERNELS(5)
-AFFINE_KERNELS(6)
-AFFINE_KERNELS(8)
+#define AFFINE_FORMATS(B)                                                                                          \
+    AFFINE_KERNELS(affine##B, float, B)                                                                            \
+    AFFINE_KERNELS(affine##B##_bf16, __nv_bfloat16, B)
+AFFINE_FORMATS(2)
+AFFINE_FORMATS(3)
+AFFINE_FORMATS(4)
+AFFINE_FORMATS(5)
+AFFINE_FORMATS(6)
+AFFINE_FORMATS(8)
+#define GEMV_AFFINE_ROWS(F, S, B)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
+                                                                      const float* x, const float* b, float* y,    \
+                                                                      int o, int i, int g) {                       \
+        gemv_affine_rows<S, B>(w, s, bi, x, b, y, o, i, g);                                                        \
+    }
+GEMV_AFFINE_ROWS(affine2, float, 2)
+GEMV_AFFINE_ROWS(affine4, float, 4)
+GEMV_AFFINE_ROWS(affine8, float, 8)
+GEMV_AFFINE_ROWS(affine2_bf16, __nv_bfloat16, 2)
+GEMV_AFFINE_ROWS(affine4_bf16, __nv_bfloat16, 4)
+GEMV_AFFINE_ROWS(affine8_bf16, __nv_bfloat16, 8)
 
 // Activations to the weight's type for a cuBLAS GEMM.
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
@@ -1248,27 +1442,30 @@ MOE_GEMV(moe_gemv_f16, __half, 8)
 MOE_GEMV(moe_gemv_f32, float, 4)
 
 // The same for affine experts: tables of packed, scales and biases pointers.
-template <int BITS>
+template <typename S, int BITS>
 __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned long long* scales,
                                 const unsigned long long* biases, const int* ids, const float* x, float* y,
                                 int out_dim, int in_dim, int group, int x_div) {
     int b = blockIdx.y, e = ids[b];
-    gemv_affine<BITS, 2, 1>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const float*>(scales[e]),
-                            reinterpret_cast<const float*>(biases[e]), x + (size_t)(b / x_div) * in_dim, nullptr,
-                            y + (size_t)b * out_dim, out_dim, in_dim, group, 1);
+    gemv_affine<S, BITS, 2, 1>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const S*>(scales[e]),
+                               reinterpret_cast<const S*>(biases[e]), x + (size_t)(b / x_div) * in_dim, nullptr,
+                               y + (size_t)b * out_dim, out_dim, in_dim, group, 1);
 }
-#define MOE_GEMV_AFFINE(B)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) moe_gemv_affine##B(                                          \
+#define MOE_GEMV_AFFINE(F, S, B)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) moe_gemv_##F(                                                \
         const unsigned long long* p, const unsigned long long* s, const unsigned long long* bi, const int* ids,    \
         const float* x, float* y, int o, int i, int g, int x_div) {                                                \
-        moe_gemv_affine<B>(p, s, bi, ids, x, y, o, i, g, x_div);                                                   \
+        moe_gemv_affine<S, B>(p, s, bi, ids, x, y, o, i, g, x_div);                                                \
     }
-MOE_GEMV_AFFINE(2)
-MOE_GEMV_AFFINE(3)
-MOE_GEMV_AFFINE(4)
-MOE_GEMV_AFFINE(5)
-MOE_GEMV_AFFINE(6)
-MOE_GEMV_AFFINE(8)
+#define MOE_AFFINE_FORMATS(B)                                                                                      \
+    MOE_GEMV_AFFINE(affine##B, float, B)                                                                           \
+    MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B)
+MOE_AFFINE_FORMATS(2)
+MOE_AFFINE_FORMATS(3)
+MOE_AFFINE_FORMATS(4)
+MOE_AFFINE_FORMATS(5)
+MOE_AFFINE_FORMATS(6)
+MOE_AFFINE_FORMATS(8)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {

@@ -63,18 +63,6 @@ const KERNEL_NAMES: &[&str] = &[
     "gdn_conv_f32",
     "gdn_prepare",
     "gdn_recurrent",
-    "affine2_to_bf16",
-    "affine3_to_bf16",
-    "affine4_to_bf16",
-    "affine5_to_bf16",
-    "affine6_to_bf16",
-    "affine8_to_bf16",
-    "embed_affine2",
-    "embed_affine3",
-    "embed_affine4",
-    "embed_affine5",
-    "embed_affine6",
-    "embed_affine8",
     "attention_split",
     "attention_combine",
     "set_step",
@@ -92,12 +80,6 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_gemv_bf16",
     "moe_gemv_f16",
     "moe_gemv_f32",
-    "moe_gemv_affine2",
-    "moe_gemv_affine3",
-    "moe_gemv_affine4",
-    "moe_gemv_affine5",
-    "moe_gemv_affine6",
-    "moe_gemv_affine8",
     "moe_combine",
     "sample_argmax",
     "sample_filtered",
@@ -130,7 +112,43 @@ const AFFINE_TILE_VALUES: usize = 64 << 20;
 const GEMV_MAX_ROWS: usize = 8;
 
 /// The GEMV kernels' weight formats (`gemv_{format}_r{rows}a{act}`).
-const GEMV_WEIGHTS: &[&str] = &["bf16", "f16", "f32", "affine2", "affine3", "affine4", "affine5", "affine6", "affine8"];
+const GEMV_WEIGHTS: &[&str] = &[
+    "bf16",
+    "f16",
+    "f32",
+    "affine2",
+    "affine3",
+    "affine4",
+    "affine5",
+    "affine6",
+    "affine8",
+    "affine2_bf16",
+    "affine3_bf16",
+    "affine4_bf16",
+    "affine5_bf16",
+    "affine6_bf16",
+    "affine8_bf16",
+];
+
+/// Every affine format's kernels besides its GEMVs.
+fn affine_kernel_names() -> impl Iterator<Item = String> {
+    GEMV_WEIGHTS
+        .iter()
+        .filter(|f| f.starts_with("affine"))
+        .flat_map(|f| [format!("{f}_to_bf16"), format!("embed_{f}"), format!("moe_gemv_{f}")])
+        .chain(
+            GEMV_WEIGHTS
+                .iter()
+                .filter(|f| AFFINE_ROWS_FORMATS.iter().any(|a| f.starts_with(a)))
+                .map(|f| format!("gemv_{f}_rows")),
+        )
+}
+
+/// Word-aligned affine formats, which have `gemv_{format}_rows` kernels.
+const AFFINE_ROWS_FORMATS: &[&str] = &["affine2", "affine4", "affine8"];
+
+/// Weight rows per block of `gemv_affine*_rows` (`AFFINE_BLOCK_ROWS`).
+const AFFINE_BLOCK_ROWS: usize = 8;
 
 /// The GEMV kernels compiled: (weight rows per block, activation-row bound).
 const GEMV_SHAPES: &[(usize, usize)] = &[(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
@@ -316,7 +334,7 @@ impl CudaBackend {
         let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
         let mut kernels = HashMap::new();
         let gemv_names = GEMV_WEIGHTS.iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
-        for name in KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names) {
+        for name in KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names).chain(affine_kernel_names()) {
             let f = module.load_function(&name).map_err(|e| err(&name, &e))?;
             kernels.insert(name, f);
         }
@@ -706,12 +724,34 @@ impl CudaBackend {
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
     fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
+        // One token with word-aligned levels: x stays in registers, two
+        // chunks per thread, when that fills whole warps of at most 256.
+        let chunks = w.cols / 32;
+        let aligned = 32 % w.params.bits == 0;
+        if x.rows == 1 && aligned && (64..=512).contains(&chunks) && self.gemv_shape.is_none() {
+            let threads = (chunks.div_ceil(2).div_ceil(32) * 32) as u32;
+            launch!(
+                self,
+                &format!("gemv_{}_rows", w.format()),
+                cfg((w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1), threads, 0),
+                self.p(&w.packed),
+                self.p(&w.scales),
+                self.p(&w.biases),
+                self.p(&x.buf),
+                bias_ptr,
+                self.p(&y.buf),
+                w.rows as i32,
+                w.cols as i32,
+                w.params.group_size as i32
+            );
+            return;
+        }
         let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
         let shape = self.gemv_launch_shape(w.rows, w.cols, 32, act);
         let grid = (w.rows.div_ceil(shape.rows_per_block) as u32, 1, 1);
         launch!(
             self,
-            &gemv_kernel(&format!("affine{}", w.params.bits), shape.rows_per_block, act),
+            &gemv_kernel(&w.format(), shape.rows_per_block, act),
             cfg(grid, shape.threads, 0),
             self.p(&w.packed),
             self.p(&w.scales),
@@ -732,7 +772,7 @@ impl CudaBackend {
         let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
         let scratch = self.uninit::<u16>(tile_rows * w.cols);
         let inputs = self.gemm_inputs(x, DType::BF16);
-        let kernel = format!("affine{}_to_bf16", w.params.bits);
+        let kernel = format!("{}_to_bf16", w.format());
         for r0 in (0..w.rows).step_by(tile_rows) {
             let rows = tile_rows.min(w.rows - r0);
             let chunks = rows * w.cols / 32;
@@ -867,13 +907,21 @@ impl Backend for CudaBackend {
         let &[rows, cols] = t.shape.as_slice() else {
             return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
         };
+        // bf16 scales and biases stay bf16 (half the bytes, exact); any other
+        // storage becomes f32, which holds f16 exactly too.
+        let bf16_scales = t.scales.dtype == DType::BF16 && t.biases.dtype == DType::BF16;
+        let side = |v: &Tensor| match bf16_scales {
+            true => self.upload_slice(v.data.as_slice()),
+            false => self.upload_slice(&v.to_f32_vec().iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()),
+        };
         Ok(CudaWeight::Affine(AffineWeight {
             params: t.params,
             rows,
             cols,
             packed: self.upload_slice(t.packed.data.as_slice()),
-            scales: self.upload_slice(&t.scales.to_f32_vec()),
-            biases: self.upload_slice(&t.biases.to_f32_vec()),
+            scales: side(&t.scales),
+            biases: side(&t.biases),
+            bf16_scales,
         }))
     }
 
@@ -895,7 +943,7 @@ impl Backend for CudaBackend {
             let (d_ids, ids_ptr) = self.device_ids(ids);
             launch!(
                 self,
-                &format!("embed_affine{}", w.params.bits),
+                &format!("embed_{}", w.format()),
                 cfg((ids.len() as u32, 1, 1), 128, 0),
                 self.p(&w.packed),
                 self.p(&w.scales),

@@ -17,7 +17,7 @@ pub(super) const MAX_DEVICE_EXPERTS: usize = 1024;
 /// One projection (gate, up or down) of every expert of a layer, as device
 /// pointer tables; all experts stored alike.
 pub(super) struct ProjectionTable {
-    /// `moe_gemv_{bf16,f16,f32}` or `moe_gemv_affine{bits}`.
+    /// `moe_gemv_{bf16,f16,f32}` or `moe_gemv_affine{bits}[_bf16]`.
     kernel: String,
     rows: usize,
     cols: usize,
@@ -84,7 +84,11 @@ impl CudaBackend {
                 let mut tables = (Vec::new(), Vec::new(), Vec::new());
                 for e in experts {
                     let CudaWeight::Affine(a) = pick(e) else { return None };
-                    if a.params != first.params || a.rows != first.rows || a.cols != first.cols {
+                    if a.params != first.params
+                        || a.rows != first.rows
+                        || a.cols != first.cols
+                        || a.bf16_scales != first.bf16_scales
+                    {
                         return None;
                     }
                     tables.0.push(self.p(&a.packed));
@@ -92,7 +96,7 @@ impl CudaBackend {
                     tables.2.push(self.p(&a.biases));
                 }
                 Some(ProjectionTable {
-                    kernel: format!("moe_gemv_affine{}", first.params.bits),
+                    kernel: format!("moe_gemv_{}", first.format()),
                     rows: first.rows,
                     cols: first.cols,
                     weights: self.upload_slice(&tables.0),

@@ -98,9 +98,19 @@ pub struct AffineWeight {
     pub cols: usize,
     /// `rows × cols·bits/8` bytes of u32 words.
     pub packed: CudaSlice<u8>,
-    /// `rows × cols/group_size` each.
-    pub scales: CudaSlice<f32>,
-    pub biases: CudaSlice<f32>,
+    /// `rows × cols/group_size` each, as bf16 when `bf16_scales` (the
+    /// checkpoint stores both so), else as f32.
+    pub scales: CudaSlice<u8>,
+    pub biases: CudaSlice<u8>,
+    pub bf16_scales: bool,
+}
+
+impl AffineWeight {
+    /// The kernels' name for this storage: `affine{bits}`, with `_bf16` for
+    /// bf16 scales and biases.
+    pub fn format(&self) -> String {
+        format!("affine{}{}", self.params.bits, if self.bf16_scales { "_bf16" } else { "" })
+    }
 }
 
 /// One f32 key and value buffer per layer, allocated at full capacity on the
