@@ -647,6 +647,34 @@ fn profile_decode_ops_at_8b_shapes() {
             }
         }
     }
+    // Sampling from Qwen3's 151,936 logits, each call ending with the token
+    // id on the host (what a decode step adds after its graph).
+    let logits = b.act_from_host(1, 151_936, &r.vec(151_936).iter().map(|v| v * 8.0).collect::<Vec<_>>());
+    let base = SamplingParams::default();
+    for (what, p) in [
+        ("greedy", base.clone()),
+        ("temperature 0.7, top-k 20", SamplingParams { temperature: 0.7, top_k: 20, ..base.clone() }),
+        ("temperature 0.7, top-p 0.9", SamplingParams { temperature: 0.7, top_p: 0.9, ..base.clone() }),
+        (
+            "top-k 20, top-p 0.8, min-p 0.05, penalty 1.1",
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 20,
+                top_p: 0.8,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                ..base.clone()
+            },
+        ),
+    ] {
+        let context: Vec<u32> = (0..512).map(|i| i * 97 % 151_936).collect();
+        b.sample(&logits, &p, &context, 0.5).unwrap();
+        let t0 = std::time::Instant::now();
+        for i in 0..200 {
+            b.sample(&logits, &p, &context, i as f32 / 200.0).unwrap();
+        }
+        println!("sample {what:<44} {:8.2} µs", t0.elapsed().as_secs_f64() * 1e6 / 200.0);
+    }
     // Prefill of 512 tokens, timed eagerly (each op is long enough).
     let eager = |what: &str, flops: f64, op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct| {
         drop(op());

@@ -119,11 +119,14 @@ pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -
         return argmax(logits);
     }
     // Candidates sorted by logit, descending; ties keep the lower id first.
+    // With top-k, only the k kept are sorted (a total order: the same k).
     let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
-    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    if p.top_k > 0 {
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if p.top_k > 0 && p.top_k < cand.len() {
+        cand.select_nth_unstable_by(p.top_k - 1, order);
         cand.truncate(p.top_k);
     }
+    cand.sort_by(order);
     let max = cand[0].1;
     let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
     let sum: f32 = probs.iter().sum();
@@ -208,6 +211,25 @@ mod tests {
         let mut b = Sampler::new(p).unwrap();
         for _ in 0..10 {
             assert_eq!(a.sample(&mut logits.clone(), &[]), b.sample(&mut logits.clone(), &[]));
+        }
+    }
+
+    #[test]
+    fn top_k_by_selection_keeps_the_sorted_prefix() {
+        // Logits on a coarse grid, so many tie; the top k by a full sort
+        // (logit descending, lower id first) is what must be kept.
+        let logits: Vec<f32> = (0..997u32).map(|i| ((i * 7919 % 61) as f32 * 0.25).floor()).collect();
+        for k in [1, 2, 5, 17, 300, 996, 997, 2000] {
+            let mut want: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, *l)).collect();
+            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            want.truncate(k);
+            let p = SamplingParams { temperature: 1.0, top_k: k, ..Default::default() };
+            // Draws spread over the kept mass pick each kept token in order.
+            let picked: std::collections::BTreeSet<u32> =
+                (0..4000).map(|i| pick(&p, &mut logits.clone(), &[], i as f32 / 4000.0)).collect();
+            let kept: std::collections::BTreeSet<u32> = want.iter().map(|c| c.0).collect();
+            assert!(picked.is_subset(&kept), "top-{k}: picked a token outside the top k");
+            assert!(picked.contains(&want[0].0), "top-{k}: never picked the most likely token");
         }
     }
 
