@@ -492,12 +492,9 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
 #define AFFINE_FORMATS(B)                                                                                          \
     AFFINE_KERNELS(affine##B, float, B)                                                                            \
     AFFINE_KERNELS(affine##B##_bf16, __nv_bfloat16, B)
-AFFINE_FORMATS(2)
-AFFINE_FORMATS(3)
-AFFINE_FORMATS(4)
-AFFINE_FORMATS(5)
-AFFINE_FORMATS(6)
-AFFINE_FORMATS(8)
+// Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
+#define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)
+FOR_AFFINE_BITS(AFFINE_FORMATS)
 #define GEMV_AFFINE_ROWS(F, S, B)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
                                                                       const float* x, const float* b, float* y,    \
@@ -1460,12 +1457,7 @@ __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned
 #define MOE_AFFINE_FORMATS(B)                                                                                      \
     MOE_GEMV_AFFINE(affine##B, float, B)                                                                           \
     MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B)
-MOE_AFFINE_FORMATS(2)
-MOE_AFFINE_FORMATS(3)
-MOE_AFFINE_FORMATS(4)
-MOE_AFFINE_FORMATS(5)
-MOE_AFFINE_FORMATS(6)
-MOE_AFFINE_FORMATS(8)
+FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {

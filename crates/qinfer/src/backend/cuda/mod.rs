@@ -730,42 +730,29 @@ impl CudaBackend {
         // tok/s with its 3072-wide down projection here, 931 without.)
         let chunks = w.cols / 32;
         let aligned = 32 % w.params.bits == 0;
+        let mut args: Vec<Arg> = vec![
+            self.p(&w.packed).into(),
+            self.p(&w.scales).into(),
+            self.p(&w.biases).into(),
+            self.p(&x.buf).into(),
+            bias_ptr.into(),
+            self.p(&y.buf).into(),
+            (w.rows as i32).into(),
+            (w.cols as i32).into(),
+            (w.params.group_size as i32).into(),
+        ];
         if x.rows == 1 && aligned && (128..=512).contains(&chunks) && self.gemv_shape.is_none() {
             let threads = (chunks.div_ceil(2).div_ceil(32) * 32) as u32;
-            launch!(
-                self,
-                &format!("gemv_{}_rows", w.format()),
-                cfg((w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1), threads, 0),
-                self.p(&w.packed),
-                self.p(&w.scales),
-                self.p(&w.biases),
-                self.p(&x.buf),
-                bias_ptr,
-                self.p(&y.buf),
-                w.rows as i32,
-                w.cols as i32,
-                w.params.group_size as i32
-            );
+            let grid = (w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1);
+            self.launch_args(&format!("gemv_{}_rows", w.format()), cfg(grid, threads, 0), &args);
             return;
         }
         let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
         let shape = self.gemv_launch_shape(w.rows, w.cols, 32, act);
         let grid = (w.rows.div_ceil(shape.rows_per_block) as u32, 1, 1);
-        launch!(
-            self,
-            &gemv_kernel(&w.format(), shape.rows_per_block, act),
-            cfg(grid, shape.threads, 0),
-            self.p(&w.packed),
-            self.p(&w.scales),
-            self.p(&w.biases),
-            self.p(&x.buf),
-            bias_ptr,
-            self.p(&y.buf),
-            w.rows as i32,
-            w.cols as i32,
-            w.params.group_size as i32,
-            x.rows as i32
-        );
+        // The block-per-rows kernels take the activation rows too.
+        args.push((x.rows as i32).into());
+        self.launch_args(&gemv_kernel(&w.format(), shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
     }
 
     /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one

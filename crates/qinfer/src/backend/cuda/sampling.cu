@@ -47,22 +47,20 @@ __device__ float sample_sum(float v, float* red) {
     return v;
 }
 
-__device__ unsigned sample_max_u(unsigned v, unsigned* red) {
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = red[threadIdx.x & 31];
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    return v;
-}
+struct SampleMax {
+    __device__ unsigned operator()(unsigned a, unsigned b) const { return max(a, b); }
+};
+struct SampleMin {
+    __device__ unsigned operator()(unsigned a, unsigned b) const { return min(a, b); }
+};
 
-__device__ unsigned sample_min_u(unsigned v, unsigned* red) {
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+template <typename Op>
+__device__ unsigned sample_reduce_u(unsigned v, unsigned* red, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     v = red[threadIdx.x & 31];
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     __syncthreads();
     return v;
 }
@@ -106,13 +104,13 @@ __device__ SamplePos sample_last(const float* x, int n, float temperature, Sampl
         unsigned k = sample_key(x[i] / temperature);
         if (sample_within(k, i, limit)) kmin = min(kmin, k);
     }
-    kmin = sample_min_u(kmin, sh.ured);
+    kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
     unsigned last = 0;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
         unsigned k = sample_key(x[i] / temperature);
         if (k == kmin && sample_within(k, i, limit)) last = max(last, (unsigned)i + 1);
     }
-    last = sample_max_u(last, sh.ured);
+    last = sample_reduce_u(last, sh.ured, SampleMax{});
     return SamplePos{kmin, (int)last - 1};
 }
 
@@ -198,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ SampleShared sh;
     unsigned kmax = 0;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) kmax = max(kmax, sample_key(x[i] / temperature));
-    kmax = sample_max_u(kmax, sh.ured);
+    kmax = sample_reduce_u(kmax, sh.ured, SampleMax{});
     float smax = __uint_as_float((kmax & 0x80000000u) ? (kmax & 0x7fffffffu) : ~kmax);
     SamplePos limit{0u, 0x7fffffff};
     if (top_k > 0 && top_k < n) limit = sample_cut(x, n, temperature, limit, (float)top_k, SampleCount{}, sh);
@@ -219,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             unsigned k = sample_key(s);
             if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
         }
-        kmin = sample_min_u(kmin, sh.ured);
+        kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
         if (kmin != 0xffffffffu) limit = sample_earlier(limit, SamplePos{kmin, 0x7fffffff});
     }
     float total = 0.0f;
