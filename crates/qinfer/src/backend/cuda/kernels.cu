@@ -225,17 +225,35 @@ __device__ __forceinline__ float affine_level_scaled(const unsigned* words, cons
 template <int BITS>
 __host__ __device__ constexpr int affine_offsets() { return 32 % BITS == 0 ? (23 - BITS) / BITS + 1 : 4; }
 
+// Σ q·x over one 32-value chunk of levels (`words`) and x values `xv`.
+template <int BITS>
+__device__ __forceinline__ float affine_dot32(const unsigned (&words)[BITS], const float (&xv)[32]) {
+    constexpr bool aligned = 32 % BITS == 0;
+    constexpr int parts = affine_offsets<BITS>();
+    unsigned tops[BITS];
+#pragma unroll
+    for (int i = 0; i < BITS; i++) tops[i] = words[i] >> 16;
+    float d[parts];
+#pragma unroll
+    for (int p = 0; p < parts; p++) d[p] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+        if (aligned) {
+            d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words, tops, k) * xv[k];
+        } else {
+            d[k & 3] += affine_level<BITS>(words, k) * xv[k];
+        }
+    }
+    float dot = 0.0f;
+#pragma unroll
+    for (int p = 0; p < parts; p++) dot += aligned ? d[p] * __uint_as_float((unsigned)(127 - p * BITS) << 23) : d[p];
+    return dot;
+}
+
 template <int BITS, int ROWS, int ACT>
 __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][BITS], const float (&sc)[ROWS],
                                                  const float (&bi)[ROWS], const float* __restrict__ x, int c,
                                                  int in_dim, int n_act, float (&acc)[ROWS][ACT]) {
-    constexpr bool aligned = 32 % BITS == 0;
-    constexpr int parts = affine_offsets<BITS>();
-    unsigned tops[ROWS][BITS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int i = 0; i < BITS; i++) tops[r][i] = words[r][i] >> 16;
 #pragma unroll
     for (int t = 0; t < ACT; t++) {
         if (t < n_act) {
@@ -249,24 +267,7 @@ __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][B
             }
             float sx = (sum[0] + sum[1]) + (sum[2] + sum[3]);
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                float d[parts];
-#pragma unroll
-                for (int p = 0; p < parts; p++) d[p] = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 32; k++) {
-                    if (aligned) {
-                        d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words[r], tops[r], k) * xv[k];
-                    } else {
-                        d[k & 3] += affine_level<BITS>(words[r], k) * xv[k];
-                    }
-                }
-                float dot = 0.0f;
-#pragma unroll
-                for (int p = 0; p < parts; p++)
-                    dot += aligned ? d[p] * __uint_as_float((unsigned)(127 - p * BITS) << 23) : d[p];
-                acc[r][t] += sc[r] * dot + bi[r] * sx;
-            }
+            for (int r = 0; r < ROWS; r++) acc[r][t] += sc[r] * affine_dot32<BITS>(words[r], xv) + bi[r] * sx;
         }
     }
 }
@@ -334,26 +335,11 @@ __device__ __forceinline__ void affine_load_row(const unsigned* __restrict__ w, 
 
 template <int BITS>
 __device__ __forceinline__ float affine_row_dot(const unsigned (&words)[2][BITS], const float (&sc)[2],
-                                                const float (&bi)[2], const float (&xs)[2][32],
+                                                const float (&bi)[2], const float (&xv)[2][32],
                                                 const float (&sx)[2]) {
-    constexpr int parts = affine_offsets<BITS>();
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        unsigned tops[BITS];
-#pragma unroll
-        for (int i = 0; i < BITS; i++) tops[i] = words[j][i] >> 16;
-        float d[parts];
-#pragma unroll
-        for (int p = 0; p < parts; p++) d[p] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 32; k++)
-            d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words[j], tops, k) * xs[j][k];
-        float dot = 0.0f;
-#pragma unroll
-        for (int p = 0; p < parts; p++) dot += d[p] * __uint_as_float((unsigned)(127 - p * BITS) << 23);
-        acc += sc[j] * dot + bi[j] * sx[j];
-    }
+    for (int j = 0; j < 2; j++) acc += sc[j] * affine_dot32<BITS>(words[j], xv[j]) + bi[j] * sx[j];
     return acc;
 }
 
@@ -366,7 +352,7 @@ __device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __rest
     __shared__ float partial[AFFINE_BLOCK_ROWS][32];
     int chunks = in_dim / 32, groups = in_dim / group;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float xs[2][32], sx[2];
+    float xv[2][32], sx[2];
 #pragma unroll
     for (int j = 0; j < 2; j++) {
         int i = threadIdx.x + j * blockDim.x;
@@ -380,7 +366,7 @@ __device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __rest
 #pragma unroll
             for (int m = 0; m < 4; m++) {
                 sum[m] += e[m];
-                xs[j][4 * q + m] = e[m];
+                xv[j][4 * q + m] = e[m];
             }
         }
         sx[j] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
@@ -404,7 +390,7 @@ __device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __rest
         }
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            float v = warp_sum(affine_row_dot<BITS>(words[u], sc[u], bi[u], xs, sx));
+            float v = warp_sum(affine_row_dot<BITS>(words[u], sc[u], bi[u], xv, sx));
             if (lane == 0) partial[r + u][warp] = v;
         }
         if (r + 2 < AFFINE_BLOCK_ROWS) {
