@@ -262,6 +262,15 @@ struct DecoderSequence<B: Backend> {
     step: B::Step,
 }
 
+impl<B: Backend + 'static> DecoderSequence<B> {
+    /// `seq` as this model's sequence type, or an error naming the mix-up.
+    fn of(seq: &mut dyn SequenceState) -> Result<&mut Self> {
+        seq.as_any_mut()
+            .downcast_mut::<Self>()
+            .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))
+    }
+}
+
 impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
     fn len(&self) -> usize {
         self.cache.len()
@@ -322,10 +331,7 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
         })
     }
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
-        let seq = seq
-            .as_any_mut()
-            .downcast_mut::<DecoderSequence<B>>()
-            .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
+        let seq = DecoderSequence::<B>::of(seq)?;
         let b = &self.backend;
         b.run_pass(|| self.forward_seq(seq, tokens, logits, &mut |out| Ok(b.to_host(out))))
     }
@@ -336,10 +342,7 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
         sampler: &mut Sampler,
         context: &[u32],
     ) -> Result<u32> {
-        let seq = seq
-            .as_any_mut()
-            .downcast_mut::<DecoderSequence<B>>()
-            .ok_or_else(|| Error::Invalid("sequence state belongs to another model".into()))?;
+        let seq = DecoderSequence::<B>::of(seq)?;
         let penalized = sampler.penalized(context);
         let u = sampler.draw();
         let (b, params) = (&self.backend, sampler.params());

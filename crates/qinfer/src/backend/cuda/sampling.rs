@@ -52,19 +52,7 @@ impl CudaBackend {
         let mut row = self.p(&logits.buf) + ((logits.rows - 1) * vocab * 4) as u64;
         // The penalty rewrites logits: on a copy, never on the pass's output.
         let _penalized_copy = if params.repetition_penalty != 1.0 && !penalized.is_empty() {
-            let copy = self.act(1, vocab);
-            if !self.failed() {
-                // SAFETY: one row of `vocab` values inside both allocations.
-                let r = unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        self.p(&copy.buf),
-                        row,
-                        vocab * 4,
-                        self.stream.cu_stream(),
-                    )
-                };
-                self.record(r, "copying logits for the repetition penalty");
-            }
+            let copy = self.last_row(logits);
             let ids = self.upload_slice(penalized);
             launch!(
                 self,
