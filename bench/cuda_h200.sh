@@ -30,6 +30,24 @@ times.sort()
 t = times[len(times) // 2]
 print(json.dumps({"bytes_read_plus_written": 2 * 4 * n, "median_s": t, "GBps": 2 * 4 * n / t / 1e9}))
 PY
+# The cuBLAS bf16 GEMM rate (torch.matmul is cuBLAS/cuBLASLt) at the 8B's
+# prefill shapes for 8192 tokens: the denominator of the prefill ratio.
+python3 - <<'PY' > "$OUT/runs/cublas.json"
+import json, torch
+rates = {}
+for m, k, n in [(8192, 4096, 6144), (8192, 4096, 24576), (8192, 12288, 4096), (8192, 4096, 4096)]:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3): a @ b
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record(); a @ b; e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    rates[f"{m}x{k}x{n}"] = 2 * m * k * n / times[len(times) // 2] / 1e12
+print(json.dumps({"tflops_by_shape": rates, "tflops": max(rates.values())}))
+PY
 .device/cuda_backend --test-threads=1 --nocapture > "$OUT/tests.log" 2>&1
 echo "cuda tests rc $?" | tee "$OUT/runs/tests_rc.txt"
 grep -E "test result|panicked" "$OUT/tests.log"

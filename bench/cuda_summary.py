@@ -1,6 +1,8 @@
 """Summarizes bench/cuda_h200.sh's runs into one JSON: per model and dtype the
 decode and prefill rates, and the decode roofline (bytes that must be read per
-decoded token ÷ the measured device-to-device bandwidth).
+decoded token ÷ the measured device-to-device bandwidth), and the prefill
+ratio at 8192 tokens (model FLOPs per token × tokens/s ÷ the cuBLAS bf16 GEMM
+rate measured in the same run).
 
 Bytes per token count every matrix a decode step reads, as qinfer stores it on
 the GPU: bf16 2 bytes per value; affine q<b>g<G> b/8 bytes per value plus f32
@@ -22,23 +24,26 @@ def bytes_per_value(dtype: str, cols: int) -> float:
     if m and cols % int(m.group(2)) == 0:
         bits, group = int(m.group(1)), int(m.group(2))
         # Packed levels plus a bf16 scale and bias per group: what MLX stores
-        # and the least a kernel must read (qinfer's GPU copy holds them as
-        # f32, 8 bytes per group, and reads more than this).
+        # and what qinfer's GPU copy reads.
         return bits / 8 + 4 / group
     return {"bf16": 2, "f16": 2, "f32": 4}.get(dtype, 2)
 
 
-def decode_bytes(cfg: dict, dtype: str) -> int:
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
+def layer_kinds(cfg: dict) -> list:
+    n_layers, every = cfg["num_hidden_layers"], cfg.get("full_attention_interval")
+    return cfg.get("layer_types") or [
+        "full_attention" if every is None or (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
+    ]
+
+
+def layer_matrices(cfg: dict) -> list:
+    """(rows, cols, count) of every matrix the layers apply to a token."""
+    h = cfg["hidden_size"]
     hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     gated = cfg["model_type"].startswith("qwen3_5") or cfg["model_type"] == "qwen3_next"
-    mats = []  # (rows, cols, count)
-    n_layers, every = cfg["num_hidden_layers"], cfg.get("full_attention_interval")
-    kinds = cfg.get("layer_types") or [
-        "full_attention" if every is None or (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)
-    ]
-    for kind in kinds:
+    mats = []
+    for kind in layer_kinds(cfg):
         if kind == "full_attention":
             mats += [(nq * hd * (2 if gated else 1), h, 1), (nkv * hd, h, 2), (h, nq * hd, 1)]
         else:
@@ -55,17 +60,44 @@ def decode_bytes(cfg: dict, dtype: str) -> int:
         else:
             i = cfg["intermediate_size"]
             mats += [(i, h, 2), (h, i, 1)]
-    mats.append((v, h, 1))  # lm_head (or the tied embedding table)
+    return mats
+
+
+def decode_bytes(cfg: dict, dtype: str) -> int:
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    mats = layer_matrices(cfg) + [(v, h, 1)]  # lm_head (or the tied embedding table)
     total = sum(r * c * n * bytes_per_value(dtype, c) for r, c, n in mats)
     if not cfg.get("tie_word_embeddings", False):
         total += h * bytes_per_value(dtype, h)  # one embedding row
     return int(total)
 
 
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    """Multiply-add FLOPs per token of a prefill of `tokens` tokens: every
+    matrix of a layer (as in decode_bytes, MoE counting the top-k experts)
+    applied to each token, causal attention over the (tokens + 1) / 2 keys a
+    token sees on average (QKᵀ and PV), the GDN recurrence (state update and
+    read-out, 4·dk·dv per value head), and the lm_head once per prefill."""
+    h = cfg["hidden_size"]
+    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    nq = cfg["num_attention_heads"]
+    mats = layer_matrices(cfg)
+    flops = 2 * sum(r * c * n for r, c, n in mats)
+    ctx = (tokens + 1) / 2
+    for kind in layer_kinds(cfg):
+        if kind == "full_attention":
+            flops += 2 * 2 * nq * hd * ctx
+        else:
+            flops += 4 * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"]
+    flops += 2 * cfg["vocab_size"] * h / tokens
+    return flops
+
+
 def main() -> None:
     runs = Path(sys.argv[1])
     bw = json.loads((runs / "bandwidth.json").read_text())
     gbps = bw["GBps"]
+    cublas = json.loads((runs / "cublas.json").read_text()) if (runs / "cublas.json").exists() else None
     models = {}
     for f in sorted(runs.glob("*-d0.json")):
         name = f.name[: -len("-d0.json")]
@@ -85,6 +117,11 @@ def main() -> None:
         row["roofline_tok_s"] = round(roof, 1)
         if "tg128" in row:
             row["decode_roofline_ratio"] = round(row["tg128"] / roof, 3)
+        if "pp8192" in row and cublas:
+            f = prefill_flops(cfg, 8192)
+            row["pp8192_flops_per_token"] = int(f)
+            row["pp8192_tflops"] = round(row["pp8192"] * f / 1e12, 1)
+            row["pp8192_cublas_ratio"] = round(row["pp8192"] * f / 1e12 / cublas["tflops"], 3)
         models[f"{cfg_name} {dtype}"] = row
     # The device's copy of the tree may carry a stale .git: the caller names the commit.
     commit = os.environ.get("QINFER_COMMIT") or subprocess.run(
@@ -96,6 +133,7 @@ def main() -> None:
         "gpu": (runs / "gpu.txt").read_text().strip().splitlines()[-1],
         "command": "bash bench/cuda_h200.sh " + " ".join(sys.argv[2:]),
         "bandwidth_d2d_GBps": round(gbps, 1),
+        "cublas_bf16_tflops": cublas,
         "cuda_tests": (runs / "tests_rc.txt").read_text().strip(),
         "models": models,
     }, indent=1))

@@ -75,6 +75,7 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_prefill64",
     "flash_prefill128",
     "flash_prefill256",
+    "kv_to_half",
     "gdn_recurrent_held128",
     "moe_route",
     "moe_gemv_bf16",
@@ -89,17 +90,19 @@ const KERNEL_NAMES: &[&str] = &[
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
 const ATTENTION_CHUNK: usize = 128;
 
-/// Query rows per block of the tensor-core prefill attention (`FLASH_BQ`).
-const FLASH_ROWS: usize = 64;
+/// The tiling of `flash_prefill{head_dim}` (`FLASH_PREFILL` in flash.cu):
+/// query rows and threads per block, keys per tile, and its shared memory in
+/// bytes (f16 q rows and two stages of k and v tiles, rows padded by 8).
+struct FlashTile {
+    rows: usize,
+    threads: usize,
+    shared: usize,
+}
 
-/// Keys per tile of `flash_prefill{head_dim}` and its shared memory in bytes:
-/// f16 q, k and v tiles, f32 scores, f16 probabilities, the f32 output (rows
-/// padded as the kernel pads them), and three f32 values per row.
-fn flash_tile(head_dim: usize) -> (usize, usize) {
-    let keys = if head_dim > 128 { 32 } else { 64 };
-    let (q, kv) = (FLASH_ROWS * (head_dim + 8), keys * (head_dim + 8));
-    let (s, p, o) = (FLASH_ROWS * (keys + 4), FLASH_ROWS * (keys + 8), FLASH_ROWS * (head_dim + 4));
-    (keys, 2 * q + 2 * 2 * kv + 4 * s + 2 * p + 4 * o + 4 * 3 * FLASH_ROWS)
+fn flash_tile(head_dim: usize) -> FlashTile {
+    let (keys, warps) = if head_dim > 128 { (32, 4) } else { (64, 8) };
+    let rows = 16 * warps;
+    FlashTile { rows, threads: 32 * warps, shared: 2 * (rows + 2 * 2 * keys) * (head_dim + 8) }
 }
 
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
@@ -354,7 +357,7 @@ impl CudaBackend {
             kernels[&format!("flash_prefill{hd}")]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    flash_tile(hd).1 as i32,
+                    flash_tile(hd).shared as i32,
                 )
                 .map_err(|e| err("flash attention shared memory", &e))?;
         }
@@ -1097,14 +1100,29 @@ impl Backend for CudaBackend {
             return out;
         }
         if !self.split_activations && matches!(s.head_dim, 64 | 128 | 256) {
-            let grid = (q.rows.div_ceil(FLASH_ROWS) as u32, s.num_heads as u32, 1);
+            // The kernel reads f16 keys and values, converted once per call.
+            let kv_dim = s.num_kv_heads * s.head_dim;
+            let (keys_half, values_half) = (self.act(n_keys, kv_dim / 2), self.act(n_keys, kv_dim / 2));
+            let n = n_keys * kv_dim;
+            launch!(
+                self,
+                "kv_to_half",
+                cfg(((n / 4).div_ceil(256).min(4096) as u32, 1, 1), 256, 0),
+                self.p(keys),
+                self.p(values),
+                self.p(&keys_half.buf),
+                self.p(&values_half.buf),
+                n as i64
+            );
+            let tile = flash_tile(s.head_dim);
+            let grid = (s.num_heads as u32, q.rows.div_ceil(tile.rows) as u32, 1);
             launch!(
                 self,
                 &format!("flash_prefill{}", s.head_dim),
-                cfg(grid, 128, flash_tile(s.head_dim).1 as u32),
+                cfg(grid, tile.threads as u32, tile.shared as u32),
                 self.p(&q.buf),
-                self.p(keys),
-                self.p(values),
+                self.p(&keys_half.buf),
+                self.p(&values_half.buf),
                 self.p(&out.buf),
                 self.p(&self.step),
                 q.rows as i32,
