@@ -5,7 +5,7 @@
     /work/venv/bin/python scripts/make_fixtures_hybrid.py --only qwen3_5  # one case (repeatable)
 
 Writes tests/fixtures/tiny/<case>/ for the cases in CASES below (qwen3_moe, qwen3_moe_norm,
-qwen3_next, qwen3_5, qwen3_5_moe), with the same file set and reference.json schema as
+qwen3_next, qwen3_5, qwen3_5_gdn128, qwen3_5_moe), with the same file set and reference.json schema as
 scripts/make_fixtures.py (whose helpers it imports; that script and its outputs are unchanged).
 
 Differences from make_fixtures.py:
@@ -98,6 +98,14 @@ GDN = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=24,
+    linear_conv_kernel_dim=4,
+)
+# Gated DeltaNet head sizes of the published Qwen3.5 models (128 / 128), 2 value heads per key head.
+GDN_128 = dict(
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
     linear_conv_kernel_dim=4,
 )
 
@@ -237,6 +245,36 @@ CASES = {
         "published files: linear_attn.A_log and linear_attn.norm.weight are F32 (full precision), the rest "
         "BF16. Logits are text-only; Qwen3_5ForCausalLM (AutoModelForCausalLM) on the same file gives "
         "identical logits.",
+    ),
+    "qwen3_5_gdn128": dict(
+        kind="vl",
+        cls=(Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+        kwargs=dict(
+            num_hidden_layers=4,
+            layer_types=[LIN, LIN, LIN, FULL],
+            full_attention_interval=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=96,
+            tie_word_embeddings=True,
+            rope_parameters=ROPE_35,
+            mtp_num_hidden_layers=1,
+            mtp_use_dedicated_embeddings=False,
+            **GDN_128,
+        ),
+        tie=True,
+        f32_params=(".linear_attn.A_log", ".linear_attn.norm.weight"),
+        n_tokens=80,
+        base_seed=10110,
+        desc="Qwen3.5 dense as qwen3_5 (hub layout: Qwen3_5ForConditionalGeneration, text weights under "
+        "model.language_model., tiny vision tower under model.visual., fake mtp.* tensors, tied "
+        "embeddings, 4 layers [linear, linear, linear, full], gated attention 4/2 x 32, partial rotary "
+        "0.25 with interleaved mrope_section [2,1,1], dense SwiGLU 96, hidden 64, A_log / "
+        "linear_attn.norm.weight F32, the rest BF16) but with the Gated DeltaNet head sizes of the "
+        "published Qwen3.5 models: 1 key head x 128 / 2 value heads x 128 (2 value heads per key head; "
+        "key dim 128, value dim 256, conv channels 512, conv kernel 4), separate in_proj_qkv / in_proj_z / "
+        "in_proj_b / in_proj_a. 80 tokens > GDN chunk 64. Logits are text-only.",
     ),
     "qwen3_5_moe": dict(
         kind="vl",
@@ -907,7 +945,7 @@ def build_case(name: str) -> None:
             f"{len(f32_values)} tensors stored as F32 with full float32 precision (not bf16-rounded), like the "
             "published Qwen3.5 files: " + ", ".join(f"*{s}" for s in keep_f32)
         )
-    if name in ("qwen3_5", "qwen3_5_moe"):
+    if spec["kind"] == "vl":
         write_st(st_path, tensors)
 
     # ---- reference computations from the saved bf16 files, in float32 ----

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::CudaBackend;
-use qinfer::backend::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
+use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::sampler::{Sampler, SamplingParams};
@@ -382,6 +382,47 @@ fn gated_deltanet_and_moe_match_cpu() {
         assert_eq!(p.gpu.to_host(&after), p.gpu.to_host(&again), "a cloned state is an independent snapshot");
     }
 
+    // The fused decode step (one stacked projection in: conv, delta rule and
+    // gated norm in two launches) against the CPU's composition of the ops;
+    // value heads of 40 cover a partial warp of columns.
+    for (v_heads_tiled, nk, nv, dv) in [(false, 2, 4, 128), (true, 2, 4, 128), (false, 2, 6, 40), (false, 4, 4, 128)] {
+        let cfg = GdnConfig {
+            num_k_heads: nk,
+            num_v_heads: nv,
+            k_head_dim: 128,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            v_heads_tiled,
+        };
+        let (cd, kd, vd) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim());
+        let all = cd + vd + 2 * nv;
+        let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
+        let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
+        let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
+        let (nc, ng) = p.weights(&tensor("norm", DType::F32, vec![dv], &r.vec(dv)));
+        let wg = GdnWeights { conv: &convg, a_log: &alg, dt_bias: &dtg, norm: &ng };
+        let mut sc = p.cpu.new_gdn_state(&cfg);
+        let mut sg = p.gpu.new_gdn_state(&cfg);
+        for t in [1usize, 1, 3, 8, 1, 2] {
+            let (mc, mg) = p.acts(t, all, &r.vec(t * all));
+            let og = p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).expect("a fused form for key heads of 128");
+            let cols = |at, len| p.cpu.gather_columns(&mc, all, at, len);
+            let conv = p.cpu.gdn_conv(&cols(0, cd), &convc, &mut sc);
+            let (q, k, v) = (
+                p.cpu.gather_columns(&conv, cd, 0, kd),
+                p.cpu.gather_columns(&conv, cd, kd, kd),
+                p.cpu.gather_columns(&conv, cd, 2 * kd, vd),
+            );
+            let (z, b, a) = (cols(cd, vd), cols(cd + vd, nv), cols(cd + vd + nv, nv));
+            let o = p.cpu.gated_delta_rule(&q, &k, &v, &a, &b, &alc, &dtc, &mut sc);
+            let oc = p.cpu.rms_norm_gated(&o, &z, &nc, 1e-6);
+            p.check(&format!("gdn_mix T={t} {nk}/{nv} heads dv {dv} tiled {v_heads_tiled}"), &oc, &og, 1e-4);
+        }
+        // Prefill-sized steps are left to the composed kernels.
+        let (_, mg) = p.acts(9, all, &r.vec(9 * all));
+        assert!(p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).is_none());
+    }
+
     let (h, i, e) = (64, 32, 8);
     let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
         .map(|_| {
@@ -507,7 +548,7 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-    for name in ["qwen3", "qwen2_sliding", "qwen3_5", "qwen3_moe", "qwen3_5_moe"] {
+    for name in ["qwen3", "qwen2_sliding", "qwen3_5", "qwen3_5_gdn128", "qwen3_moe", "qwen3_5_moe"] {
         let m = loader::open(&root.join(name)).unwrap();
         let vocab = m.config.vocab_size;
         let mut r = Rng::fresh();

@@ -55,6 +55,16 @@ pub struct ExpertWeights<W> {
     pub down: W,
 }
 
+/// A Gated DeltaNet layer's weights between its input and output projections.
+pub struct GdnWeights<'a, W> {
+    /// `[conv_dim, kernel]`.
+    pub conv: &'a W,
+    pub a_log: &'a W,
+    pub dt_bias: &'a W,
+    /// The gated RMSNorm's weight over each value head.
+    pub norm: &'a W,
+}
+
 /// How a mixture-of-experts block routes each token (transformers' `TopKRouter`).
 #[derive(Debug, Clone, Copy)]
 pub struct Routing {
@@ -255,6 +265,22 @@ pub trait Backend: Send + Sync {
         dt_bias: &Self::Weight,
         state: &mut Self::GdnState,
     ) -> Self::Act;
+    /// The layer between its projections as one step, from the stacked
+    /// projection `mixed` `[T, conv_dim + value_dim + 2·nv]` (the conv
+    /// channels q|k|v, then z, b and a): conv + SiLU, the gated delta rule
+    /// and the gated RMSNorm, `[T, value_dim]`; the state advances. `None`
+    /// where the backend has no fused form for this shape: the caller then
+    /// composes [`Backend::gdn_conv`], [`Backend::gated_delta_rule`] and
+    /// [`Backend::rms_norm_gated`], the reference this must match.
+    fn gdn_mix(
+        &self,
+        _mixed: &Self::Act,
+        _weights: &GdnWeights<'_, Self::Weight>,
+        _eps: f32,
+        _state: &mut Self::GdnState,
+    ) -> Option<Self::Act> {
+        None
+    }
     /// Whether [`Backend::moe`] decides a decode step's routing without the
     /// host, so steps of MoE models can be recorded (see `run_step`).
     fn routes_on_device(&self) -> bool {

@@ -5,7 +5,7 @@
 
 use super::WeightLoader;
 use crate::Result;
-use crate::backend::Backend;
+use crate::backend::{Backend, GdnWeights};
 use crate::config::{Architecture, GdnConfig, ModelConfig};
 
 enum Projections<W> {
@@ -14,6 +14,9 @@ enum Projections<W> {
     Fused { qkvz: W, ba: W },
     /// Qwen3.5: `[q, k, v]` already in conv-channel order; z, b, a separate.
     Split { qkv: W, z: W, b: W, a: W },
+    /// Qwen3.5's four stacked into one matrix `[q, k, v, z, b, a]`, where the
+    /// backend fuses projections and all four are stored alike.
+    Stacked { all: W },
 }
 
 pub struct GatedDeltaNet<B: Backend> {
@@ -45,12 +48,15 @@ impl<B: Backend> GatedDeltaNet<B> {
                     ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
                 }
             }
-            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => Projections::Split {
-                qkv: ld.get(&format!("{p}.in_proj_qkv.weight"), &[2 * kd + vd, h])?,
-                z: ld.get(&format!("{p}.in_proj_z.weight"), &[vd, h])?,
-                b: ld.get(&format!("{p}.in_proj_b.weight"), &[nv, h])?,
-                a: ld.get(&format!("{p}.in_proj_a.weight"), &[nv, h])?,
-            },
+            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {
+                let names = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"].map(|n| format!("{p}.{n}.weight"));
+                let mut w = ld.stacked_rows(&names, &[[2 * kd + vd, h], [vd, h], [nv, h], [nv, h]])?.into_iter();
+                match (w.next(), w.next(), w.next(), w.next()) {
+                    (Some(all), None, None, None) => Projections::Stacked { all },
+                    (Some(qkv), Some(z), Some(b), Some(a)) => Projections::Split { qkv, z, b, a },
+                    _ => unreachable!("stacked_rows returns one weight or one per name"),
+                }
+            }
             Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 return Err(crate::Error::config(
                     "layer_types",
@@ -94,6 +100,22 @@ impl<B: Backend> GatedDeltaNet<B> {
             }
             Projections::Split { qkv, z, b, a } => {
                 (bk.linear(x, qkv, None), bk.linear(x, z, None), bk.linear(x, b, None), bk.linear(x, a, None))
+            }
+            Projections::Stacked { all } => {
+                let mixed = bk.linear(x, all, None);
+                let weights =
+                    GdnWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm };
+                if let Some(o) = bk.gdn_mix(&mixed, &weights, self.eps, state) {
+                    return bk.linear(&o, &self.out_proj, None);
+                }
+                let (cd, nv) = (g.conv_dim(), g.num_v_heads);
+                let all = cd + vd + 2 * nv;
+                (
+                    bk.gather_columns(&mixed, all, 0, cd),
+                    bk.gather_columns(&mixed, all, cd, vd),
+                    bk.gather_columns(&mixed, all, cd + vd, nv),
+                    bk.gather_columns(&mixed, all, cd + vd + nv, nv),
+                )
             }
         };
         let mixed = bk.gdn_conv(&qkv, &self.conv1d, state);

@@ -9,8 +9,15 @@ use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::{Error, Result};
 
-pub const KERNELS: &str =
-    concat!(include_str!("kernels.cu"), "\n", include_str!("flash.cu"), "\n", include_str!("sampling.cu"));
+pub const KERNELS: &str = concat!(
+    include_str!("kernels.cu"),
+    "\n",
+    include_str!("flash.cu"),
+    "\n",
+    include_str!("gdn.cu"),
+    "\n",
+    include_str!("sampling.cu")
+);
 
 /// CUDA's headers (cuda_bf16.h): `CUDA_HOME`/`CUDA_PATH`, else /usr/local/cuda.
 fn include_dir() -> Result<String> {

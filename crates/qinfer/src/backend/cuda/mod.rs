@@ -32,7 +32,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 
-use super::{AttentionShape, Backend, ExpertWeights, KvCache, QkvShape, Routing};
+use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
 use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
@@ -77,6 +77,7 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_prefill256",
     "kv_to_half",
     "gdn_recurrent_held128",
+    "gdn_decode128",
     "moe_route",
     "moe_gemv_bf16",
     "moe_gemv_f16",
@@ -1338,31 +1339,7 @@ impl Backend for CudaBackend {
 
     fn gdn_conv(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState) -> CudaAct {
         let out = self.act(x.rows, x.cols);
-        let kernel = state.cfg.conv_kernel;
-        if kernel > 9 {
-            self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
-            return out;
-        }
-        let (ty, w) = match weight {
-            CudaWeight::Matrix { dtype, buf, .. } => (float_format(*dtype).0, self.p(buf)),
-            CudaWeight::Vector(v) => ("f32", self.p(v)),
-            CudaWeight::Affine(_) => {
-                self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
-                return out;
-            }
-        };
-        launch!(
-            self,
-            &format!("gdn_conv_{ty}"),
-            cfg(blocks(x.cols, 128), 128, 0),
-            self.p(&x.buf),
-            w,
-            self.p(&state.conv),
-            self.p(&out.buf),
-            x.rows as i32,
-            x.cols as i32,
-            kernel as i32
-        );
+        self.conv_columns(x, weight, state, &out);
         out
     }
 
@@ -1434,6 +1411,58 @@ impl Backend for CudaBackend {
             c.v_heads_tiled as i32
         );
         out
+    }
+
+    fn gdn_mix(
+        &self,
+        mixed: &CudaAct,
+        weights: &GdnWeights<'_, CudaWeight>,
+        eps: f32,
+        state: &mut CudaGdnState,
+    ) -> Option<CudaAct> {
+        let c = state.cfg.clone();
+        let (t, cd, vd, nv) = (mixed.rows, c.conv_dim(), c.value_dim(), c.num_v_heads);
+        // Decode-sized steps of key heads of 128 and value heads of at most
+        // 128 (one block of 8 warps per value head); prefill and other
+        // shapes compose the separate kernels.
+        if t > GEMV_MAX_ROWS || c.k_head_dim != 128 || c.v_head_dim > 128 {
+            return None;
+        }
+        let (CudaWeight::Vector(al), CudaWeight::Vector(dt), CudaWeight::Vector(nw)) =
+            (weights.a_log, weights.dt_bias, weights.norm)
+        else {
+            return None;
+        };
+        let out = self.act(t, vd);
+        if mixed.cols != cd + vd + 2 * nv {
+            self.record(Err(format!("{} columns, expected {}", mixed.cols, cd + vd + 2 * nv)), "gdn_mix");
+            return Some(out);
+        }
+        let conv = self.act(t, cd);
+        self.conv_columns(mixed, weights.conv, state, &conv);
+        launch!(
+            self,
+            "gdn_decode128",
+            cfg((nv as u32, 1, 1), 32 * c.v_head_dim.div_ceil(16) as u32, 0),
+            self.p(&conv.buf),
+            self.p(&mixed.buf),
+            mixed.cols as i32,
+            cd as i32,
+            (cd + vd) as i32,
+            (cd + vd + nv) as i32,
+            self.p(al),
+            self.p(dt),
+            self.p(nw),
+            self.p(&state.recurrent),
+            self.p(&out.buf),
+            t as i32,
+            c.num_k_heads as i32,
+            nv as i32,
+            c.v_head_dim as i32,
+            c.v_heads_tiled as i32,
+            eps
+        );
+        Some(out)
     }
 
     fn routes_on_device(&self) -> bool {
@@ -1599,6 +1628,37 @@ impl CudaBackend {
             eps
         );
         out
+    }
+
+    /// The depthwise conv + SiLU over the first `out.cols` columns of `x`
+    /// (all of them, or the conv channels of a stacked projection) into `out`.
+    fn conv_columns(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState, out: &CudaAct) {
+        let kernel = state.cfg.conv_kernel;
+        if kernel > 9 {
+            self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
+            return;
+        }
+        let (ty, w) = match weight {
+            CudaWeight::Matrix { dtype, buf, .. } => (float_format(*dtype).0, self.p(buf)),
+            CudaWeight::Vector(v) => ("f32", self.p(v)),
+            CudaWeight::Affine(_) => {
+                self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
+                return;
+            }
+        };
+        launch!(
+            self,
+            &format!("gdn_conv_{ty}"),
+            cfg(blocks(out.cols, 128), 128, 0),
+            self.p(&x.buf),
+            w,
+            self.p(&state.conv),
+            self.p(&out.buf),
+            x.rows as i32,
+            out.cols as i32,
+            kernel as i32,
+            x.cols as i32
+        );
     }
 
     fn copy_columns(&self, src: &CudaAct, dst: &CudaAct, group: usize, offset: usize, len: usize, dst_off: usize) {
