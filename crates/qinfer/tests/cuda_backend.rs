@@ -150,7 +150,7 @@ fn every_gemv_launch_shape_matches_cpu() {
         let shape = qinfer::backend::cuda::GemvShape::new(rows_per_block, threads).unwrap();
         let gpu = CudaBackend::new(0).unwrap().with_poisoned_outputs().with_gemv_shape(shape);
         for dtype in [DType::BF16, DType::F32] {
-            for (inp, out) in [(4096, 37), (1000, 5), (100, 9)] {
+            for (inp, out) in [(4096, 37), (1000, 5), (100, 9), (1000, 14), (256, 2)] {
                 for act in [1, 5] {
                     let w = tensor("w", dtype, vec![out, inp], &r.vec(out * inp));
                     let x = r.vec(act * inp);
@@ -158,6 +158,15 @@ fn every_gemv_launch_shape_matches_cpu() {
                     let yg = gpu.linear(&gpu.act_from_host(act, inp, &x), &gpu.upload(&w).unwrap(), None);
                     let e = rel(&gpu.to_host(&yg), &cpu.to_host(&yc));
                     assert!(e <= 1e-5, "{shape:?} {dtype:?} {act}x{inp}->{out}: rel {e}");
+                    // The same rows as a stacked gate|up weight: the GEMV's
+                    // silu(gate)·up epilogue against the CPU's two steps.
+                    if out % 2 == 0 {
+                        let (wc, wg) = (cpu.upload(&w).unwrap(), gpu.upload(&w).unwrap());
+                        let sc = cpu.linear_swiglu(&cpu.act_from_host(act, inp, &x), &wc);
+                        let sg = gpu.linear_swiglu(&gpu.act_from_host(act, inp, &x), &wg);
+                        let e = rel(&gpu.to_host(&sg), &cpu.to_host(&sc));
+                        assert!(e <= 1e-5, "{shape:?} {dtype:?} {act}x{inp}->{out} swiglu: rel {e}");
+                    }
                 }
             }
         }
@@ -633,6 +642,59 @@ fn time_replayed(
     println!("{what:<40} {us:8.2} µs  {gbs}");
 }
 
+/// Device time of the decode step's ops at the shapes of the Qwen3.5-4B-shaped
+/// hybrid (bench/configs/qwen3_5-4b-hybrid.json), as the 8B profile: which
+/// ops keep its decode from the dense models' share of the roofline.
+#[test]
+#[ignore]
+fn profile_decode_ops_at_hybrid_shapes() {
+    let Some(_) = gpu() else { return };
+    let b = CudaBackend::new(0).unwrap();
+    let mut r = Rng::fresh();
+    let (h, inter, vocab) = (2560, 9216, 248320);
+    let cfg = GdnConfig {
+        num_k_heads: 16,
+        num_v_heads: 32,
+        k_head_dim: 128,
+        v_head_dim: 128,
+        conv_kernel: 4,
+        v_heads_tiled: false,
+    };
+    let (cd, vd, nv) = (cfg.conv_dim(), cfg.value_dim(), cfg.num_v_heads);
+    for (name, rows, cols) in [
+        ("gdn in_proj qkv|z|b|a", cd + vd + 2 * nv, h),
+        ("gdn out_proj", h, vd),
+        ("attn q|gate|k|v", 2 * 16 * 256 + 2 * 4 * 256, h),
+        ("attn o", h, 16 * 256),
+        ("gate_up", 2 * inter, h),
+        ("down", h, inter),
+        ("lm_head", vocab, h),
+    ] {
+        let w = b.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+        let x = b.act_from_host(1, cols, &r.vec(cols));
+        time_replayed(&b, &format!("gemv bf16 {name} {rows}x{cols}"), rows * cols * 2, 0, &mut || {
+            b.linear(&x, &w, None)
+        });
+    }
+    let conv = b.upload(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4))).unwrap();
+    let a_log = b.upload(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv))).unwrap();
+    let dt = b.upload(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv))).unwrap();
+    let norm = b.upload(&tensor("norm", DType::F32, vec![128], &r.vec(128))).unwrap();
+    let weights = GdnWeights { conv: &conv, a_log: &a_log, dt_bias: &dt, norm: &norm };
+    let mixed = b.act_from_host(1, cd + vd + 2 * nv, &r.vec(cd + vd + 2 * nv));
+    let mut state = b.new_gdn_state(&cfg);
+    // The recurrent state is read and written once per step.
+    let state_bytes = 2 * nv * 128 * 128 * 4;
+    time_replayed(&b, "gdn_mix (conv + fused step)", state_bytes, 0, &mut || {
+        b.gdn_mix(&mixed, &weights, 1e-6, &mut state).unwrap()
+    });
+    let nw = b.upload(&tensor("n", DType::F32, vec![h], &r.vec(h))).unwrap();
+    let x = b.act_from_host(1, h, &r.vec(h));
+    time_replayed(&b, "rms_norm 2560", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));
+    let g = b.act_from_host(1, 2 * inter, &r.vec(2 * inter));
+    time_replayed(&b, "swiglu 9216", 0, 0, &mut || b.swiglu(&g));
+}
+
 /// Device time of the decode step's ops at Qwen3-8B's shapes: each op issued
 /// 50 times inside one recorded step, the step replayed and timed, so host
 /// launch costs drop out. Prints µs per op and, for GEMVs, GB/s. Run on the
@@ -814,6 +876,18 @@ fn qkv_prologue_and_swiglu_match_cpu() {
     for (rows, width) in [(1, 12288), (5, 100)] {
         let (xc, xg) = p.acts(rows, 2 * width, &r.vec(rows * 2 * width));
         p.check(&format!("swiglu {rows}x{width}"), &p.cpu.swiglu(&xc), &p.gpu.swiglu(&xg), 1e-6);
+    }
+    // gate|up GEMVs with the swiglu epilogue (decode rows, bf16 and f16),
+    // and the GEMM then swiglu above 8 rows.
+    for dtype in [DType::BF16, DType::F16] {
+        for (rows, inp, width) in [(1, 4096, 6144), (1, 2560, 4608), (3, 1000, 50), (8, 256, 7), (12, 256, 64)] {
+            let w = tensor("gate_up", dtype, vec![2 * width, inp], &r.vec(2 * width * inp));
+            let (wc, wg) = p.weights(&w);
+            let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
+            let tol = if rows > 8 { 2e-2 } else { 1e-4 };
+            let what = format!("linear_swiglu {dtype:?} {rows}x{inp}->2x{width}");
+            p.check(&what, &p.cpu.linear_swiglu(&xc, &wc), &p.gpu.linear_swiglu(&xg, &wg), tol);
+        }
     }
 }
 

@@ -172,6 +172,11 @@ pub trait Backend: Send + Sync {
         let all = 2 * width;
         self.silu_mul(&self.gather_columns(gate_up, all, 0, width), &self.gather_columns(gate_up, all, width, width))
     }
+    /// silu(gate) ⊙ up of `x` through a stacked gate|up weight `[2·width, in]`:
+    /// `swiglu(linear(x, gate_up))`, which a backend may do in one pass.
+    fn linear_swiglu(&self, x: &Self::Act, gate_up: &Self::Weight) -> Self::Act {
+        self.swiglu(&self.linear(x, gate_up, None))
+    }
     /// The attention inputs from a stacked q|k|v projection `qkv` (`[T, q_rows
     /// + 2·kv]`, `q_rows` holding a gate after each query head when
     /// `shape.output_gate`): queries and keys RMS-normed per head with

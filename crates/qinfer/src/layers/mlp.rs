@@ -23,7 +23,7 @@ impl<B: Backend> Mlp<B> {
 
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
         let h = match self.gate_up.as_slice() {
-            [gate_up] => b.swiglu(&b.linear(x, gate_up, None)),
+            [gate_up] => b.linear_swiglu(x, gate_up),
             [gate, up] => b.silu_mul(&b.linear(x, gate, None), &b.linear(x, up, None)),
             _ => unreachable!("stacked_rows returns one weight or one per name"),
         };

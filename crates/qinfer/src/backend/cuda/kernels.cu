@@ -79,8 +79,10 @@ __device__ __forceinline__ void gemv_chunk(const uint4 (&packed)[ROWS], const fl
 }
 
 // The end of both GEMVs: each thread's partial dot products summed over the
-// block, y[t][row0 + r] = Σ + bias for the block's rows.
-template <int ROWS, int ACT>
+// block, y[t][row0 + r] = Σ + bias for the block's rows. PAIRED: the block's
+// rows are ROWS/2 gate rows then the matching up rows of a stacked gate|up
+// weight, and y[t][row0 + r] = silu(gate)·up (as the swiglu kernel).
+template <int ROWS, int ACT, bool PAIRED = false>
 __device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const float* __restrict__ bias,
                                            float* __restrict__ y, int row0, int out_dim, int n_act) {
     __shared__ float partial[32][ROWS * ACT];
@@ -93,6 +95,19 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const 
             if (lane == 0) partial[warp][r * ACT + t] = v;
         }
     __syncthreads();
+    if (PAIRED) {
+        constexpr int HALF = ROWS / 2;
+        if (threadIdx.x < HALF * ACT) {
+            int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
+            float g = 0.0f, u = 0.0f;
+            for (int k = 0; k < warps; k++) {
+                g += partial[k][threadIdx.x];
+                u += partial[k][HALF * ACT + threadIdx.x];
+            }
+            if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = g / (1.0f + expf(-g)) * u;
+        }
+        return;
+    }
     if (threadIdx.x < ROWS * ACT) {
         int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
         float sum = 0.0f;
@@ -101,13 +116,17 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const 
     }
 }
 
-template <typename T, int VEC, int ROWS, int ACT>
+// PAIRED: `w` is a stacked gate|up weight of 2·out_dim rows and y is
+// silu(gate)·up, out_dim wide (see gemv_store).
+template <typename T, int VEC, int ROWS, int ACT, bool PAIRED = false>
 __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
                      float* __restrict__ y, int out_dim, int in_dim, int n_act) {
-    int row0 = blockIdx.x * ROWS;
+    constexpr int UNITS = PAIRED ? ROWS / 2 : ROWS;  // outputs per block
+    int row0 = blockIdx.x * UNITS;
     const T* rows[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) rows[r] = w + (size_t)min(row0 + r, out_dim - 1) * in_dim;
+    for (int r = 0; r < ROWS; r++)
+        rows[r] = w + ((size_t)min(row0 + r % UNITS, out_dim - 1) + (size_t)(r / UNITS) * out_dim) * in_dim;
     float acc[ROWS][ACT];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -141,20 +160,25 @@ __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const
             for (int t = 0; t < n_act && t < ACT; t++) acc[r][t] += wv * x[(size_t)t * in_dim + c];
         }
     }
-    gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
+    gemv_store<ROWS, ACT, PAIRED>(acc, bias, y, row0, out_dim, n_act);
 }
 
-#define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT)                                                                       \
+#define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT, PAIRED)                                                               \
     extern "C" __global__ void __launch_bounds__(256) NAME(const T* w, const float* x, const float* b, float* y,    \
                                                            int o, int i, int n) {                                  \
-        gemv<T, VEC, ROWS, ACT>(w, x, b, y, o, i, n);                                                              \
+        gemv<T, VEC, ROWS, ACT, PAIRED>(w, x, b, y, o, i, n);                                                      \
     }
+// `_swiglu`: the PAIRED form, for a stacked gate|up weight (rows_per_block
+// counts weight rows, half of them gate rows).
 #define GEMV_KERNELS(NAME, T, VEC)                                                                                 \
-    GEMV_KERNEL(NAME##_r1a1, T, VEC, 1, 1)                                                                         \
-    GEMV_KERNEL(NAME##_r2a1, T, VEC, 2, 1)                                                                         \
-    GEMV_KERNEL(NAME##_r4a1, T, VEC, 4, 1)                                                                         \
-    GEMV_KERNEL(NAME##_r1a8, T, VEC, 1, GEMV_MAX_ROWS)                                                             \
-    GEMV_KERNEL(NAME##_r2a8, T, VEC, 2, GEMV_MAX_ROWS)
+    GEMV_KERNEL(NAME##_r1a1, T, VEC, 1, 1, false)                                                                  \
+    GEMV_KERNEL(NAME##_r2a1, T, VEC, 2, 1, false)                                                                  \
+    GEMV_KERNEL(NAME##_r4a1, T, VEC, 4, 1, false)                                                                  \
+    GEMV_KERNEL(NAME##_r1a8, T, VEC, 1, GEMV_MAX_ROWS, false)                                                      \
+    GEMV_KERNEL(NAME##_r2a8, T, VEC, 2, GEMV_MAX_ROWS, false)                                                      \
+    GEMV_KERNEL(NAME##_r2a1_swiglu, T, VEC, 2, 1, true)                                                            \
+    GEMV_KERNEL(NAME##_r4a1_swiglu, T, VEC, 4, 1, true)                                                            \
+    GEMV_KERNEL(NAME##_r2a8_swiglu, T, VEC, 2, GEMV_MAX_ROWS, true)
 GEMV_KERNELS(gemv_bf16, __nv_bfloat16, 8)
 GEMV_KERNELS(gemv_f16, __half, 8)
 GEMV_KERNELS(gemv_f32, float, 4)

@@ -156,6 +156,8 @@ const AFFINE_BLOCK_ROWS: usize = 8;
 
 /// The GEMV kernels compiled: (weight rows per block, activation-row bound).
 const GEMV_SHAPES: &[(usize, usize)] = &[(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
+/// The shapes of the float GEMVs' gate|up → silu·up form (`{kernel}_swiglu`).
+const GEMV_SWIGLU_SHAPES: &[(usize, usize)] = &[(2, 1), (4, 1), (2, 8)];
 
 fn gemv_kernel(ty: &str, rows_per_block: usize, act: usize) -> String {
     format!("gemv_{ty}_r{rows_per_block}a{act}")
@@ -338,7 +340,11 @@ impl CudaBackend {
         let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
         let mut kernels = HashMap::new();
         let gemv_names = GEMV_WEIGHTS.iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
-        for name in KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names).chain(affine_kernel_names()) {
+        let swiglu_names = ["bf16", "f16", "f32"]
+            .iter()
+            .flat_map(|t| GEMV_SWIGLU_SHAPES.iter().map(move |(r, a)| format!("{}_swiglu", gemv_kernel(t, *r, *a))));
+        let names = KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names).chain(swiglu_names);
+        for name in names.chain(affine_kernel_names()) {
             let f = module.load_function(&name).map_err(|e| err(&name, &e))?;
             kernels.insert(name, f);
         }
@@ -1163,6 +1169,38 @@ impl Backend for CudaBackend {
 
     fn fuses_projections(&self) -> bool {
         true
+    }
+
+    fn linear_swiglu(&self, x: &CudaAct, gate_up: &CudaWeight) -> CudaAct {
+        // Decode: the GEMV's epilogue forms silu(gate)·up from a block's gate
+        // rows and the matching up rows (`gemv_*_swiglu`): no [T, 2·width]
+        // intermediate and one launch fewer. Otherwise the two steps.
+        let CudaWeight::Matrix { dtype, rows, cols: in_dim, buf } = gate_up else {
+            return self.swiglu(&self.linear(x, gate_up, None));
+        };
+        if x.rows > GEMV_MAX_ROWS || x.cols != *in_dim || rows % 2 != 0 {
+            return self.swiglu(&self.linear(x, gate_up, None));
+        }
+        let width = rows / 2;
+        let y = self.act(x.rows, width);
+        let (ty, vec) = float_format(*dtype);
+        let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
+        let mut shape = self.gemv_launch_shape(*rows, *in_dim, vec, act);
+        shape.rows_per_block = shape.rows_per_block.max(2);
+        let grid = (width.div_ceil(shape.rows_per_block / 2) as u32, 1, 1);
+        launch!(
+            self,
+            &format!("{}_swiglu", gemv_kernel(ty, shape.rows_per_block, act)),
+            cfg(grid, shape.threads, 0),
+            self.p(buf),
+            self.p(&x.buf),
+            0u64,
+            self.p(&y.buf),
+            width as i32,
+            *in_dim as i32,
+            x.rows as i32
+        );
+        y
     }
 
     fn swiglu(&self, gate_up: &CudaAct) -> CudaAct {
