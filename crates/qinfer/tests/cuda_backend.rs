@@ -676,6 +676,22 @@ fn profile_decode_ops_at_hybrid_shapes() {
             b.linear(&x, &w, None)
         });
     }
+    // Launch shapes for the GEMVs of 2560 outputs (rows per block, threads).
+    for (rows_per_block, threads) in [(2, 256), (4, 256), (4, 128), (8, 256)] {
+        let Ok(shape) = qinfer::backend::cuda::GemvShape::new(rows_per_block, threads) else { continue };
+        let fixed = CudaBackend::new(0).unwrap().with_gemv_shape(shape);
+        for (name, rows, cols) in [("down", h, inter), ("gdn out_proj", h, vd)] {
+            let w = fixed.upload(&tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+            let x = fixed.act_from_host(1, cols, &r.vec(cols));
+            time_replayed(
+                &fixed,
+                &format!("{shape:?} gemv bf16 {name} {rows}x{cols}"),
+                rows * cols * 2,
+                0,
+                &mut || fixed.linear(&x, &w, None),
+            );
+        }
+    }
     let conv = b.upload(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4))).unwrap();
     let a_log = b.upload(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv))).unwrap();
     let dt = b.upload(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv))).unwrap();
@@ -688,6 +704,8 @@ fn profile_decode_ops_at_hybrid_shapes() {
     time_replayed(&b, "gdn_mix (conv + fused step)", state_bytes, 0, &mut || {
         b.gdn_mix(&mixed, &weights, 1e-6, &mut state).unwrap()
     });
+    let qkv = b.act_from_host(1, cd, &r.vec(cd));
+    time_replayed(&b, "gdn_conv alone", 0, 0, &mut || b.gdn_conv(&qkv, &conv, &mut state));
     let nw = b.upload(&tensor("n", DType::F32, vec![h], &r.vec(h))).unwrap();
     let x = b.act_from_host(1, h, &r.vec(h));
     time_replayed(&b, "rms_norm 2560", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));

@@ -158,9 +158,16 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_held128(const flo
 // order as the separate kernels.
 // `conv`: [rows, 2·nk·DK + nv·dv] (q|k|v); `mixed`: the stacked projection,
 // rows `stride` apart, z at column z_at, b at b_at and a at a_at.
+// Every load a token needs that does not depend on the state (v, z, a, b
+// and the per-head constants) is issued before the first barrier: a decode
+// step is a chain of dependent round trips to memory, not a stream of bytes.
+// (Spreading a head over a cluster of 4 blocks, so that the state streams
+// through 4× the SMs, measured no faster on the H200: 7.8 µs against 7.6
+// for conv + this kernel at the 4B hybrid's shapes.)
 template <int DK>
-__device__ void gdn_decode(const float* conv, const float* mixed, int stride, int z_at, int b_at, int a_at,
-                           const float* a_log, const float* dt_bias, const float* norm_w, float* state, float* out,
+__device__ void gdn_decode(const float* __restrict__ conv, const float* __restrict__ mixed, int stride, int z_at,
+                           int b_at, int a_at, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                           const float* __restrict__ norm_w, float* __restrict__ state, float* __restrict__ out,
                            int rows, int nk, int nv, int dv, int tiled, float eps) {
     constexpr int HALF = DK / 2;
     __shared__ float qs[DK], ks[DK], red[32], scalars[4];
@@ -173,9 +180,12 @@ __device__ void gdn_decode(const float* conv, const float* mixed, int stride, in
     float s[HALF];
 #pragma unroll
     for (int i = 0; i < HALF; i++) s[i] = ok ? st[(size_t)(i0 + i) * dv + j] : 0.0f;
+    float wj = ok ? norm_w[j] : 0.0f, decay_rate = expf(a_log[h]), bias_h = dt_bias[h];
     for (int t = 0; t < rows; t++) {
         const float* ct = conv + (size_t)t * cd;
         const float* mt = mixed + (size_t)t * stride;
+        float vj = ok ? ct[2 * kd + h * dv + j] : 0.0f, zj = ok ? mt[z_at + h * dv + j] : 0.0f;
+        float a_in = mt[a_at + h], b_in = mt[b_at + h];
         for (int c = threadIdx.x; c < 2 * DK; c += blockDim.x) {
             if (c < DK) qs[c] = ct[kh * DK + c];
             else ks[c - DK] = ct[kd + kh * DK + c - DK];
@@ -192,10 +202,10 @@ __device__ void gdn_decode(const float* conv, const float* mixed, int stride, in
             if (lane == 0) {
                 scalars[0] = rsqrtf(sq + 1e-6f) * rsqrtf((float)DK);
                 scalars[1] = rsqrtf(sk + 1e-6f);
-                float x = mt[a_at + h] + dt_bias[h];
+                float x = a_in + bias_h;
                 float sp = x > 20.0f ? x : log1pf(expf(x));
-                scalars[2] = expf(-expf(a_log[h]) * sp);
-                scalars[3] = 1.0f / (1.0f + expf(-mt[b_at + h]));
+                scalars[2] = expf(-decay_rate * sp);
+                scalars[3] = 1.0f / (1.0f + expf(-b_in));
             }
         }
         __syncthreads();
@@ -207,7 +217,7 @@ __device__ void gdn_decode(const float* conv, const float* mixed, int stride, in
             mem += ks[i0 + i] * ik * s[i];
         }
         mem += __shfl_xor_sync(0xffffffffu, mem, 16);
-        float delta = ((ok ? ct[2 * kd + h * dv + j] : 0.0f) - mem) * bt;
+        float delta = (vj - mem) * bt;
         float o = 0.0f;
 #pragma unroll
         for (int i = 0; i < HALF; i++) {
@@ -224,8 +234,7 @@ __device__ void gdn_decode(const float* conv, const float* mixed, int stride, in
         for (int w = 0; w < warps; w++) total += red[w];
         if (mine) {
             float inv = rsqrtf(total / dv + eps);
-            float z = mt[z_at + h * dv + j];
-            out[(size_t)t * vd + h * dv + j] = norm_w[j] * (o * inv) * (z / (1.0f + expf(-z)));
+            out[(size_t)t * vd + h * dv + j] = wj * (o * inv) * (zj / (1.0f + expf(-zj)));
         }
         __syncthreads();  // qs, ks and red are refilled for the next token
     }
