@@ -159,13 +159,16 @@ fn every_gemv_launch_shape_matches_cpu() {
                     let e = rel(&gpu.to_host(&yg), &cpu.to_host(&yc));
                     assert!(e <= 1e-5, "{shape:?} {dtype:?} {act}x{inp}->{out}: rel {e}");
                     // The same rows as a stacked gate|up weight: the GEMV's
-                    // silu(gate)·up epilogue against the CPU's two steps.
+                    // silu(gate)·up epilogue sums each row as the plain GEMV
+                    // does (checked against the CPU just above), so it must
+                    // give the CPU's swiglu of those sums. (Against the CPU's
+                    // own sums a single output can be ill-conditioned: a
+                    // gate that cancels to near zero.)
                     if out % 2 == 0 {
-                        let (wc, wg) = (cpu.upload(&w).unwrap(), gpu.upload(&w).unwrap());
-                        let sc = cpu.linear_swiglu(&cpu.act_from_host(act, inp, &x), &wc);
-                        let sg = gpu.linear_swiglu(&gpu.act_from_host(act, inp, &x), &wg);
+                        let sg = gpu.linear_swiglu(&gpu.act_from_host(act, inp, &x), &gpu.upload(&w).unwrap());
+                        let sc = cpu.swiglu(&cpu.act_from_host(act, out, &gpu.to_host(&yg)));
                         let e = rel(&gpu.to_host(&sg), &cpu.to_host(&sc));
-                        assert!(e <= 1e-5, "{shape:?} {dtype:?} {act}x{inp}->{out} swiglu: rel {e}");
+                        assert!(e <= 1e-6, "{shape:?} {dtype:?} {act}x{inp}->{out} swiglu: rel {e}");
                     }
                 }
             }
