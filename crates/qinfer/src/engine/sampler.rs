@@ -128,16 +128,19 @@ pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -
     }
     cand.sort_by(order);
     let max = cand[0].1;
+    // Probabilities in f32, their running sums in f64: over 150k candidates
+    // an f32 running sum drifts by up to ~1e-3, enough to move the top-p cut
+    // or the draw by a candidate.
     let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
-    let sum: f32 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= sum);
+    let sum: f64 = probs.iter().map(|&x| f64::from(x)).sum();
+    probs.iter_mut().for_each(|x| *x = (f64::from(*x) / sum) as f32);
     if p.top_p < 1.0 {
         // Keep the smallest prefix whose mass reaches top_p (always at least one).
-        let mut acc = 0.0;
+        let mut acc = 0.0f64;
         let mut keep = probs.len();
         for (i, pr) in probs.iter().enumerate() {
-            acc += pr;
-            if acc >= p.top_p {
+            acc += f64::from(*pr);
+            if acc >= f64::from(p.top_p) {
                 keep = i + 1;
                 break;
             }
@@ -149,10 +152,10 @@ pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -
         let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
         probs.truncate(keep);
     }
-    let total: f32 = probs.iter().sum();
-    let mut r = u * total;
+    let total: f64 = probs.iter().map(|&x| f64::from(x)).sum();
+    let mut r = f64::from(u) * total;
     for (i, pr) in probs.iter().enumerate() {
-        r -= pr;
+        r -= f64::from(*pr);
         if r <= 0.0 {
             return cand[i].0;
         }
