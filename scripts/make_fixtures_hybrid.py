@@ -246,36 +246,6 @@ CASES = {
         "BF16. Logits are text-only; Qwen3_5ForCausalLM (AutoModelForCausalLM) on the same file gives "
         "identical logits.",
     ),
-    "qwen3_5_gdn128": dict(
-        kind="vl",
-        cls=(Qwen3_5Config, Qwen3_5ForConditionalGeneration),
-        kwargs=dict(
-            num_hidden_layers=4,
-            layer_types=[LIN, LIN, LIN, FULL],
-            full_attention_interval=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=96,
-            tie_word_embeddings=True,
-            rope_parameters=ROPE_35,
-            mtp_num_hidden_layers=1,
-            mtp_use_dedicated_embeddings=False,
-            **GDN_128,
-        ),
-        tie=True,
-        f32_params=(".linear_attn.A_log", ".linear_attn.norm.weight"),
-        n_tokens=80,
-        base_seed=10110,
-        desc="Qwen3.5 dense as qwen3_5 (hub layout: Qwen3_5ForConditionalGeneration, text weights under "
-        "model.language_model., tiny vision tower under model.visual., fake mtp.* tensors, tied "
-        "embeddings, 4 layers [linear, linear, linear, full], gated attention 4/2 x 32, partial rotary "
-        "0.25 with interleaved mrope_section [2,1,1], dense SwiGLU 96, hidden 64, A_log / "
-        "linear_attn.norm.weight F32, the rest BF16) but with the Gated DeltaNet head sizes of the "
-        "published Qwen3.5 models: 1 key head x 128 / 2 value heads x 128 (2 value heads per key head; "
-        "key dim 128, value dim 256, conv channels 512, conv kernel 4), separate in_proj_qkv / in_proj_z / "
-        "in_proj_b / in_proj_a. 80 tokens > GDN chunk 64. Logits are text-only.",
-    ),
     "qwen3_5_moe": dict(
         kind="vl",
         cls=(Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
@@ -308,6 +278,21 @@ CASES = {
         "F32 (full precision), the rest BF16. Logits are text-only.",
     ),
 }
+
+# qwen3_5 with the Gated DeltaNet head sizes of the published Qwen3.5 models.
+CASES["qwen3_5_gdn128"] = dict(
+    CASES["qwen3_5"],
+    kwargs={**CASES["qwen3_5"]["kwargs"], **GDN_128},
+    base_seed=10110,
+    desc="Qwen3.5 dense as qwen3_5 (hub layout: Qwen3_5ForConditionalGeneration, text weights under "
+    "model.language_model., tiny vision tower under model.visual., fake mtp.* tensors, tied "
+    "embeddings, 4 layers [linear, linear, linear, full], gated attention 4/2 x 32, partial rotary "
+    "0.25 with interleaved mrope_section [2,1,1], dense SwiGLU 96, hidden 64, A_log / "
+    "linear_attn.norm.weight F32, the rest BF16) but with the Gated DeltaNet head sizes of the "
+    "published Qwen3.5 models: 1 key head x 128 / 2 value heads x 128 (2 value heads per key head; "
+    "key dim 128, value dim 256, conv channels 512, conv kernel 4), separate in_proj_qkv / in_proj_z / "
+    "in_proj_b / in_proj_a. 80 tokens > GDN chunk 64. Logits are text-only.",
+)
 
 
 # ---------------------------------------------------------------------------
