@@ -1014,22 +1014,7 @@ impl Backend for CudaBackend {
             return y;
         }
         if x.rows <= GEMV_MAX_ROWS {
-            let (ty, vec) = float_format(*dtype);
-            let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
-            let shape = self.gemv_launch_shape(*out_dim, *in_dim, vec, act);
-            let grid = (out_dim.div_ceil(shape.rows_per_block) as u32, 1, 1);
-            launch!(
-                self,
-                &gemv_kernel(ty, shape.rows_per_block, act),
-                cfg(grid, shape.threads, 0),
-                self.p(buf),
-                self.p(&x.buf),
-                bias_ptr,
-                self.p(&y.buf),
-                *out_dim as i32,
-                *in_dim as i32,
-                x.rows as i32
-            );
+            self.float_gemv(buf, *dtype, *out_dim, *in_dim, x, bias_ptr, &y, false);
         } else {
             self.gemm(x, w, &mut y);
             if bias_ptr != 0 {
@@ -1181,25 +1166,8 @@ impl Backend for CudaBackend {
         if x.rows > GEMV_MAX_ROWS || x.cols != *in_dim || rows % 2 != 0 {
             return self.swiglu(&self.linear(x, gate_up, None));
         }
-        let width = rows / 2;
-        let y = self.act(x.rows, width);
-        let (ty, vec) = float_format(*dtype);
-        let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
-        let mut shape = self.gemv_launch_shape(*rows, *in_dim, vec, act);
-        shape.rows_per_block = shape.rows_per_block.max(2);
-        let grid = (width.div_ceil(shape.rows_per_block / 2) as u32, 1, 1);
-        launch!(
-            self,
-            &format!("{}_swiglu", gemv_kernel(ty, shape.rows_per_block, act)),
-            cfg(grid, shape.threads, 0),
-            self.p(buf),
-            self.p(&x.buf),
-            0u64,
-            self.p(&y.buf),
-            width as i32,
-            *in_dim as i32,
-            x.rows as i32
-        );
+        let y = self.act(x.rows, rows / 2);
+        self.float_gemv(buf, *dtype, *rows, *in_dim, x, 0, &y, true);
         y
     }
 
@@ -1666,6 +1634,45 @@ impl CudaBackend {
             eps
         );
         out
+    }
+
+    /// y = x·wᵀ (+ bias) for a float `[rows, in_dim]` weight and at most
+    /// GEMV_MAX_ROWS activation rows. `swiglu`: the weight is a stacked
+    /// gate|up and y = silu(gate)·up, rows/2 wide (`gemv_*_swiglu`, blocks of
+    /// at least one gate row and its up row).
+    #[allow(clippy::too_many_arguments)]
+    fn float_gemv(
+        &self,
+        buf: &CudaSlice<u8>,
+        dtype: DType,
+        rows: usize,
+        in_dim: usize,
+        x: &CudaAct,
+        bias_ptr: u64,
+        y: &CudaAct,
+        swiglu: bool,
+    ) {
+        let (ty, vec) = float_format(dtype);
+        let act = if x.rows == 1 { 1 } else { GEMV_MAX_ROWS };
+        let mut shape = self.gemv_launch_shape(rows, in_dim, vec, act);
+        let (outputs, per_block, suffix) = if swiglu {
+            shape.rows_per_block = shape.rows_per_block.max(2);
+            (rows / 2, shape.rows_per_block / 2, "_swiglu")
+        } else {
+            (rows, shape.rows_per_block, "")
+        };
+        launch!(
+            self,
+            &format!("{}{suffix}", gemv_kernel(ty, shape.rows_per_block, act)),
+            cfg((outputs.div_ceil(per_block) as u32, 1, 1), shape.threads, 0),
+            self.p(buf),
+            self.p(&x.buf),
+            bias_ptr,
+            self.p(&y.buf),
+            outputs as i32,
+            in_dim as i32,
+            x.rows as i32
+        );
     }
 
     /// The depthwise conv + SiLU over the first `out.cols` columns of `x`
