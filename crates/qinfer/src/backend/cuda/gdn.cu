@@ -90,6 +90,31 @@ extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const f
     }
 }
 
+// One token of the gated delta rule for a lane's half of a state column
+// S[:, j] (`s`, rows i0..i0+HALF; `ks` and `qs` point at those rows of k and
+// q, scaled by `ik` and `iq` as they are read): decay, the delta against
+// what the state recalls for k, the rank-1 update, and the read-out by q.
+// The two lanes of a column add their halves with one shuffle; returns o_j.
+template <int HALF>
+__device__ __forceinline__ float gdn_step(float (&s)[HALF], const float* ks, const float* qs, float ik, float iq,
+                                          float v, float decay, float bt) {
+    float mem = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HALF; i++) {
+        s[i] *= decay;
+        mem += ks[i] * ik * s[i];
+    }
+    mem += __shfl_xor_sync(0xffffffffu, mem, 16);
+    float delta = (v - mem) * bt;
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HALF; i++) {
+        s[i] += ks[i] * ik * delta;
+        o += qs[i] * iq * s[i];
+    }
+    return o + __shfl_xor_sync(0xffffffffu, o, 16);
+}
+
 // The same recurrence with the state in registers, for key heads of DK = 128
 // (Qwen3-Next, Qwen3.5): one warp per (value head, 16 value columns), each
 // column split between two lanes (half of S[:, j] each, the halves' dot
@@ -116,21 +141,8 @@ __device__ void gdn_recurrent_held(const float* q, const float* k, const float* 
         __syncwarp();
         float decay = expf(g[(size_t)t * nv + h]);
         float bt = beta[(size_t)t * nv + h];
-        float mem = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HALF; i++) {
-            s[i] *= decay;
-            mem += ks[i0 + i] * s[i];
-        }
-        mem += __shfl_xor_sync(0xffffffffu, mem, 16);
-        float delta = ((ok ? v[((size_t)t * nv + h) * dv + j] : 0.0f) - mem) * bt;
-        float o = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HALF; i++) {
-            s[i] += ks[i0 + i] * delta;
-            o += qs[i0 + i] * s[i];
-        }
-        o += __shfl_xor_sync(0xffffffffu, o, 16);
+        float vj = ok ? v[((size_t)t * nv + h) * dv + j] : 0.0f;
+        float o = gdn_step<HALF>(s, ks + i0, qs + i0, 1.0f, 1.0f, vj, decay, bt);
         if (ok && lane < 16) out[((size_t)t * nv + h) * dv + j] = o;
         __syncwarp();
     }
@@ -209,22 +221,7 @@ __device__ void gdn_decode(const float* __restrict__ conv, const float* __restri
             }
         }
         __syncthreads();
-        float iq = scalars[0], ik = scalars[1], decay = scalars[2], bt = scalars[3];
-        float mem = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HALF; i++) {
-            s[i] *= decay;
-            mem += ks[i0 + i] * ik * s[i];
-        }
-        mem += __shfl_xor_sync(0xffffffffu, mem, 16);
-        float delta = (vj - mem) * bt;
-        float o = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HALF; i++) {
-            s[i] += ks[i0 + i] * ik * delta;
-            o += qs[i0 + i] * iq * s[i];
-        }
-        o += __shfl_xor_sync(0xffffffffu, o, 16);
+        float o = gdn_step<HALF>(s, ks + i0, qs + i0, scalars[1], scalars[0], vj, scalars[2], scalars[3]);
         // The gated RMSNorm over the head's dv outputs.
         bool mine = ok && lane < 16;
         float ss = warp_sum(mine ? o * o : 0.0f);

@@ -95,7 +95,7 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const 
             if (lane == 0) partial[warp][r * ACT + t] = v;
         }
     __syncthreads();
-    if (PAIRED) {
+    if constexpr (PAIRED) {
         constexpr int HALF = ROWS / 2;
         if (threadIdx.x < HALF * ACT) {
             int r = threadIdx.x / ACT, t = threadIdx.x % ACT, o = row0 + r;
