@@ -221,15 +221,46 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
             (64, 2048, 33, DType::BF16),
             (128, 1024, 9, DType::F32),
             (64, 4096, 40, DType::BF16),
+            (64, 2560, 22, DType::F32),
+            (128, 1280, 18, DType::BF16),
+            // More tiles of 16 rows than two blocks per SM: blocks loop over tiles.
+            (64, 512, 4500, DType::BF16),
         ] {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
-            for rows in [1, 5, 8, 9, 33] {
-                let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
+            // 1-4 rows: the 4-bit tensor-core GEMV; 5-8: the CUDA-core one.
+            for rows in [1, 2, 3, 4, 5, 8, 9, 33] {
+                let mut x = r.vec(rows * inp);
+                // Rows of very different magnitudes: the tensor-core kernel
+                // scales each row into f16's range by a power of two.
+                if rows == 3 {
+                    x[..inp].iter_mut().for_each(|v| *v *= 1e6);
+                    x[inp..2 * inp].iter_mut().for_each(|v| *v *= 1e-7);
+                }
+                let (xc, xg) = p.acts(rows, inp, &x);
                 let (yc, yg) = (p.cpu.linear(&xc, &wc, None), p.gpu.linear(&xg, &wg, None));
                 // The GEMM path multiplies bf16-rounded weights and activations.
                 let tol = if rows > 8 { 2e-2 } else { 1e-4 };
-                p.check(&format!("affine q{bits}g{group_size} {side:?} biases {rows}x{inp}->{out}"), &yc, &yg, tol);
+                let what = format!("affine q{bits}g{group_size} {side:?} biases {rows}x{inp}->{out}");
+                if rows == 3 {
+                    // Each row against its own scale.
+                    for row in 0..rows {
+                        let (c1, g1) = (p.cpu.to_host(&yc), p.gpu.to_host(&yg));
+                        let span = row * out..(row + 1) * out;
+                        let e = rel(&g1[span.clone()], &c1[span]);
+                        println!("{what} row {row}: rel err {e:.2e}");
+                        assert!(e <= tol, "{what} row {row}: rel err {e} > {tol}");
+                    }
+                } else {
+                    p.check(&what, &yc, &yg, tol);
+                }
+                // silu(gate)·up from the same weight as a stacked gate|up.
+                // (Not on the rows of 1e6 and 1e-7: the product's error is
+                // relative to the largest gate·up, not to each factor's.)
+                if out % 2 == 0 && rows <= 8 && rows != 3 {
+                    let (sc, sg) = (p.cpu.linear_swiglu(&xc, &wc), p.gpu.linear_swiglu(&xg, &wg));
+                    p.check(&format!("{what} swiglu"), &sc, &sg, tol);
+                }
             }
             let ids: Vec<u32> = (0..6).map(|i| (i * 7 % out) as u32).collect();
             let (ec, eg) = (p.cpu.embed(&wc, &ids).unwrap(), p.gpu.embed(&wg, &ids).unwrap());
@@ -768,6 +799,11 @@ fn profile_decode_ops_at_8b_shapes() {
                 time_replayed(b, &format!("gemv q{bits}g64 {kernel} {name} {rows}x{cols}"), bytes, 0, &mut || {
                     b.linear(&x, &w, None)
                 });
+                if name == "gate_up" {
+                    time_replayed(b, &format!("gemv q{bits}g64 {kernel} {name} swiglu"), bytes, 0, &mut || {
+                        b.linear_swiglu(&x, &w)
+                    });
+                }
             }
         }
     }

@@ -146,6 +146,46 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
                 .filter(|f| AFFINE_ROWS_FORMATS.iter().any(|a| f.starts_with(a)))
                 .map(|f| format!("gemv_{f}_rows")),
         )
+        .chain(affine_mma_kernels())
+}
+
+/// Affine formats with the tensor-core decode GEMV (affine_mma.cu): 4-bit
+/// levels, groups of 64 or 128; kernels `gemv_{format}_mma_g{group}` and
+/// their `_swiglu` forms.
+const AFFINE_MMA_FORMATS: &[&str] = &["affine4", "affine4_bf16"];
+const AFFINE_MMA_GROUPS: &[usize] = &[64, 128];
+
+fn affine_mma_kernels() -> impl Iterator<Item = String> {
+    AFFINE_MMA_FORMATS.iter().flat_map(|f| {
+        AFFINE_MMA_GROUPS.iter().flat_map(move |g| [format!("gemv_{f}_mma_g{g}"), format!("gemv_{f}_mma_g{g}_swiglu")])
+    })
+}
+
+/// Activation rows the tensor-core affine GEMV takes (`AMMA_MAX_ACT`).
+const AFFINE_MMA_MAX_ACT: usize = 4;
+
+/// Dynamic shared memory the tensor-core affine GEMV may use.
+const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
+/// At most this much, two of its blocks fit on an SM (228 KiB, less 1 KiB
+/// reserved and 4 KiB static per block).
+const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
+
+/// Shared memory of a tensor-core affine GEMV launch, None when the kernel
+/// does not apply: per warp (8) a ring of 3 stages, each 16 rows of 160
+/// bytes of levels plus their scales and biases for 256 columns; then each
+/// activation row staged as hi and lo f16 values (4 bytes per column) and 16
+/// bytes of sums per 64 columns.
+fn affine_mma_shared(w: &AffineWeight, act_rows: usize) -> Option<usize> {
+    let group = w.params.group_size;
+    let side = if w.bf16_scales { 2 } else { 4 } * 256 / group.max(1);
+    let stage = 16 * 160 + 2 * 16 * side;
+    let shared = 8 * 3 * stage + act_rows * (4 * w.cols + w.cols / 64 * 16);
+    let applies = w.params.bits == 4
+        && AFFINE_MMA_GROUPS.contains(&group)
+        && w.cols % 256 == 0
+        && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
+        && shared <= AFFINE_MMA_MAX_SHARED;
+    applies.then_some(shared)
 }
 
 /// Word-aligned affine formats, which have `gemv_{format}_rows` kernels.
@@ -236,6 +276,9 @@ pub struct CudaBackend {
     replays: Arc<AtomicUsize>,
     /// Keys the attention kernel's shared memory holds.
     max_attention_keys: usize,
+    /// Streaming multiprocessors: grid size of the kernels that loop over
+    /// their work (the tensor-core affine GEMV).
+    sm_count: usize,
     /// RoPE inverse frequencies on the device, by their bits: uploaded once,
     /// not on every call (a host-to-device copy would stall the stream).
     rope_tables: Mutex<HashMap<Vec<u32>, CudaSlice<f32>>>,
@@ -359,6 +402,17 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention shared memory", &e))?;
+        for name in affine_mma_kernels() {
+            kernels[&name]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    AFFINE_MMA_MAX_SHARED as i32,
+                )
+                .map_err(|e| err("affine GEMV shared memory", &e))?;
+        }
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("multiprocessor count", &e))? as usize;
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
         for hd in [64, 128, 256] {
             kernels[&format!("flash_prefill{hd}")]
@@ -385,6 +439,7 @@ impl CudaBackend {
             gemv_shape: None,
             replays: Arc::new(AtomicUsize::new(0)),
             max_attention_keys: (max_shared as usize - 1024) / 4,
+            sm_count,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
             step,
@@ -751,6 +806,14 @@ impl CudaBackend {
             (w.cols as i32).into(),
             (w.params.group_size as i32).into(),
         ];
+        // 4-bit levels, up to four tokens: the tensor-core kernel.
+        if let Some(shared) = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none()) {
+            args[8] = (x.rows as i32).into();
+            let grid = (self.affine_mma_grid(w.rows.div_ceil(16), shared), 1, 1);
+            let kernel = format!("gemv_{}_mma_g{}", w.format(), w.params.group_size);
+            self.launch_args(&kernel, cfg(grid, 256, shared as u32), &args);
+            return;
+        }
         if x.rows == 1 && aligned && (128..=512).contains(&chunks) && self.gemv_shape.is_none() {
             let threads = (chunks.div_ceil(2).div_ceil(32) * 32) as u32;
             let grid = (w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1);
@@ -763,6 +826,38 @@ impl CudaBackend {
         // The block-per-rows kernels take the activation rows too.
         args.push((x.rows as i32).into());
         self.launch_args(&gemv_kernel(&w.format(), shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
+    }
+
+    /// Blocks of a tensor-core affine GEMV: as many as fit on the device at
+    /// once (each stages x once and loops over tiles of 16 rows), at most one
+    /// per tile.
+    fn affine_mma_grid(&self, tiles: usize, shared: usize) -> u32 {
+        let per_sm = if shared <= AFFINE_MMA_TWO_PER_SM { 2 } else { 1 };
+        tiles.min(per_sm * self.sm_count) as u32
+    }
+
+    /// silu(gate)·up from a stacked affine gate|up weight in the tensor-core
+    /// GEMV's epilogue; None where that kernel does not apply.
+    fn affine_swiglu(&self, x: &CudaAct, w: &AffineWeight) -> Option<CudaAct> {
+        let shared = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none())?;
+        if w.rows % 2 != 0 || x.cols != w.cols {
+            return None;
+        }
+        let y = self.act(x.rows, w.rows / 2);
+        let args: Vec<Arg> = vec![
+            self.p(&w.packed).into(),
+            self.p(&w.scales).into(),
+            self.p(&w.biases).into(),
+            self.p(&x.buf).into(),
+            self.p(&y.buf).into(),
+            (w.rows as i32).into(),
+            (w.cols as i32).into(),
+            (x.rows as i32).into(),
+        ];
+        let grid = (self.affine_mma_grid((w.rows / 2).div_ceil(8), shared), 1, 1);
+        let kernel = format!("gemv_{}_mma_g{}_swiglu", w.format(), w.params.group_size);
+        self.launch_args(&kernel, cfg(grid, 256, shared as u32), &args);
+        Some(y)
     }
 
     /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one
@@ -1161,6 +1256,11 @@ impl Backend for CudaBackend {
         // rows and the matching up rows (`gemv_*_swiglu`): no [T, 2·width]
         // intermediate and one launch fewer. Otherwise the two steps.
         let CudaWeight::Matrix { dtype, rows, cols: in_dim, buf } = gate_up else {
+            if let CudaWeight::Affine(w) = gate_up
+                && let Some(y) = self.affine_swiglu(x, w)
+            {
+                return y;
+            }
             return self.swiglu(&self.linear(x, gate_up, None));
         };
         if x.rows > GEMV_MAX_ROWS || x.cols != *in_dim || rows % 2 != 0 {
