@@ -182,7 +182,7 @@ fn affine_mma_shared(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let shared = 8 * 3 * stage + act_rows * (4 * w.cols + w.cols / 64 * 16);
     let applies = w.params.bits == 4
         && AFFINE_MMA_GROUPS.contains(&group)
-        && w.cols % 256 == 0
+        && w.cols.is_multiple_of(256)
         && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
         && shared <= AFFINE_MMA_MAX_SHARED;
     applies.then_some(shared)
@@ -840,7 +840,7 @@ impl CudaBackend {
     /// GEMV's epilogue; None where that kernel does not apply.
     fn affine_swiglu(&self, x: &CudaAct, w: &AffineWeight) -> Option<CudaAct> {
         let shared = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none())?;
-        if w.rows % 2 != 0 || x.cols != w.cols {
+        if !w.rows.is_multiple_of(2) || x.cols != w.cols {
             return None;
         }
         let y = self.act(x.rows, w.rows / 2);
