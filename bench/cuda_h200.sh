@@ -61,5 +61,5 @@ for spec in "${@:-qwen3-0.6b:bf16}"; do
   echo "== $cfg $dtype depth 8192: rc $?"
 done
 python3 bench/cuda_summary.py "$OUT/runs" "$@" > "$OUT/cuda-h200.json"
-cat "$OUT/cuda-h200.json" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(k, v) for k, v in d['models'].items()]"
+cat "$OUT/cuda-h200.json" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(k, v) for k, v in d['models'].items()]; print('hybrid_vs_dense', d['hybrid_vs_dense'])"
 tar -czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"

@@ -2,7 +2,9 @@
 decode and prefill rates, and the decode roofline (bytes that must be read per
 decoded token ÷ the measured device-to-device bandwidth), and the prefill
 ratio at 8192 tokens (model FLOPs per token × tokens/s ÷ the cuBLAS bf16 GEMM
-rate measured in the same run).
+rate measured in the same run). For each hybrid (Gated DeltaNet) model, its
+time per token against dense models' of the same dtype, per byte read
+(`hybrid_vs_dense`), the dense model closest in bytes per token named first.
 
 Bytes per token count every matrix a decode step reads, as qinfer stores it on
 the GPU: bf16 2 bytes per value; affine q<b>g<G> b/8 bytes per value plus f32
@@ -98,7 +100,7 @@ def main() -> None:
     bw = json.loads((runs / "bandwidth.json").read_text())
     gbps = bw["GBps"]
     cublas = json.loads((runs / "cublas.json").read_text()) if (runs / "cublas.json").exists() else None
-    models = {}
+    models, kinds = {}, {}
     for f in sorted(runs.glob("*-d0.json")):
         name = f.name[: -len("-d0.json")]
         cfg_name, dtype = name.rsplit("-", 1)
@@ -123,6 +125,28 @@ def main() -> None:
             row["pp8192_tflops"] = round(row["pp8192"] * f / 1e12, 1)
             row["pp8192_cublas_ratio"] = round(row["pp8192"] * f / 1e12 / cublas["tflops"], 3)
         models[f"{cfg_name} {dtype}"] = row
+        kinds[f"{cfg_name} {dtype}"] = (cfg, dtype)
+    hybrid_vs_dense = {}
+    for name, (cfg, dtype) in kinds.items():
+        if "linear_attention" not in layer_kinds(cfg) or "tg128" not in models[name]:
+            continue
+        dense = [
+            d for d, (c, t) in kinds.items()
+            if t == dtype and set(layer_kinds(c)) == {"full_attention"} and not c.get("num_experts")
+            and "tg128" in models[d]
+        ]
+        h = models[name]
+        by_bytes = sorted(dense, key=lambda d: abs(models[d]["bytes_per_token"] - h["bytes_per_token"]))
+        # Seconds per byte of the hybrid ÷ the dense model's, at context 128.
+        hybrid_vs_dense[name] = {
+            d: {
+                "dense_bytes_per_token": models[d]["bytes_per_token"],
+                "time_per_byte_ratio": round(
+                    models[d]["tg128"] * models[d]["bytes_per_token"] / (h["tg128"] * h["bytes_per_token"]), 3
+                ),
+            }
+            for d in by_bytes
+        }
     # The device's copy of the tree may carry a stale .git: the caller names the commit.
     commit = os.environ.get("QINFER_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -136,6 +160,7 @@ def main() -> None:
         "cublas_bf16_tflops": cublas,
         "cuda_tests": (runs / "tests_rc.txt").read_text().strip(),
         "models": models,
+        "hybrid_vs_dense": hybrid_vs_dense,
     }, indent=1))
 
 

@@ -257,9 +257,21 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
                 // silu(gate)·up from the same weight as a stacked gate|up.
                 // (Not on the rows of 1e6 and 1e-7: the product's error is
                 // relative to the largest gate·up, not to each factor's.)
+                // The GEMV's error, relative to its largest output, carries into
+                // silu(gate)·up relative to max|gate|·max|up| (at most twice).
                 if out % 2 == 0 && rows <= 8 && rows != 3 {
                     let (sc, sg) = (p.cpu.linear_swiglu(&xc, &wc), p.gpu.linear_swiglu(&xg, &wg));
-                    p.check(&format!("{what} swiglu"), &sc, &sg, tol);
+                    let (want, got, lin) = (p.cpu.to_host(&sc), p.gpu.to_host(&sg), p.cpu.to_host(&yc));
+                    let width = out / 2;
+                    let max_of = |half: usize| {
+                        lin.chunks(out)
+                            .flat_map(|r| &r[half * width..(half + 1) * width])
+                            .fold(0f32, |m, v| m.max(v.abs()))
+                    };
+                    let scale = (max_of(0) * max_of(1)).max(1e-12);
+                    let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    println!("{what} swiglu: err / (max|gate|·max|up|) {e:.2e}");
+                    assert!(got.iter().all(|v| v.is_finite()) && e <= 2.0 * tol, "{what} swiglu: {e} > 2·{tol}");
                 }
             }
             let ids: Vec<u32> = (0..6).map(|i| (i * 7 % out) as u32).collect();

@@ -2,39 +2,40 @@
 // 4-bit affine decode GEMV on the tensor cores (1 to 4 activation rows).
 //
 // Why: a CUDA-core GEMV spends three instructions per 4-bit weight (mask,
-// convert, FMA), which caps it near half of HBM speed. Here a weight costs
-// 5/8 of an instruction to become an f16 operand, and mma.m16n8k16 does the
-// multiply-adds, 256 weights per warp instruction.
+// convert, FMA), which caps it near half of HBM speed. Here a weight costs a
+// quarter of an instruction to become an integer MMA operand, and
+// mma.m16n8k32 (u8 levels × s8 activations, s32 sums) does the multiply-adds,
+// 512 per warp instruction, exactly.
 //
-// Levels: a u32 word holds levels n0..n7 (n_i at bits 4i). One LOP3 per two
-// levels makes an f16 pair without shifting them down:
-//   (w & 0x000F000F) | 0x64006400   = (1024 + n0,      1024 + n4)
-//   (w & 0x00F000F0) | 0x64006400   = (1024 + 16·n1,   1024 + 16·n5)
-// and the same on w >> 8 for n2, n6 and 16·n3, 16·n7. All are exact in f16.
-// The 16 on odd levels is undone by staging the odd columns' x divided by 16
-// (a power of two: exact), and the 1024 by subtracting 1024·Σx per group.
+// Levels: a u32 word holds levels n0..n7 (n_i at bits 4i). One LOP3 makes
+// four u8 operands without shifting: w & 0x0F0F0F0F holds n0 n2 n4 n6, and
+// w & 0xF0F0F0F0 holds 16·n1 16·n3 16·n5 16·n7. The odd levels' MMA runs
+// first; its sums, multiples of 16, are shifted down exactly and accumulate
+// the even levels' MMA.
 //
-// x precision: each activation is staged as two f16 values, hi = f16(x) and
-// lo = f16(x − hi), carried as two columns of the MMA's B operand (the
-// products of x to ~2^−22; the accumulation is f32). Before that, each unit
-// of 64 values is scaled by a power of two that puts its largest |x| just
-// under 2^15, so no value overflows f16; its sum is scaled back exactly.
+// Activations: each unit of 64 values of x is scaled to put its largest |x|
+// just under 32512 and rounded to an integer xi, split into a high and a low
+// signed byte (xi = 256·hi + lo). The two digits are two columns of the MMA's
+// B operand, so Σ q·xi is exact in s32. Rounding x to 1/32512 of its unit's
+// largest value is the only error (bf16 activations, as the reference models
+// carry them, keep 8 bits of each value).
 //
-// Layout: a block computes 16 rows (8 warps splitting the row's length; an
-// m16 tile per warp). Each warp streams its share of the 16 rows into a ring
-// of shared-memory stages with cp.async, 4 units of 64 columns (128 bytes a
-// row) per stage, so each copy instruction reads whole 128-byte lines: loaded
-// straight into fragments, 16 rows a warp instruction touched 8 lines per
-// 256 bytes and measured at 1.0 TB/s. From a stage, lane (g = lane/4,
-// c = lane%4) takes 8 bytes (16 levels) of rows g and g+8 per unit: columns
-// 16c..16c+15 of that unit. The dot
-// product does not care in which order k is summed, so MMA step j of a unit
-// takes from each lane the levels its A fragment slots need (word j/2, pairs
-// (n0,n4),(n1,n5) for even j and (n2,n6),(n3,n7) for odd j), and x is staged
-// in shared memory in that same order: each 8 columns as x0 x4 x1 x5 x2 x6 x3 x7.
+// Layout: blocks (as many as fit on the device) loop over tiles of 16 rows;
+// their 8 warps split a row's length, an m16 tile per warp, and each warp
+// stages once the part of x it multiplies. Each warp streams its share of a
+// tile into a ring of shared-memory stages with cp.async, 4 units of 64
+// columns (128 bytes a row) per stage, so each copy instruction reads whole
+// 128-byte lines (loaded straight into fragments, 16 rows a warp instruction
+// touched 8 lines per 256 bytes and measured 1.0 TB/s). From a stage, lane
+// (g = lane/4, c = lane%4) takes 8 bytes (16 levels) of rows g and g+8 per
+// unit: columns 16c..16c+15 of that unit. The dot product does not care in
+// which order k is summed, so the even and odd levels of those words fill
+// the lane's A fragment slots as they lie, and x is staged in that same order:
+// per 16 columns, the even columns of the first 8, of the next 8, then the
+// odd columns of each.
 // A unit of 64 columns lies in one scale group (group sizes that are
 // multiples of 64), so the group's scale and bias apply to the unit's sum:
-// Σ(s·q + b)·x = s·(D − 1024·Σx̃) + b·Σx, D the MMA's sum, x̃ the staged values.
+// Σ(s·q + b)·x = (s·Σq·xi + b·Σxi)/scale.
 // Scales and biases travel with the levels (cp.async too); this needs rows
 // whose length is a multiple of 256 and groups of 64 or 128.
 //
@@ -44,9 +45,14 @@
 #define AMMA_WARPS 8
 #define AMMA_STAGES 3
 #define AMMA_MAX_ACT 4
-// Row pitch of a stage in shared memory: 4 units of 32 bytes and 32 bytes of
-// padding, so the 8-byte fragment reads of 4 rows at a time hit 32 banks.
-#define AMMA_PITCH 160
+// A stage row is 4 units of 32 bytes (128), its 16-byte chunks swizzled:
+// chunk k of row r sits at k ^ 2·(r & 3), so the 8-byte fragment reads of
+// 4 rows at a time (a half-warp) hit 32 different banks.
+#define AMMA_PITCH 128
+
+__device__ __forceinline__ int amma_swizzle(int row, int byte) {
+    return row * AMMA_PITCH + ((((byte >> 4) ^ (2 * (row & 3))) << 4) | (byte & 15));
+}
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -62,26 +68,14 @@ __device__ __forceinline__ void amma_cp(void* dst, const void* src, bool valid) 
                      "n"(BYTES), "r"(valid ? BYTES : 0));
 }
 
-// (a & b) | c in one LOP3 (the compiler splits it when b and c are both
-// immediates: a LOP3 takes one).
-__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// The f16 pairs of one word's levels, in MMA step order (see above).
-__device__ __forceinline__ void amma_levels(unsigned w, unsigned (&p)[4], unsigned lo_mask, unsigned hi_mask,
-                                            unsigned magic) {
-    unsigned h = w >> 8;
-    p[0] = and_or(w, lo_mask, magic);
-    p[1] = and_or(w, hi_mask, magic);
-    p[2] = and_or(h, lo_mask, magic);
-    p[3] = and_or(h, hi_mask, magic);
-}
-
-__device__ __forceinline__ unsigned pack_half2(__half lo, __half hi) {
-    return (unsigned)__half_as_ushort(lo) | ((unsigned)__half_as_ushort(hi) << 16);
+// d += a·b: a 16×32 u8 A fragment, a 32×8 s8 B fragment, s32 sums.
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One stage: 16 rows of 4 units' levels, then their scales and biases
@@ -94,19 +88,20 @@ struct alignas(16) AmmaStage {
     unsigned char biases[16 * SIDE];
 };
 
-// Stages n_act activation rows of x into shared memory: hi and lo f16 rows in
-// MMA order, each unit scaled by its own power of two, and per unit
-// (1024·Σx̃, Σx, 1/scale).
-__device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in_dim, int n_act, uint4* xs,
-                                             float4* stats) {
-    int blocks8 = in_dim / 8;
-    // Threads with consecutive ids take the 8 blocks of 8 columns of one
-    // unit, so a unit's max and sums are shuffle reductions over 8 lanes.
-    int total = n_act * blocks8, rounds = (total + blockDim.x - 1) / blockDim.x;
-    for (int r = 0; r < rounds; r++) {
-        int i = r * blockDim.x + threadIdx.x;
+// One warp stages units [beg, end) of n_act activation rows of x into shared
+// memory: per activation the high and then the low digit row (one byte per
+// column, in MMA order), and per unit (Σxi, 1/scale). Each warp reads only
+// the x it multiplies, so no block barrier stands before the first MMA.
+__device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in_dim, int n_act, int beg, int end,
+                                             unsigned char* xs, float2* stats) {
+    int lane = threadIdx.x & 31, units = in_dim / 64;
+    // Lanes 8j..8j+7 take the 8 blocks of 8 columns of one unit, so a unit's
+    // max and sum are shuffle reductions over 8 lanes.
+    int per_row = (end - beg) * 8, total = n_act * per_row;
+    for (int i0 = 0; i0 < total; i0 += 32) {
+        int i = i0 + lane;
         float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        int t = i / blocks8, b = i % blocks8;
+        int t = i / max(per_row, 1), b = beg * 8 + i % max(per_row, 1);
         if (i < total) {
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + b * 8);
             float4 v0 = xr[0], v1 = xr[1];
@@ -118,37 +113,47 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         int e = 0;
-        frexpf(m, &e);  // m < 2^e
+        frexpf(m, &e);  // m < 2^e, so |x|·sc < (1 − 2^−7)·2^15 = 32512: the high digit fits a signed byte
         // Units of zeros or with an infinity keep scale 1 (inf/NaN propagate
-        // as in the reference); the shift stays a normal float either way.
-        int shift = (m > 0.0f && m <= 3.0e38f) ? max(-126, min(126, 15 - e)) : 0;
-        float sc = ldexpf(1.0f, shift);
-        float off = 0.0f, sum = 0.0f;
-        __half hi[8], lo[8];
+        // through the sum as in the reference); the shift stays a normal float.
+        bool finite = m <= 3.0e38f;
+        int shift = (m > 0.0f && finite) ? max(-126, min(126, 15 - e)) : 0;
+        float sc = ldexpf(shift == 0 ? 1.0f : 0.9921875f, shift);
+        int sum = 0;
+        float poison = 0.0f;  // NaN when the unit holds an inf or a NaN
+        unsigned hi_even = 0, hi_odd = 0, lo_even = 0, lo_odd = 0;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            float f = v[k] * sc * ((k & 1) ? 0.0625f : 1.0f);
-            hi[k] = __float2half_rn(f);
-            lo[k] = __float2half_rn(f - __half2float(hi[k]));
-            float staged = __half2float(hi[k]) + __half2float(lo[k]);
-            off += staged;
-            sum += (k & 1) ? 16.0f * staged : staged;
+            int xi = __float2int_rn(v[k] * sc);
+            int hi = (xi + 128) >> 8, lo = xi - hi * 256;
+            sum += xi;
+            poison += v[k] * 0.0f;
+            unsigned hb = (unsigned)hi & 0xFFu, lb = (unsigned)lo & 0xFFu;
+            if (k & 1) {
+                hi_odd |= hb << (8 * (k >> 1));
+                lo_odd |= lb << (8 * (k >> 1));
+            } else {
+                hi_even |= hb << (8 * (k >> 1));
+                lo_even |= lb << (8 * (k >> 1));
+            }
         }
         if (i < total) {
-            uint4* dst = xs + (size_t)t * 2 * blocks8 + b;
-            dst[0] = make_uint4(pack_half2(hi[0], hi[4]), pack_half2(hi[1], hi[5]), pack_half2(hi[2], hi[6]),
-                                pack_half2(hi[3], hi[7]));
-            dst[blocks8] = make_uint4(pack_half2(lo[0], lo[4]), pack_half2(lo[1], lo[5]), pack_half2(lo[2], lo[6]),
-                                      pack_half2(lo[3], lo[7]));
+            // Block b is the first or second 8 columns of 16-column slice b/2.
+            unsigned char* slice = xs + (size_t)t * 2 * in_dim + (b >> 1) * 16 + (b & 1) * 4;
+            *reinterpret_cast<unsigned*>(slice) = hi_even;
+            *reinterpret_cast<unsigned*>(slice + 8) = hi_odd;
+            *reinterpret_cast<unsigned*>(slice + in_dim) = lo_even;
+            *reinterpret_cast<unsigned*>(slice + in_dim + 8) = lo_odd;
         }
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) {
-            off += __shfl_xor_sync(0xffffffffu, off, o);
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            poison += __shfl_xor_sync(0xffffffffu, poison, o);
         }
-        if (i < total && (i & 7) == 0)
-            stats[t * (in_dim / 64) + b / 8] = make_float4(1024.0f * off, sum, ldexpf(1.0f, -shift), 0.0f);
+        // A non-finite unit's Σxi carries a NaN into its products' sums.
+        if (i < total && (i & 7) == 0) stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
     }
+    __syncwarp();
 }
 
 template <typename S, int GROUP, bool PAIRED>
@@ -161,12 +166,12 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
     constexpr int PER_STAGE = 4 * 64 / GROUP;  // scale groups per stage and row
     extern __shared__ uint4 amma_shared[];
     __shared__ float partial[2][AMMA_WARPS][16][AMMA_MAX_ACT];
-    __shared__ uint4 zeros[2];
-    int units = in_dim / 64, blocks8 = in_dim / 8, groups = in_dim / GROUP;
+    __shared__ uint4 zeros[AMMA_WARPS];
+    int units = in_dim / 64, groups = in_dim / GROUP;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     Stage* ring = reinterpret_cast<Stage*>(amma_shared) + warp * AMMA_STAGES;
-    uint4* xs = reinterpret_cast<uint4*>(reinterpret_cast<Stage*>(amma_shared) + AMMA_WARPS * AMMA_STAGES);
-    float4* stats = reinterpret_cast<float4*>(xs + (size_t)n_act * 2 * blocks8);  // [n_act][units]
+    unsigned char* xs = reinterpret_cast<unsigned char*>(reinterpret_cast<Stage*>(amma_shared) + AMMA_WARPS * AMMA_STAGES);
+    float2* stats = reinterpret_cast<float2*>(xs + (size_t)n_act * 2 * in_dim);  // [n_act][units]
     int width = PAIRED ? out_dim / 2 : out_dim;
     int tiles = PAIRED ? (width + 7) / 8 : (out_dim + 15) / 16;
     // The weight row behind row `r` of tile `tile` (clamped: copies stay in bounds).
@@ -197,7 +202,7 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int r = 4 * i + (lane >> 3);
-                amma_cp<16>(st.levels + r * AMMA_PITCH + (lane & 7) * 16,
+                amma_cp<16>(st.levels + amma_swizzle(r, (lane & 7) * 16),
                             wbase + (size_t)tile_row(tile, r) * row_bytes + (size_t)u0 * 32 + (lane & 7) * 16, true);
             }
             unsigned char* side = (lane < 16 ? st.scales : st.biases) + (lane & 15) * SIDE;
@@ -209,16 +214,16 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
     // The first stages go out before x is staged: they do not depend on it.
 #pragma unroll
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
-    if (threadIdx.x < 2) zeros[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
-    amma_stage_x(x, in_dim, n_act, xs, stats);
-    __syncthreads();
-    // B operand rows of this lane: activation g/2, hi (even g) or lo; lanes
-    // past the activations read zeros (one broadcast address).
+    if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
+    amma_stage_x(x, in_dim, n_act, beg, end, xs, stats);
+    // B operand of this lane: activation g/2, its high (even g) or low digit;
+    // lanes past the activations read zeros (one broadcast address).
     bool b_live = (g >> 1) < n_act;
-    const uint4* xb = b_live ? xs + ((size_t)(g >> 1) * 2 + (g & 1)) * blocks8 + 2 * c : zeros;
-    int xb_stride = b_live ? 8 : 0;
-    const float4* st_x = stats + (size_t)min(c, n_act - 1) * units;  // this lane's C columns: activation c
-    unsigned lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u, magic = 0x64006400u;
+    const uint4* xb = b_live ? reinterpret_cast<const uint4*>(xs + ((g >> 1) * 2 + (g & 1)) * (size_t)in_dim) + c
+                             : zeros + warp;
+    int xb_stride = b_live ? 4 : 0;  // uint4 per unit
+    const float2* st_x = stats + (size_t)min(c, n_act - 1) * units;  // this lane's C columns: activation c
+    unsigned even = 0x0F0F0F0Fu, odd = 0xF0F0F0F0u;
     float acc_top = 0.0f, acc_bottom = 0.0f;
     for (int i = 0; i < my_tiles; i++) {
         for (int batch = 0; batch < batches; batch++) {
@@ -239,23 +244,20 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 int u = u0 + k;
-                uint2 top = *reinterpret_cast<const uint2*>(st.levels + g * AMMA_PITCH + k * 32 + 8 * c);
-                uint2 bottom = *reinterpret_cast<const uint2*>(st.levels + (g + 8) * AMMA_PITCH + k * 32 + 8 * c);
-                uint4 x0 = xb[(size_t)u * xb_stride], x1 = xb[(size_t)u * xb_stride + (b_live ? 1 : 0)];
-                unsigned pt0[4], pt1[4], pb0[4], pb1[4];
-                amma_levels(top.x, pt0, lo_mask, hi_mask, magic);
-                amma_levels(top.y, pt1, lo_mask, hi_mask, magic);
-                amma_levels(bottom.x, pb0, lo_mask, hi_mask, magic);
-                amma_levels(bottom.y, pb1, lo_mask, hi_mask, magic);
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                flash_mma(d, pt0[0], pb0[0], pt0[1], pb0[1], x0.x, x0.y);
-                flash_mma(d, pt0[2], pb0[2], pt0[3], pb0[3], x0.z, x0.w);
-                flash_mma(d, pt1[0], pb1[0], pt1[1], pb1[1], x1.x, x1.y);
-                flash_mma(d, pt1[2], pb1[2], pt1[3], pb1[3], x1.z, x1.w);
-                float4 s = st_x[u];
+                uint2 top = *reinterpret_cast<const uint2*>(st.levels + amma_swizzle(g, k * 32 + 8 * c));
+                uint2 bottom = *reinterpret_cast<const uint2*>(st.levels + amma_swizzle(g + 8, k * 32 + 8 * c));
+                uint4 xv = xb[(size_t)u * xb_stride];
+                int d[4] = {0, 0, 0, 0};
+                mma_u8s8(d, top.x & odd, bottom.x & odd, top.y & odd, bottom.y & odd, xv.z, xv.w);
+#pragma unroll
+                for (int j = 0; j < 4; j++) d[j] >>= 4;  // exact: odd levels were 16·q
+                mma_u8s8(d, top.x & even, bottom.x & even, top.y & even, bottom.y & even, xv.x, xv.y);
+                float2 s = st_x[u];
+                // Columns 2c and 2c+1 are activation c's high and low digit.
+                float dot_top = (float)(d[0] * 256 + d[1]), dot_bottom = (float)(d[2] * 256 + d[3]);
                 int gk = k * 64 / GROUP;
-                acc_top += s.z * (to_f32(sc_top[gk]) * ((d[0] + d[1]) - s.x) + to_f32(bi_top[gk]) * s.y);
-                acc_bottom += s.z * (to_f32(sc_bottom[gk]) * ((d[2] + d[3]) - s.x) + to_f32(bi_bottom[gk]) * s.y);
+                acc_top += s.y * (to_f32(sc_top[gk]) * dot_top + to_f32(bi_top[gk]) * s.x);
+                acc_bottom += s.y * (to_f32(sc_bottom[gk]) * dot_bottom + to_f32(bi_bottom[gk]) * s.x);
             }
             __syncwarp();  // the stage is refilled by a later issue
         }

@@ -171,15 +171,15 @@ const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 
 /// Shared memory of a tensor-core affine GEMV launch, None when the kernel
-/// does not apply: per warp (8) a ring of 3 stages, each 16 rows of 160
+/// does not apply: per warp (8) a ring of 3 stages, each 16 rows of 128
 /// bytes of levels plus their scales and biases for 256 columns; then each
-/// activation row staged as hi and lo f16 values (4 bytes per column) and 16
-/// bytes of sums per 64 columns.
+/// activation row staged as two signed bytes per column and 8 bytes per 64
+/// columns (its sum and scale).
 fn affine_mma_shared(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let group = w.params.group_size;
     let side = if w.bf16_scales { 2 } else { 4 } * 256 / group.max(1);
-    let stage = 16 * 160 + 2 * 16 * side;
-    let shared = 8 * 3 * stage + act_rows * (4 * w.cols + w.cols / 64 * 16);
+    let stage = 16 * 128 + 2 * 16 * side;
+    let shared = 8 * 3 * stage + act_rows * (2 * w.cols + w.cols / 64 * 8);
     let applies = w.params.bits == 4
         && AFFINE_MMA_GROUPS.contains(&group)
         && w.cols.is_multiple_of(256)
@@ -833,7 +833,10 @@ impl CudaBackend {
     /// per tile.
     fn affine_mma_grid(&self, tiles: usize, shared: usize) -> u32 {
         let per_sm = if shared <= AFFINE_MMA_TWO_PER_SM { 2 } else { 1 };
-        tiles.min(per_sm * self.sm_count) as u32
+        // Every block loops the same number of times: 384 tiles on 264 slots
+        // take two rounds either way, and 192 blocks stage x fewer times.
+        let rounds = tiles.div_ceil(per_sm * self.sm_count);
+        tiles.div_ceil(rounds) as u32
     }
 
     /// silu(gate)·up from a stacked affine gate|up weight in the tensor-core
