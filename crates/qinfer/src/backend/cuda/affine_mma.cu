@@ -54,20 +54,6 @@ __device__ __forceinline__ int amma_swizzle(int row, int byte) {
     return row * AMMA_PITCH + ((((byte >> 4) ^ (2 * (row & 3))) << 4) | (byte & 15));
 }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-template <int BYTES>
-__device__ __forceinline__ void amma_cp(void* dst, const void* src, bool valid) {
-    if constexpr (BYTES == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                     "r"(valid ? 16 : 0));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
-                     "n"(BYTES), "r"(valid ? BYTES : 0));
-}
-
 // d += a·b: a 16×32 u8 A fragment, a 32×8 s8 B fragment, s32 sums.
 __device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -202,12 +188,12 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int r = 4 * i + (lane >> 3);
-                amma_cp<16>(st.levels + amma_swizzle(r, (lane & 7) * 16),
+                cp_async<16>(st.levels + amma_swizzle(r, (lane & 7) * 16),
                             wbase + (size_t)tile_row(tile, r) * row_bytes + (size_t)u0 * 32 + (lane & 7) * 16, true);
             }
             unsigned char* side = (lane < 16 ? st.scales : st.biases) + (lane & 15) * SIDE;
             size_t first = (size_t)tile_row(tile, lane & 15) * groups + (size_t)u0 * 64 / GROUP;
-            amma_cp<SIDE>(side, side_base + first * sizeof(S), true);
+            cp_async<SIDE>(side, side_base + first * sizeof(S), true);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };

@@ -16,20 +16,16 @@
 
 #define FLASH_LOG2E 1.4426950408889634f
 
-__device__ __forceinline__ unsigned flash_smem(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void flash_ldmatrix(unsigned (&r)[4], const __half* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(flash_smem(p)));
+                 : "r"(smem_addr(p)));
 }
 
 __device__ __forceinline__ void flash_ldmatrix_trans(unsigned (&r)[4], const __half* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(flash_smem(p)));
+                 : "r"(smem_addr(p)));
 }
 
 // d += a·b for a 16×16 f16 A fragment and a 16×8 B fragment, f32 accumulate.
@@ -39,12 +35,6 @@ __device__ __forceinline__ void flash_mma(float (&d)[4], unsigned a0, unsigned a
                  "{%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// 16 bytes global → shared, zero-filled when `valid` is false.
-__device__ __forceinline__ void flash_cp16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(flash_smem(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ unsigned flash_pack(float lo, float hi) {
@@ -100,8 +90,8 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
             int i = threadIdx.x + u * THREADS, j = i / CHUNKS, c = i % CHUNKS, key = k0 + j;
             bool ok = key < k_end;
             size_t at = (size_t)(ok ? key : 0) * kv_dim + kvh * HD + c * 8;
-            flash_cp16(kd + j * LD + c * 8, keys + at, ok);
-            flash_cp16(vd + j * LD + c * 8, values + at, ok);
+            cp_async<16>(kd + j * LD + c * 8, keys + at, ok);
+            cp_async<16>(vd + j * LD + c * 8, values + at, ok);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
