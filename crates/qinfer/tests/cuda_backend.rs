@@ -228,7 +228,7 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
         ] {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
-            // 1-4 rows: the 4-bit tensor-core GEMV; 5-8: the CUDA-core one.
+            // 1-4 rows: the tensor-core GEMV (4 and 8 bits); 5-8: the CUDA-core one.
             for rows in [1, 2, 3, 4, 5, 8, 9, 33] {
                 let mut x = r.vec(rows * inp);
                 // Rows of very different magnitudes: the tensor-core kernel

@@ -45,13 +45,20 @@
 #define AMMA_WARPS 8
 #define AMMA_STAGES 3
 #define AMMA_MAX_ACT 4
-// A stage row is 4 units of 32 bytes (128), its 16-byte chunks swizzled:
-// chunk k of row r sits at k ^ 2·(r & 3), so the 8-byte fragment reads of
-// 4 rows at a time (a half-warp) hit 32 different banks.
+// A stage row is 128 bytes (4 units of 4-bit levels, 2 of 8-bit), its
+// 16-byte chunks swizzled so that the fragment reads hit different banks:
+// 8-byte reads of 4 rows at a time (4-bit: chunk k of row r at k ^ 2·(r & 3)),
+// 16-byte reads of 2 rows at a time (8-bit: k ^ 4·(r & 1)).
 #define AMMA_PITCH 128
 
+// 64-column units per stage.
+template <int BITS>
+__host__ __device__ constexpr int amma_units() { return BITS == 4 ? 4 : 2; }
+
+template <int BITS>
 __device__ __forceinline__ int amma_swizzle(int row, int byte) {
-    return row * AMMA_PITCH + ((((byte >> 4) ^ (2 * (row & 3))) << 4) | (byte & 15));
+    int flip = BITS == 4 ? 2 * (row & 3) : 4 * (row & 1);
+    return row * AMMA_PITCH + ((((byte >> 4) ^ flip) << 4) | (byte & 15));
 }
 
 // d += a·b: a 16×32 u8 A fragment, a 32×8 s8 B fragment, s32 sums.
@@ -64,11 +71,11 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One stage: 16 rows of 4 units' levels, then their scales and biases
-// (4·64/GROUP values of S per row each).
-template <typename S, int GROUP>
+// One stage: 16 rows of its units' levels, then their scales and biases
+// (units·64/GROUP values of S per row each).
+template <typename S, int GROUP, int BITS>
 struct alignas(16) AmmaStage {
-    static constexpr int SIDE = 4 * 64 / GROUP * sizeof(S);  // bytes per row of scales (or biases)
+    static constexpr int SIDE = amma_units<BITS>() * 64 / GROUP * sizeof(S);  // bytes per row of scales (or biases)
     unsigned char levels[16 * AMMA_PITCH];
     unsigned char scales[16 * SIDE];
     unsigned char biases[16 * SIDE];
@@ -76,8 +83,11 @@ struct alignas(16) AmmaStage {
 
 // One warp stages units [beg, end) of n_act activation rows of x into shared
 // memory: per activation the high and then the low digit row (one byte per
-// column, in MMA order), and per unit (Σxi, 1/scale). Each warp reads only
-// the x it multiplies, so no block barrier stands before the first MMA.
+// column, in MMA order: for 4-bit levels, per 16 columns the even columns of
+// the first 8, of the next 8, then the odd ones; for 8-bit, columns in
+// order), and per unit (Σxi, 1/scale). Each warp reads only the x it
+// multiplies, so no block barrier stands before the first MMA.
+template <int BITS>
 __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in_dim, int n_act, int beg, int end,
                                              unsigned char* xs, float2* stats) {
     int lane = threadIdx.x & 31, units = in_dim / 64;
@@ -125,11 +135,21 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in
         }
         if (i < total) {
             // Block b is the first or second 8 columns of 16-column slice b/2.
-            unsigned char* slice = xs + (size_t)t * 2 * in_dim + (b >> 1) * 16 + (b & 1) * 4;
-            *reinterpret_cast<unsigned*>(slice) = hi_even;
-            *reinterpret_cast<unsigned*>(slice + 8) = hi_odd;
-            *reinterpret_cast<unsigned*>(slice + in_dim) = lo_even;
-            *reinterpret_cast<unsigned*>(slice + in_dim + 8) = lo_odd;
+            unsigned char* slice = xs + (size_t)t * 2 * in_dim + (b >> 1) * 16;
+            if (BITS == 4) {
+                slice += (b & 1) * 4;
+                *reinterpret_cast<unsigned*>(slice) = hi_even;
+                *reinterpret_cast<unsigned*>(slice + 8) = hi_odd;
+                *reinterpret_cast<unsigned*>(slice + in_dim) = lo_even;
+                *reinterpret_cast<unsigned*>(slice + in_dim + 8) = lo_odd;
+            } else {
+                // Back in column order: bytes 0-3 hold columns 0-3.
+                slice += (b & 1) * 8;
+                *reinterpret_cast<uint2*>(slice) = make_uint2(__byte_perm(hi_even, hi_odd, 0x5140),
+                                                              __byte_perm(hi_even, hi_odd, 0x7362));
+                *reinterpret_cast<uint2*>(slice + in_dim) = make_uint2(__byte_perm(lo_even, lo_odd, 0x5140),
+                                                                       __byte_perm(lo_even, lo_odd, 0x7362));
+            }
         }
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) {
@@ -142,14 +162,16 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in
     __syncwarp();
 }
 
-template <typename S, int GROUP, bool PAIRED>
-__device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __restrict__ scales,
+template <typename S, int GROUP, int BITS, bool PAIRED>
+__device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restrict__ scales,
                                  const S* __restrict__ biases, const float* __restrict__ x,
                                  const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
                                  int n_act) {
-    using Stage = AmmaStage<S, GROUP>;
+    using Stage = AmmaStage<S, GROUP, BITS>;
     constexpr int SIDE = Stage::SIDE;
-    constexpr int PER_STAGE = 4 * 64 / GROUP;  // scale groups per stage and row
+    constexpr int UNITS = amma_units<BITS>();      // per stage
+    constexpr int UNIT_BYTES = 8 * BITS;           // of a row
+    constexpr int PER_STAGE = UNITS * 64 / GROUP;  // scale groups per stage and row
     extern __shared__ uint4 amma_shared[];
     __shared__ float partial[2][AMMA_WARPS][16][AMMA_MAX_ACT];
     __shared__ uint4 zeros[AMMA_WARPS];
@@ -168,14 +190,14 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
         }
         return min(tile * 16 + r, out_dim - 1);
     };
-    // Units [beg, end) of this warp in every tile, in whole stages of 4 (rows
-    // are a multiple of 256 values long).
-    int per_warp = ((units + AMMA_WARPS - 1) / AMMA_WARPS + 3) & ~3;
+    // Units [beg, end) of this warp in every tile, in whole stages (rows are
+    // a multiple of a stage's columns long).
+    int per_warp = ((units + AMMA_WARPS - 1) / AMMA_WARPS + UNITS - 1) / UNITS * UNITS;
     int beg = min(warp * per_warp, units), end = min(beg + per_warp, units);
-    int batches = (end - beg) / 4;
+    int batches = (end - beg) / UNITS;
     int my_tiles = ((int)blockIdx.x < tiles) ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     int steps = batches * my_tiles;  // this warp's stages, tile by tile
-    size_t row_bytes = (size_t)in_dim / 2;
+    size_t row_bytes = (size_t)in_dim * BITS / 8;
     const unsigned char* wbase = reinterpret_cast<const unsigned char*>(w);
     const unsigned char* side_base = reinterpret_cast<const unsigned char*>(lane < 16 ? scales : biases);
     // Stage `step`: 16-byte pieces of the levels (4 rows per instruction, 8
@@ -184,12 +206,13 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
         if (step < steps) {
             Stage& st = ring[step % AMMA_STAGES];
             int tile = (int)blockIdx.x + (step / batches) * (int)gridDim.x;
-            int u0 = beg + 4 * (step % batches);
+            int u0 = beg + UNITS * (step % batches);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int r = 4 * i + (lane >> 3);
-                cp_async<16>(st.levels + amma_swizzle(r, (lane & 7) * 16),
-                            wbase + (size_t)tile_row(tile, r) * row_bytes + (size_t)u0 * 32 + (lane & 7) * 16, true);
+                cp_async<16>(st.levels + amma_swizzle<BITS>(r, (lane & 7) * 16),
+                             wbase + (size_t)tile_row(tile, r) * row_bytes + (size_t)u0 * UNIT_BYTES + (lane & 7) * 16,
+                             true);
             }
             unsigned char* side = (lane < 16 ? st.scales : st.biases) + (lane & 15) * SIDE;
             size_t first = (size_t)tile_row(tile, lane & 15) * groups + (size_t)u0 * 64 / GROUP;
@@ -201,7 +224,7 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
 #pragma unroll
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
-    amma_stage_x(x, in_dim, n_act, beg, end, xs, stats);
+    amma_stage_x<BITS>(x, in_dim, n_act, beg, end, xs, stats);
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
     bool b_live = (g >> 1) < n_act;
@@ -218,7 +241,7 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
             asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 1));
             __syncwarp();
             const Stage& st = ring[step % AMMA_STAGES];
-            int u0 = beg + 4 * batch;
+            int u0 = beg + UNITS * batch;
             S sc_top[PER_STAGE], sc_bottom[PER_STAGE], bi_top[PER_STAGE], bi_bottom[PER_STAGE];
 #pragma unroll
             for (int k = 0; k < PER_STAGE; k++) {
@@ -228,16 +251,26 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
                 bi_bottom[k] = reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[k];
             }
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
+            for (int k = 0; k < UNITS; k++) {
                 int u = u0 + k;
-                uint2 top = *reinterpret_cast<const uint2*>(st.levels + amma_swizzle(g, k * 32 + 8 * c));
-                uint2 bottom = *reinterpret_cast<const uint2*>(st.levels + amma_swizzle(g + 8, k * 32 + 8 * c));
                 uint4 xv = xb[(size_t)u * xb_stride];
                 int d[4] = {0, 0, 0, 0};
-                mma_u8s8(d, top.x & odd, bottom.x & odd, top.y & odd, bottom.y & odd, xv.z, xv.w);
+                if constexpr (BITS == 4) {
+                    const unsigned char* lv = st.levels;
+                    uint2 top = *reinterpret_cast<const uint2*>(lv + amma_swizzle<BITS>(g, k * 32 + 8 * c));
+                    uint2 bottom = *reinterpret_cast<const uint2*>(lv + amma_swizzle<BITS>(g + 8, k * 32 + 8 * c));
+                    mma_u8s8(d, top.x & odd, bottom.x & odd, top.y & odd, bottom.y & odd, xv.z, xv.w);
 #pragma unroll
-                for (int j = 0; j < 4; j++) d[j] >>= 4;  // exact: odd levels were 16·q
-                mma_u8s8(d, top.x & even, bottom.x & even, top.y & even, bottom.y & even, xv.x, xv.y);
+                    for (int j = 0; j < 4; j++) d[j] >>= 4;  // exact: odd levels were 16·q
+                    mma_u8s8(d, top.x & even, bottom.x & even, top.y & even, bottom.y & even, xv.x, xv.y);
+                } else {
+                    // 8-bit levels are u8 operands as stored: columns 16c..16c+15.
+                    const unsigned char* lv = st.levels;
+                    uint4 top = *reinterpret_cast<const uint4*>(lv + amma_swizzle<BITS>(g, k * 64 + 16 * c));
+                    uint4 bottom = *reinterpret_cast<const uint4*>(lv + amma_swizzle<BITS>(g + 8, k * 64 + 16 * c));
+                    mma_u8s8(d, top.x, bottom.x, top.y, bottom.y, xv.x, xv.y);
+                    mma_u8s8(d, top.z, bottom.z, top.w, bottom.w, xv.z, xv.w);
+                }
                 float2 s = st_x[u];
                 // Columns 2c and 2c+1 are activation c's high and low digit.
                 float dot_top = (float)(d[0] * 256 + d[1]), dot_bottom = (float)(d[2] * 256 + d[3]);
@@ -276,20 +309,24 @@ __device__ void gemv_affine4_mma(const unsigned* __restrict__ w, const S* __rest
     }
 }
 
-// Per format and group size (64, 128): the GEMV and its silu(gate)·up form.
+// Per format, bit width and group size: the GEMV and its silu(gate)·up form.
 // Shared memory: the stages, then the staged x (Rust: `affine_mma_shared`).
-#define AFFINE_MMA(F, S, G)                                                                                        \
+// 8-bit levels take groups of 64 only: a stage's scales of a row must be at
+// least the 4 bytes a cp.async moves.
+#define AFFINE_MMA(F, S, B, G)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* b, float* y,  \
                             int o, int i, int n) {                                                                 \
-        gemv_affine4_mma<S, G, false>(w, s, bi, x, b, y, o, i, n);                                                 \
+        gemv_affine_mma<S, G, B, false>(w, s, bi, x, b, y, o, i, n);                                               \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G##_swiglu(const unsigned* w, const S* s, const S* bi, const float* x, float* y, int o,  \
                                      int i, int n) {                                                               \
-        gemv_affine4_mma<S, G, true>(w, s, bi, x, nullptr, y, o, i, n);                                            \
+        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nullptr, y, o, i, n);                                          \
     }
-AFFINE_MMA(affine4, float, 64)
-AFFINE_MMA(affine4, float, 128)
-AFFINE_MMA(affine4_bf16, __nv_bfloat16, 64)
-AFFINE_MMA(affine4_bf16, __nv_bfloat16, 128)
+AFFINE_MMA(affine4, float, 4, 64)
+AFFINE_MMA(affine4, float, 4, 128)
+AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 64)
+AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 128)
+AFFINE_MMA(affine8, float, 8, 64)
+AFFINE_MMA(affine8_bf16, __nv_bfloat16, 8, 64)

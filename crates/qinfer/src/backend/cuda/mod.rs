@@ -149,15 +149,14 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
         .chain(affine_mma_kernels())
 }
 
-/// Affine formats with the tensor-core decode GEMV (affine_mma.cu): 4-bit
-/// levels, groups of 64 or 128; kernels `gemv_{format}_mma_g{group}` and
-/// their `_swiglu` forms.
-const AFFINE_MMA_FORMATS: &[&str] = &["affine4", "affine4_bf16"];
-const AFFINE_MMA_GROUPS: &[usize] = &[64, 128];
+/// The tensor-core affine decode GEMVs (affine_mma.cu), `gemv_{format}_mma_g{group}`
+/// and their `_swiglu` forms: (format, bits, groups).
+const AFFINE_MMA_KERNELS: &[(&str, usize, &[usize])] =
+    &[("affine4", 4, &[64, 128]), ("affine4_bf16", 4, &[64, 128]), ("affine8", 8, &[64]), ("affine8_bf16", 8, &[64])];
 
 fn affine_mma_kernels() -> impl Iterator<Item = String> {
-    AFFINE_MMA_FORMATS.iter().flat_map(|f| {
-        AFFINE_MMA_GROUPS.iter().flat_map(move |g| [format!("gemv_{f}_mma_g{g}"), format!("gemv_{f}_mma_g{g}_swiglu")])
+    AFFINE_MMA_KERNELS.iter().flat_map(|(f, _, groups)| {
+        groups.iter().flat_map(move |g| [format!("gemv_{f}_mma_g{g}"), format!("gemv_{f}_mma_g{g}_swiglu")])
     })
 }
 
@@ -172,17 +171,21 @@ const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 
 /// Shared memory of a tensor-core affine GEMV launch, None when the kernel
 /// does not apply: per warp (8) a ring of 3 stages, each 16 rows of 128
-/// bytes of levels plus their scales and biases for 256 columns; then each
-/// activation row staged as two signed bytes per column and 8 bytes per 64
-/// columns (its sum and scale).
+/// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
+/// scales and biases; then each activation row staged as two signed bytes
+/// per column and 8 bytes per 64 columns (its sum and scale).
 fn affine_mma_shared(w: &AffineWeight, act_rows: usize) -> Option<usize> {
-    let group = w.params.group_size;
-    let side = if w.bf16_scales { 2 } else { 4 } * 256 / group.max(1);
+    let (bits, group) = (w.params.bits as usize, w.params.group_size);
+    let has_kernel =
+        AFFINE_MMA_KERNELS.iter().any(|(f, b, groups)| *f == w.format() && *b == bits && groups.contains(&group));
+    if !has_kernel {
+        return None;
+    }
+    let units = if bits == 4 { 4 } else { 2 };
+    let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
     let stage = 16 * 128 + 2 * 16 * side;
     let shared = 8 * 3 * stage + act_rows * (2 * w.cols + w.cols / 64 * 8);
-    let applies = w.params.bits == 4
-        && AFFINE_MMA_GROUPS.contains(&group)
-        && w.cols.is_multiple_of(256)
+    let applies = w.cols.is_multiple_of(units * 64)
         && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
         && shared <= AFFINE_MMA_MAX_SHARED;
     applies.then_some(shared)
@@ -806,7 +809,7 @@ impl CudaBackend {
             (w.cols as i32).into(),
             (w.params.group_size as i32).into(),
         ];
-        // 4-bit levels, up to four tokens: the tensor-core kernel.
+        // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
         if let Some(shared) = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none()) {
             args[8] = (x.rows as i32).into();
             let grid = (self.affine_mma_grid(w.rows.div_ceil(16), shared), 1, 1);
