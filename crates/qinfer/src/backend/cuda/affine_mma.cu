@@ -1,13 +1,13 @@
 // ---------------------------------------------------------------------------
-// 4-bit affine decode GEMV on the tensor cores (1 to 4 activation rows).
+// 4- and 8-bit affine decode GEMV on the tensor cores (1 to 4 activation rows).
 //
 // Why: a CUDA-core GEMV spends three instructions per 4-bit weight (mask,
-// convert, FMA), which caps it near half of HBM speed. Here a weight costs a
-// quarter of an instruction to become an integer MMA operand, and
-// mma.m16n8k32 (u8 levels × s8 activations, s32 sums) does the multiply-adds,
-// 512 per warp instruction, exactly.
+// convert, FMA), which caps it near half of HBM speed. Here a 4-bit weight
+// costs a quarter of an instruction to become an integer MMA operand (an
+// 8-bit one none), and mma.m16n8k32 (u8 levels × s8 activations, s32 sums)
+// does the multiply-adds, 512 per warp instruction, exactly.
 //
-// Levels: a u32 word holds levels n0..n7 (n_i at bits 4i). One LOP3 makes
+// 4-bit levels: a u32 word holds levels n0..n7 (n_i at bits 4i). One LOP3 makes
 // four u8 operands without shifting: w & 0x0F0F0F0F holds n0 n2 n4 n6, and
 // w & 0xF0F0F0F0 holds 16·n1 16·n3 16·n5 16·n7. The odd levels' MMA runs
 // first; its sums, multiples of 16, are shifted down exactly and accumulate
