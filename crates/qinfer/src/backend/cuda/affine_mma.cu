@@ -23,16 +23,17 @@
 // Layout: blocks (as many as fit on the device) loop over tiles of 16 rows;
 // their 8 warps split a row's length, an m16 tile per warp, and each warp
 // stages once the part of x it multiplies. Each warp streams its share of a
-// tile into a ring of shared-memory stages with cp.async, 4 units of 64
-// columns (128 bytes a row) per stage, so each copy instruction reads whole
-// 128-byte lines (loaded straight into fragments, 16 rows a warp instruction
-// touched 8 lines per 256 bytes and measured 1.0 TB/s). From a stage, lane
-// (g = lane/4, c = lane%4) takes 8 bytes (16 levels) of rows g and g+8 per
-// unit: columns 16c..16c+15 of that unit. The dot product does not care in
-// which order k is summed, so the even and odd levels of those words fill
-// the lane's A fragment slots as they lie, and x is staged in that same order:
-// per 16 columns, the even columns of the first 8, of the next 8, then the
-// odd columns of each.
+// tile into a ring of shared-memory stages with cp.async, 128 bytes a row
+// per stage (4 units of 64 columns at 4 bits, 2 at 8), so each copy
+// instruction reads whole 128-byte lines (loaded straight into fragments, 16
+// rows a warp instruction touched 8 lines per 256 bytes and measured
+// 1.0 TB/s). From a stage, lane (g = lane/4, c = lane%4) takes the 16 levels
+// of columns 16c..16c+15 of each unit for rows g and g+8 (8 bytes at 4 bits,
+// 16 at 8). The dot product does not care in which order k is summed, so the
+// levels fill the lane's A fragment slots as they lie (at 4 bits the even
+// levels of both words, then the odd ones), and x is staged in that same
+// order: at 4 bits, per 16 columns, the even columns of the first 8, of the
+// next 8, then the odd columns of each; at 8 bits, columns in order.
 // A unit of 64 columns lies in one scale group (group sizes that are
 // multiples of 64), so the group's scale and bias apply to the unit's sum:
 // Σ(s·q + b)·x = (s·Σq·xi + b·Σxi)/scale.
