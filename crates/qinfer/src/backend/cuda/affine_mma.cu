@@ -311,7 +311,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
 }
 
 // Per format, bit width and group size: the GEMV and its silu(gate)·up form.
-// Shared memory: the stages, then the staged x (Rust: `affine_mma_shared`).
+// Shared memory: the stages, then the staged x (Rust: `affine_mma_shared_size`).
 // 8-bit levels take groups of 64 only: a stage's scales of a row must be at
 // least the 4 bytes a cp.async moves.
 #define AFFINE_MMA(F, S, B, G)                                                                                     \

@@ -174,7 +174,7 @@ const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
 /// per column and 8 bytes per 64 columns (its sum and scale).
-fn affine_mma_shared(w: &AffineWeight, act_rows: usize) -> Option<usize> {
+fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let (bits, group) = (w.params.bits as usize, w.params.group_size);
     let has_kernel =
         AFFINE_MMA_KERNELS.iter().any(|(f, b, groups)| *f == w.format() && *b == bits && groups.contains(&group));
@@ -792,10 +792,11 @@ impl CudaBackend {
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
     fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
-        // One token with word-aligned levels: x stays in registers, two
-        // chunks per thread, from 64 to 256 threads. (Narrower rows do better
-        // with the block-per-rows kernel: Qwen3-0.6B q4g64 decoded at 829
-        // tok/s with its 3072-wide down projection here, 931 without.)
+        // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
+        if let Some(shared) = self.affine_mma_shared(w, x.rows) {
+            self.affine_mma(x, w, bias_ptr, y, false, shared);
+            return;
+        }
         let chunks = w.cols / 32;
         let aligned = 32 % w.params.bits == 0;
         let mut args: Vec<Arg> = vec![
@@ -809,14 +810,10 @@ impl CudaBackend {
             (w.cols as i32).into(),
             (w.params.group_size as i32).into(),
         ];
-        // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
-        if let Some(shared) = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none()) {
-            args[8] = (x.rows as i32).into();
-            let grid = (self.affine_mma_grid(w.rows.div_ceil(16), shared), 1, 1);
-            let kernel = format!("gemv_{}_mma_g{}", w.format(), w.params.group_size);
-            self.launch_args(&kernel, cfg(grid, 256, shared as u32), &args);
-            return;
-        }
+        // One token with word-aligned levels: x stays in registers, two
+        // chunks per thread, from 64 to 256 threads. (Narrower rows do better
+        // with the block-per-rows kernel: Qwen3-0.6B q4g64 decoded at 829
+        // tok/s with its 3072-wide down projection here, 931 without.)
         if x.rows == 1 && aligned && (128..=512).contains(&chunks) && self.gemv_shape.is_none() {
             let threads = (chunks.div_ceil(2).div_ceil(32) * 32) as u32;
             let grid = (w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1);
@@ -842,27 +839,38 @@ impl CudaBackend {
         tiles.div_ceil(rounds) as u32
     }
 
+    /// Shared memory of a tensor-core affine GEMV launch ([`affine_mma_shared_size`]),
+    /// None where it does not apply or a fixed GEMV shape is set (profiling
+    /// the CUDA-core kernels).
+    fn affine_mma_shared(&self, w: &AffineWeight, act_rows: usize) -> Option<usize> {
+        affine_mma_shared_size(w, act_rows).filter(|_| self.gemv_shape.is_none())
+    }
+
+    /// The tensor-core affine GEMV into `y`: x·wᵀ (+ bias), or with `swiglu`
+    /// silu(gate)·up of a stacked gate|up weight, rows/2 wide. A plain block
+    /// takes tiles of 16 rows, a swiglu block 8 gate rows and their up rows.
+    fn affine_mma(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &CudaAct, swiglu: bool, shared: usize) {
+        let mut args: Vec<Arg> =
+            vec![self.p(&w.packed).into(), self.p(&w.scales).into(), self.p(&w.biases).into(), self.p(&x.buf).into()];
+        if !swiglu {
+            args.push(bias_ptr.into());
+        }
+        args.extend([self.p(&y.buf).into(), (w.rows as i32).into(), (w.cols as i32).into(), (x.rows as i32).into()]);
+        let tiles = if swiglu { (w.rows / 2).div_ceil(8) } else { w.rows.div_ceil(16) };
+        let suffix = if swiglu { "_swiglu" } else { "" };
+        let kernel = format!("gemv_{}_mma_g{}{suffix}", w.format(), w.params.group_size);
+        self.launch_args(&kernel, cfg((self.affine_mma_grid(tiles, shared), 1, 1), 256, shared as u32), &args);
+    }
+
     /// silu(gate)·up from a stacked affine gate|up weight in the tensor-core
     /// GEMV's epilogue; None where that kernel does not apply.
     fn affine_swiglu(&self, x: &CudaAct, w: &AffineWeight) -> Option<CudaAct> {
-        let shared = affine_mma_shared(w, x.rows).filter(|_| self.gemv_shape.is_none())?;
+        let shared = self.affine_mma_shared(w, x.rows)?;
         if !w.rows.is_multiple_of(2) || x.cols != w.cols {
             return None;
         }
         let y = self.act(x.rows, w.rows / 2);
-        let args: Vec<Arg> = vec![
-            self.p(&w.packed).into(),
-            self.p(&w.scales).into(),
-            self.p(&w.biases).into(),
-            self.p(&x.buf).into(),
-            self.p(&y.buf).into(),
-            (w.rows as i32).into(),
-            (w.cols as i32).into(),
-            (x.rows as i32).into(),
-        ];
-        let grid = (self.affine_mma_grid((w.rows / 2).div_ceil(8), shared), 1, 1);
-        let kernel = format!("gemv_{}_mma_g{}_swiglu", w.format(), w.params.group_size);
-        self.launch_args(&kernel, cfg(grid, 256, shared as u32), &args);
+        self.affine_mma(x, w, 0, &y, true, shared);
         Some(y)
     }
 
