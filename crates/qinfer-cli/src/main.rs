@@ -18,6 +18,11 @@ struct Cli {
     /// CUDA graphs (debugging; same results, slower).
     #[arg(long, global = true)]
     no_cuda_graphs: bool,
+    /// Launch each CUDA kernel only once the one before it has finished,
+    /// instead of letting it be scheduled (and read weights) while that one
+    /// finishes (measuring the overlap; same results, slower).
+    #[arg(long, global = true)]
+    no_overlapped_launches: bool,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,
@@ -61,6 +66,13 @@ fn main() {
             std::process::exit(2);
         }),
         false => cli.device,
+    };
+    let device = match cli.no_overlapped_launches {
+        true => device.without_overlapped_launches().unwrap_or_else(|e| {
+            eprintln!("error: --no-overlapped-launches: {e}");
+            std::process::exit(2);
+        }),
+        false => device,
     };
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),

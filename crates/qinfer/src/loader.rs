@@ -25,10 +25,14 @@ use crate::{Error, Result};
 pub enum Device {
     Cpu,
     /// CUDA device by ordinal (builds with the `cuda` feature); `graphs`:
-    /// record decode steps as CUDA graphs and replay them (the default).
+    /// record decode steps as CUDA graphs and replay them (the default);
+    /// `overlap`: let each kernel be scheduled while the one before it
+    /// finishes (programmatic dependent launch, compute capability 9.0 and
+    /// later; the default).
     Cuda {
         ordinal: usize,
         graphs: bool,
+        overlap: bool,
     },
 }
 
@@ -37,8 +41,17 @@ impl Device {
     /// replaying recorded graphs (debugging; the results are the same).
     pub fn without_graphs(self) -> std::result::Result<Self, String> {
         match self {
-            Device::Cuda { ordinal, .. } => Ok(Device::Cuda { ordinal, graphs: false }),
+            Device::Cuda { ordinal, overlap, .. } => Ok(Device::Cuda { ordinal, graphs: false, overlap }),
             Device::Cpu => Err("turning CUDA graphs off needs a CUDA device (--device cuda[:N])".into()),
+        }
+    }
+
+    /// The same device, launching each kernel only once the one before it
+    /// has finished (measuring what the overlap gains; the results are the same).
+    pub fn without_overlapped_launches(self) -> std::result::Result<Self, String> {
+        match self {
+            Device::Cuda { ordinal, graphs, .. } => Ok(Device::Cuda { ordinal, graphs, overlap: false }),
+            Device::Cpu => Err("overlapped kernel launches are a CUDA option (--device cuda[:N])".into()),
         }
     }
 }
@@ -48,9 +61,9 @@ impl std::str::FromStr for Device {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda { ordinal: 0, graphs: true }),
+            "cuda" => Ok(Device::Cuda { ordinal: 0, graphs: true, overlap: true }),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Device::Cuda { ordinal: n, graphs: true }),
+                Some(Ok(n)) => Ok(Device::Cuda { ordinal: n, graphs: true, overlap: true }),
                 _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
             },
         }
@@ -78,9 +91,15 @@ fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Result<Box<dyn L
     match device {
         Device::Cpu => build(cfg, weights, CpuBackend::new()),
         #[cfg(feature = "cuda")]
-        Device::Cuda { ordinal, graphs } => {
-            let backend = crate::backend::cuda::CudaBackend::new(ordinal)?;
-            build(cfg, weights, if graphs { backend } else { backend.without_graphs() })
+        Device::Cuda { ordinal, graphs, overlap } => {
+            let mut backend = crate::backend::cuda::CudaBackend::new(ordinal)?;
+            if !graphs {
+                backend = backend.without_graphs();
+            }
+            if !overlap {
+                backend = backend.without_overlapped_launches();
+            }
+            build(cfg, weights, backend)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => {

@@ -562,7 +562,7 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
         let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         // Default precision (prefill activations rounded to bf16): reported, not asserted.
-        let fast = m.load(Device::Cuda { ordinal: 0, graphs: true }, false).unwrap();
+        let fast = m.load(Device::Cuda { ordinal: 0, graphs: true, overlap: true }, false).unwrap();
         let mut seq = fast.new_sequence(input.len());
         let d_fast = max_abs(&fast.forward(seq.as_mut(), &input, Logits::All).unwrap(), &want);
         // Split activations: the parity configuration.

@@ -221,9 +221,11 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    // The first stages go out before x is staged: they do not depend on it.
+    // The first stages go out before x is staged: they do not depend on it,
+    // nor on the kernel before this one (so they go out before the wait).
 #pragma unroll
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
+    grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     amma_stage_x<BITS>(x, in_dim, n_act, beg, end, xs, stats);
     // B operand of this lane: activation g/2, its high (even g) or low digit;

@@ -46,6 +46,7 @@ __device__ __forceinline__ unsigned flash_pack(float lo, float hi) {
 // values of each (a multiple of 4).
 extern "C" __global__ void kv_to_half(const float* __restrict__ k, const float* __restrict__ v, __half* kh,
                                       __half* vh, size_t n) {
+    grid_dependency_wait();
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += stride) {
         float4 a = reinterpret_cast<const float4*>(k)[i], b = reinterpret_cast<const float4*>(v)[i];
@@ -228,6 +229,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
     extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) flash_prefill##HD(                                 \
         const float* q, const __half* k, const __half* v, float* o, const int* step, int rows, int nh, int nkv,    \
         int window, float scale) {                                                                                 \
+        grid_dependency_wait();                                                                                    \
         flash_prefill<HD, BK, WARPS>(q, k, v, o, step, rows, nh, nkv, window, scale);                              \
     }
 FLASH_PREFILL(64, 64, 8)

@@ -27,6 +27,7 @@ __device__ void gdn_conv(const float* x, const T* w, float* window, float* out, 
 #define GDN_CONV(NAME, T)                                                                                          \
     extern "C" __global__ void NAME(const float* x, const T* w, float* win, float* out, int rows, int ch, int k,    \
                                     int stride) {                                                                  \
+        grid_dependency_wait();                                                                                    \
         gdn_conv(x, w, win, out, rows, ch, k, stride);                                                             \
     }
 GDN_CONV(gdn_conv_bf16, __nv_bfloat16)
@@ -36,6 +37,7 @@ GDN_CONV(gdn_conv_f32, float)
 // Per token: q, k L2-normalized per key head (q also ·1/√dk); g and β per value head.
 extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const float* b, const float* a_log,
                                        const float* dt_bias, float* g, float* beta, int nk, int nv, int dk) {
+    grid_dependency_wait();
     int t = blockIdx.x;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int hh = warp; hh < 2 * nk; hh += warps) {
@@ -61,6 +63,7 @@ extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const
 extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const float* v, const float* g,
                                          const float* beta, float* state, float* out, int rows, int nk, int nv, int dk,
                                          int dv, int tiled) {
+    grid_dependency_wait();
     int h = blockIdx.x, j = threadIdx.x;
     // Value head h reads key head h / (nv/nk) (transformers), or h % nk when
     // the value heads are stored tiled (Qwen3.5 GGUFs).
@@ -156,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_held128(const flo
                                                                      const float* g, const float* beta, float* state,
                                                                      float* out, int rows, int nk, int nv, int dk,
                                                                      int dv, int tiled) {
+    grid_dependency_wait();
     gdn_recurrent_held<128>(q, k, v, g, beta, state, out, rows, nk, nv, dv, tiled);
 }
 
@@ -246,6 +250,7 @@ extern "C" __global__ void __launch_bounds__(256)
     gdn_decode128(const float* conv, const float* mixed, int stride, int z_at, int b_at, int a_at, const float* a_log,
                   const float* dt_bias, const float* norm_w, float* state, float* out, int rows, int nk, int nv,
                   int dv, int tiled, float eps) {
+    grid_dependency_wait();
     gdn_decode<128>(conv, mixed, stride, z_at, b_at, a_at, a_log, dt_bias, norm_w, state, out, rows, nk, nv, dv,
                     tiled, eps);
 }

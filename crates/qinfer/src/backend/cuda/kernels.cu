@@ -6,6 +6,21 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// Programmatic dependent launch (sm_90 and later). Every kernel is launched
+// with programmatic stream serialization, so it may be scheduled while the
+// kernel before it in the stream is still running. Each kernel calls this
+// first: it blocks until that kernel has finished and its writes are visible
+// (so, transitively, every earlier one), and then lets the next kernel be
+// scheduled. What runs ahead of it is the launch itself and, where a kernel
+// does it (the affine GEMV), reading weights, which no kernel writes. Calling
+// it after the wait keeps at most one kernel waiting behind a running one.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
@@ -57,9 +72,18 @@ __device__ void embed(const T* table, const unsigned* ids, float* out, int cols)
     const T* row = table + (size_t)ids[blockIdx.x] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(size_t)blockIdx.x * cols + c] = to_f32(row[c]);
 }
-extern "C" __global__ void embed_bf16(const __nv_bfloat16* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
-extern "C" __global__ void embed_f16(const __half* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
-extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float* o, int c) { embed(t, ids, o, c); }
+extern "C" __global__ void embed_bf16(const __nv_bfloat16* t, const unsigned* ids, float* o, int c) {
+    grid_dependency_wait();
+    embed(t, ids, o, c);
+}
+extern "C" __global__ void embed_f16(const __half* t, const unsigned* ids, float* o, int c) {
+    grid_dependency_wait();
+    embed(t, ids, o, c);
+}
+extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float* o, int c) {
+    grid_dependency_wait();
+    embed(t, ids, o, c);
+}
 
 // ---------------------------------------------------------------------------
 // Decode GEMV for a few activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
@@ -184,6 +208,7 @@ __device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const
 #define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT, PAIRED)                                                               \
     extern "C" __global__ void __launch_bounds__(256) NAME(const T* w, const float* x, const float* b, float* y,    \
                                                            int o, int i, int n) {                                  \
+        grid_dependency_wait();                                                                                    \
         gemv<T, VEC, ROWS, ACT, PAIRED>(w, x, b, y, o, i, n);                                                      \
     }
 // `_swiglu`: the PAIRED form, for a stacked gate|up weight (rows_per_block
@@ -500,6 +525,7 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
     extern "C" __global__ void __launch_bounds__(256)                                                              \
         gemv_##F##_r##R##a##A(const unsigned* w, const S* s, const S* bi, const float* x, const float* b,          \
                               float* y, int o, int i, int g, int n) {                                              \
+        grid_dependency_wait();                                                                                    \
         gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                         \
     }
 #define AFFINE_KERNELS(F, S, B)                                                                                    \
@@ -510,10 +536,12 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
     GEMV_AFFINE(F, S, B, 2, 8)                                                                                     \
     extern "C" __global__ void F##_to_bf16(const unsigned* w, const S* s, const S* bi, __nv_bfloat16* out,         \
                                            int r0, int rows, int i, int g) {                                       \
+        grid_dependency_wait();                                                                                    \
         affine_to_bf16<S, B>(w, s, bi, out, r0, rows, i, g);                                                       \
     }                                                                                                              \
     extern "C" __global__ void embed_##F(const unsigned* w, const S* s, const S* bi, const unsigned* ids,          \
                                          float* out, int cols, int g) {                                            \
+        grid_dependency_wait();                                                                                    \
         embed_affine<S, B>(w, s, bi, ids, out, cols, g);                                                           \
     }
 #define AFFINE_FORMATS(B)                                                                                          \
@@ -526,6 +554,7 @@ FOR_AFFINE_BITS(AFFINE_FORMATS)
     extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
                                                                       const float* x, const float* b, float* y,    \
                                                                       int o, int i, int g) {                       \
+        grid_dependency_wait();                                                                                    \
         gemv_affine_rows<S, B>(w, s, bi, x, b, y, o, i, g);                                                        \
     }
 GEMV_AFFINE_ROWS(affine2, float, 2)
@@ -537,10 +566,12 @@ GEMV_AFFINE_ROWS(affine8_bf16, __nv_bfloat16, 8)
 
 // Activations to the weight's type for a cuBLAS GEMM.
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 extern "C" __global__ void f32_to_f16(const float* x, __half* y, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2half(x[i]);
 }
@@ -548,6 +579,7 @@ extern "C" __global__ void f32_to_f16(const float* x, __half* y, long n) {
 // x ≈ hi + lo in two bf16 (or f16) halves: a GEMM over each, summed, sees the
 // activations to about 16 bits instead of 8.
 extern "C" __global__ void f32_split_bf16(const float* x, __nv_bfloat16* hi, __nv_bfloat16* lo, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     __nv_bfloat16 h = __float2bfloat16(x[i]);
@@ -555,6 +587,7 @@ extern "C" __global__ void f32_split_bf16(const float* x, __nv_bfloat16* hi, __n
     lo[i] = __float2bfloat16(x[i] - __bfloat162float(h));
 }
 extern "C" __global__ void f32_split_f16(const float* x, __half* hi, __half* lo, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     __half h = __float2half(x[i]);
@@ -564,6 +597,7 @@ extern "C" __global__ void f32_split_f16(const float* x, __half* hi, __half* lo,
 
 // y[r][c] += bias[c]
 extern "C" __global__ void add_bias(float* y, const float* bias, int cols, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) y[i] += bias[i % cols];
 }
@@ -587,6 +621,7 @@ __device__ __forceinline__ float norm_out(float v, float inv, float w, const flo
 
 extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, const float* z, float* out, int group,
                                     float eps) {
+    grid_dependency_wait();
     size_t base = (size_t)blockIdx.x * group;
     float ss = 0.0f;
     if (group % 4 == 0) {
@@ -646,6 +681,7 @@ extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, co
 // the token id of a one-token pass. Set by a launch before the pass (or the
 // replay), never baked into the recorded kernels' arguments.
 extern "C" __global__ void set_step(int* step, int start, int id) {
+    grid_dependency_wait();
     step[0] = start;
     step[1] = id;
 }
@@ -666,6 +702,7 @@ __device__ __forceinline__ void rope_pair(float* head, int i, int pos, const flo
 // Row r is at position step[0] + r.
 extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq, int rows, int cols,
                                 int head_dim, int rotary_dim, int style) {
+    grid_dependency_wait();
     int half = rotary_dim / 2;
     int heads = cols / head_dim;
     long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -686,6 +723,7 @@ extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* g
                                         const float* q_norm, const float* k_norm, const float* inv_freq,
                                         const int* step, int num_heads, int num_kv_heads, int head_dim,
                                         int output_gate, float eps, int rotary_dim, int style) {
+    grid_dependency_wait();
     extern __shared__ float head[];
     int t = blockIdx.x, hh = blockIdx.y;
     int q_rows = num_heads * head_dim * (output_gate ? 2 : 1), kv_dim = num_kv_heads * head_dim;
@@ -720,6 +758,7 @@ extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* g
 // Rows of k and v into the cache at positions step[0].. (one thread per value).
 extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values, const int* step,
                                      int rows, int kv_dim) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= (long)rows * kv_dim) return;
     size_t dst = (size_t)step[0] * kv_dim + i;
@@ -777,6 +816,7 @@ __device__ void weigh_values(const float* weights, const float* values, int lo, 
 extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out,
                                      const int* step, int num_heads, int num_kv_heads, int head_dim, int window,
                                      float scale) {
+    grid_dependency_wait();
     extern __shared__ float scores[];
     int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
     int head_off = h / (num_heads / num_kv_heads) * head_dim;
@@ -803,6 +843,7 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 extern "C" __global__ void attention_split(const float* q, const float* keys, const float* values, float* part_o,
                                            float* part_ml, float* direct, const int* step, int num_heads,
                                            int num_kv_heads, int head_dim, int window, float scale, int splits) {
+    grid_dependency_wait();
     __shared__ float scores[ATTN_CHUNK];
     int row_head = blockIdx.x, split = blockIdx.y;
     int t = row_head / num_heads, h = row_head % num_heads;
@@ -997,6 +1038,7 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
         const float* q, const float* k, const float* v, float* po, float* pml, float* direct, const int* step,      \
         int nh, int nkv, int window, float scale, int splits) {                                                    \
+        grid_dependency_wait();                                                                                    \
         attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits);                      \
     }
 ATTENTION_DECODE(64)
@@ -1006,6 +1048,7 @@ ATTENTION_DECODE(256)
 // One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,
                                              int splits) {
+    grid_dependency_wait();
     size_t base = (size_t)blockIdx.x * splits;
     float big = -__int_as_float(0x7f800000);
     for (int s = 0; s < splits; s++) big = fmaxf(big, part_ml[2 * (base + s)]);
@@ -1028,11 +1071,13 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
 // ---------------------------------------------------------------------------
 // Elementwise.
 extern "C" __global__ void silu_mul(const float* g, const float* u, float* out, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 // silu(gate) ⊙ up from stacked gate|up rows [rows, 2·width].
 extern "C" __global__ void swiglu(const float* gu, float* out, int width, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     long r = i / width, c = i % width;
@@ -1040,11 +1085,13 @@ extern "C" __global__ void swiglu(const float* gu, float* out, int width, long n
     out[i] = g / (1.0f + expf(-g)) * u;
 }
 extern "C" __global__ void add_assign(float* x, const float* y, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 // x ⊙ sigmoid(gate); gate_cols is x's width or 1 (a per-row scalar).
 extern "C" __global__ void mul_sigmoid(float* x, const float* gate, int cols, int gate_cols, long n) {
+    grid_dependency_wait();
     long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate_cols == cols ? gate[i] : gate[i / cols];
@@ -1053,6 +1100,7 @@ extern "C" __global__ void mul_sigmoid(float* x, const float* gate, int cols, in
 // dst[r][dst_off + g*len + j] = src[r][g*group + offset + j]: splits and concatenations.
 extern "C" __global__ void copy_columns(const float* src, float* dst, int rows, int src_cols, int group, int offset,
                                         int len, int dst_cols, int dst_off) {
+    grid_dependency_wait();
     int groups = src_cols / group;
     long idx = blockIdx.x * (long)blockDim.x + threadIdx.x;
     if (idx >= (long)rows * groups * len) return;
@@ -1063,12 +1111,14 @@ extern "C" __global__ void copy_columns(const float* src, float* dst, int rows, 
 }
 // out[i] = x[idx[i]] (rows) — tokens routed to one expert.
 extern "C" __global__ void gather_rows(const float* x, const int* idx, float* out, int cols) {
+    grid_dependency_wait();
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         out[(size_t)blockIdx.x * cols + c] = x[(size_t)idx[blockIdx.x] * cols + c];
 }
 // out[idx[i]] += w[i]·y[i] — one expert's outputs back into the token rows (an
 // expert sees each token at most once, so rows never collide within a launch).
 extern "C" __global__ void scatter_add_rows(const float* y, const int* idx, const float* w, float* out, int cols) {
+    grid_dependency_wait();
     for (int c = threadIdx.x; c < cols; c += blockDim.x)
         out[(size_t)idx[blockIdx.x] * cols + c] += w[blockIdx.x] * y[(size_t)blockIdx.x * cols + c];
 }
@@ -1081,6 +1131,7 @@ extern "C" __global__ void scatter_add_rows(const float* y, const int* idx, cons
 // sort), optionally renormalized; writes ids and weights [rows, top_k].
 extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
                                      int renormalize) {
+    grid_dependency_wait();
     __shared__ float probs[1024];
     __shared__ float best_v[32];
     __shared__ int best_i[32];
@@ -1147,6 +1198,7 @@ __device__ void moe_gemv(const unsigned long long* table, const int* ids, const 
 #define MOE_GEMV(NAME, T, VEC)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned long long* table, const int* ids,        \
                                                            const float* x, float* y, int o, int i, int x_div) {    \
+        grid_dependency_wait();                                                                                    \
         moe_gemv<T, VEC>(table, ids, x, y, o, i, x_div);                                                           \
     }
 MOE_GEMV(moe_gemv_bf16, __nv_bfloat16, 8)
@@ -1167,6 +1219,7 @@ __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned
     extern "C" __global__ void __launch_bounds__(256) moe_gemv_##F(                                                \
         const unsigned long long* p, const unsigned long long* s, const unsigned long long* bi, const int* ids,    \
         const float* x, float* y, int o, int i, int g, int x_div) {                                                \
+        grid_dependency_wait();                                                                                    \
         moe_gemv_affine<S, B>(p, s, bi, ids, x, y, o, i, g, x_div);                                                \
     }
 #define MOE_AFFINE_FORMATS(B)                                                                                      \
@@ -1176,6 +1229,7 @@ FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {
+    grid_dependency_wait();
     int t = blockIdx.x;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         float acc = 0.0f;

@@ -27,10 +27,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
 use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
@@ -273,6 +271,10 @@ pub struct CudaBackend {
     split_activations: bool,
     /// Record decode steps as CUDA graphs and replay them.
     graphs: bool,
+    /// Launch kernels with programmatic stream serialization (compute
+    /// capability 9.0 and later): each may be scheduled, and read weights,
+    /// while the one before it finishes (see `grid_dependency_wait`).
+    overlap_launches: bool,
     /// A fixed GEMV launch shape instead of the per-shape choice (profiling).
     gemv_shape: Option<GemvShape>,
     /// Decode steps replayed so far (shared with whoever asked to watch).
@@ -439,6 +441,7 @@ impl CudaBackend {
             poison: false,
             split_activations: false,
             graphs: true,
+            overlap_launches: major >= 9,
             gemv_shape: None,
             replays: Arc::new(AtomicUsize::new(0)),
             max_attention_keys: (max_shared as usize - 1024) / 4,
@@ -461,19 +464,51 @@ impl CudaBackend {
         let Some(f) = self.kernels.get(name) else {
             return self.record(Err("no such kernel in kernels.cu"), name);
         };
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
+        // Each argument in an 8-byte slot, its value in the first bytes (as
+        // the driver reads a parameter of that size through the slot's address).
+        let mut slots: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut slot = [0u8; 8];
+                match a {
+                    Arg::Ptr(p) => slot.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I32(v) => slot[..4].copy_from_slice(&v.to_ne_bytes()),
+                    Arg::I64(v) => slot.copy_from_slice(&v.to_ne_bytes()),
+                    Arg::F32(v) => slot[..4].copy_from_slice(&v.to_ne_bytes()),
+                }
+                slot
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| s.as_mut_ptr().cast()).collect();
+        // Programmatic stream serialization: the kernel may be scheduled while
+        // the one before it finishes; it waits for it in `grid_dependency_wait`
+        // (kernels.cu), which every kernel calls before touching activations.
+        let mut attrs = [sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        }];
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: u32::from(self.overlap_launches),
+        };
+        let bound = self.stream.context().bind_to_thread();
+        self.record(bound, "binding the CUDA context");
         // SAFETY: every pointer argument points into a live allocation of at
-        // least the size the kernel indexes, which the calling op's shapes ensure.
-        let r = unsafe { b.launch(cfg) };
-        self.record(r.map(|_| ()), name);
+        // least the size the kernel indexes, which the calling op's shapes
+        // ensure; `params` holds one pointer per kernel parameter, each to a
+        // slot that outlives the call, and the function belongs to this
+        // stream's context.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        self.record(r.result(), name);
     }
 
     fn failed(&self) -> bool {
@@ -530,6 +565,13 @@ impl CudaBackend {
     }
 
     /// Launches every GEMV with `shape` (profiling the choice of shapes).
+    /// Launches each kernel only after the one before it has finished (as
+    /// without programmatic dependent launch; for measuring what it gains).
+    pub fn without_overlapped_launches(mut self) -> Self {
+        self.overlap_launches = false;
+        self
+    }
+
     pub fn with_gemv_shape(mut self, shape: GemvShape) -> Self {
         self.gemv_shape = Some(shape);
         self

@@ -193,6 +193,7 @@ struct SampleProb {
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_filtered(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
                     unsigned* out) {
+    grid_dependency_wait();
     __shared__ SampleShared sh;
     unsigned kmax = 0;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) kmax = max(kmax, sample_key(x[i] / temperature));
@@ -259,6 +260,7 @@ __device__ void argmax_block(float& v, int& i) {
 
 extern "C" __global__ void __launch_bounds__(256)
     sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out) {
+    grid_dependency_wait();
     __shared__ bool last;
     float v = __int_as_float(0xff800000);
     int idx = 0x7fffffff;
@@ -294,6 +296,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // Repetition penalty on the distinct token ids `ids` (no two threads share a
 // logit): positive logits divided by the penalty, negative ones multiplied.
 extern "C" __global__ void sample_penalty(float* x, const unsigned* ids, int count, int n, float penalty) {
+    grid_dependency_wait();
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= count || ids[j] >= (unsigned)n) return;
     float l = x[ids[j]];
