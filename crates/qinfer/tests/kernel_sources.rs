@@ -5,9 +5,21 @@
 //! be scheduled while the kernel before it is still writing. A kernel that
 //! touched an activation before `grid_dependency_wait()` would read stale
 //! data only when the timing happened to overlap: a race, not a failure a
-//! test run shows. So each kernel's body must begin with that call. The one
-//! exception reads weights first (the affine tensor-core GEMV), and it must
-//! wait before it stages x.
+//! test run shows. So each kernel's body must begin with that call. The
+//! exceptions (`EARLY`) read weights first, and must wait before anything
+//! that reads or writes activations.
+
+/// Device functions that kernels call first and that read weights before
+/// waiting: (kernel body start, definition, what must come after the wait).
+const EARLY: [(&str, &str, &[&str]); 3] = [
+    ("gemv_affine_mma<", "__device__ void gemv_affine_mma(", &["amma_stage_x<BITS>(", "y["]),
+    ("rms_norm_group(", "__device__ void rms_norm_group(", &["x4[i]", "y4[i]", "out4[i]", "x[base", "out[base"]),
+    (
+        "qkv_prologue_head(",
+        "__device__ void qkv_prologue_head(",
+        &["step[0]", "src[", "values[", "head[c]", "gate_out["],
+    ),
+];
 
 const SOURCES: [(&str, &str); 5] = [
     ("kernels.cu", include_str!("../src/backend/cuda/kernels.cu")),
@@ -48,18 +60,20 @@ fn every_kernel_waits_for_the_previous_one_before_touching_activations() {
         for (name, body) in kernel_bodies(src) {
             count += 1;
             let first = body.trim_start();
-            if first.starts_with("gemv_affine_mma<") {
+            if EARLY.iter().any(|(call, ..)| first.starts_with(call)) {
                 continue; // checked below
             }
             assert!(first.starts_with(WAIT), "{file}: kernel {name} does not begin with {WAIT}");
         }
     }
     assert!(count >= 40, "found only {count} kernels: the scan is broken");
-    // The affine GEMV issues its first weight copies, then waits, then stages x.
-    let (_, src) = SOURCES[3];
-    let body = &src[src.find("__device__ void gemv_affine_mma(").expect("the affine GEMV is defined")..];
-    let wait = body.find(WAIT).expect("the affine GEMV waits");
-    let stage_x = body.find("amma_stage_x<BITS>(").expect("the affine GEMV stages x");
-    assert!(wait < stage_x, "the affine GEMV must wait before it reads x");
-    assert!(!body[..wait].contains("y["), "the affine GEMV must not write before it waits");
+    let all: String = SOURCES.iter().map(|(_, s)| *s).collect();
+    for (_, definition, after) in EARLY {
+        let body = &all[all.find(definition).unwrap_or_else(|| panic!("{definition} is defined"))..];
+        let wait = body.find(WAIT).unwrap_or_else(|| panic!("{definition} waits"));
+        for use_ in after {
+            let at = body.find(use_).unwrap_or_else(|| panic!("{definition} uses {use_}"));
+            assert!(wait < at, "{definition}: {use_} comes before the wait");
+        }
+    }
 }

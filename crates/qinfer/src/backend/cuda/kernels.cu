@@ -619,16 +619,26 @@ __device__ __forceinline__ float norm_out(float v, float inv, float w, const flo
     return o;
 }
 
-extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, const float* z, float* out, int group,
-                                    float eps) {
-    grid_dependency_wait();
+// The weights of the values a thread holds are read before the wait for the
+// kernel before (no kernel writes them), so that read is off the path from
+// the inputs' arrival to the output.
+__device__ void rms_norm_group(float* x, const float* y, const float* w, const float* z, float* out, int group,
+                               float eps) {
     size_t base = (size_t)blockIdx.x * group;
     float ss = 0.0f;
     if (group % 4 == 0) {
         int n4 = group / 4;
         float4* x4 = reinterpret_cast<float4*>(x + base);
         const float4* y4 = reinterpret_cast<const float4*>(y + base);
-        float4 held[NORM_HELD];
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4* out4 = reinterpret_cast<float4*>(out + base);
+        float4 held[NORM_HELD], held_w[NORM_HELD];
+#pragma unroll
+        for (int k = 0; k < NORM_HELD; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i < n4) held_w[k] = w4[i];
+        }
+        grid_dependency_wait();
         auto load = [&](int i) {
             float4 v = x4[i];
             if (y) {
@@ -639,13 +649,10 @@ extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, co
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             return v;
         };
-        auto store = [&](int i, float4 v, float inv) {
-            int c = 4 * i;
-            size_t o = base + c;
-            out[o] = norm_out(v.x, inv, w[c], z, o);
-            out[o + 1] = norm_out(v.y, inv, w[c + 1], z, o + 1);
-            out[o + 2] = norm_out(v.z, inv, w[c + 2], z, o + 2);
-            out[o + 3] = norm_out(v.w, inv, w[c + 3], z, o + 3);
+        auto store = [&](int i, float4 v, float4 wv, float inv) {
+            size_t o = base + 4 * i;
+            out4[i] = make_float4(norm_out(v.x, inv, wv.x, z, o), norm_out(v.y, inv, wv.y, z, o + 1),
+                                  norm_out(v.z, inv, wv.z, z, o + 2), norm_out(v.w, inv, wv.w, z, o + 3));
         };
 #pragma unroll
         for (int k = 0; k < NORM_HELD; k++) {
@@ -658,11 +665,12 @@ extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, co
 #pragma unroll
         for (int k = 0; k < NORM_HELD; k++) {
             int i = threadIdx.x + k * blockDim.x;
-            if (i < n4) store(i, held[k], inv);
+            if (i < n4) store(i, held[k], held_w[k], inv);
         }
-        for (int i = threadIdx.x + NORM_HELD * blockDim.x; i < n4; i += blockDim.x) store(i, x4[i], inv);
+        for (int i = threadIdx.x + NORM_HELD * blockDim.x; i < n4; i += blockDim.x) store(i, x4[i], w4[i], inv);
         return;
     }
+    grid_dependency_wait();
     for (int c = threadIdx.x; c < group; c += blockDim.x) {
         float v = x[base + c];
         if (y) {
@@ -674,6 +682,11 @@ extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, co
     ss = block_sum(ss);
     float inv = rsqrtf(ss / group + eps);
     for (int c = threadIdx.x; c < group; c += blockDim.x) out[base + c] = norm_out(x[base + c], inv, w[c], z, base + c);
+}
+
+extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, const float* z, float* out, int group,
+                                    float eps) {
+    rms_norm_group(x, y, w, z, out, group, eps);
 }
 
 // The pass's inputs on the device, so a recorded decode step (CUDA graph) can
@@ -688,8 +701,8 @@ extern "C" __global__ void set_step(int* step, int start, int id) {
 
 // The rotation of pair i at position pos (angle in f32 as the reference
 // computes it, cos/sin in double so large positions keep their precision).
-__device__ __forceinline__ void rope_pair(float* head, int i, int pos, const float* inv_freq, int half, int style) {
-    float angle = (float)pos * inv_freq[i];
+__device__ __forceinline__ void rope_pair(float* head, int i, int pos, float inv_freq, int half, int style) {
+    float angle = (float)pos * inv_freq;
     float c = (float)cos((double)angle), s = (float)sin((double)angle);
     int ia = style == 0 ? i : 2 * i, ib = style == 0 ? i + half : 2 * i + 1;
     float a = head[ia], b = head[ib];
@@ -710,7 +723,7 @@ extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq
     int i = idx % half;
     int h = (idx / half) % heads;
     int r = idx / ((long)half * heads);
-    rope_pair(x + (size_t)r * cols + (size_t)h * head_dim, i, step[0] + r, inv_freq, half, style);
+    rope_pair(x + (size_t)r * cols + (size_t)h * head_dim, i, step[0] + r, inv_freq[i], half, style);
 }
 
 // The attention prologue from a stacked q|k|v projection, one block per
@@ -718,12 +731,13 @@ extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq
 // (after the gate, for q_proj rows holding [query, gate] per head) RMS-normed
 // with `q_norm`/`k_norm` when given, rotated at position step[0] + row, and
 // written to `q_out`, or for KV heads the key to the cache with the value
-// beside it. Same arithmetic as rms_norm then rope then kv_append.
-extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
-                                        const float* q_norm, const float* k_norm, const float* inv_freq,
-                                        const int* step, int num_heads, int num_kv_heads, int head_dim,
-                                        int output_gate, float eps, int rotary_dim, int style) {
-    grid_dependency_wait();
+// beside it. Same arithmetic as rms_norm then rope then kv_append. The norm
+// weight and the rotation frequency of each thread's first value are read
+// before the wait for the kernel before (no kernel writes them).
+__device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
+                                  const float* q_norm, const float* k_norm, const float* inv_freq, const int* step,
+                                  int num_heads, int num_kv_heads, int head_dim, int output_gate, float eps,
+                                  int rotary_dim, int style) {
     extern __shared__ float head[];
     int t = blockIdx.x, hh = blockIdx.y;
     int q_rows = num_heads * head_dim * (output_gate ? 2 : 1), kv_dim = num_kv_heads * head_dim;
@@ -731,6 +745,10 @@ extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* g
     bool is_q = hh < num_heads;
     int kh = hh - num_heads;
     const float* src = is_q ? row + (size_t)hh * head_dim * (output_gate ? 2 : 1) : row + q_rows + kh * head_dim;
+    const float* w = is_q ? q_norm : k_norm;
+    int half = rotary_dim / 2, c0 = threadIdx.x;
+    float w0 = w && c0 < head_dim ? w[c0] : 1.0f, freq0 = c0 < half ? inv_freq[c0] : 0.0f;
+    grid_dependency_wait();
     int pos = step[0] + t;
     if (!is_q) {
         const float* v = row + q_rows + kv_dim + kh * head_dim;
@@ -739,20 +757,28 @@ extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* g
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
             gate_out[((size_t)t * num_heads + hh) * head_dim + c] = src[head_dim + c];
     }
-    const float* w = is_q ? q_norm : k_norm;
     float inv = 1.0f;
     if (w) {
         float ss = 0.0f;
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) ss += src[c] * src[c];
         inv = rsqrtf(block_sum(ss) / head_dim + eps);
     }
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) head[c] = w ? w[c] * (src[c] * inv) : src[c];
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
+        head[c] = w ? (c == c0 ? w0 : w[c]) * (src[c] * inv) : src[c];
     __syncthreads();
-    int half = rotary_dim / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_pair(head, i, pos, inv_freq, half, style);
+    for (int i = threadIdx.x; i < half; i += blockDim.x)
+        rope_pair(head, i, pos, i == c0 ? freq0 : inv_freq[i], half, style);
     __syncthreads();
     float* dst = is_q ? q_out + ((size_t)t * num_heads + hh) * head_dim : keys + (size_t)pos * kv_dim + kh * head_dim;
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
+}
+
+extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
+                                        const float* q_norm, const float* k_norm, const float* inv_freq,
+                                        const int* step, int num_heads, int num_kv_heads, int head_dim,
+                                        int output_gate, float eps, int rotary_dim, int style) {
+    qkv_prologue_head(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads, num_kv_heads,
+                      head_dim, output_gate, eps, rotary_dim, style);
 }
 
 // Rows of k and v into the cache at positions step[0].. (one thread per value).
