@@ -361,15 +361,16 @@ fn attention_over_the_cache_matches_cpu() {
     // Decode steps (≤ 8 rows) take the split-K kernels: the GQA-sharing one
     // for head dims 64/128/256 (groups of 1 to 8 query heads per KV head, more
     // than one block of heads for 7 and 8), the plain split one for others.
-    // Steps of 1, 3 and 8 rows at up to 1400 keys, windows shorter and longer
-    // than a chunk; longer steps take the one-block-per-head kernel.
+    // Steps of 1, 3 and 8 rows at up to 1400 keys (one chunk and several),
+    // windows shorter and longer than a chunk; longer steps take the
+    // one-block-per-head kernel.
     for (nh, nkv, hd) in [(4, 2, 32), (8, 2, 128), (14, 2, 64), (4, 4, 256), (16, 2, 128), (6, 3, 128)] {
         for window in [None, Some(5), Some(300)] {
             let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
             let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
             let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
             let mut cs = p.split.new_cache(2, nkv * hd, 1500);
-            for step in [9usize, 1, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
+            for step in [9usize, 1, 3, 8, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
                 let qv = r.vec(step * nh * hd);
                 let (qc, qg) = p.acts(step, nh * hd, &qv);
                 let kv = r.vec(step * nkv * hd);
