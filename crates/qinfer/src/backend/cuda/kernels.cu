@@ -904,6 +904,19 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 // 4 (or 8) contiguous dims, loads coalesced across the warp; then the warps'
 // sums are added. Output as attention_split's (parts, or `direct`).
 #define DECODE_HEADS 4
+// One halving of a warp's reduce-scatter of per-lane sums d[0..2·HALF): the
+// lane keeps the half named by its bit HALF and adds its partner's copy of
+// it, into d[0..HALF).
+template <int HALF>
+__device__ __forceinline__ void reduce_scatter_half(float* d, int lane) {
+    bool upper = lane & HALF;
+#pragma unroll
+    for (int i = 0; i < HALF; i++) {
+        float keep = upper ? d[i + HALF] : d[i], give = upper ? d[i] : d[i + HALF];
+        d[i] = keep + __shfl_xor_sync(0xffffffffu, give, HALF);
+    }
+}
+
 #define DECODE_THREADS 256
 template <int HD>
 __device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,
@@ -954,20 +967,41 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 #pragma unroll
             for (int f = 0; f < F4; f++) kv[u][f] = j < n ? k[f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+        // Each lane's share of the 8 keys' dot products with each head.
+        float d[8 * DECODE_HEADS];
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int j = j0 + u * WARPS * KPW + sub;
-            float d[DECODE_HEADS] = {};
-#pragma unroll
-            for (int f = 0; f < F4; f++)
-#pragma unroll
-                for (int g = 0; g < DECODE_HEADS; g++)
-                    d[g] += qv[g][f].x * kv[u][f].x + qv[g][f].y * kv[u][f].y + qv[g][f].z * kv[u][f].z +
-                            qv[g][f].w * kv[u][f].w;
+        for (int u = 0; u < 8; u++)
 #pragma unroll
             for (int g = 0; g < DECODE_HEADS; g++) {
-                for (int o = LPK / 2; o > 0; o >>= 1) d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
-                if (l == 0 && j < n) scores[g][j] = d[g];
+                float s = 0.0f;
+#pragma unroll
+                for (int f = 0; f < F4; f++)
+                    s += qv[g][f].x * kv[u][f].x + qv[g][f].y * kv[u][f].y + qv[g][f].z * kv[u][f].z +
+                         qv[g][f].w * kv[u][f].w;
+                d[u * DECODE_HEADS + g] = s;
+            }
+        if constexpr (LPK == 32 && 8 * DECODE_HEADS == 32) {
+            // Sums over the warp, one per lane (a reduce-scatter): at each
+            // halving, a lane keeps the half of its sums named by the bit
+            // and adds its partner's, so lane i ends with sum i. 31 shuffles
+            // for the 32 sums, where a reduction of each would take 160.
+            reduce_scatter_half<16>(d, lane);
+            reduce_scatter_half<8>(d, lane);
+            reduce_scatter_half<4>(d, lane);
+            reduce_scatter_half<2>(d, lane);
+            reduce_scatter_half<1>(d, lane);
+            int j = j0 + (lane / DECODE_HEADS) * WARPS * KPW;
+            if (j < n) scores[lane % DECODE_HEADS][j] = d[0];
+        } else {
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int j = j0 + u * WARPS * KPW + sub;
+#pragma unroll
+                for (int g = 0; g < DECODE_HEADS; g++) {
+                    float v = d[u * DECODE_HEADS + g];
+                    for (int o = LPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    if (l == 0 && j < n) scores[g][j] = v;
+                }
             }
         }
     }
