@@ -21,13 +21,19 @@ const EARLY: [(&str, &str, &[&str]); 3] = [
     ),
 ];
 
-const SOURCES: [(&str, &str); 5] = [
-    ("kernels.cu", include_str!("../src/backend/cuda/kernels.cu")),
-    ("flash.cu", include_str!("../src/backend/cuda/flash.cu")),
-    ("gdn.cu", include_str!("../src/backend/cuda/gdn.cu")),
-    ("affine_mma.cu", include_str!("../src/backend/cuda/affine_mma.cu")),
-    ("sampling.cu", include_str!("../src/backend/cuda/sampling.cu")),
-];
+/// Every .cu file of the CUDA backend, by name (read from the directory, so a
+/// new file cannot escape the check).
+fn sources() -> Vec<(String, String)> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+    let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("a directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(&p).unwrap()))
+        .collect();
+    out.sort();
+    out
+}
 
 const WAIT: &str = "grid_dependency_wait();";
 
@@ -55,8 +61,10 @@ fn kernel_bodies(src: &str) -> Vec<(String, String)> {
 
 #[test]
 fn every_kernel_waits_for_the_previous_one_before_touching_activations() {
+    let sources = sources();
+    assert!(sources.len() >= 5, "found only {} .cu files", sources.len());
     let mut count = 0;
-    for (file, src) in SOURCES {
+    for (file, src) in &sources {
         for (name, body) in kernel_bodies(src) {
             count += 1;
             let first = body.trim_start();
@@ -67,7 +75,7 @@ fn every_kernel_waits_for_the_previous_one_before_touching_activations() {
         }
     }
     assert!(count >= 40, "found only {count} kernels: the scan is broken");
-    let all: String = SOURCES.iter().map(|(_, s)| *s).collect();
+    let all: String = sources.iter().map(|(_, s)| s.as_str()).collect();
     for (_, definition, after) in EARLY {
         let body = &all[all.find(definition).unwrap_or_else(|| panic!("{definition} is defined"))..];
         let wait = body.find(WAIT).unwrap_or_else(|| panic!("{definition} waits"));

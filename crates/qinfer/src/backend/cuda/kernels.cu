@@ -11,9 +11,11 @@
 // kernel before it in the stream is still running. Each kernel calls this
 // first: it blocks until that kernel has finished and its writes are visible
 // (so, transitively, every earlier one), and then lets the next kernel be
-// scheduled. What runs ahead of it is the launch itself and, where a kernel
-// does it (the affine GEMV), reading weights, which no kernel writes. Calling
-// it after the wait keeps at most one kernel waiting behind a running one.
+// scheduled. What runs ahead of it is the launch itself and, in the kernels
+// that do it (the affine tensor-core GEMV, RMSNorm, the q|k|v prologue),
+// reading weights, which no kernel writes. Letting the next kernel go only
+// after the wait keeps at most one kernel waiting behind a running one.
+// tests/kernel_sources.rs checks every kernel against these rules.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -46,6 +48,19 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// One halving of a warp's reduce-scatter of per-lane sums d[0..2·HALF): the
+// lane keeps the half named by its bit HALF and adds its partner's copy of
+// it, into d[0..HALF).
+template <int HALF>
+__device__ __forceinline__ void reduce_scatter_half(float* d, int lane) {
+    bool upper = lane & HALF;
+#pragma unroll
+    for (int i = 0; i < HALF; i++) {
+        float keep = upper ? d[i + HALF] : d[i], give = upper ? d[i] : d[i + HALF];
+        d[i] = keep + __shfl_xor_sync(0xffffffffu, give, HALF);
+    }
 }
 
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024).
@@ -904,19 +919,6 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 // 4 (or 8) contiguous dims, loads coalesced across the warp; then the warps'
 // sums are added. Output as attention_split's (parts, or `direct`).
 #define DECODE_HEADS 4
-// One halving of a warp's reduce-scatter of per-lane sums d[0..2·HALF): the
-// lane keeps the half named by its bit HALF and adds its partner's copy of
-// it, into d[0..HALF).
-template <int HALF>
-__device__ __forceinline__ void reduce_scatter_half(float* d, int lane) {
-    bool upper = lane & HALF;
-#pragma unroll
-    for (int i = 0; i < HALF; i++) {
-        float keep = upper ? d[i + HALF] : d[i], give = upper ? d[i] : d[i + HALF];
-        d[i] = keep + __shfl_xor_sync(0xffffffffu, give, HALF);
-    }
-}
-
 #define DECODE_THREADS 256
 template <int HD>
 __device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,

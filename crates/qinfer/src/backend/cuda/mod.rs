@@ -564,7 +564,6 @@ impl CudaBackend {
         self
     }
 
-    /// Launches every GEMV with `shape` (profiling the choice of shapes).
     /// Launches each kernel only after the one before it has finished (as
     /// without programmatic dependent launch; for measuring what it gains).
     pub fn without_overlapped_launches(mut self) -> Self {
@@ -572,6 +571,7 @@ impl CudaBackend {
         self
     }
 
+    /// Launches every GEMV with `shape` (profiling the choice of shapes).
     pub fn with_gemv_shape(mut self, shape: GemvShape) -> Self {
         self.gemv_shape = Some(shape);
         self
