@@ -6,18 +6,24 @@
 //! touched an activation before `grid_dependency_wait()` would read stale
 //! data only when the timing happened to overlap: a race, not a failure a
 //! test run shows. So each kernel's body must begin with that call. The
-//! exceptions (`EARLY`) read weights first, and must wait before anything
-//! that reads or writes activations.
+//! exceptions (`EARLY`) read weights first (the decode attention: the KV
+//! rows of earlier passes), and must wait before anything that reads or
+//! writes activations (or this pass's rows).
 
-/// Device functions that kernels call first and that read weights before
-/// waiting: (kernel body start, definition, what must come after the wait).
-const EARLY: [(&str, &str, &[&str]); 3] = [
+/// Device functions that kernels call first and that read weights (or
+/// earlier passes' KV rows) before waiting: (kernel body start, definition, what must come after the wait).
+const EARLY: [(&str, &str, &[&str]); 4] = [
     ("gemv_affine_mma<", "__device__ void gemv_affine_mma(", &["amma_stage_x<BITS>(", "y["]),
     ("rms_norm_group(", "__device__ void rms_norm_group(", &["x4[i]", "y4[i]", "out4[i]", "x[base", "out[base"]),
     (
         "qkv_prologue_head(",
         "__device__ void qkv_prologue_head(",
         &["step[0]", "src[", "values[", "head[c]", "gate_out["],
+    ),
+    (
+        "attention_decode<HD>(",
+        "__device__ void attention_decode(",
+        &["earlier < n", "q[", "part_o[", "part_ml[", "direct["],
     ),
 ];
 

@@ -13,7 +13,8 @@
 // (so, transitively, every earlier one), and then lets the next kernel be
 // scheduled. What runs ahead of it is the launch itself and, in the kernels
 // that do it (the affine tensor-core GEMV, RMSNorm, the q|k|v prologue),
-// reading weights, which no kernel writes. Letting the next kernel go only
+// reading weights, which no kernel writes; the decode attention reads the
+// step inputs and the KV rows that earlier passes wrote. Letting the next kernel go only
 // after the wait keeps at most one kernel waiting behind a running one.
 // tests/kernel_sources.rs checks every kernel against these rules.
 __device__ __forceinline__ void grid_dependency_wait() {
@@ -73,6 +74,24 @@ __device__ float block_sum(float v) {
     int nwarps = blockDim.x >> 5;
     v = (threadIdx.x < nwarps) ? partial[threadIdx.x] : 0.0f;
     if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    float r = partial[0];
+    __syncthreads();
+    return r;
+}
+
+// Maximum over a block (block_sum's pattern; −inf where there is nothing).
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int nwarps = blockDim.x >> 5;
+    v = (threadIdx.x < nwarps) ? partial[threadIdx.x] : -__int_as_float(0x7f800000);
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (threadIdx.x == 0) partial[0] = v;
     __syncthreads();
     float r = partial[0];
@@ -497,7 +516,9 @@ __device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __rest
 }
 
 // Rows [row0, row0 + rows) dequantized to bf16 (prefill: a transient tile for
-// cuBLAS, never a resident copy); one thread per 32-value chunk.
+// cuBLAS, never a resident copy); one thread per 32-value chunk, written as
+// four 16-byte stores (2-byte stores made each warp store instruction touch
+// 32 sectors for 64 bytes, and the dequantization of an 8B model took ~70 ms).
 template <typename S, int BITS>
 __device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restrict__ scales,
                                const S* __restrict__ biases, __nv_bfloat16* __restrict__ out, int row0, int rows,
@@ -511,9 +532,18 @@ __device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restri
     affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
     int groups = in_dim / group, g = chunk * 32 / group;
     float s = to_f32(scales[r * groups + g]), b = to_f32(biases[r * groups + g]);
-    __nv_bfloat16* dst = out + (i / chunks) * in_dim + chunk * 32;
+    uint4* dst = reinterpret_cast<uint4*>(out + (i / chunks) * in_dim + chunk * 32);
 #pragma unroll
-    for (int k = 0; k < 32; k++) dst[k] = __float2bfloat16(s * affine_level<BITS>(words, k) + b);
+    for (int p = 0; p < 4; p++) {
+        unsigned packed[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            __nv_bfloat162 two = __floats2bfloat162_rn(s * affine_level<BITS>(words, 8 * p + 2 * k) + b,
+                                                       s * affine_level<BITS>(words, 8 * p + 2 * k + 1) + b);
+            packed[k] = *reinterpret_cast<unsigned*>(&two);
+        }
+        dst[p] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
 }
 
 // Embedding rows from an affine table, in f32.
@@ -914,31 +944,74 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 // The same split-K decode attention for head dims of 64, 128 and 256, with
 // GQA sharing: a block takes one KV head's chunk of keys for up to
 // DECODE_HEADS of the query heads that read it, so each key and value row is
-// read once for all of them. Scores: one thread per key (q in shared memory).
-// Softmax: one warp per head. Values: each warp a slice of the keys, each lane
-// 4 (or 8) contiguous dims, loads coalesced across the warp; then the warps'
-// sums are added. Output as attention_split's (parts, or `direct`).
+// read once for all of them.
+//
+// Why the rows go through shared memory: the chunk's key and value rows are
+// all copied in at once (cp.async), so the block waits for memory once
+// instead of once per batch of keys and again for the values after the
+// softmax. And the rows of positions before step[0] were written by earlier
+// passes, so their copies are issued before the wait for the kernel before
+// (the q|k|v prologue, which writes this pass's rows): at short contexts the
+// whole cache arrives while that kernel runs. step[0] itself is written by
+// set_step, which never immediately precedes a kernel launched to overlap
+// it (mod.rs `ensure_step`), so it is final here; both it and the rows are
+// read through L2 (an earlier kernel on this SM may hold stale L1 lines).
+//
+// Scores: each warp 8 keys a step, q in registers. Softmax: one warp per
+// head. Values: each warp a slice of the keys, each lane 4 (or 8) contiguous
+// dims; then the warps' sums are added. Output as attention_split's (parts,
+// or `direct`).
 #define DECODE_HEADS 4
 #define DECODE_THREADS 256
+// Keys per block (`chunk`, chosen by mod.rs `decode_plan`): a cache of at
+// most DECODE_ONE_BLOCK / HD keys is one block's, its f32 key and value rows
+// 128 KB of shared memory; longer caches are split in chunks of half that
+// (64 KB), so that three blocks share an SM and one's loads overlap
+// another's arithmetic.
+#define DECODE_ONE_BLOCK 16384
+// Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
+// `ks` and values to `vs` (HD floats a row), in one cp.async group.
+template <int HD>
+__device__ __forceinline__ void decode_stage_rows(const float* keys, const float* values, float* ks, float* vs,
+                                                  int lo, int j0, int j1, int kv_dim, int kvh) {
+    constexpr int PIECES = HD / 4;  // 16-byte pieces a row
+    for (int i = j0 * PIECES + threadIdx.x; i < j1 * PIECES; i += DECODE_THREADS) {
+        int j = i / PIECES, p = i % PIECES;
+        size_t src = (size_t)(lo + j) * kv_dim + kvh * HD + 4 * p;
+        cp_async<16>(ks + j * HD + 4 * p, keys + src, true);
+        cp_async<16>(vs + j * HD + 4 * p, values + src, true);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
 template <int HD>
 __device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,
                                  float* part_ml, float* direct, const int* step, int num_heads, int num_kv_heads,
-                                 int window, float scale, int splits) {
-    constexpr int WARPS = DECODE_THREADS / 32, V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
+                                 int window, float scale, int splits, int chunk) {
+    constexpr int WARPS = DECODE_THREADS / 32;
+    constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
+    extern __shared__ float4 decode_rows[];       // keys [chunk][HD], then values
+    float* ks = reinterpret_cast<float*>(decode_rows);
+    float* vs = ks + chunk * HD;
+    // The warps' value sums reuse the keys' space (read only before the softmax).
+    auto red = reinterpret_cast<float4(*)[DECODE_HEADS][HD / 4]>(ks);
     __shared__ float qs[DECODE_HEADS][HD];
-    __shared__ float scores[DECODE_HEADS][ATTN_CHUNK];
-    __shared__ float4 red[WARPS][DECODE_HEADS][HD / 4];
+    __shared__ float scores[DECODE_HEADS][DECODE_ONE_BLOCK / HD];
     __shared__ float ml[DECODE_HEADS][2];
     int group = num_heads / num_kv_heads;
     int t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads, split = blockIdx.y;
     int g0 = blockIdx.z * DECODE_HEADS, gh = min(DECODE_HEADS, group - g0);
     int h0 = kvh * group + g0;  // first query head of this block
-    int pos = step[0] + t;
+    int start = __ldcg(step);
+    int pos = start + t;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
-    int lo = max(first, split * ATTN_CHUNK), hi = min(pos + 1, (split + 1) * ATTN_CHUNK);
+    int lo = max(first, split * chunk), hi = min(pos + 1, (split + 1) * chunk);
     int n = hi - lo;
     int kv_dim = num_kv_heads * HD;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
+    if (earlier > 0) decode_stage_rows<HD>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
+    grid_dependency_wait();
     if (n <= 0) {
         if (direct) return;  // one split always holds keys
         for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS) {
@@ -948,8 +1021,10 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
         }
         return;
     }
+    if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
     for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
         qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
     // LPK lanes per key, each holding F4 float4s of q per head; KPW keys per warp step.
     constexpr int LPK = HD / 4 < 32 ? HD / 4 : 32, KPW = 32 / LPK, F4 = HD / 4 / LPK;
@@ -959,15 +1034,15 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
     for (int g = 0; g < DECODE_HEADS; g++)
 #pragma unroll
         for (int f = 0; f < F4; f++) qv[g][f] = reinterpret_cast<const float4*>(qs[g])[f * LPK + l];
-    // Batches of 8 keys per warp step, every load of a batch issued first.
+    const float4* ks4 = reinterpret_cast<const float4*>(ks);
     for (int j0 = warp * KPW; j0 < n; j0 += 8 * WARPS * KPW) {
         float4 kv[8][F4];
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int j = j0 + u * WARPS * KPW + sub;
-            const float4* k = reinterpret_cast<const float4*>(keys + (size_t)(lo + j) * kv_dim + kvh * HD);
 #pragma unroll
-            for (int f = 0; f < F4; f++) kv[u][f] = j < n ? k[f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int f = 0; f < F4; f++)
+                kv[u][f] = j < n ? ks4[j * (HD / 4) + f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         // Each lane's share of the 8 keys' dot products with each head.
         float d[8 * DECODE_HEADS];
@@ -1022,33 +1097,23 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
         if (lane == 0) { ml[warp][0] = m; ml[warp][1] = l; }
     }
     __syncthreads();
-    float4 acc[DECODE_HEADS][V4];
-#pragma unroll
-    for (int g = 0; g < DECODE_HEADS; g++)
-#pragma unroll
-        for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* vs4 = reinterpret_cast<const float4*>(vs);
     if (HD >= 128) {
-        for (int j0 = warp; j0 < n; j0 += 8 * WARPS) {
-            float4 x[8][V4];
+        float4 acc[DECODE_HEADS][V4];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int j = j0 + u * WARPS;
-                const float4* vr = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD);
+        for (int g = 0; g < DECODE_HEADS; g++)
 #pragma unroll
-                for (int v = 0; v < V4; v++) x[u][v] = j < n ? vr[lane + 32 * v] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+            for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int j = warp; j < n; j += WARPS) {
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                int j = j0 + u * WARPS;
-                if (j >= n) break;
+            for (int v = 0; v < V4; v++) {
+                float4 x = vs4[j * (HD / 4) + lane + 32 * v];
 #pragma unroll
-                for (int v = 0; v < V4; v++) {
-#pragma unroll
-                    for (int g = 0; g < DECODE_HEADS; g++) {
-                        float p = scores[g][j];
-                        acc[g][v].x += p * x[u][v].x; acc[g][v].y += p * x[u][v].y;
-                        acc[g][v].z += p * x[u][v].z; acc[g][v].w += p * x[u][v].w;
-                    }
+                for (int g = 0; g < DECODE_HEADS; g++) {
+                    float p = scores[g][j];
+                    acc[g][v].x += p * x.x; acc[g][v].y += p * x.y;
+                    acc[g][v].z += p * x.z; acc[g][v].w += p * x.w;
                 }
             }
         }
@@ -1064,7 +1129,7 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
         for (int g = 0; g < DECODE_HEADS; g++) a[g] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
         for (int j = 2 * warp + half; j < n; j += 2 * WARPS) {
-            float4 x = reinterpret_cast<const float4*>(values + (size_t)(lo + j) * kv_dim + kvh * HD)[l16];
+            float4 x = vs4[j * (HD / 4) + l16];
 #pragma unroll
             for (int g = 0; g < DECODE_HEADS; g++) {
                 float p = scores[g][j];
@@ -1099,34 +1164,52 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 #define ATTENTION_DECODE(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
         const float* q, const float* k, const float* v, float* po, float* pml, float* direct, const int* step,      \
-        int nh, int nkv, int window, float scale, int splits) {                                                    \
-        grid_dependency_wait();                                                                                    \
-        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits);                      \
+        int nh, int nkv, int window, float scale, int splits, int chunk) {                                         \
+        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk);               \
     }
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)
 ATTENTION_DECODE(256)
 
-// One block per (row, head): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
+// Block (row·head, 32 of its values): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
+// Each block computes every split's weight e^(m_s − M) once, into shared
+// memory; then each warp sums every 8th split for the block's 32 values
+// (coalesced, and a thread's loads independent of each other). One block per
+// (row, head), each thread walking every split for its value, spent 22 µs
+// merging 64 splits of 32 heads (ncu, H200). Shared memory (mod.rs
+// `combine_shared`): the weights, then 8 × 32 partial sums.
+#define COMBINE_DIMS 32
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,
                                              int splits) {
     grid_dependency_wait();
+    extern __shared__ float combine_weights[];
+    float* partial = combine_weights + splits;  // [warps][COMBINE_DIMS]
     size_t base = (size_t)blockIdx.x * splits;
-    float big = -__int_as_float(0x7f800000);
-    for (int s = 0; s < splits; s++) big = fmaxf(big, part_ml[2 * (base + s)]);
+    const float neg_inf = -__int_as_float(0x7f800000);
+    float big = neg_inf;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) big = fmaxf(big, part_ml[2 * (base + s)]);
+    big = block_max(big);
     float total = 0.0f;
-    for (int s = 0; s < splits; s++) {
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         float m = part_ml[2 * (base + s)];
-        if (m > -__int_as_float(0x7f800000)) total += expf(m - big) * part_ml[2 * (base + s) + 1];
+        float w = m > neg_inf ? expf(m - big) : 0.0f;
+        combine_weights[s] = w;
+        total += w * part_ml[2 * (base + s) + 1];
     }
-    float inv = 1.0f / total;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float m = part_ml[2 * (base + s)];
-            if (m > -__int_as_float(0x7f800000)) acc += expf(m - big) * part_o[(base + s) * head_dim + c];
-        }
-        out[(size_t)blockIdx.x * head_dim + c] = acc * inv;
+    float inv = 1.0f / block_sum(total);  // its barriers also publish the weights
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int c = blockIdx.y * COMBINE_DIMS + lane;
+    float acc = 0.0f;
+    if (c < head_dim) {
+#pragma unroll 4
+        for (int s = warp; s < splits; s += warps) acc += combine_weights[s] * part_o[(base + s) * head_dim + c];
+    }
+    partial[warp * COMBINE_DIMS + lane] = acc;
+    __syncthreads();
+    if (warp == 0 && c < head_dim) {
+        float sum = 0.0f;
+        for (int k = 0; k < warps; k++) sum += partial[k * COMBINE_DIMS + lane];
+        out[(size_t)blockIdx.x * head_dim + c] = sum * inv;
     }
 }
 

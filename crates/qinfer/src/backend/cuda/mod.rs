@@ -89,6 +89,42 @@ const KERNEL_NAMES: &[&str] = &[
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
 const ATTENTION_CHUNK: usize = 128;
 
+/// Shared memory of one `attention_decode{head_dim}` block that holds the
+/// whole cache (`DECODE_ONE_BLOCK` f32 values of keys and as many of values).
+const DECODE_ONE_BLOCK: usize = 16384;
+
+/// How `attention_decode{head_dim}` covers `n_keys` keys: (keys per block,
+/// blocks). A cache that fits one block's shared memory is one block's (no
+/// combine); a longer one is split in chunks of half that size, so three
+/// blocks share an SM, their number a power of two so one recorded step
+/// serves every cache length up to it.
+fn decode_plan(n_keys: usize, head_dim: usize) -> (usize, usize) {
+    let whole = DECODE_ONE_BLOCK / head_dim;
+    if n_keys <= whole {
+        return (whole, 1);
+    }
+    let chunk = whole / 2;
+    (chunk, n_keys.div_ceil(chunk).next_power_of_two())
+}
+
+/// Bytes of dynamic shared memory of an `attention_decode{head_dim}` block
+/// of `chunk` keys: its f32 key and value rows.
+fn decode_shared(chunk: usize, head_dim: usize) -> usize {
+    2 * chunk * head_dim * 4
+}
+
+/// Threads of an `attention_combine` block.
+const COMBINE_THREADS: usize = 256;
+
+/// Output values of a head per `attention_combine` block (`COMBINE_DIMS`).
+const COMBINE_DIMS: usize = 32;
+
+/// Bytes of dynamic shared memory of `attention_combine` merging `splits`
+/// parts: a weight per split, and each warp's partial sums.
+fn combine_shared(splits: usize) -> usize {
+    (splits + COMBINE_THREADS / 32 * COMBINE_DIMS) * 4
+}
+
 /// The tiling of `flash_prefill{head_dim}` (`FLASH_PREFILL` in flash.cu):
 /// query rows and threads per block, keys per tile, and its shared memory in
 /// bytes (f16 q rows and two stages of k and v tiles, rows padded by 8).
@@ -161,6 +197,9 @@ fn affine_mma_kernels() -> impl Iterator<Item = String> {
 /// Activation rows the tensor-core affine GEMV takes (`AMMA_MAX_ACT`).
 const AFFINE_MMA_MAX_ACT: usize = 4;
 
+/// Stages of each warp's ring in the tensor-core affine GEMV (`AMMA_STAGES`).
+const AFFINE_MMA_STAGES: usize = 3;
+
 /// Dynamic shared memory the tensor-core affine GEMV may use.
 const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 /// At most this much, two of its blocks fit on an SM (228 KiB, less 1 KiB
@@ -168,7 +207,7 @@ const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 
 /// Shared memory of a tensor-core affine GEMV launch, None when the kernel
-/// does not apply: per warp (8) a ring of 3 stages, each 16 rows of 128
+/// does not apply: per warp (8) a ring of `AFFINE_MMA_STAGES` stages, each 16 rows of 128
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
 /// per column and 8 bytes per 64 columns (its sum and scale).
@@ -182,7 +221,7 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let units = if bits == 4 { 4 } else { 2 };
     let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
     let stage = 16 * 128 + 2 * 16 * side;
-    let shared = 8 * 3 * stage + act_rows * (2 * w.cols + w.cols / 64 * 8);
+    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * 8);
     let applies = w.cols.is_multiple_of(units * 64)
         && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
         && shared <= AFFINE_MMA_MAX_SHARED;
@@ -251,10 +290,17 @@ fn float_format(dtype: DType) -> (&'static str, usize) {
     }
 }
 
-/// Key chunks of a decode step's split-K attention over `n_keys` keys: a power
-/// of two, so one recorded step serves every cache length up to it.
-fn decode_splits(n_keys: usize) -> usize {
+/// Key chunks of `attention_split`'s split-K attention over `n_keys` keys: a
+/// power of two, so one recorded step serves every cache length up to it.
+fn split_count(n_keys: usize) -> usize {
     n_keys.div_ceil(ATTENTION_CHUNK).next_power_of_two()
+}
+
+/// The recorded decode step that serves `n_keys` keys: every layer's
+/// attention plan (`decode_plan`, `split_count`) changes only where
+/// n_keys / 32 crosses a power of two.
+fn decode_step_key(n_keys: usize) -> usize {
+    n_keys.div_ceil(DECODE_ONE_BLOCK / 512).next_power_of_two()
 }
 
 pub struct CudaBackend {
@@ -293,6 +339,11 @@ pub struct CudaBackend {
     /// in kernels.cu), and the host's record of what was last written there.
     step: CudaSlice<i32>,
     step_written: Mutex<Option<[i32; 2]>>,
+    /// Set when `set_step` was the last launch: the next kernel is launched
+    /// without overlap, so every kernel may read the step inputs before its
+    /// wait (they were written at least two launches before it, or the
+    /// launch before it had finished when it started).
+    after_step_write: std::sync::atomic::AtomicBool,
     /// While a decode step is recorded: the arena its buffers come from, and
     /// whether the stream is capturing (nothing may be allocated then).
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
@@ -407,6 +458,12 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention shared memory", &e))?;
+        kernels["attention_combine"]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                max_shared - 1024,
+            )
+            .map_err(|e| err("attention combine shared memory", &e))?;
         for name in affine_mma_kernels() {
             kernels[&name]
                 .set_attribute(
@@ -420,6 +477,12 @@ impl CudaBackend {
             .map_err(|e| err("multiprocessor count", &e))? as usize;
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
         for hd in [64, 128, 256] {
+            kernels[&format!("attention_decode{hd}")]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    decode_shared(DECODE_ONE_BLOCK / hd, hd) as i32,
+                )
+                .map_err(|e| err("decode attention shared memory", &e))?;
             kernels[&format!("flash_prefill{hd}")]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -450,6 +513,7 @@ impl CudaBackend {
             pool: Arc::new(BufferPool::default()),
             step,
             step_written: Mutex::new(None),
+            after_step_write: std::sync::atomic::AtomicBool::new(false),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
             sampling,
@@ -498,7 +562,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: attrs.as_mut_ptr(),
-            numAttrs: u32::from(self.overlap_launches),
+            numAttrs: u32::from(self.overlap_launches && !self.after_step_write.swap(false, Ordering::Relaxed)),
         };
         let bound = self.stream.context().bind_to_thread();
         self.record(bound, "binding the CUDA context");
@@ -631,6 +695,7 @@ impl CudaBackend {
         *written = Some(want);
         drop(written);
         launch!(self, "set_step", cfg((1, 1, 1), 1, 0), self.p(&self.step), want[0], want[1]);
+        self.after_step_write.store(true, Ordering::Relaxed);
     }
 
     fn upload_slice<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, v: &[T]) -> CudaSlice<T> {
@@ -755,7 +820,9 @@ impl CudaBackend {
         s: &AttentionShape,
         out: &CudaAct,
     ) {
-        let splits = decode_splits(n_keys);
+        let decode = matches!(s.head_dim, 64 | 128 | 256);
+        let (chunk, splits) =
+            if decode { decode_plan(n_keys, s.head_dim) } else { (ATTENTION_CHUNK, split_count(n_keys)) };
         let row_heads = q.rows * s.num_heads;
         let parts = (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
         let (po, pml, direct) = match &parts {
@@ -765,14 +832,14 @@ impl CudaBackend {
         let (window, step) = (s.window.unwrap_or(0) as i32, self.p(&self.step));
         let (heads, kv_heads) = (s.num_heads as i32, s.num_kv_heads as i32);
         let (qp, kp, vp) = (self.p(&q.buf), self.p(keys), self.p(values));
-        if matches!(s.head_dim, 64 | 128 | 256) {
+        if decode {
             let group = s.num_heads / s.num_kv_heads;
             let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
             let name = format!("attention_decode{}", s.head_dim);
             launch!(
                 self,
                 &name,
-                cfg(grid, 256, 0),
+                cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32),
                 qp,
                 kp,
                 vp,
@@ -784,7 +851,8 @@ impl CudaBackend {
                 kv_heads,
                 window,
                 s.scale,
-                splits as i32
+                splits as i32,
+                chunk as i32
             );
         } else {
             let grid = (row_heads as u32, splits as u32, 1);
@@ -812,7 +880,11 @@ impl CudaBackend {
             launch!(
                 self,
                 "attention_combine",
-                cfg((row_heads as u32, 1, 1), 128, 0),
+                cfg(
+                    (row_heads as u32, s.head_dim.div_ceil(COMBINE_DIMS) as u32, 1),
+                    COMBINE_THREADS as u32,
+                    combine_shared(splits) as u32
+                ),
                 self.p(&o.buf),
                 self.p(&ml.buf),
                 self.p(&out.buf),
@@ -972,7 +1044,7 @@ impl Backend for CudaBackend {
             let out = body()?;
             return finish(&out);
         }
-        let key = decode_splits(start + tokens.len());
+        let key = decode_step_key(start + tokens.len());
         if let Some(rec) = step.recorded.get(&key) {
             let r = rec.graph.launch();
             self.record(r, "replaying a decode step");
@@ -1682,7 +1754,7 @@ impl Backend for CudaBackend {
 }
 
 /// One sequence's recorded decode steps, by the number of attention key
-/// chunks they were recorded for (see [`decode_splits`]).
+/// chunks they were recorded for (see [`decode_step_key`]).
 #[derive(Default)]
 pub struct CudaStep {
     recorded: HashMap<usize, Recorded>,
