@@ -962,6 +962,74 @@ fn qkv_prologue_and_swiglu_match_cpu() {
     }
 }
 
+/// The decode attention with the q|k|v prologue in the same kernel (up to 8
+/// rows, head dims 64/128/256; other steps take the prologue then attention)
+/// against the CPU's prologue then attention: outputs, gates, and the cache
+/// rows it appends (read back through plain attention). Groups of 1 to 8
+/// query heads per KV head, norms or none, full and partial rotary in both
+/// styles, windows shorter and longer than a chunk, caches across the
+/// one-block and split plans of each head dim.
+#[test]
+fn qkv_attention_matches_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let configs = [
+        (8, 2, 64, true, true, 32, RopeStyle::Neox),
+        (8, 1, 128, false, true, 128, RopeStyle::Neox),
+        (6, 3, 128, false, false, 128, RopeStyle::Interleaved),
+        (4, 4, 128, true, true, 64, RopeStyle::Neox),
+        (8, 2, 256, true, true, 64, RopeStyle::Neox),
+        (4, 2, 32, false, true, 32, RopeStyle::Neox),
+    ];
+    for (nh, nkv, hd, output_gate, with_norms, rot, style) in configs {
+        for window in [None, Some(5), Some(300)] {
+            let shape = QkvShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, output_gate };
+            let attn = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.15 };
+            let rope = Rope::new(&RopeConfig { theta: 1e4, style, scaling: None }, rot);
+            let (qn, kn) = (r.vec(hd), r.vec(hd));
+            let (qnc, qng) = p.weights(&tensor("qn", DType::F32, vec![hd], &qn));
+            let (knc, kng) = p.weights(&tensor("kn", DType::F32, vec![hd], &kn));
+            let width = nh * hd * if output_gate { 2 } else { 1 } + 2 * nkv * hd;
+            let mut cc = p.cpu.new_cache(2, nkv * hd, 800);
+            let mut cg = p.gpu.new_cache(2, nkv * hd, 800);
+            for rows in [5usize, 1, 3, 8, 1, 60, 1, 3, 200, 1, 8, 12, 1, 3] {
+                let start = cc.len();
+                let positions: Vec<usize> = (start..start + rows).collect();
+                let (xc, xg) = p.acts(rows, width, &r.vec(rows * width));
+                let what = format!(
+                    "qkv_attention {nh}/{nkv}×{hd} gate {output_gate} norms {with_norms} rot {rot} {style:?} \
+                     window {window:?} at {start}+{rows}"
+                );
+                let norms_c = with_norms.then_some((&qnc, &knc));
+                let norms_g = with_norms.then_some((&qng, &kng));
+                let (oc, gc) = p.cpu.qkv_attention(&xc, &shape, norms_c, 1e-6, &positions, &rope, &mut cc, 1, &attn);
+                let (og, gg) = p.gpu.qkv_attention(&xg, &shape, norms_g, 1e-6, &positions, &rope, &mut cg, 1, &attn);
+                // Steps past 8 rows take the f16 tensor-core prefill attention.
+                let flash = rows > 8 && matches!(hd, 64 | 128 | 256);
+                p.check(&what, &oc, &og, if flash { 3e-3 } else { 1e-5 });
+                assert_eq!(gc.is_some(), gg.is_some());
+                if let (Some(gc), Some(gg)) = (gc, gg) {
+                    p.check(&format!("{what} gate"), &gc, &gg, 0.0);
+                }
+                cc.set_len(start + rows);
+                cg.set_len(start + rows);
+                // The appended rows, through plain attention of one fresh
+                // query row at the next position.
+                let q1 = r.vec(nh * hd);
+                let (qc1, qg1) = p.acts(1, nh * hd, &q1);
+                let kv1 = r.vec(nkv * hd);
+                let (kc1, kg1) = p.acts(1, nkv * hd, &kv1);
+                p.cpu.write_kv(&mut cc, 1, &kc1, &kc1);
+                p.gpu.write_kv(&mut cg, 1, &kg1, &kg1);
+                let (ac, ag) = (p.cpu.attention(&qc1, &cc, 1, &attn), p.gpu.attention(&qg1, &cg, 1, &attn));
+                p.check(&format!("{what} cache"), &ac, &ag, 1e-5);
+                cc.set_len(start + rows + 1);
+                cg.set_len(start + rows + 1);
+            }
+        }
+    }
+}
+
 /// How close `pick`'s choice came to flipping, recomputed in f64: the least
 /// distance of top_p, of min_p (relative to the top probability) and of the
 /// draw u·total from a boundary of the sorted candidates' running mass. f32
