@@ -23,7 +23,7 @@ const EARLY: [(&str, &str, &[&str]); 4] = [
     (
         "attention_decode<HD>(",
         "__device__ void attention_decode(",
-        &["pro.qkv +", "earlier < n", "q[", "keys[at", "values[at", "gate_out[", "part_o[", "part_ml[", "direct["],
+        &["earlier < n", "q[", "part_o[", "part_ml[", "direct["],
     ),
 ];
 

@@ -984,45 +984,10 @@ __device__ __forceinline__ void decode_stage_rows(const float* keys, const float
     asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// The q|k|v prologue done inside the decode attention (`attention_decode_qkv`):
-// the stacked projection's rows and what qkv_prologue takes. Null `qkv`: the
-// queries are given, already normed and rotated, and the cache holds the
-// pass's rows (`attention_decode`).
-struct DecodePrologue {
-    const float* qkv;
-    float* gate_out;
-    const float* q_norm;  // null: no per-head norms
-    const float* k_norm;
-    const float* inv_freq;
-    float eps;
-    int rotary_dim, style, output_gate;
-};
-
-// One head vector of HD values, by one warp: src RMS-normed with `w` (when
-// given) and rotated at `pos` into dst (shared memory); qkv_prologue's
-// arithmetic (the sum of squares in another order).
 template <int HD>
-__device__ __forceinline__ void warp_norm_rope(const float* src, float* dst, const float* w, float eps,
-                                               const float* inv_freq, int half, int style, int pos, int lane) {
-    float ss = 0.0f;
-    for (int c = lane; c < HD; c += 32) {
-        float v = src[c];
-        dst[c] = v;
-        ss += v * v;
-    }
-    if (w) {
-        float inv = rsqrtf(warp_sum(ss) / HD + eps);
-        for (int c = lane; c < HD; c += 32) dst[c] = w[c] * (dst[c] * inv);
-    }
-    __syncwarp();
-    for (int i = lane; i < half; i += 32) rope_pair(dst, i, pos, inv_freq[i], half, style);
-    __syncwarp();
-}
-
-template <int HD>
-__device__ void attention_decode(const float* q, float* keys, float* values, float* part_o, float* part_ml,
-                                 float* direct, const int* step, int num_heads, int num_kv_heads, int window,
-                                 float scale, int splits, int chunk, DecodePrologue pro) {
+__device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,
+                                 float* part_ml, float* direct, const int* step, int num_heads, int num_kv_heads,
+                                 int window, float scale, int splits, int chunk) {
     constexpr int WARPS = DECODE_THREADS / 32;
     constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
     extern __shared__ float4 decode_rows[];       // keys [chunk][HD], then values
@@ -1056,45 +1021,9 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
         }
         return;
     }
-    if (pro.qkv) {
-        // The prologue: a warp per task, the block's query heads of row t,
-        // then the pass's rows in this chunk (chunk rows [earlier, n), pass
-        // rows lo + j − start), their keys normed and rotated and their
-        // values copied into the staged rows. The block whose chunk holds
-        // row t's own position appends that key and value to the cache
-        // (one block per row and KV head) and writes its heads' gates.
-        int q_stride = HD * (pro.output_gate ? 2 : 1), q_rows = num_heads * q_stride;
-        size_t row_w = (size_t)q_rows + 2 * kv_dim;
-        bool owner = hi == pos + 1;  // the chunk holding row t's position
-        int half = pro.rotary_dim / 2;
-        for (int task = warp; task < gh + n - earlier; task += WARPS) {
-            if (task < gh) {
-                const float* src = pro.qkv + t * row_w + (size_t)(h0 + task) * q_stride;
-                warp_norm_rope<HD>(src, qs[task], pro.q_norm, pro.eps, pro.inv_freq, half, pro.style, pos, lane);
-                for (int c = lane; c < HD; c += 32) qs[task][c] *= scale;
-                if (pro.output_gate && owner)
-                    for (int c = lane; c < HD; c += 32)
-                        pro.gate_out[((size_t)t * num_heads + h0 + task) * HD + c] = src[HD + c];
-            } else {
-                int j = earlier + task - gh, p = lo + j;
-                const float* src = pro.qkv + (p - start) * row_w + q_rows + kvh * HD;
-                float *kd = ks + j * HD, *vd = vs + j * HD;
-                warp_norm_rope<HD>(src, kd, pro.k_norm, pro.eps, pro.inv_freq, half, pro.style, p, lane);
-                for (int c = lane; c < HD; c += 32) vd[c] = src[kv_dim + c];
-                if (p == pos && blockIdx.z == 0) {
-                    size_t at = (size_t)p * kv_dim + kvh * HD;
-                    for (int c = lane; c < HD; c += 32) {
-                        keys[at + c] = kd[c];
-                        values[at + c] = vd[c];
-                    }
-                }
-            }
-        }
-    } else {
-        if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
-        for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
-            qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
-    }
+    if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
+    for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
+        qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
     // LPK lanes per key, each holding F4 float4s of q per head; KPW keys per warp step.
@@ -1234,18 +1163,9 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
 }
 #define ATTENTION_DECODE(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
-        const float* q, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv, \
-        int window, float scale, int splits, int chunk) {                                                          \
-        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,                \
-                             DecodePrologue{});                                                                     \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode_qkv##HD(                         \
-        const float* qkv, float* gate_out, float* k, float* v, const float* q_norm, const float* k_norm,           \
-        const float* inv_freq, float* po, float* pml, float* direct, const int* step, int nh, int nkv, int window, \
-        float scale, int splits, int chunk, float eps, int rotary_dim, int style, int output_gate) {               \
-        attention_decode<HD>(nullptr, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,          \
-                             DecodePrologue{qkv, gate_out, q_norm, k_norm, inv_freq, eps, rotary_dim, style,        \
-                                            output_gate});                                                          \
+        const float* q, const float* k, const float* v, float* po, float* pml, float* direct, const int* step,      \
+        int nh, int nkv, int window, float scale, int splits, int chunk) {                                         \
+        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk);               \
     }
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)

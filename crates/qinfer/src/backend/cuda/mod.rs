@@ -67,9 +67,6 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_decode64",
     "attention_decode128",
     "attention_decode256",
-    "attention_decode_qkv64",
-    "attention_decode_qkv128",
-    "attention_decode_qkv256",
     "kv_append",
     "qkv_prologue",
     "swiglu",
@@ -306,38 +303,6 @@ fn decode_step_key(n_keys: usize) -> usize {
     n_keys.div_ceil(DECODE_ONE_BLOCK / 512).next_power_of_two()
 }
 
-/// Device pointers the q|k|v prologue reads and writes (0: no norm).
-struct PrologueInputs {
-    keys: u64,
-    values: u64,
-    q_norm: u64,
-    k_norm: u64,
-    inv_freq: u64,
-}
-
-/// Where a decode attention launch finds its queries.
-enum DecodeQueries {
-    /// Queries already normed and rotated (device pointer), the pass's key
-    /// and value rows already in the cache.
-    Ready(u64),
-    /// The stacked q|k|v projection: the kernel does the prologue itself.
-    Projected(DecodePrologue),
-}
-
-/// The q|k|v prologue's inputs (device pointers, 0 for none) for
-/// `attention_decode_qkv` (`DecodePrologue` in kernels.cu).
-struct DecodePrologue {
-    qkv: u64,
-    gate: u64,
-    q_norm: u64,
-    k_norm: u64,
-    inv_freq: u64,
-    eps: f32,
-    rotary_dim: i32,
-    style: i32,
-    output_gate: bool,
-}
-
 pub struct CudaBackend {
     ordinal: usize,
     device_name: String,
@@ -512,14 +477,12 @@ impl CudaBackend {
             .map_err(|e| err("multiprocessor count", &e))? as usize;
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
         for hd in [64, 128, 256] {
-            for name in [format!("attention_decode{hd}"), format!("attention_decode_qkv{hd}")] {
-                kernels[&name]
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        decode_shared(DECODE_ONE_BLOCK / hd, hd) as i32,
-                    )
-                    .map_err(|e| err("decode attention shared memory", &e))?;
-            }
+            kernels[&format!("attention_decode{hd}")]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    decode_shared(DECODE_ONE_BLOCK / hd, hd) as i32,
+                )
+                .map_err(|e| err("decode attention shared memory", &e))?;
             kernels[&format!("flash_prefill{hd}")]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -842,51 +805,17 @@ impl CudaBackend {
         }
     }
 
-    /// The device inputs of the q|k|v prologue for `rows` rows at
-    /// `positions`, which must continue the cache: the pass's rows reserved
-    /// in the layer's cache, the step inputs set. None (with the error
-    /// recorded) when they cannot be had.
-    fn prologue_inputs(
-        &self,
-        rows: usize,
-        norms: Option<(&CudaWeight, &CudaWeight)>,
-        positions: &[usize],
-        rope: &Rope,
-        cache: &mut CudaKv,
-        layer: usize,
-    ) -> Option<PrologueInputs> {
-        let start = positions.first().copied().unwrap_or(0);
-        if start != cache.len() || positions.iter().enumerate().any(|(i, &p)| p != start + i) {
-            self.record(Err("positions must continue the cache"), "qkv_prologue");
-            return None;
-        }
-        let r = cache.reserve(&self.stream, layer, rows);
-        self.record(r, "KV cache allocation");
-        let (Some((keys, values)), Some(inv_freq)) = (cache.layer(layer), self.rope_table(rope)) else {
-            return None;
-        };
-        let norm_ptr = |w: &CudaWeight| match w {
-            CudaWeight::Vector(v) => self.p(v),
-            _ => 0,
-        };
-        let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
-        self.ensure_step(start, None);
-        Some(PrologueInputs { keys: self.p(keys), values: self.p(values), q_norm, k_norm, inv_freq })
-    }
-
-    /// Decode attention of `rows` query rows split over chunks of keys so
-    /// every SM has work, the chunks merged by `attention_combine` (with one
-    /// chunk the kernel writes the output itself). Head dims of 64/128/256
-    /// take `attention_decode`, blocks over (row·KV head, chunk, group of
-    /// query heads) sharing each key and value row, or with the q|k|v
-    /// prologue done in the same kernel `attention_decode_qkv`; others
-    /// `attention_split`, a block per (row·head, chunk).
-    #[allow(clippy::too_many_arguments)]
+    /// Decode attention split over chunks of keys so every SM has work, the
+    /// chunks merged by `attention_combine` (with one chunk the kernel writes
+    /// the output itself). Head dims of 64/128/256 take `attention_decode`,
+    /// blocks over (row·KV head, chunk, group of query heads) sharing each
+    /// key and value row; others `attention_split`, a block per (row·head,
+    /// chunk).
     fn attention_split(
         &self,
-        rows: usize,
-        queries: &DecodeQueries,
-        (kp, vp): (u64, u64),
+        q: &CudaAct,
+        keys: &CudaSlice<f32>,
+        values: &CudaSlice<f32>,
         n_keys: usize,
         s: &AttentionShape,
         out: &CudaAct,
@@ -894,7 +823,7 @@ impl CudaBackend {
         let decode = matches!(s.head_dim, 64 | 128 | 256);
         let (chunk, splits) =
             if decode { decode_plan(n_keys, s.head_dim) } else { (ATTENTION_CHUNK, split_count(n_keys)) };
-        let row_heads = rows * s.num_heads;
+        let row_heads = q.rows * s.num_heads;
         let parts = (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
         let (po, pml, direct) = match &parts {
             Some((o, ml)) => (self.p(&o.buf), self.p(&ml.buf), 0u64),
@@ -902,51 +831,30 @@ impl CudaBackend {
         };
         let (window, step) = (s.window.unwrap_or(0) as i32, self.p(&self.step));
         let (heads, kv_heads) = (s.num_heads as i32, s.num_kv_heads as i32);
+        let (qp, kp, vp) = (self.p(&q.buf), self.p(keys), self.p(values));
         if decode {
             let group = s.num_heads / s.num_kv_heads;
-            let grid = ((rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
-            let tail: [Arg; 10] = [
-                po.into(),
-                pml.into(),
-                direct.into(),
-                step.into(),
-                heads.into(),
-                kv_heads.into(),
-                window.into(),
-                s.scale.into(),
-                (splits as i32).into(),
-                (chunk as i32).into(),
-            ];
-            let (name, args): (String, Vec<Arg>) = match queries {
-                DecodeQueries::Ready(q) => {
-                    let head = [Arg::from(*q), kp.into(), vp.into()];
-                    (format!("attention_decode{}", s.head_dim), head.into_iter().chain(tail).collect())
-                }
-                DecodeQueries::Projected(pro) => {
-                    let head = [
-                        Arg::from(pro.qkv),
-                        pro.gate.into(),
-                        kp.into(),
-                        vp.into(),
-                        pro.q_norm.into(),
-                        pro.k_norm.into(),
-                        pro.inv_freq.into(),
-                    ];
-                    let rest = [
-                        Arg::from(pro.eps),
-                        pro.rotary_dim.into(),
-                        pro.style.into(),
-                        i32::from(pro.output_gate).into(),
-                    ];
-                    let args = head.into_iter().chain(tail).chain(rest).collect();
-                    (format!("attention_decode_qkv{}", s.head_dim), args)
-                }
-            };
-            self.launch_args(&name, cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32), &args);
+            let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
+            let name = format!("attention_decode{}", s.head_dim);
+            launch!(
+                self,
+                &name,
+                cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32),
+                qp,
+                kp,
+                vp,
+                po,
+                pml,
+                direct,
+                step,
+                heads,
+                kv_heads,
+                window,
+                s.scale,
+                splits as i32,
+                chunk as i32
+            );
         } else {
-            let DecodeQueries::Ready(qp) = *queries else {
-                return self.record(Err("the fused prologue takes head dims 64, 128 and 256"), "attention");
-            };
             let grid = (row_heads as u32, splits as u32, 1);
             let hd = s.head_dim as i32;
             launch!(
@@ -1403,8 +1311,7 @@ impl Backend for CudaBackend {
         let n_keys = cache.len() + q.rows;
         self.ensure_step(cache.len(), None);
         if q.rows <= GEMV_MAX_ROWS {
-            let kv = (self.p(keys), self.p(values));
-            self.attention_split(q.rows, &DecodeQueries::Ready(self.p(&q.buf)), kv, n_keys, s, &out);
+            self.attention_split(q, keys, values, n_keys, s, &out);
             return out;
         }
         if !self.split_activations && matches!(s.head_dim, 64 | 128 | 256) {
@@ -1522,9 +1429,22 @@ impl Backend for CudaBackend {
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let q = self.act(qkv.rows, nh * hd);
         let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
-        let Some(inputs) = self.prologue_inputs(qkv.rows, norms, positions, rope, cache, layer) else {
+        let start = positions.first().copied().unwrap_or(0);
+        if start != cache.len() || positions.iter().enumerate().any(|(i, &p)| p != start + i) {
+            self.record(Err("positions must continue the cache"), "qkv_prologue");
+            return (q, gate);
+        }
+        let r = cache.reserve(&self.stream, layer, qkv.rows);
+        self.record(r, "KV cache allocation");
+        let (Some((keys, values)), Some(freq_ptr)) = (cache.layer(layer), self.rope_table(rope)) else {
             return (q, gate);
         };
+        let norm_ptr = |w: &CudaWeight| match w {
+            CudaWeight::Vector(v) => self.p(v),
+            _ => 0,
+        };
+        let (qn, kn) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
+        self.ensure_step(start, None);
         let threads = (hd.div_ceil(32) * 32).min(256) as u32;
         launch!(
             self,
@@ -1533,11 +1453,11 @@ impl Backend for CudaBackend {
             self.p(&qkv.buf),
             self.p(&q.buf),
             gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
-            inputs.keys,
-            inputs.values,
-            inputs.q_norm,
-            inputs.k_norm,
-            inputs.inv_freq,
+            self.p(keys),
+            self.p(values),
+            qn,
+            kn,
+            freq_ptr,
             self.p(&self.step),
             nh as i32,
             nkv as i32,
@@ -1548,49 +1468,6 @@ impl Backend for CudaBackend {
             rope_style(rope)
         );
         (q, gate)
-    }
-
-    /// For up to 8 rows and head dims of 64, 128 and 256, one kernel: the
-    /// decode attention does the prologue for the rows it reads
-    /// (`attention_decode_qkv`), one launch and one kernel boundary fewer
-    /// per layer. Otherwise the prologue, then attention.
-    fn qkv_attention(
-        &self,
-        qkv: &CudaAct,
-        shape: &QkvShape,
-        norms: Option<(&CudaWeight, &CudaWeight)>,
-        eps: f32,
-        positions: &[usize],
-        rope: &Rope,
-        cache: &mut CudaKv,
-        layer: usize,
-        attention: &AttentionShape,
-    ) -> (CudaAct, Option<CudaAct>) {
-        let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-        let same_heads = (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (nh, nkv, hd);
-        if qkv.rows > GEMV_MAX_ROWS || !matches!(hd, 64 | 128 | 256) || !same_heads {
-            let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
-            return (self.attention(&q, cache, layer, attention), gate);
-        }
-        let out = self.act(qkv.rows, nh * hd);
-        let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
-        let Some(inputs) = self.prologue_inputs(qkv.rows, norms, positions, rope, cache, layer) else {
-            return (out, gate);
-        };
-        let prologue = DecodePrologue {
-            qkv: self.p(&qkv.buf),
-            gate: gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
-            q_norm: inputs.q_norm,
-            k_norm: inputs.k_norm,
-            inv_freq: inputs.inv_freq,
-            eps,
-            rotary_dim: rope.rotary_dim as i32,
-            style: rope_style(rope),
-            output_gate: shape.output_gate,
-        };
-        let (kv, n_keys) = ((inputs.keys, inputs.values), cache.len() + qkv.rows);
-        self.attention_split(qkv.rows, &DecodeQueries::Projected(prologue), kv, n_keys, attention, &out);
-        (out, gate)
     }
 
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
