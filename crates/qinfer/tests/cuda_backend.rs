@@ -594,6 +594,75 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
     }
 }
 
+/// A GGUF file's tensors with every ggml block type decoded to f32 (as
+/// ggml decodes them): the exact weights, for a CPU reference that computes
+/// with them in f32 as the CUDA backend does (llama.cpp and the CPU backend
+/// quantize the activations instead).
+struct DecodedBlocks<'a>(&'a dyn qinfer::formats::TensorSource);
+
+impl qinfer::formats::TensorSource for DecodedBlocks<'_> {
+    fn tensor(&self, name: &str) -> qinfer::Result<Tensor> {
+        let t = self.0.tensor(name)?;
+        match t.dtype {
+            DType::F32 | DType::F16 | DType::BF16 | DType::U32 => Ok(t),
+            _ => Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()),
+        }
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains(name)
+    }
+    fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    fn raw_tensor(&self, name: &str) -> qinfer::Result<Tensor> {
+        self.0.raw_tensor(name)
+    }
+}
+
+/// GGUF files of every block type on CUDA (tests/fixtures/gguf_quant: a
+/// hidden-256 Qwen3, every matrix in the type): 32-value block types become
+/// affine weights, Q2_K/Q3_K/Q6_K f32 ones. Against the same model on the
+/// CPU with the blocks decoded to f32: decode steps (the GEMV path, f32 math
+/// on the exact weights) within f32 rounding, and the prefill (whose GEMMs
+/// read affine weights through bf16 tiles) within that rounding of the weights.
+#[test]
+fn gguf_block_types_on_cuda_match_their_decoded_weights() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_quant");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let input = ids(&r["input_ids"]);
+    for name in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"] {
+        let m = loader::open(&dir.join(name).join("model.gguf")).unwrap();
+        let decoded = DecodedBlocks(m.source.as_ref());
+        let cpu = DecoderModel::load(m.config.clone(), &decoded, CpuBackend::new(), &|_| {}).unwrap();
+        let backend = CudaBackend::new(0).unwrap().with_split_activations();
+        let lm = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {})
+            .unwrap_or_else(|e| panic!("{name} on CUDA: {e}"));
+        let (mut sc, mut sg) = (cpu.new_sequence(input.len()), lm.new_sequence(input.len()));
+        let want = cpu.forward(sc.as_mut(), &input, Logits::All).unwrap();
+        let got = lm.forward(sg.as_mut(), &input, Logits::All).unwrap();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d_prefill = max_abs(&got, &want);
+        let (mut sc, mut sg) = (cpu.new_sequence(input.len()), lm.new_sequence(input.len()));
+        let mut e_decode = 0f32;
+        for &t in input.iter().take(12) {
+            let c = cpu.forward(sc.as_mut(), &[t], Logits::Last).unwrap();
+            let g = lm.forward(sg.as_mut(), &[t], Logits::Last).unwrap();
+            e_decode = e_decode.max(rel(&g, &c));
+        }
+        println!(
+            "{name} on CUDA: decode rel {e_decode:.2e}, prefill max |Δlogit| {d_prefill:.2e} (logits up to {scale:.1})"
+        );
+        assert!(e_decode < 1e-3, "{name}: decode rel {e_decode}");
+        // bf16 weight tiles: 2^-9 of each weight, far below the distance of
+        // a wrong decoding (the logits' own scale).
+        assert!(d_prefill <= 1e-2 * scale, "{name}: prefill {d_prefill} (scale {scale})");
+    }
+}
+
 /// Decode steps replayed from recorded CUDA graphs give what running each step
 /// eagerly gives, across the attention-chunk boundaries where a new step is
 /// recorded, for dense, sliding-window, hybrid and MoE (routed on the device)

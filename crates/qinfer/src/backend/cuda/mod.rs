@@ -344,6 +344,8 @@ pub struct CudaBackend {
     /// wait (they were written at least two launches before it, or the
     /// launch before it had finished when it started).
     after_step_write: std::sync::atomic::AtomicBool,
+    /// Whether the f32 decoding of Q2_K/Q3_K/Q6_K matrices has been logged.
+    warned_dense_blocks: std::sync::atomic::AtomicBool,
     /// While a decode step is recorded: the arena its buffers come from, and
     /// whether the stream is capturing (nothing may be allocated then).
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
@@ -514,6 +516,7 @@ impl CudaBackend {
             step,
             step_written: Mutex::new(None),
             after_step_write: std::sync::atomic::AtomicBool::new(false),
+            warned_dense_blocks: std::sync::atomic::AtomicBool::new(false),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
             sampling,
@@ -1103,22 +1106,39 @@ impl Backend for CudaBackend {
                 cols: t.shape[1],
                 buf: self.upload_slice(t.data.as_slice()),
             }),
+            // ggml blocks: those with 32-value scales become affine weights
+            // (exact, see formats/gguf/as_affine.rs); Q2_K, Q3_K and Q6_K,
+            // whose scales cover 16 values, are decoded to f32 (exact, 4
+            // bytes a value) until they have kernels of their own.
             (
                 2,
-                DType::U32
-                | DType::Q4_0
+                DType::Q4_0
                 | DType::Q4_1
                 | DType::Q5_0
                 | DType::Q5_1
                 | DType::Q8_0
-                | DType::Q2_K
-                | DType::Q3_K
                 | DType::Q4_K
                 | DType::Q5_K
+                | DType::Q2_K
+                | DType::Q3_K
                 | DType::Q6_K,
-            ) => Err(Error::tensor(
+            ) => match crate::formats::gguf::as_affine(t) {
+                Some(affine) => affine.and_then(|a| self.upload_affine(&a)),
+                None => {
+                    if !self.warned_dense_blocks.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "{} ({}) and any other Q2_K/Q3_K/Q6_K matrices are decoded to f32 on CUDA: exact, but 4 \
+                             bytes a weight",
+                            t.name,
+                            t.dtype.name()
+                        );
+                    }
+                    Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()).and_then(|f| self.upload(&f))
+                }
+            },
+            (2, DType::U32) => Err(Error::tensor(
                 &t.name,
-                format!("{} weights are not supported on CUDA yet (bf16, f16 and f32 are)", t.dtype.name()),
+                "u32 words are quantized weights only with their scales and biases (an affine weight)",
             )),
             _ => Err(Error::tensor(&t.name, format!("expected 1-D or 2-D, found shape {:?}", t.shape))),
         }

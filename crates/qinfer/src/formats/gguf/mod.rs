@@ -5,6 +5,7 @@
 //! the metadata key/values, the tensor infos, padding to `general.alignment`
 //! (default 32), then the tensor data; tensor offsets are relative to the data.
 
+mod as_affine;
 mod config;
 mod gdn_meta;
 mod ggml_type;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
+pub use as_affine::{affine_bits, as_affine};
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};
 pub use reader::GgufTensorInfo;

@@ -1,0 +1,142 @@
+//! ggml block types as affine weights (`w = scale·q + bias` per group of 32
+//! values, q unsigned), for a backend that computes with affine weights but
+//! has no kernels for ggml's blocks (CUDA).
+//!
+//! Why this is exact: in every type whose scales cover 32 values, a value is
+//! `d·(q − k)`, `d·q + m` or `d·sc·q − dmin·mn` with f16 `d`, `m`, `dmin` and
+//! small integers `q`, `sc`, `mn`. So the scale (`d`, or `d·sc`) and the bias
+//! (`−k·d`, `m`, or `−dmin·mn`) are exact in f32, and `scale·q + bias` rounds
+//! once, as ggml's decoder does: decoded values equal ggml's bit for bit
+//! (checked against gguf-py's decoder in `tests/gguf_as_affine.rs`). Scales
+//! and biases stay f32 (an f16 `d` is not a bf16 in general), so a 4-bit
+//! weight takes 6 bits a value instead of 4.5.
+//!
+//! Q2_K, Q3_K and Q6_K scale groups of 16 values, which no affine group size
+//! covers: None.
+
+use crate::affine::{self, AffineParams, AffineParts, AffineTensor};
+use crate::backend::cpu::kquants::{self, QK_K};
+use crate::tensor::{Bytes, DType, Tensor};
+use crate::{Error, Result};
+
+/// One 32-value group: its levels and the affine scale and bias.
+struct Group {
+    q: [u8; 32],
+    scale: f32,
+    bias: f32,
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Bits of the affine levels a ggml type becomes, None where there is no
+/// exact affine form.
+pub fn affine_bits(dtype: DType) -> Option<u32> {
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Some(4),
+        DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Some(5),
+        DType::Q8_0 => Some(8),
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::Q2_K | DType::Q3_K | DType::Q6_K => None,
+    }
+}
+
+/// The 32-value groups of one block of `dtype` (one for the 32-value types,
+/// eight for Q4_K and Q5_K).
+fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
+    let nibbles = |qs: &[u8], q: &mut [u8; 32]| {
+        for j in 0..16 {
+            q[j] = qs[j] & 0x0f;
+            q[j + 16] = qs[j] >> 4;
+        }
+    };
+    let mut q = [0u8; 32];
+    match dtype {
+        DType::Q4_0 => {
+            let d = f16_at(b, 0);
+            nibbles(&b[2..18], &mut q);
+            out.push(Group { q, scale: d, bias: -8.0 * d });
+        }
+        DType::Q4_1 => {
+            nibbles(&b[4..20], &mut q);
+            out.push(Group { q, scale: f16_at(b, 0), bias: f16_at(b, 2) });
+        }
+        DType::Q5_0 | DType::Q5_1 => {
+            let (qh_at, qs_at) = if dtype == DType::Q5_1 { (4, 8) } else { (2, 6) };
+            let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+            nibbles(&b[qs_at..qs_at + 16], &mut q);
+            for (j, v) in q.iter_mut().enumerate() {
+                *v |= (((qh >> j) & 1) as u8) << 4;
+            }
+            let d = f16_at(b, 0);
+            let bias = if dtype == DType::Q5_1 { f16_at(b, 2) } else { -16.0 * d };
+            out.push(Group { q, scale: d, bias });
+        }
+        DType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for (v, &s) in q.iter_mut().zip(&b[2..34]) {
+                *v = (s as i8 as i16 + 128) as u8;
+            }
+            out.push(Group { q, scale: d, bias: -128.0 * d });
+        }
+        DType::Q4_K | DType::Q5_K => {
+            let u = kquants::unpack(dtype, b);
+            for g in 0..QK_K / 32 {
+                for (v, &x) in q.iter_mut().zip(&u.q[32 * g..32 * (g + 1)]) {
+                    *v = x as u8;
+                }
+                // Both 16-value halves of a group share its scale and min.
+                let scale = u.d * u.scales[2 * g] as f32;
+                let bias = -(u.dmin * u.mins[2 * g] as f32);
+                out.push(Group { q, scale, bias });
+            }
+        }
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::Q2_K | DType::Q3_K | DType::Q6_K => {
+            unreachable!("{} has no affine form", dtype.name())
+        }
+    }
+}
+
+/// `t` (a matrix of a ggml block type) as an affine weight with groups of 32;
+/// None for types without an exact affine form (see the module comment).
+pub fn as_affine(t: &Tensor) -> Option<Result<AffineTensor>> {
+    let bits = affine_bits(t.dtype)?;
+    Some(convert(t, bits))
+}
+
+fn convert(t: &Tensor, bits: u32) -> Result<AffineTensor> {
+    let &[rows, cols] = t.shape.as_slice() else {
+        return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
+    };
+    let params = AffineParams::new(bits, 32, &t.name)?;
+    let (block_bytes, groups) = (t.dtype.block_bytes(), cols / 32);
+    let src = t.data.as_slice();
+    let mut packed = Vec::with_capacity(rows * params.row_bytes(cols));
+    let (mut scales, mut biases) = (Vec::with_capacity(rows * groups * 4), Vec::with_capacity(rows * groups * 4));
+    let mut row_groups = Vec::with_capacity(groups);
+    let mut levels = Vec::with_capacity(cols);
+    let row_bytes = t.dtype.bytes_for(cols).ok_or_else(|| Error::tensor(&t.name, "rows are not whole blocks"))?;
+    for row in src.chunks_exact(row_bytes).take(rows) {
+        row_groups.clear();
+        for b in row.chunks_exact(block_bytes) {
+            block_groups(t.dtype, b, &mut row_groups);
+        }
+        levels.clear();
+        for g in &row_groups {
+            levels.extend_from_slice(&g.q);
+            scales.extend_from_slice(&g.scale.to_le_bytes());
+            biases.extend_from_slice(&g.bias.to_le_bytes());
+        }
+        affine::pack(bits, &levels, &mut packed);
+    }
+    let tensor = |suffix: &str, dtype, cols, data: Vec<u8>| {
+        Tensor::new(format!("{}{suffix}", t.name), dtype, vec![rows, cols], Bytes::from_vec(data))
+    };
+    let parts = AffineParts {
+        packed: tensor("", DType::U32, cols * bits as usize / 32, packed)?,
+        scales: tensor(".scales", DType::F32, groups, scales)?,
+        biases: tensor(".biases", DType::F32, groups, biases)?,
+        declared: Some(params),
+    };
+    AffineTensor::new(parts, cols)
+}
