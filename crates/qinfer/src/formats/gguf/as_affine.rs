@@ -14,6 +14,8 @@
 //! Q2_K, Q3_K and Q6_K scale groups of 16 values, which no affine group size
 //! covers: None.
 
+use rayon::prelude::*;
+
 use crate::affine::{self, AffineParams, AffineParts, AffineTensor};
 use crate::backend::cpu::kquants::{self, QK_K};
 use crate::tensor::{Bytes, DType, Tensor};
@@ -108,27 +110,40 @@ fn convert(t: &Tensor, bits: u32) -> Result<AffineTensor> {
     let &[rows, cols] = t.shape.as_slice() else {
         return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
     };
+    if rows == 0 || cols == 0 {
+        return Err(Error::tensor(&t.name, format!("an empty matrix, shape {:?}", t.shape)));
+    }
     let params = AffineParams::new(bits, 32, &t.name)?;
     let (block_bytes, groups) = (t.dtype.block_bytes(), cols / 32);
-    let src = t.data.as_slice();
-    let mut packed = Vec::with_capacity(rows * params.row_bytes(cols));
-    let (mut scales, mut biases) = (Vec::with_capacity(rows * groups * 4), Vec::with_capacity(rows * groups * 4));
-    let mut row_groups = Vec::with_capacity(groups);
-    let mut levels = Vec::with_capacity(cols);
     let row_bytes = t.dtype.bytes_for(cols).ok_or_else(|| Error::tensor(&t.name, "rows are not whole blocks"))?;
-    for row in src.chunks_exact(row_bytes).take(rows) {
-        row_groups.clear();
-        for b in row.chunks_exact(block_bytes) {
-            block_groups(t.dtype, b, &mut row_groups);
-        }
-        levels.clear();
-        for g in &row_groups {
-            levels.extend_from_slice(&g.q);
-            scales.extend_from_slice(&g.scale.to_le_bytes());
-            biases.extend_from_slice(&g.bias.to_le_bytes());
-        }
-        affine::pack(bits, &levels, &mut packed);
+    let src = t.data.as_slice();
+    if src.len() != rows * row_bytes {
+        return Err(Error::tensor(&t.name, format!("{} bytes for {rows} rows of {row_bytes}", src.len())));
     }
+    let packed_row = params.row_bytes(cols);
+    let (mut packed, mut scales, mut biases) =
+        (vec![0u8; rows * packed_row], vec![0u8; rows * groups * 4], vec![0u8; rows * groups * 4]);
+    // Rows in parallel: a model's matrices hold billions of values.
+    packed
+        .par_chunks_mut(packed_row)
+        .zip(scales.par_chunks_mut(groups * 4))
+        .zip(biases.par_chunks_mut(groups * 4))
+        .zip(src.par_chunks_exact(row_bytes))
+        .for_each(|(((packed, scales), biases), row)| {
+            let mut row_groups = Vec::with_capacity(groups);
+            for b in row.chunks_exact(block_bytes) {
+                block_groups(t.dtype, b, &mut row_groups);
+            }
+            let mut levels = Vec::with_capacity(cols);
+            for (i, g) in row_groups.iter().enumerate() {
+                levels.extend_from_slice(&g.q);
+                scales[4 * i..4 * i + 4].copy_from_slice(&g.scale.to_le_bytes());
+                biases[4 * i..4 * i + 4].copy_from_slice(&g.bias.to_le_bytes());
+            }
+            let mut out = Vec::with_capacity(packed_row);
+            affine::pack(bits, &levels, &mut out);
+            packed.copy_from_slice(&out);
+        });
     let tensor = |suffix: &str, dtype, cols, data: Vec<u8>| {
         Tensor::new(format!("{}{suffix}", t.name), dtype, vec![rows, cols], Bytes::from_vec(data))
     };
