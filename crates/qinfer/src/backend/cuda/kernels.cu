@@ -965,9 +965,11 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 #define DECODE_THREADS 256
 // Keys per block (`chunk`, chosen by mod.rs `decode_plan`): a cache of at
 // most DECODE_ONE_BLOCK / HD keys is one block's, its f32 key and value rows
-// 128 KB of shared memory; longer caches are split in chunks of half that
-// (64 KB), so that three blocks share an SM and one's loads overlap
-// another's arithmetic.
+// 128 KB of shared memory (fewer keys, a power of two and at least 32, on a
+// device that gives a block less); longer caches are split in chunks of half
+// that (64 KB), so that three blocks share an SM and one's loads overlap
+// another's arithmetic. The warps' value sums reuse the keys' rows, which
+// 32 keys fill exactly.
 #define DECODE_ONE_BLOCK 16384
 // Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
 // `ks` and values to `vs` (HD floats a row), in one cp.async group.

@@ -93,17 +93,35 @@ const ATTENTION_CHUNK: usize = 128;
 /// whole cache (`DECODE_ONE_BLOCK` f32 values of keys and as many of values).
 const DECODE_ONE_BLOCK: usize = 16384;
 
-/// How `attention_decode{head_dim}` covers `n_keys` keys: (keys per block,
-/// blocks). A cache that fits one block's shared memory is one block's (no
-/// combine); a longer one is split in chunks of half that size, so three
-/// blocks share an SM, their number a power of two so one recorded step
-/// serves every cache length up to it.
-fn decode_plan(n_keys: usize, head_dim: usize) -> (usize, usize) {
-    let whole = DECODE_ONE_BLOCK / head_dim;
+/// Static shared memory of `attention_decode` (q, scores, sums: at most
+/// 8.3 KB) and the 1 KB the driver reserves per block, rounded up.
+const DECODE_STATIC_SHARED: usize = 10 * 1024;
+
+/// Keys whose f32 key and value rows an `attention_decode{head_dim}` block
+/// holds when one block takes the whole cache: DECODE_ONE_BLOCK / head_dim
+/// (128 KB of rows), or the largest power of two that fits a device giving a
+/// block less shared memory (`max_shared`, opt-in). None below 32 keys, where
+/// the value sums no longer fit in the keys' space: the plain split kernel
+/// then.
+fn decode_whole_keys(head_dim: usize, max_shared: usize) -> Option<usize> {
+    let fit = max_shared.saturating_sub(DECODE_STATIC_SHARED) / (8 * head_dim);
+    if fit < 32 {
+        return None;
+    }
+    let largest_power_of_two = 1usize << (usize::BITS - 1 - fit.leading_zeros());
+    Some((DECODE_ONE_BLOCK / head_dim).min(largest_power_of_two))
+}
+
+/// How `attention_decode` covers `n_keys` keys when one block holds `whole`
+/// keys: (keys per block, blocks). A cache that fits one block is one
+/// block's (no combine); a longer one is split in chunks of half that size
+/// (at least 32), so three blocks share an SM, their number a power of two
+/// so one recorded step serves every cache length up to it.
+fn decode_plan(n_keys: usize, whole: usize) -> (usize, usize) {
     if n_keys <= whole {
         return (whole, 1);
     }
-    let chunk = whole / 2;
+    let chunk = (whole / 2).max(32);
     (chunk, n_keys.div_ceil(chunk).next_power_of_two())
 }
 
@@ -327,6 +345,11 @@ pub struct CudaBackend {
     replays: Arc<AtomicUsize>,
     /// Keys the attention kernel's shared memory holds.
     max_attention_keys: usize,
+    /// Per head dim 64, 128, 256: the keys one decode attention block holds
+    /// ([`decode_whole_keys`]), and whether the prefill's tensor-core tiles
+    /// fit a block.
+    decode_whole: [Option<usize>; 3],
+    flash: [bool; 3],
     /// Streaming multiprocessors: grid size of the kernels that loop over
     /// their work (the tensor-core affine GEMV).
     sm_count: usize,
@@ -478,19 +501,30 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", &e))? as usize;
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
-        for hd in [64, 128, 256] {
-            kernels[&format!("attention_decode{hd}")]
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    decode_shared(DECODE_ONE_BLOCK / hd, hd) as i32,
-                )
-                .map_err(|e| err("decode attention shared memory", &e))?;
-            kernels[&format!("flash_prefill{hd}")]
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    flash_tile(hd).shared as i32,
-                )
-                .map_err(|e| err("flash attention shared memory", &e))?;
+        // Per head dim, what the device's shared memory allows: the decode
+        // attention's rows (else the plain split kernel) and the prefill's
+        // tensor-core tiles (else the exact attention kernel).
+        let mut decode_whole = [None; 3];
+        let mut flash = [false; 3];
+        for (i, hd) in [64, 128, 256].into_iter().enumerate() {
+            decode_whole[i] = decode_whole_keys(hd, max_shared as usize);
+            if let Some(whole) = decode_whole[i] {
+                kernels[&format!("attention_decode{hd}")]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        decode_shared(whole, hd) as i32,
+                    )
+                    .map_err(|e| err("decode attention shared memory", &e))?;
+            }
+            flash[i] = flash_tile(hd).shared + 1024 <= max_shared as usize;
+            if flash[i] {
+                kernels[&format!("flash_prefill{hd}")]
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        flash_tile(hd).shared as i32,
+                    )
+                    .map_err(|e| err("flash attention shared memory", &e))?;
+            }
         }
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", &e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
@@ -510,6 +544,8 @@ impl CudaBackend {
             gemv_shape: None,
             replays: Arc::new(AtomicUsize::new(0)),
             max_attention_keys: (max_shared as usize - 1024) / 4,
+            decode_whole,
+            flash,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
@@ -808,6 +844,22 @@ impl CudaBackend {
         }
     }
 
+    /// Index of a head dim with its own kernels (64, 128, 256).
+    fn head_dim_slot(head_dim: usize) -> Option<usize> {
+        [64, 128, 256].iter().position(|&h| h == head_dim)
+    }
+
+    /// The keys one `attention_decode{head_dim}` block holds on this device;
+    /// None where that kernel does not apply.
+    fn decode_whole_keys(&self, head_dim: usize) -> Option<usize> {
+        Self::head_dim_slot(head_dim).and_then(|i| self.decode_whole[i])
+    }
+
+    /// Whether `flash_prefill{head_dim}` exists and its tiles fit a block here.
+    fn flash_fits(&self, head_dim: usize) -> bool {
+        Self::head_dim_slot(head_dim).is_some_and(|i| self.flash[i])
+    }
+
     /// Decode attention split over chunks of keys so every SM has work, the
     /// chunks merged by `attention_combine` (with one chunk the kernel writes
     /// the output itself). Head dims of 64/128/256 take `attention_decode`,
@@ -823,9 +875,12 @@ impl CudaBackend {
         s: &AttentionShape,
         out: &CudaAct,
     ) {
-        let decode = matches!(s.head_dim, 64 | 128 | 256);
-        let (chunk, splits) =
-            if decode { decode_plan(n_keys, s.head_dim) } else { (ATTENTION_CHUNK, split_count(n_keys)) };
+        let whole = self.decode_whole_keys(s.head_dim);
+        let decode = whole.is_some();
+        let (chunk, splits) = match whole {
+            Some(whole) => decode_plan(n_keys, whole),
+            None => (ATTENTION_CHUNK, split_count(n_keys)),
+        };
         let row_heads = q.rows * s.num_heads;
         let parts = (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
         let (po, pml, direct) = match &parts {
@@ -1334,7 +1389,7 @@ impl Backend for CudaBackend {
             self.attention_split(q, keys, values, n_keys, s, &out);
             return out;
         }
-        if !self.split_activations && matches!(s.head_dim, 64 | 128 | 256) {
+        if !self.split_activations && self.flash_fits(s.head_dim) {
             // The kernel reads f16 keys and values, converted once per call.
             let kv_dim = s.num_kv_heads * s.head_dim;
             let (keys_half, values_half) = (self.act(n_keys, kv_dim / 2), self.act(n_keys, kv_dim / 2));
@@ -1985,5 +2040,48 @@ impl CudaBackend {
             x.cols as i32
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_attention_holds_what_the_device_gives_a_block() {
+        // H100/H200 (227 KB a block): 128 KB of rows whatever the head dim.
+        let hopper = 227 * 1024;
+        assert_eq!([64, 128, 256].map(|hd| decode_whole_keys(hd, hopper)), [Some(256), Some(128), Some(64)]);
+        // Ada and consumer Ampere (99 KB): the largest power of two that fits.
+        let ada = 99 * 1024;
+        assert_eq!([64, 128, 256].map(|hd| decode_whole_keys(hd, ada)), [Some(128), Some(64), Some(32)]);
+        // Turing (64 KB): too few keys of 256 values for the kernel's sums.
+        assert_eq!(decode_whole_keys(256, 64 * 1024), None);
+        assert_eq!(decode_whole_keys(128, 64 * 1024), Some(32));
+        // Every chosen block fits with the kernel's static shared memory.
+        for max in [hopper, ada, 64 * 1024, 48 * 1024] {
+            for hd in [64, 128, 256] {
+                if let Some(w) = decode_whole_keys(hd, max) {
+                    assert!(decode_shared(w, hd) + DECODE_STATIC_SHARED <= max, "{hd} at {max}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_plans_change_only_where_the_recorded_step_does() {
+        for whole in [32, 64, 128, 256] {
+            assert_eq!(decode_plan(whole, whole), (whole, 1));
+            let (chunk, splits) = decode_plan(whole + 1, whole);
+            assert_eq!(chunk, (whole / 2).max(32));
+            assert!(splits * chunk > whole && splits.is_power_of_two());
+            // Between consecutive keys of a recorded step, the plan is fixed.
+            for n in 1..5000 {
+                if decode_step_key(n) == decode_step_key(n + 1) {
+                    assert_eq!(decode_plan(n, whole), decode_plan(n + 1, whole), "{n} keys, {whole} a block");
+                    assert_eq!(split_count(n), split_count(n + 1));
+                }
+            }
+        }
     }
 }
