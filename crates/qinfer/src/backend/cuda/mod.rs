@@ -350,6 +350,8 @@ pub struct CudaBackend {
     /// fit a block.
     decode_whole: [Option<usize>; 3],
     flash: [bool; 3],
+    /// Dynamic shared memory a tensor-core affine GEMV block may take here.
+    affine_mma_max_shared: usize,
     /// Streaming multiprocessors: grid size of the kernels that loop over
     /// their work (the tensor-core affine GEMV).
     sm_count: usize,
@@ -489,11 +491,14 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention combine shared memory", &e))?;
+        // The tensor-core affine GEMV takes what the device allows up to its
+        // own cap; launches needing more take the CUDA-core kernel.
+        let affine_mma_max_shared = AFFINE_MMA_MAX_SHARED.min(max_shared as usize - 1024);
         for name in affine_mma_kernels() {
             kernels[&name]
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    AFFINE_MMA_MAX_SHARED as i32,
+                    affine_mma_max_shared as i32,
                 )
                 .map_err(|e| err("affine GEMV shared memory", &e))?;
         }
@@ -546,6 +551,7 @@ impl CudaBackend {
             max_attention_keys: (max_shared as usize - 1024) / 4,
             decode_whole,
             flash,
+            affine_mma_max_shared,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
@@ -1015,7 +1021,8 @@ impl CudaBackend {
     /// None where it does not apply or a fixed GEMV shape is set (profiling
     /// the CUDA-core kernels).
     fn affine_mma_shared(&self, w: &AffineWeight, act_rows: usize) -> Option<usize> {
-        affine_mma_shared_size(w, act_rows).filter(|_| self.gemv_shape.is_none())
+        affine_mma_shared_size(w, act_rows)
+            .filter(|&shared| self.gemv_shape.is_none() && shared <= self.affine_mma_max_shared)
     }
 
     /// The tensor-core affine GEMV into `y`: x·wᵀ (+ bias), or with `swiglu`
