@@ -6,16 +6,10 @@
 //! ([`Unpacked`]): the integer dot with Q8_K activations (see `q8k`) and the
 //! decoder both start from it, so the bit layouts live in one place.
 
-use half::f16;
-
+use super::quant::f16_at;
 use crate::tensor::DType;
 
 pub const QK_K: usize = 256;
-
-#[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
 
 /// One super-block as integers: value `i` is
 /// `d·scales[i/16]·q[i] − dmin·mins[i/16]`.

@@ -8,6 +8,7 @@
 
 use half::f16;
 
+use super::quant::f16_at;
 use crate::tensor::DType;
 
 /// One block of 32 activations: x ≈ d·q. `s` = d·Σq (needed by Q4_1's min term).
@@ -55,11 +56,6 @@ pub fn quantize_row_scalar(x: &[f32], out: &mut [Q8Block]) {
         }
         *o = Q8Block { d: f16_round(d), s: f16_round(d * sum as f32), qs };
     }
-}
-
-#[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
 /// `out[i][j]` = [`dot`] of weight row `w[j]` with activation row `x[i]`: a

@@ -6,8 +6,9 @@ use half::f16;
 
 use crate::tensor::DType;
 
+/// The little-endian f16 at byte `i` of a block, widened (exactly).
 #[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 

@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use crate::affine::{self, AffineParams, AffineParts, AffineTensor};
 use crate::backend::cpu::kquants::{self, QK_K};
+use crate::backend::cpu::quant::f16_at;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -26,10 +27,6 @@ struct Group {
     q: [u8; 32],
     scale: f32,
     bias: f32,
-}
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
 /// Bits of the affine levels a ggml type becomes, None where there is no
