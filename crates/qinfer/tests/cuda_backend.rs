@@ -4,8 +4,11 @@
 //! Without a CUDA device the tests print why and pass.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::DecodedBlocks;
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::CudaBackend;
 use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
@@ -591,31 +594,6 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
         let opts = GenerateOptions { max_new_tokens: want_greedy.len(), stop_tokens: vec![], prefill_chunk: 512 };
         let (got_greedy, _) = generate(&lm, &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         assert_eq!(got_greedy, want_greedy, "{}: greedy on CUDA", dir.display());
-    }
-}
-
-/// A GGUF file's tensors with every ggml block type decoded to f32 (as
-/// ggml decodes them): the exact weights, for a CPU reference that computes
-/// with them in f32 as the CUDA backend does (llama.cpp and the CPU backend
-/// quantize the activations instead).
-struct DecodedBlocks<'a>(&'a dyn qinfer::formats::TensorSource);
-
-impl qinfer::formats::TensorSource for DecodedBlocks<'_> {
-    fn tensor(&self, name: &str) -> qinfer::Result<Tensor> {
-        let t = self.0.tensor(name)?;
-        match t.dtype {
-            DType::F32 | DType::F16 | DType::BF16 | DType::U32 => Ok(t),
-            _ => Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()),
-        }
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.0.contains(name)
-    }
-    fn names(&self) -> Vec<String> {
-        self.0.names()
-    }
-    fn raw_tensor(&self, name: &str) -> qinfer::Result<Tensor> {
-        self.0.raw_tensor(name)
     }
 }
 

@@ -6,6 +6,9 @@
 
 use std::path::PathBuf;
 
+mod common;
+
+use common::{DecodedBlocks, kquant_fixture as fixture};
 use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
@@ -14,14 +17,6 @@ use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::tensor::{Bytes, DType, Tensor};
-
-fn fixture(dtype: DType) -> (Vec<u8>, Vec<f32>) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_kquants");
-    let blocks = std::fs::read(dir.join(format!("{}.blocks", dtype.name()))).unwrap();
-    let values = std::fs::read(dir.join(format!("{}.f32", dtype.name()))).unwrap();
-    let values = values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    (blocks, values)
-}
 
 fn f32s(t: &Tensor) -> Vec<f32> {
     t.data.as_slice().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
@@ -75,44 +70,27 @@ fn a_vector_is_refused_by_name() {
 }
 
 /// A GGUF file's matrices as the affine weights `as_affine` makes of them
-/// (what the CUDA backend computes with), or decoded to f32 (the exact weights).
-enum Rewritten<'a> {
-    Affine(&'a dyn TensorSource),
-    Decoded(&'a dyn TensorSource),
-}
+/// (what the CUDA backend computes with).
+struct AffineBlocks<'a>(&'a dyn TensorSource);
 
-impl Rewritten<'_> {
-    fn inner(&self) -> &dyn TensorSource {
-        match self {
-            Rewritten::Affine(s) | Rewritten::Decoded(s) => *s,
-        }
-    }
-}
-
-impl TensorSource for Rewritten<'_> {
+impl TensorSource for AffineBlocks<'_> {
     fn tensor(&self, name: &str) -> qinfer::Result<Tensor> {
-        let t = self.inner().tensor(name)?;
-        match (self, t.dtype) {
-            (Rewritten::Decoded(_), DType::F32 | DType::F16 | DType::BF16 | DType::U32) => Ok(t),
-            (Rewritten::Decoded(_), _) => Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()),
-            (Rewritten::Affine(_), _) => Ok(t),
-        }
+        self.0.tensor(name)
     }
     fn contains(&self, name: &str) -> bool {
-        self.inner().contains(name)
+        self.0.contains(name)
     }
     fn names(&self) -> Vec<String> {
-        self.inner().names()
+        self.0.names()
     }
     fn raw_tensor(&self, name: &str) -> qinfer::Result<Tensor> {
-        self.inner().raw_tensor(name)
+        self.0.raw_tensor(name)
     }
     fn affine_parts(&self, name: &str) -> qinfer::Result<Option<AffineParts>> {
-        let Rewritten::Affine(s) = self else { return Ok(None) };
-        if !s.contains(name) {
+        if !self.0.contains(name) {
             return Ok(None);
         }
-        let t = s.tensor(name)?;
+        let t = self.0.tensor(name)?;
         match (t.shape.len(), as_affine(&t)) {
             (2, Some(a)) => {
                 let a = a?;
@@ -143,8 +121,8 @@ fn models_run_on_their_affine_form() {
             let mut seq = lm.new_sequence(ids.len());
             lm.forward(seq.as_mut(), &ids, Logits::All).unwrap()
         };
-        let want = logits(&Rewritten::Decoded(m.source.as_ref()));
-        let got = logits(&Rewritten::Affine(m.source.as_ref()));
+        let want = logits(&DecodedBlocks(m.source.as_ref()));
+        let got = logits(&AffineBlocks(m.source.as_ref()));
         let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         println!("{name} as affine: max |Δlogit| {d:.2e} against the decoded weights (logits up to {scale:.1})");

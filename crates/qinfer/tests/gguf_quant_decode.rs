@@ -3,8 +3,9 @@
 //! made by scripts/make_kquant_fixtures.py), and the Q8_0/Q8_K integer dots
 //! against the f64 dot of the decoded weights.
 
-use std::path::PathBuf;
+mod common;
 
+use common::kquant_fixture as fixture;
 use qinfer::backend::cpu::matmul::{CpuMatrix, matmul};
 use qinfer::backend::cpu::quant::dequantize_into;
 use qinfer::tensor::{Bytes, DType};
@@ -21,14 +22,6 @@ const TYPES: [DType; 10] = [
     DType::Q5_K,
     DType::Q6_K,
 ];
-
-fn fixture(dtype: DType) -> (Vec<u8>, Vec<f32>) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_kquants");
-    let blocks = std::fs::read(dir.join(format!("{}.blocks", dtype.name()))).unwrap();
-    let values = std::fs::read(dir.join(format!("{}.f32", dtype.name()))).unwrap();
-    let values = values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    (blocks, values)
-}
 
 #[test]
 fn decoding_matches_gguf_py_bit_for_bit() {

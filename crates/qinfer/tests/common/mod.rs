@@ -1,0 +1,41 @@
+//! Pieces several test binaries share (each uses a part of them).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use qinfer::formats::TensorSource;
+use qinfer::tensor::{DType, Tensor};
+
+/// Six random blocks of a ggml block type and gguf-py's decoding of them
+/// (tests/fixtures/gguf_kquants, made by scripts/make_kquant_fixtures.py).
+pub fn kquant_fixture(dtype: DType) -> (Vec<u8>, Vec<f32>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_kquants");
+    let blocks = std::fs::read(dir.join(format!("{}.blocks", dtype.name()))).unwrap();
+    let values = std::fs::read(dir.join(format!("{}.f32", dtype.name()))).unwrap();
+    let values = values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    (blocks, values)
+}
+
+/// A GGUF file's tensors with every ggml block type decoded to f32 (as
+/// ggml decodes them): the exact weights, for a reference that computes with
+/// them in f32.
+pub struct DecodedBlocks<'a>(pub &'a dyn TensorSource);
+
+impl TensorSource for DecodedBlocks<'_> {
+    fn tensor(&self, name: &str) -> qinfer::Result<Tensor> {
+        let t = self.0.tensor(name)?;
+        match t.dtype {
+            DType::F32 | DType::F16 | DType::BF16 | DType::U32 => Ok(t),
+            _ => Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()),
+        }
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains(name)
+    }
+    fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    fn raw_tensor(&self, name: &str) -> qinfer::Result<Tensor> {
+        self.0.raw_tensor(name)
+    }
+}
