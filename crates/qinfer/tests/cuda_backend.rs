@@ -419,8 +419,9 @@ fn gated_deltanet_and_moe_match_cpu() {
         let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
         let mut sc = p.cpu.new_gdn_state(&cfg);
         let mut sg = p.gpu.new_gdn_state(&cfg);
-        // A 70-token prompt (chunked on the CPU, recurrent on the GPU), then decode steps.
-        for t in [70usize, 1, 1, 3] {
+        // A 70-token prompt (chunked on the CPU, recurrent on the GPU), decode
+        // steps, then a second prompt continuing from the state.
+        for t in [70usize, 1, 1, 3, 41] {
             let (xc, xg) = p.acts(t, cd, &r.vec(t * cd));
             let mc = p.cpu.gdn_conv(&xc, &convc, &mut sc);
             let mg = p.gpu.gdn_conv(&xg, &convg, &mut sg);

@@ -34,6 +34,49 @@ GDN_CONV(gdn_conv_bf16, __nv_bfloat16)
 GDN_CONV(gdn_conv_f16, __half)
 GDN_CONV(gdn_conv_f32, float)
 
+// The same conv for a prompt: one thread per (row, channel), all rows at once
+// (walking thousands of rows in order, each thread waited on one load per
+// row). Inputs before the first row come from `window`, which
+// gdn_conv_window advances afterwards; the sums are gdn_conv's, in its order.
+template <typename T>
+__device__ void gdn_conv_rows(const float* x, const T* w, const float* window, float* out, int rows, int channels,
+                              int kernel, int stride) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * channels) return;
+    int t = (int)(i / channels), c = (int)(i % channels), h = kernel - 1;
+    float acc = 0.0f;
+    for (int j = 0; j < h; j++) {
+        int r = t - h + j;  // the input row this tap reads
+        float xv = r >= 0 ? x[(size_t)r * stride + c] : window[(size_t)(h + r) * channels + c];
+        acc += to_f32(w[c * kernel + j]) * xv;
+    }
+    acc += to_f32(w[c * kernel + h]) * x[(size_t)t * stride + c];
+    out[i] = acc / (1.0f + expf(-acc));
+}
+#define GDN_CONV_ROWS(NAME, T)                                                                                     \
+    extern "C" __global__ void NAME(const float* x, const T* w, const float* win, float* out, int rows, int ch,    \
+                                    int k, int stride) {                                                           \
+        grid_dependency_wait();                                                                                    \
+        gdn_conv_rows(x, w, win, out, rows, ch, k, stride);                                                        \
+    }
+GDN_CONV_ROWS(gdn_conv_rows_bf16, __nv_bfloat16)
+GDN_CONV_ROWS(gdn_conv_rows_f16, __half)
+GDN_CONV_ROWS(gdn_conv_rows_f32, float)
+
+// After gdn_conv_rows: the window becomes the last kernel-1 inputs of
+// (window, x). One thread per channel, slots in ascending order: slot j takes
+// x's row rows-h+j, or (short prompts) old slot rows+j, not yet overwritten.
+extern "C" __global__ void gdn_conv_window(const float* x, float* window, int rows, int channels, int kernel,
+                                           int stride) {
+    grid_dependency_wait();
+    int c = blockIdx.x * blockDim.x + threadIdx.x, h = kernel - 1;
+    if (c >= channels) return;
+    for (int j = 0; j < h; j++) {
+        int r = rows - h + j;
+        window[(size_t)j * channels + c] = r >= 0 ? x[(size_t)r * stride + c] : window[(size_t)(rows + j) * channels + c];
+    }
+}
+
 // Per token: q, k L2-normalized per key head (q also ·1/√dk); g and β per value head.
 extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const float* b, const float* a_log,
                                        const float* dt_bias, float* g, float* beta, int nk, int nv, int dk) {
@@ -118,54 +161,132 @@ __device__ __forceinline__ float gdn_step(float (&s)[HALF], const float* ks, con
     return o + __shfl_xor_sync(0xffffffffu, o, 16);
 }
 
-// The same recurrence with the state in registers, for key heads of DK = 128
-// (Qwen3-Next, Qwen3.5): one warp per (value head, 16 value columns), each
-// column split between two lanes (half of S[:, j] each, the halves' dot
-// products added with one shuffle), held across all the tokens of the call:
-// the state is read and written once per call instead of twice per token.
-// q and k of each token are staged in shared memory and read as broadcasts.
-template <int DK>
-__device__ void gdn_recurrent_held(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                                   float* state, float* out, int rows, int nk, int nv, int dv, int tiled) {
-    constexpr int HALF = DK / 2;
-    __shared__ float qs[DK], ks[DK];
-    int h = blockIdx.x, lane = threadIdx.x, j = blockIdx.y * 16 + (lane & 15), i0 = (lane >> 4) * HALF;
+// The recurrence over a prompt, for key heads of 128 (Qwen3-Next, Qwen3.5):
+// the state in registers for the whole call, each column S[:, j] split over
+// the 4 lanes of a quad (32 rows each: 32 FMAs a lane per dot product, two
+// shuffles to add them), a warp per 8 value columns, a block (4 warps) per
+// value head and 32 of its columns. The block stages the inputs of 16
+// tokens at a time (q and k of its key head, its columns of v, g and β) with
+// cp.async, one group ahead of the tokens being computed, so no token waits
+// on a load: per token only the recurrence's own chain remains.
+// (Holding each column in two lanes and loading each token's q and k as it
+// came took about 1.7 µs a token at the 4B hybrid's shapes.)
+#define GDN_SCAN_TOKENS 16
+#define GDN_SCAN_COLS 32
+// A staged q or k row: 4 quarters of 32 values, each padded to 36 so that
+// the quarters start in different banks (a quad reads all four at once).
+#define GDN_SCAN_PITCH 36
+struct __align__(16) GdnScanStage {
+    float q[GDN_SCAN_TOKENS][4 * GDN_SCAN_PITCH];
+    float k[GDN_SCAN_TOKENS][4 * GDN_SCAN_PITCH];
+    float v[GDN_SCAN_TOKENS][GDN_SCAN_COLS];
+    float g[GDN_SCAN_TOKENS];
+    float beta[GDN_SCAN_TOKENS];
+};
+
+// Arguments as gdn_recurrent's; `dk` must be 128 (the caller checks).
+// Grid: (value heads, ⌈dv/32⌉), 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_scan128(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled) {
+    grid_dependency_wait();
+    __shared__ GdnScanStage stage[2];
+    int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int col0 = blockIdx.y * GDN_SCAN_COLS, mine = warp * 8 + (lane >> 2), j = col0 + mine;
+    int quarter = lane & 3;
     int kh = tiled ? h % nk : h / (nv / nk);
     bool ok = j < dv;
-    float* st = state + (size_t)h * DK * dv;
-    float s[HALF];
+    float* st = state + (size_t)h * 128 * dv;
+    float s[32];
 #pragma unroll
-    for (int i = 0; i < HALF; i++) s[i] = ok ? st[(size_t)(i0 + i) * dv + j] : 0.0f;
-    for (int t = 0; t < rows; t++) {
-        for (int c = lane; c < DK; c += 32) {
-            qs[c] = q[((size_t)t * nk + kh) * DK + c];
-            ks[c] = k[((size_t)t * nk + kh) * DK + c];
+    for (int i = 0; i < 32; i++) s[i] = ok ? st[(size_t)(quarter * 32 + i) * dv + j] : 0.0f;
+    // Tokens [16·group, 16·group + 16) into stage group % 2; past the last
+    // token, zeros (never read).
+    auto issue = [&](int group) {
+        int t0 = group * GDN_SCAN_TOKENS;
+        if (t0 < rows) {
+            GdnScanStage& sg = stage[group & 1];
+            int n = min(GDN_SCAN_TOKENS, rows - t0);
+            for (int p = tid; p < GDN_SCAN_TOKENS * 64; p += blockDim.x) {
+                int tt = p >> 6, which = (p >> 5) & 1, c = p & 31;  // c: 16-byte piece of the row
+                int t = t0 + min(tt, n - 1);
+                const float* src = (which ? k : q) + ((size_t)t * nk + kh) * 128 + c * 4;
+                float* dst = (which ? sg.k[tt] : sg.q[tt]) + (c >> 3) * GDN_SCAN_PITCH + (c & 7) * 4;
+                cp_async<16>(dst, src, tt < n);
+            }
+            for (int p = tid; p < GDN_SCAN_TOKENS * GDN_SCAN_COLS; p += blockDim.x) {
+                int tt = p / GDN_SCAN_COLS, c = p % GDN_SCAN_COLS;
+                int t = t0 + min(tt, n - 1);
+                cp_async<4>(&sg.v[tt][c], v + ((size_t)t * nv + h) * dv + min(col0 + c, dv - 1),
+                            tt < n && col0 + c < dv);
+            }
+            if (tid < 2 * GDN_SCAN_TOKENS) {
+                int tt = tid % GDN_SCAN_TOKENS, t = t0 + min(tt, n - 1);
+                bool is_g = tid < GDN_SCAN_TOKENS;
+                cp_async<4>(is_g ? &sg.g[tt] : &sg.beta[tt], (is_g ? g : beta) + (size_t)t * nv + h, tt < n);
+            }
         }
-        __syncwarp();
-        float decay = expf(g[(size_t)t * nv + h]);
-        float bt = beta[(size_t)t * nv + h];
-        float vj = ok ? v[((size_t)t * nv + h) * dv + j] : 0.0f;
-        float o = gdn_step<HALF>(s, ks + i0, qs + i0, 1.0f, 1.0f, vj, decay, bt);
-        if (ok && lane < 16) out[((size_t)t * nv + h) * dv + j] = o;
-        __syncwarp();
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    int groups = (rows + GDN_SCAN_TOKENS - 1) / GDN_SCAN_TOKENS;
+    issue(0);
+    for (int group = 0; group < groups; group++) {
+        issue(group + 1);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        const GdnScanStage& sg = stage[group & 1];
+        int t0 = group * GDN_SCAN_TOKENS, n = min(GDN_SCAN_TOKENS, rows - t0);
+        for (int tt = 0; tt < n; tt++) {
+            const float* ks = sg.k[tt] + quarter * GDN_SCAN_PITCH;
+            const float* qs = sg.q[tt] + quarter * GDN_SCAN_PITCH;
+            float decay = expf(sg.g[tt]), bt = sg.beta[tt], vj = sg.v[tt][mine];
+            float kv[32];
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                float4 f = *reinterpret_cast<const float4*>(ks + i);
+                kv[i] = f.x, kv[i + 1] = f.y, kv[i + 2] = f.z, kv[i + 3] = f.w;
+            }
+            // Four partial sums: the dot products are chains of dependent
+            // FMAs otherwise.
+            float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                s[i] *= decay;
+                m[i & 3] += kv[i] * s[i];
+            }
+            float mem = (m[0] + m[1]) + (m[2] + m[3]);
+            mem += __shfl_xor_sync(0xffffffffu, mem, 1);
+            mem += __shfl_xor_sync(0xffffffffu, mem, 2);
+            float delta = (vj - mem) * bt;
+            float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                float4 qv = *reinterpret_cast<const float4*>(qs + i);
+                s[i] += kv[i] * delta;
+                s[i + 1] += kv[i + 1] * delta;
+                s[i + 2] += kv[i + 2] * delta;
+                s[i + 3] += kv[i + 3] * delta;
+                o[0] += qv.x * s[i];
+                o[1] += qv.y * s[i + 1];
+                o[2] += qv.z * s[i + 2];
+                o[3] += qv.w * s[i + 3];
+            }
+            float oj = (o[0] + o[1]) + (o[2] + o[3]);
+            oj += __shfl_xor_sync(0xffffffffu, oj, 1);
+            oj += __shfl_xor_sync(0xffffffffu, oj, 2);
+            if (ok && quarter == 0) out[((size_t)(t0 + tt) * nv + h) * dv + j] = oj;
+        }
+        __syncthreads();  // the stage is refilled by the next issue
     }
     if (ok) {
 #pragma unroll
-        for (int i = 0; i < HALF; i++) st[(size_t)(i0 + i) * dv + j] = s[i];
+        for (int i = 0; i < 32; i++) st[(size_t)(quarter * 32 + i) * dv + j] = s[i];
     }
 }
-// Arguments as gdn_recurrent's; `dk` must be 128 (the caller checks).
-extern "C" __global__ void __launch_bounds__(32) gdn_recurrent_held128(const float* q, const float* k, const float* v,
-                                                                     const float* g, const float* beta, float* state,
-                                                                     float* out, int rows, int nk, int nv, int dk,
-                                                                     int dv, int tiled) {
-    grid_dependency_wait();
-    gdn_recurrent_held<128>(q, k, v, g, beta, state, out, rows, nk, nv, dv, tiled);
-}
-
 
 // A decode step of the layer after its conv, for key heads of DK = 128: the
-// work of gdn_prepare, gdn_recurrent_held and the gated RMSNorm in one launch.
+// work of gdn_prepare, the recurrence (gdn_step) and the gated RMSNorm in one launch.
 // One block per value head, a warp per 16 of its value columns (the state
 // split between lane halves as in gdn_recurrent_held). Per token the block
 // stages and L2-normalizes its key head's q and k, forms g and β from the

@@ -74,7 +74,11 @@ const KERNEL_NAMES: &[&str] = &[
     "flash_prefill128",
     "flash_prefill256",
     "kv_to_half",
-    "gdn_recurrent_held128",
+    "gdn_scan128",
+    "gdn_conv_rows_bf16",
+    "gdn_conv_rows_f16",
+    "gdn_conv_rows_f32",
+    "gdn_conv_window",
     "gdn_decode128",
     "moe_route",
     "moe_gemv_bf16",
@@ -85,6 +89,10 @@ const KERNEL_NAMES: &[&str] = &[
     "sample_filtered",
     "sample_penalty",
 ];
+
+/// Rows up to which the GDN conv walks the rows in one launch (decode); longer
+/// inputs take every row at once and a second launch for the window.
+const GDN_CONV_WALKED_ROWS: usize = 8;
 
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
 const ATTENTION_CHUNK: usize = 128;
@@ -1701,10 +1709,11 @@ impl Backend for CudaBackend {
             c.num_v_heads as i32,
             c.k_head_dim as i32
         );
-        // Key heads of 128: the state held in registers (16 value columns per
-        // warp); other sizes: one thread per value column, state in memory.
+        // Key heads of 128: the state held in registers (32 value columns per
+        // block), the inputs staged ahead; other sizes: one thread per value
+        // column, state in memory.
         let (name, grid, threads) = if c.k_head_dim == 128 {
-            ("gdn_recurrent_held128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(16) as u32, 1), 32)
+            ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(32) as u32, 1), 128)
         } else {
             ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)
         };
@@ -2001,18 +2010,47 @@ impl CudaBackend {
                 return;
             }
         };
+        let (rows, channels, stride) = (x.rows as i32, out.cols as i32, x.cols as i32);
+        if x.rows <= GDN_CONV_WALKED_ROWS {
+            launch!(
+                self,
+                &format!("gdn_conv_{ty}"),
+                cfg(blocks(out.cols, 128), 128, 0),
+                self.p(&x.buf),
+                w,
+                self.p(&state.conv),
+                self.p(&out.buf),
+                rows,
+                channels,
+                kernel as i32,
+                stride
+            );
+            return;
+        }
+        // A prompt: every (row, channel) at once, then the window advanced.
         launch!(
             self,
-            &format!("gdn_conv_{ty}"),
-            cfg(blocks(out.cols, 128), 128, 0),
+            &format!("gdn_conv_rows_{ty}"),
+            Self::elementwise_cfg(x.rows * out.cols),
             self.p(&x.buf),
             w,
             self.p(&state.conv),
             self.p(&out.buf),
-            x.rows as i32,
-            out.cols as i32,
+            rows,
+            channels,
             kernel as i32,
-            x.cols as i32
+            stride
+        );
+        launch!(
+            self,
+            "gdn_conv_window",
+            cfg(blocks(out.cols, 128), 128, 0),
+            self.p(&x.buf),
+            self.p(&state.conv),
+            rows,
+            channels,
+            kernel as i32,
+            stride
         );
     }
 
