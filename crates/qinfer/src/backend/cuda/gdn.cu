@@ -165,13 +165,15 @@ __device__ __forceinline__ float gdn_step(float (&s)[HALF], const float* ks, con
 // the state in registers for the whole call, each column S[:, j] split over
 // the 4 lanes of a quad (32 rows each: 32 FMAs a lane per dot product, two
 // shuffles to add them), a warp per 8 value columns, a block (4 warps) per
-// value head and 32 of its columns. The block stages the inputs of 16
+// value head and 32 of its columns. The block stages the inputs of 12
 // tokens at a time (q and k of its key head, its columns of v, g and β) with
 // cp.async, one group ahead of the tokens being computed, so no token waits
 // on a load: per token only the recurrence's own chain remains.
-// (Holding each column in two lanes and loading each token's q and k as it
-// came took about 1.7 µs a token at the 4B hybrid's shapes.)
-#define GDN_SCAN_TOKENS 16
+// Measured at the 4B hybrid's shapes, 8192 tokens: 0.29 µs a token (each
+// column in two lanes, loading each token's q and k as it came: about 1.7;
+// two columns per 8 lanes, halving the shared-memory loads per column but
+// adding a shuffle to the chain: 0.33).
+#define GDN_SCAN_TOKENS 12
 #define GDN_SCAN_COLS 32
 // A staged q or k row: 4 quarters of 32 values, each padded to 36 so that
 // the quarters start in different banks (a quad reads all four at once).
@@ -192,6 +194,10 @@ extern "C" __global__ void __launch_bounds__(128)
                 float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled) {
     grid_dependency_wait();
     __shared__ GdnScanStage stage[2];
+    // Per token and thread: the thread's share of its column's output (the
+    // four of a quad are added once the group's tokens are done, off the
+    // recurrence's path). Static shared memory in all: 37 KB.
+    __shared__ float shares[GDN_SCAN_TOKENS][128];
     int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int col0 = blockIdx.y * GDN_SCAN_COLS, mine = warp * 8 + (lane >> 2), j = col0 + mine;
     int quarter = lane & 3;
@@ -201,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(128)
     float s[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) s[i] = ok ? st[(size_t)(quarter * 32 + i) * dv + j] : 0.0f;
-    // Tokens [16·group, 16·group + 16) into stage group % 2; past the last
+    // Tokens [12·group, 12·group + 12) into stage group % 2; past the last
     // token, zeros (never read).
     auto issue = [&](int group) {
         int t0 = group * GDN_SCAN_TOKENS;
@@ -237,10 +243,21 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncthreads();
         const GdnScanStage& sg = stage[group & 1];
         int t0 = group * GDN_SCAN_TOKENS, n = min(GDN_SCAN_TOKENS, rows - t0);
-        for (int tt = 0; tt < n; tt++) {
+        // The group's per-token scalars in registers, before the chain starts.
+        float decay[GDN_SCAN_TOKENS], bt[GDN_SCAN_TOKENS], vj[GDN_SCAN_TOKENS];
+#pragma unroll
+        for (int tt = 0; tt < GDN_SCAN_TOKENS; tt++) {
+            decay[tt] = expf(sg.g[tt]);
+            bt[tt] = sg.beta[tt];
+            vj[tt] = sg.v[tt][mine];
+        }
+        // Unrolled: the scalars stay in registers, and a token's loads of k
+        // and q may go out while the token before it finishes.
+#pragma unroll
+        for (int tt = 0; tt < GDN_SCAN_TOKENS; tt++) {
+            if (tt >= n) break;
             const float* ks = sg.k[tt] + quarter * GDN_SCAN_PITCH;
             const float* qs = sg.q[tt] + quarter * GDN_SCAN_PITCH;
-            float decay = expf(sg.g[tt]), bt = sg.beta[tt], vj = sg.v[tt][mine];
             float kv[32];
 #pragma unroll
             for (int i = 0; i < 32; i += 4) {
@@ -252,13 +269,13 @@ extern "C" __global__ void __launch_bounds__(128)
             float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int i = 0; i < 32; i++) {
-                s[i] *= decay;
+                s[i] *= decay[tt];
                 m[i & 3] += kv[i] * s[i];
             }
             float mem = (m[0] + m[1]) + (m[2] + m[3]);
             mem += __shfl_xor_sync(0xffffffffu, mem, 1);
             mem += __shfl_xor_sync(0xffffffffu, mem, 2);
-            float delta = (vj - mem) * bt;
+            float delta = (vj[tt] - mem) * bt[tt];
             float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int i = 0; i < 32; i += 4) {
@@ -272,10 +289,14 @@ extern "C" __global__ void __launch_bounds__(128)
                 o[2] += qv.z * s[i + 2];
                 o[3] += qv.w * s[i + 3];
             }
-            float oj = (o[0] + o[1]) + (o[2] + o[3]);
-            oj += __shfl_xor_sync(0xffffffffu, oj, 1);
-            oj += __shfl_xor_sync(0xffffffffu, oj, 2);
-            if (ok && quarter == 0) out[((size_t)(t0 + tt) * nv + h) * dv + j] = oj;
+            shares[tt][tid] = (o[0] + o[1]) + (o[2] + o[3]);
+        }
+        __syncwarp();
+        // The warp's 8 columns × the group's tokens: add each quad's shares.
+        for (int p = lane; p < 8 * n; p += 32) {
+            int tt = p >> 3, c = p & 7, col = col0 + warp * 8 + c;
+            const float* share = &shares[tt][warp * 32 + c * 4];
+            if (col < dv) out[((size_t)(t0 + tt) * nv + h) * dv + col] = (share[0] + share[1]) + (share[2] + share[3]);
         }
         __syncthreads();  // the stage is refilled by the next issue
     }
