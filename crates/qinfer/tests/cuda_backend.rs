@@ -410,11 +410,20 @@ fn gated_deltanet_and_moe_match_cpu() {
     let mut r = Rng::fresh();
     // Key heads of 16 (state in memory) and 128 (state held in registers,
     // value heads of 40 to cover a partial warp of columns).
-    for (v_heads_tiled, dk, dv) in [(false, 16, 24), (true, 16, 24), (false, 128, 40), (true, 128, 128)] {
-        let cfg =
-            GdnConfig { num_k_heads: 2, num_v_heads: 4, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, v_heads_tiled };
+    // A conv kernel of 3 covers the conv's general form (4 is compiled apart).
+    for (v_heads_tiled, dk, dv, kernel) in
+        [(false, 16, 24, 4), (true, 16, 24, 3), (false, 128, 40, 4), (true, 128, 128, 4)]
+    {
+        let cfg = GdnConfig {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            conv_kernel: kernel,
+            v_heads_tiled,
+        };
         let (cd, kd, vd, nv) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim(), cfg.num_v_heads);
-        let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
+        let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, kernel], &r.vec(cd * kernel)));
         let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
         let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
         let mut sc = p.cpu.new_gdn_state(&cfg);

@@ -34,30 +34,52 @@ GDN_CONV(gdn_conv_bf16, __nv_bfloat16)
 GDN_CONV(gdn_conv_f16, __half)
 GDN_CONV(gdn_conv_f32, float)
 
-// The same conv for a prompt: one thread per (row, channel), all rows at once
-// (walking thousands of rows in order, each thread waited on one load per
-// row). Inputs before the first row come from `window`, which
-// gdn_conv_window advances afterwards; the sums are gdn_conv's, in its order.
-template <typename T>
+// The same conv for a prompt: one thread per channel and run of
+// GDN_CONV_RUN rows, all runs at once (walking thousands of rows in order,
+// each thread waited on one load per row), each input read once per run.
+// Inputs before the first row come from `window`, which gdn_conv_window
+// advances afterwards; the sums are gdn_conv's, in its order.
+// KERNEL: the kernel size when known at compile time (4, every Qwen GDN
+// model: the window stays in registers), else 0 (read from `kernel`).
+#define GDN_CONV_RUN 16
+template <typename T, int KERNEL>
 __device__ void gdn_conv_rows(const float* x, const T* w, const float* window, float* out, int rows, int channels,
                               int kernel, int stride) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)rows * channels) return;
-    int t = (int)(i / channels), c = (int)(i % channels), h = kernel - 1;
-    float acc = 0.0f;
-    for (int j = 0; j < h; j++) {
-        int r = t - h + j;  // the input row this tap reads
-        float xv = r >= 0 ? x[(size_t)r * stride + c] : window[(size_t)(h + r) * channels + c];
-        acc += to_f32(w[c * kernel + j]) * xv;
+    if (KERNEL) kernel = KERNEL;
+    int c = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * GDN_CONV_RUN, h = kernel - 1;
+    if (c >= channels) return;
+    float hist[8], taps[9];  // kernel - 1 <= 8
+#pragma unroll
+    for (int j = 0; j <= (KERNEL ? KERNEL - 1 : 8); j++)
+        if (j <= h) taps[j] = to_f32(w[c * kernel + j]);
+#pragma unroll
+    for (int j = 0; j < (KERNEL ? KERNEL - 1 : 8); j++) {
+        if (j >= h) break;
+        int r = t0 - h + j;  // the input row before the run that this slot holds
+        hist[j] = r >= 0 ? x[(size_t)r * stride + c] : window[(size_t)(h + r) * channels + c];
     }
-    acc += to_f32(w[c * kernel + h]) * x[(size_t)t * stride + c];
-    out[i] = acc / (1.0f + expf(-acc));
+    for (int t = t0; t < min(t0 + GDN_CONV_RUN, rows); t++) {
+        float xt = x[(size_t)t * stride + c];
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < (KERNEL ? KERNEL - 1 : 8); j++)
+            if (j < h) acc += taps[j] * hist[j];
+        acc += taps[h] * xt;
+        out[(size_t)t * channels + c] = acc / (1.0f + expf(-acc));
+#pragma unroll
+        for (int j = 0; j < (KERNEL ? KERNEL - 1 : 8) - 1; j++)
+            if (j + 1 < h) hist[j] = hist[j + 1];
+        if (h > 0) hist[h - 1] = xt;
+    }
 }
 #define GDN_CONV_ROWS(NAME, T)                                                                                     \
     extern "C" __global__ void NAME(const float* x, const T* w, const float* win, float* out, int rows, int ch,    \
                                     int k, int stride) {                                                           \
         grid_dependency_wait();                                                                                    \
-        gdn_conv_rows(x, w, win, out, rows, ch, k, stride);                                                        \
+        if (k == 4)                                                                                                \
+            gdn_conv_rows<T, 4>(x, w, win, out, rows, ch, k, stride);                                              \
+        else                                                                                                       \
+            gdn_conv_rows<T, 0>(x, w, win, out, rows, ch, k, stride);                                              \
     }
 GDN_CONV_ROWS(gdn_conv_rows_bf16, __nv_bfloat16)
 GDN_CONV_ROWS(gdn_conv_rows_f16, __half)

@@ -90,6 +90,9 @@ const KERNEL_NAMES: &[&str] = &[
     "sample_penalty",
 ];
 
+/// Rows per thread of `gdn_conv_rows` (`GDN_CONV_RUN`).
+const GDN_CONV_RUN: usize = 16;
+
 /// Rows up to which the GDN conv walks the rows in one launch (decode); longer
 /// inputs take every row at once and a second launch for the window.
 const GDN_CONV_WALKED_ROWS: usize = 8;
@@ -2027,11 +2030,11 @@ impl CudaBackend {
             );
             return;
         }
-        // A prompt: every (row, channel) at once, then the window advanced.
+        // A prompt: every run of rows at once, then the window advanced.
         launch!(
             self,
             &format!("gdn_conv_rows_{ty}"),
-            Self::elementwise_cfg(x.rows * out.cols),
+            cfg((out.cols.div_ceil(128) as u32, x.rows.div_ceil(GDN_CONV_RUN) as u32, 1), 128, 0),
             self.p(&x.buf),
             w,
             self.p(&state.conv),
