@@ -185,50 +185,56 @@ __device__ __forceinline__ float gdn_step(float (&s)[HALF], const float* ks, con
 
 // The recurrence over a prompt, for key heads of 128 (Qwen3-Next, Qwen3.5):
 // the state in registers for the whole call, each column S[:, j] split over
-// the 4 lanes of a quad (32 rows each: 32 FMAs a lane per dot product, two
-// shuffles to add them), a warp per 8 value columns, a block (4 warps) per
-// value head and 32 of its columns. The block stages the inputs of 12
-// tokens at a time (q and k of its key head, its columns of v, g and β) with
-// cp.async, one group ahead of the tokens being computed, so no token waits
-// on a load: per token only the recurrence's own chain remains.
-// Measured at the 4B hybrid's shapes, 8192 tokens: 0.29 µs a token (each
-// column in two lanes, loading each token's q and k as it came: about 1.7;
-// two columns per 8 lanes, halving the shared-memory loads per column but
-// adding a shuffle to the chain: 0.33).
+// 8 lanes (16 rows each: 16 FMAs a lane per dot product, three shuffles to
+// add them), a warp per 4 value columns, a block (4 warps) per value head
+// and 16 of its columns: twice as many warps as columns split over 4 lanes,
+// so that two warps per scheduler hide each other's per-token chain. The
+// block stages the inputs of 12 tokens at a time (q and k of its key head,
+// its columns of v, g and β) with cp.async, one group ahead of the tokens
+// being computed, so no token waits on a load; each token's output shares
+// are added after the group, off the recurrence's chain.
+// Measured at the 4B hybrid's shapes: against each column over 4 lanes, the
+// hybrid's prefill went from 26.0k to 28.1k tok/s at 8192 tokens in one run
+// (though ncu, timing the kernel alone, has both near 2.35 ms a layer); two
+// columns per 8 lanes (halving the shared-memory loads per column, but one
+// warp per scheduler) took 2.70 ms; each column over 2 lanes, loading each
+// token's q and k as it came, about 14 ms.
 #define GDN_SCAN_TOKENS 12
-#define GDN_SCAN_COLS 32
-// A staged q or k row: 4 quarters of 32 values, each padded to 36 so that
-// the quarters start in different banks (a quad reads all four at once).
-#define GDN_SCAN_PITCH 36
+#define GDN_SCAN_LANES 8                            // per column
+#define GDN_SCAN_ROWS (128 / GDN_SCAN_LANES)        // of a column, per lane
+#define GDN_SCAN_COLS (4 * (32 / GDN_SCAN_LANES))   // per block
+// A staged q or k row: a part of GDN_SCAN_ROWS values per lane of a column,
+// each padded by 4 so that the lanes of a column, reading one part each,
+// hit different banks.
+#define GDN_SCAN_PITCH (GDN_SCAN_ROWS + 4)
 struct __align__(16) GdnScanStage {
-    float q[GDN_SCAN_TOKENS][4 * GDN_SCAN_PITCH];
-    float k[GDN_SCAN_TOKENS][4 * GDN_SCAN_PITCH];
+    float q[GDN_SCAN_TOKENS][GDN_SCAN_LANES * GDN_SCAN_PITCH];
+    float k[GDN_SCAN_TOKENS][GDN_SCAN_LANES * GDN_SCAN_PITCH];
     float v[GDN_SCAN_TOKENS][GDN_SCAN_COLS];
     float g[GDN_SCAN_TOKENS];
     float beta[GDN_SCAN_TOKENS];
 };
 
 // Arguments as gdn_recurrent's; `dk` must be 128 (the caller checks).
-// Grid: (value heads, ⌈dv/32⌉), 128 threads.
+// Grid: (value heads, ⌈dv/GDN_SCAN_COLS⌉), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
     gdn_scan128(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
                 float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled) {
     grid_dependency_wait();
+    constexpr int R = GDN_SCAN_ROWS, L = GDN_SCAN_LANES, PER_WARP = 32 / L;
     __shared__ GdnScanStage stage[2];
-    // Per token and thread: the thread's share of its column's output (the
-    // four of a quad are added once the group's tokens are done, off the
-    // recurrence's path). Static shared memory in all: 37 KB.
+    // Per token and thread: its share of its column's output.
     __shared__ float shares[GDN_SCAN_TOKENS][128];
     int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int col0 = blockIdx.y * GDN_SCAN_COLS, mine = warp * 8 + (lane >> 2), j = col0 + mine;
-    int quarter = lane & 3;
+    int col0 = blockIdx.y * GDN_SCAN_COLS, mine = warp * PER_WARP + lane / L, j = col0 + mine;
+    int part = lane % L;
     int kh = tiled ? h % nk : h / (nv / nk);
     bool ok = j < dv;
     float* st = state + (size_t)h * 128 * dv;
-    float s[32];
+    float s[R];
 #pragma unroll
-    for (int i = 0; i < 32; i++) s[i] = ok ? st[(size_t)(quarter * 32 + i) * dv + j] : 0.0f;
+    for (int i = 0; i < R; i++) s[i] = ok ? st[(size_t)(part * R + i) * dv + j] : 0.0f;
     // Tokens [12·group, 12·group + 12) into stage group % 2; past the last
     // token, zeros (never read).
     auto issue = [&](int group) {
@@ -240,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 int tt = p >> 6, which = (p >> 5) & 1, c = p & 31;  // c: 16-byte piece of the row
                 int t = t0 + min(tt, n - 1);
                 const float* src = (which ? k : q) + ((size_t)t * nk + kh) * 128 + c * 4;
-                float* dst = (which ? sg.k[tt] : sg.q[tt]) + (c >> 3) * GDN_SCAN_PITCH + (c & 7) * 4;
+                float* dst = (which ? sg.k[tt] : sg.q[tt]) + (c / (R / 4)) * GDN_SCAN_PITCH + (c % (R / 4)) * 4;
                 cp_async<16>(dst, src, tt < n);
             }
             for (int p = tid; p < GDN_SCAN_TOKENS * GDN_SCAN_COLS; p += blockDim.x) {
@@ -278,11 +284,11 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int tt = 0; tt < GDN_SCAN_TOKENS; tt++) {
             if (tt >= n) break;
-            const float* ks = sg.k[tt] + quarter * GDN_SCAN_PITCH;
-            const float* qs = sg.q[tt] + quarter * GDN_SCAN_PITCH;
-            float kv[32];
+            const float* ks = sg.k[tt] + part * GDN_SCAN_PITCH;
+            const float* qs = sg.q[tt] + part * GDN_SCAN_PITCH;
+            float kv[R];
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
+            for (int i = 0; i < R; i += 4) {
                 float4 f = *reinterpret_cast<const float4*>(ks + i);
                 kv[i] = f.x, kv[i + 1] = f.y, kv[i + 2] = f.z, kv[i + 3] = f.w;
             }
@@ -290,17 +296,17 @@ extern "C" __global__ void __launch_bounds__(128)
             // FMAs otherwise.
             float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int i = 0; i < 32; i++) {
+            for (int i = 0; i < R; i++) {
                 s[i] *= decay[tt];
                 m[i & 3] += kv[i] * s[i];
             }
             float mem = (m[0] + m[1]) + (m[2] + m[3]);
-            mem += __shfl_xor_sync(0xffffffffu, mem, 1);
-            mem += __shfl_xor_sync(0xffffffffu, mem, 2);
+#pragma unroll
+            for (int o = 1; o < L; o <<= 1) mem += __shfl_xor_sync(0xffffffffu, mem, o);
             float delta = (vj[tt] - mem) * bt[tt];
             float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
+            for (int i = 0; i < R; i += 4) {
                 float4 qv = *reinterpret_cast<const float4*>(qs + i);
                 s[i] += kv[i] * delta;
                 s[i + 1] += kv[i + 1] * delta;
@@ -314,17 +320,20 @@ extern "C" __global__ void __launch_bounds__(128)
             shares[tt][tid] = (o[0] + o[1]) + (o[2] + o[3]);
         }
         __syncwarp();
-        // The warp's 8 columns × the group's tokens: add each quad's shares.
-        for (int p = lane; p < 8 * n; p += 32) {
-            int tt = p >> 3, c = p & 7, col = col0 + warp * 8 + c;
-            const float* share = &shares[tt][warp * 32 + c * 4];
-            if (col < dv) out[((size_t)(t0 + tt) * nv + h) * dv + col] = (share[0] + share[1]) + (share[2] + share[3]);
+        // The warp's columns × the group's tokens: add each column's shares.
+        for (int p = lane; p < PER_WARP * n; p += 32) {
+            int tt = p / PER_WARP, c = p % PER_WARP, col = col0 + warp * PER_WARP + c;
+            const float* share = &shares[tt][warp * 32 + c * L];
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < L; i++) sum += share[i];
+            if (col < dv) out[((size_t)(t0 + tt) * nv + h) * dv + col] = sum;
         }
         __syncthreads();  // the stage is refilled by the next issue
     }
     if (ok) {
 #pragma unroll
-        for (int i = 0; i < 32; i++) st[(size_t)(quarter * 32 + i) * dv + j] = s[i];
+        for (int i = 0; i < R; i++) st[(size_t)(part * R + i) * dv + j] = s[i];
     }
 }
 

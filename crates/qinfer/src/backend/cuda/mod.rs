@@ -90,6 +90,9 @@ const KERNEL_NAMES: &[&str] = &[
     "sample_penalty",
 ];
 
+/// Value columns per block of `gdn_scan128` (`GDN_SCAN_COLS`).
+const GDN_SCAN_COLS: usize = 16;
+
 /// Rows per thread of `gdn_conv_rows` (`GDN_CONV_RUN`).
 const GDN_CONV_RUN: usize = 16;
 
@@ -1712,11 +1715,11 @@ impl Backend for CudaBackend {
             c.num_v_heads as i32,
             c.k_head_dim as i32
         );
-        // Key heads of 128: the state held in registers (32 value columns per
+        // Key heads of 128: the state held in registers (16 value columns per
         // block), the inputs staged ahead; other sizes: one thread per value
         // column, state in memory.
         let (name, grid, threads) = if c.k_head_dim == 128 {
-            ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(32) as u32, 1), 128)
+            ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(GDN_SCAN_COLS) as u32, 1), 128)
         } else {
             ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)
         };
