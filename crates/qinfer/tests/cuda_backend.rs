@@ -453,9 +453,13 @@ fn gated_deltanet_and_moe_match_cpu() {
     }
 
     // The fused decode step (one stacked projection in: conv, delta rule and
-    // gated norm in two launches) against the CPU's composition of the ops;
-    // value heads of 40 cover a partial warp of columns.
-    for (v_heads_tiled, nk, nv, dv) in [(false, 2, 4, 128), (true, 2, 4, 128), (false, 2, 6, 40), (false, 4, 4, 128)] {
+    // gated norm in two launches) and the prompt form (each kernel reading
+    // its columns of the stacked rows in place) against the CPU's
+    // composition of the ops; value heads of 40 cover a partial warp of
+    // columns, 200 of them more than a decode block holds.
+    for (v_heads_tiled, nk, nv, dv) in
+        [(false, 2, 4, 128), (true, 2, 4, 128), (false, 2, 6, 40), (false, 4, 4, 128), (false, 2, 4, 200)]
+    {
         let cfg = GdnConfig {
             num_k_heads: nk,
             num_v_heads: nv,
@@ -473,7 +477,8 @@ fn gated_deltanet_and_moe_match_cpu() {
         let wg = GdnWeights { conv: &convg, a_log: &alg, dt_bias: &dtg, norm: &ng };
         let mut sc = p.cpu.new_gdn_state(&cfg);
         let mut sg = p.gpu.new_gdn_state(&cfg);
-        for t in [1usize, 1, 3, 8, 1, 2] {
+        let steps: &[usize] = if dv > 128 { &[37, 9, 50] } else { &[1, 1, 3, 8, 1, 2, 37, 1, 9, 2] };
+        for &t in steps {
             let (mc, mg) = p.acts(t, all, &r.vec(t * all));
             let og = p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).expect("a fused form for key heads of 128");
             let cols = |at, len| p.cpu.gather_columns(&mc, all, at, len);
@@ -488,9 +493,11 @@ fn gated_deltanet_and_moe_match_cpu() {
             let oc = p.cpu.rms_norm_gated(&o, &z, &nc, 1e-6);
             p.check(&format!("gdn_mix T={t} {nk}/{nv} heads dv {dv} tiled {v_heads_tiled}"), &oc, &og, 1e-4);
         }
-        // Prefill-sized steps are left to the composed kernels.
-        let (_, mg) = p.acts(9, all, &r.vec(9 * all));
-        assert!(p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).is_none());
+        if dv > 128 {
+            // Decode steps of value heads past 128 are left to the composed kernels.
+            let (_, mg) = p.acts(1, all, &r.vec(all));
+            assert!(p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).is_none());
+        }
     }
 
     let (h, i, e) = (64, 32, 8);

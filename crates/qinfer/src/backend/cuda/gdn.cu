@@ -100,13 +100,16 @@ extern "C" __global__ void gdn_conv_window(const float* x, float* window, int ro
 }
 
 // Per token: q, k L2-normalized per key head (q also ·1/√dk); g and β per value head.
+// Rows of q and k are `qk_stride` apart, of a and b `ab_stride` (they may be
+// columns of wider stacked rows); g and β are [rows, nv].
 extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const float* b, const float* a_log,
-                                       const float* dt_bias, float* g, float* beta, int nk, int nv, int dk) {
+                                       const float* dt_bias, float* g, float* beta, int nk, int nv, int dk,
+                                       int qk_stride, int ab_stride) {
     grid_dependency_wait();
     int t = blockIdx.x;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int hh = warp; hh < 2 * nk; hh += warps) {
-        float* v = (hh < nk ? q : k) + ((size_t)t * nk + (hh % nk)) * dk;
+        float* v = (hh < nk ? q : k) + (size_t)t * qk_stride + (hh % nk) * dk;
         float ss = 0.0f;
         for (int c = lane; c < dk; c += 32) ss += v[c] * v[c];
         ss = warp_sum(ss);
@@ -114,20 +117,21 @@ extern "C" __global__ void gdn_prepare(float* q, float* k, const float* a, const
         for (int c = lane; c < dk; c += 32) v[c] *= inv;
     }
     for (int h = threadIdx.x; h < nv; h += blockDim.x) {
-        size_t i = (size_t)t * nv + h;
-        float x = a[i] + dt_bias[h];
+        size_t i = (size_t)t * nv + h, in = (size_t)t * ab_stride + h;
+        float x = a[in] + dt_bias[h];
         float sp = x > 20.0f ? x : log1pf(expf(x));
         g[i] = -expf(a_log[h]) * sp;
-        beta[i] = 1.0f / (1.0f + expf(-b[i]));
+        beta[i] = 1.0f / (1.0f + expf(-b[in]));
     }
 }
 
 // The recurrent gated delta rule over `rows` tokens. One block per value head,
 // one thread per value column j: the thread owns column S[:, j] of the f32
-// state [dk, dv] (kept in global memory; it stays in L1/L2).
+// state [dk, dv] (kept in global memory; it stays in L1/L2). Rows of q and k
+// are `qk_stride` apart, of v `v_stride`; g and β are [rows, nv].
 extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const float* v, const float* g,
                                          const float* beta, float* state, float* out, int rows, int nk, int nv, int dk,
-                                         int dv, int tiled) {
+                                         int dv, int tiled, int qk_stride, int v_stride) {
     grid_dependency_wait();
     int h = blockIdx.x, j = threadIdx.x;
     // Value head h reads key head h / (nv/nk) (transformers), or h % nk when
@@ -135,8 +139,8 @@ extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const f
     int kh = tiled ? h % nk : h / (nv / nk);
     float* s = state + (size_t)h * dk * dv;
     for (int t = 0; t < rows; t++) {
-        const float* qt = q + ((size_t)t * nk + kh) * dk;
-        const float* kt = k + ((size_t)t * nk + kh) * dk;
+        const float* qt = q + (size_t)t * qk_stride + kh * dk;
+        const float* kt = k + (size_t)t * qk_stride + kh * dk;
         float decay = expf(g[(size_t)t * nv + h]);
         float bt = beta[(size_t)t * nv + h];
         if (j < dv) {
@@ -146,7 +150,7 @@ extern "C" __global__ void gdn_recurrent(const float* q, const float* k, const f
                 s[(size_t)i * dv + j] = e;
                 mem += kt[i] * e;
             }
-            float delta = (v[((size_t)t * nv + h) * dv + j] - mem) * bt;
+            float delta = (v[(size_t)t * v_stride + h * dv + j] - mem) * bt;
             float o = 0.0f;
             for (int i = 0; i < dk; i++) {
                 float e = s[(size_t)i * dv + j] + kt[i] * delta;
@@ -220,7 +224,8 @@ struct __align__(16) GdnScanStage {
 extern "C" __global__ void __launch_bounds__(128)
     gdn_scan128(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                 const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
-                float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled) {
+                float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled, int qk_stride,
+                int v_stride) {
     grid_dependency_wait();
     constexpr int R = GDN_SCAN_ROWS, L = GDN_SCAN_LANES, PER_WARP = 32 / L;
     __shared__ GdnScanStage stage[2];
@@ -245,14 +250,14 @@ extern "C" __global__ void __launch_bounds__(128)
             for (int p = tid; p < GDN_SCAN_TOKENS * 64; p += blockDim.x) {
                 int tt = p >> 6, which = (p >> 5) & 1, c = p & 31;  // c: 16-byte piece of the row
                 int t = t0 + min(tt, n - 1);
-                const float* src = (which ? k : q) + ((size_t)t * nk + kh) * 128 + c * 4;
+                const float* src = (which ? k : q) + (size_t)t * qk_stride + kh * 128 + c * 4;
                 float* dst = (which ? sg.k[tt] : sg.q[tt]) + (c / (R / 4)) * GDN_SCAN_PITCH + (c % (R / 4)) * 4;
                 cp_async<16>(dst, src, tt < n);
             }
             for (int p = tid; p < GDN_SCAN_TOKENS * GDN_SCAN_COLS; p += blockDim.x) {
                 int tt = p / GDN_SCAN_COLS, c = p % GDN_SCAN_COLS;
                 int t = t0 + min(tt, n - 1);
-                cp_async<4>(&sg.v[tt][c], v + ((size_t)t * nv + h) * dv + min(col0 + c, dv - 1),
+                cp_async<4>(&sg.v[tt][c], v + (size_t)t * v_stride + h * dv + min(col0 + c, dv - 1),
                             tt < n && col0 + c < dv);
             }
             if (tid < 2 * GDN_SCAN_TOKENS) {

@@ -90,6 +90,20 @@ const KERNEL_NAMES: &[&str] = &[
     "sample_penalty",
 ];
 
+/// Device addresses of the gated delta rule's inputs: rows of q and k
+/// `qk_stride` floats apart, of v `v_stride`, of a and b `ab_stride` (each
+/// may be columns of wider stacked rows). q and k are normalized in place.
+struct DeltaRuleInputs {
+    q: u64,
+    k: u64,
+    v: u64,
+    a: u64,
+    b: u64,
+    qk_stride: usize,
+    v_stride: usize,
+    ab_stride: usize,
+}
+
 /// Value columns per block of `gdn_scan128` (`GDN_SCAN_COLS`).
 const GDN_SCAN_COLS: usize = 16;
 
@@ -1691,56 +1705,24 @@ impl Backend for CudaBackend {
             self.record(Err("linear_value_head_dim above 1024"), "gated_delta_rule");
             return out;
         }
-        // Normalized copies of q and k; g and β per value head.
-        let (qn, kn) = (self.copy(q), self.copy(k));
-        let g = self.act(t, c.num_v_heads);
-        let beta = self.act(t, c.num_v_heads);
         let (CudaWeight::Vector(al), CudaWeight::Vector(dt)) = (a_log, dt_bias) else {
             self.record(Err("A_log and dt_bias must be vectors"), "gated_delta_rule");
             return out;
         };
-        launch!(
-            self,
-            "gdn_prepare",
-            cfg((t as u32, 1, 1), 128, 0),
-            self.p(&qn.buf),
-            self.p(&kn.buf),
-            self.p(&a.buf),
-            self.p(&b.buf),
-            self.p(al),
-            self.p(dt),
-            self.p(&g.buf),
-            self.p(&beta.buf),
-            c.num_k_heads as i32,
-            c.num_v_heads as i32,
-            c.k_head_dim as i32
-        );
-        // Key heads of 128: the state held in registers (16 value columns per
-        // block), the inputs staged ahead; other sizes: one thread per value
-        // column, state in memory.
-        let (name, grid, threads) = if c.k_head_dim == 128 {
-            ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(GDN_SCAN_COLS) as u32, 1), 128)
-        } else {
-            ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)
+        // Normalized copies of q and k (the rule normalizes them in place).
+        let (qn, kn) = (self.copy(q), self.copy(k));
+        let (kd, vd, nv) = (c.key_dim(), c.value_dim(), c.num_v_heads);
+        let inputs = DeltaRuleInputs {
+            q: self.p(&qn.buf),
+            k: self.p(&kn.buf),
+            v: self.p(&v.buf),
+            a: self.p(&a.buf),
+            b: self.p(&b.buf),
+            qk_stride: kd,
+            v_stride: vd,
+            ab_stride: nv,
         };
-        launch!(
-            self,
-            name,
-            cfg(grid, threads, 0),
-            self.p(&qn.buf),
-            self.p(&kn.buf),
-            self.p(&v.buf),
-            self.p(&g.buf),
-            self.p(&beta.buf),
-            self.p(&state.recurrent),
-            self.p(&out.buf),
-            t as i32,
-            c.num_k_heads as i32,
-            c.num_v_heads as i32,
-            c.k_head_dim as i32,
-            c.v_head_dim as i32,
-            c.v_heads_tiled as i32
-        );
+        self.delta_rule(&inputs, t, al, dt, state, &out);
         out
     }
 
@@ -1753,10 +1735,13 @@ impl Backend for CudaBackend {
     ) -> Option<CudaAct> {
         let c = state.cfg.clone();
         let (t, cd, vd, nv) = (mixed.rows, c.conv_dim(), c.value_dim(), c.num_v_heads);
-        // Decode-sized steps of key heads of 128 and value heads of at most
-        // 128 (one block of 8 warps per value head); prefill and other
-        // shapes compose the separate kernels.
-        if t > GEMV_MAX_ROWS || c.k_head_dim != 128 || c.v_head_dim > 128 {
+        // Key heads of 128: decode-sized steps with value heads of at most
+        // 128 (one block of 8 warps per value head) in one fused kernel;
+        // prompts through the conv, the rule and the gated norm, each reading
+        // its columns of the stacked rows in place. Other shapes compose the
+        // separate kernels.
+        let prompt = t > GEMV_MAX_ROWS;
+        if c.k_head_dim != 128 || (!prompt && c.v_head_dim > 128) {
             return None;
         }
         let (CudaWeight::Vector(al), CudaWeight::Vector(dt), CudaWeight::Vector(nw)) =
@@ -1771,6 +1756,23 @@ impl Backend for CudaBackend {
         }
         let conv = self.act(t, cd);
         self.conv_columns(mixed, weights.conv, state, &conv);
+        if prompt {
+            let (at, kd, f32s) = (self.p(&mixed.buf), c.key_dim(), std::mem::size_of::<f32>() as u64);
+            let conv_at = self.p(&conv.buf);
+            let inputs = DeltaRuleInputs {
+                q: conv_at,
+                k: conv_at + (kd as u64) * f32s,
+                v: conv_at + (2 * kd) as u64 * f32s,
+                a: at + (cd + vd + nv) as u64 * f32s,
+                b: at + (cd + vd) as u64 * f32s,
+                qk_stride: cd,
+                v_stride: cd,
+                ab_stride: mixed.cols,
+            };
+            self.delta_rule(&inputs, t, al, dt, state, &out);
+            let z = self.gather_columns(mixed, mixed.cols, cd, vd);
+            return Some(self.norm(&out, None, weights.norm, Some(&z), eps));
+        }
         launch!(
             self,
             "gdn_decode128",
@@ -2057,6 +2059,69 @@ impl CudaBackend {
             channels,
             kernel as i32,
             stride
+        );
+    }
+
+    /// The gated delta rule over `rows` tokens into `out` ([rows, value
+    /// dim]): g and β from a and b, q and k L2-normalized in place, then the
+    /// recurrence, advancing the state.
+    fn delta_rule(
+        &self,
+        x: &DeltaRuleInputs,
+        rows: usize,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        state: &mut CudaGdnState,
+        out: &CudaAct,
+    ) {
+        let c = &state.cfg;
+        let g = self.act(rows, c.num_v_heads);
+        let beta = self.act(rows, c.num_v_heads);
+        launch!(
+            self,
+            "gdn_prepare",
+            cfg((rows as u32, 1, 1), 128, 0),
+            x.q,
+            x.k,
+            x.a,
+            x.b,
+            self.p(a_log),
+            self.p(dt_bias),
+            self.p(&g.buf),
+            self.p(&beta.buf),
+            c.num_k_heads as i32,
+            c.num_v_heads as i32,
+            c.k_head_dim as i32,
+            x.qk_stride as i32,
+            x.ab_stride as i32
+        );
+        // Key heads of 128: the state held in registers (16 value columns per
+        // block), the inputs staged ahead; other sizes: one thread per value
+        // column, state in memory.
+        let (name, grid, threads) = if c.k_head_dim == 128 {
+            ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(GDN_SCAN_COLS) as u32, 1), 128)
+        } else {
+            ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)
+        };
+        launch!(
+            self,
+            name,
+            cfg(grid, threads, 0),
+            x.q,
+            x.k,
+            x.v,
+            self.p(&g.buf),
+            self.p(&beta.buf),
+            self.p(&state.recurrent),
+            self.p(&out.buf),
+            rows as i32,
+            c.num_k_heads as i32,
+            c.num_v_heads as i32,
+            c.k_head_dim as i32,
+            c.v_head_dim as i32,
+            c.v_heads_tiled as i32,
+            x.qk_stride as i32,
+            x.v_stride as i32
         );
     }
 
