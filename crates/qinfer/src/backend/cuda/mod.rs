@@ -2019,27 +2019,20 @@ impl CudaBackend {
             }
         };
         let (rows, channels, stride) = (x.rows as i32, out.cols as i32, x.cols as i32);
-        if x.rows <= GDN_CONV_WALKED_ROWS {
-            launch!(
-                self,
-                &format!("gdn_conv_{ty}"),
-                cfg(blocks(out.cols, 128), 128, 0),
-                self.p(&x.buf),
-                w,
-                self.p(&state.conv),
-                self.p(&out.buf),
-                rows,
-                channels,
-                kernel as i32,
-                stride
-            );
-            return;
-        }
-        // A prompt: every run of rows at once, then the window advanced.
+        // Decode: one launch walks the rows. A prompt: every run of rows at
+        // once, then the window advanced.
+        let walked = x.rows <= GDN_CONV_WALKED_ROWS;
+        let (name, grid) = match walked {
+            true => (format!("gdn_conv_{ty}"), blocks(out.cols, 128)),
+            false => (
+                format!("gdn_conv_rows_{ty}"),
+                (out.cols.div_ceil(128) as u32, x.rows.div_ceil(GDN_CONV_RUN) as u32, 1),
+            ),
+        };
         launch!(
             self,
-            &format!("gdn_conv_rows_{ty}"),
-            cfg((out.cols.div_ceil(128) as u32, x.rows.div_ceil(GDN_CONV_RUN) as u32, 1), 128, 0),
+            &name,
+            cfg(grid, 128, 0),
             self.p(&x.buf),
             w,
             self.p(&state.conv),
@@ -2049,6 +2042,9 @@ impl CudaBackend {
             kernel as i32,
             stride
         );
+        if walked {
+            return;
+        }
         launch!(
             self,
             "gdn_conv_window",
