@@ -345,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // A decode step of the layer after its conv, for key heads of DK = 128: the
 // work of gdn_prepare, the recurrence (gdn_step) and the gated RMSNorm in one launch.
 // One block per value head, a warp per 16 of its value columns (the state
-// split between lane halves as in gdn_recurrent_held). Per token the block
+// split between lane halves, as gdn_step takes it). Per token the block
 // stages and L2-normalizes its key head's q and k, forms g and β from the
 // stacked projection's a and b, advances the recurrence, and normalizes the
 // head's output gated by silu(z), with the same float operations in the same
