@@ -285,6 +285,101 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     }
 }
 
+/// The pre-norm block's ends as the decoder issues them: the first
+/// projection reading RMSNorm(h)·w (folded into the tensor-core affine GEMV),
+/// the last one adding into h (in the GEMV's epilogue, or cuBLAS with beta 1),
+/// against the CPU's norm, matmul and add done apart.
+#[test]
+fn folded_norm_and_residual_add_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let eps = 1e-6;
+    for (group_size, inp, out) in [(64, 2048, 48), (128, 1024, 40), (64, 4096, 34), (64, 512, 4500)] {
+        let mut weights = vec![];
+        for bits in qinfer::affine::SUPPORTED_BITS {
+            let t = affine_tensor(&mut r, bits, group_size, out, inp, DType::BF16);
+            weights.push((
+                format!("q{bits}g{group_size}"),
+                p.cpu.upload_affine(&t).unwrap(),
+                p.gpu.upload_affine(&t).unwrap(),
+            ));
+        }
+        let dense = tensor("w", DType::BF16, vec![out, inp], &r.vec(out * inp));
+        let (dc, dg) = p.weights(&dense);
+        weights.push(("bf16".into(), dc, dg));
+        let norm =
+            tensor("norm", DType::BF16, vec![inp], &r.vec(inp).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<_>>());
+        let (nc, ng) = p.weights(&norm);
+        let bias = tensor("bias", DType::F32, vec![out], &r.vec(out));
+        let (bc, bg) = p.weights(&bias);
+        for (name, wc, wg) in &weights {
+            for rows in [1, 2, 4, 5, 9] {
+                // The residual stream's rows differ in scale by orders of
+                // magnitude; the fold must apply each row's own 1/rms.
+                let mut h = r.vec(rows * inp);
+                for (i, row) in h.chunks_mut(inp).enumerate() {
+                    row.iter_mut().for_each(|v| *v *= 10f32.powi((i % 4) as i32 * 3 - 3));
+                }
+                let (hc, hg) = p.acts(rows, inp, &h);
+                let tol = if rows > 8 { 2e-2 } else { 1e-4 };
+                let what = format!("{name} {rows}x{inp}->{out}");
+                for with_bias in [false, true] {
+                    let (b_c, b_g) = if with_bias { (Some(&bc), Some(&bg)) } else { (None, None) };
+                    let yc = p.cpu.linear_normed(&hc, &nc, eps, wc, b_c);
+                    let yg = p.gpu.linear_normed(&hg, &ng, eps, wg, b_g);
+                    let (want, got) = (p.cpu.to_host(&yc), p.gpu.to_host(&yg));
+                    p.gpu.check().unwrap();
+                    // Each row against its own scale (normed rows are alike,
+                    // but the bias is not scaled with them).
+                    for row in 0..rows {
+                        let span = row * out..(row + 1) * out;
+                        let e = rel(&got[span.clone()], &want[span]);
+                        assert!(e <= tol, "linear_normed {what} bias {with_bias} row {row}: rel err {e} > {tol}");
+                    }
+                }
+                if out % 2 == 0 {
+                    let (sc, sg) =
+                        (p.cpu.linear_swiglu_normed(&hc, &nc, eps, wc), p.gpu.linear_swiglu_normed(&hg, &ng, eps, wg));
+                    let lin = p.cpu.to_host(&p.cpu.linear_normed(&hc, &nc, eps, wc, None));
+                    let (want, got) = (p.cpu.to_host(&sc), p.gpu.to_host(&sg));
+                    let width = out / 2;
+                    for row in 0..rows {
+                        let l = &lin[row * out..(row + 1) * out];
+                        let max_of = |s: &[f32]| s.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let scale = (max_of(&l[..width]) * max_of(&l[width..])).max(1e-12);
+                        let span = row * width..(row + 1) * width;
+                        let e = got[span.clone()].iter().zip(&want[span]).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                            / scale;
+                        assert!(
+                            e.is_finite() && e <= 2.0 * tol,
+                            "linear_swiglu_normed {what} row {row}: {e} > 2·{tol}"
+                        );
+                    }
+                }
+                // h += x·wᵀ (+ bias), with the residual much larger than the
+                // product in one row (the add must not lose either).
+                let x = r.vec(rows * inp);
+                let mut res = r.vec(rows * out);
+                res[..out].iter_mut().for_each(|v| *v *= 100.0);
+                for with_bias in [false, true] {
+                    let (b_c, b_g) = if with_bias { (Some(&bc), Some(&bg)) } else { (None, None) };
+                    let ((xc, xg), (mut rc, mut rg)) = (p.acts(rows, inp, &x), p.acts(rows, out, &res));
+                    p.cpu.linear_add(&mut rc, &xc, wc, b_c);
+                    p.gpu.linear_add(&mut rg, &xg, wg, b_g);
+                    let product = p.cpu.to_host(&p.cpu.linear(&xc, wc, b_c));
+                    let (want, got) = (p.cpu.to_host(&rc), p.gpu.to_host(&rg));
+                    p.gpu.check().unwrap();
+                    // The error is the product's, relative to the product.
+                    let scale = product.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let e = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    assert!(e.is_finite() && e <= tol, "linear_add {what} bias {with_bias}: {e} > {tol}");
+                    println!("{what} bias {with_bias}: linear_add err {e:.2e}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn elementwise_norm_rope_and_column_ops_match_cpu() {
     let Some(p) = pair() else { return };

@@ -151,6 +151,29 @@ pub trait Backend: Send + Sync {
         self.add_assign(h, y);
         self.rms_norm(h, w, eps)
     }
+    /// `linear(rms_norm(h, norm, eps), w, bias)`: the first projection of a
+    /// pre-norm block, which a backend may compute without writing the
+    /// normed rows out (the norm folded into the matmul's input).
+    fn linear_normed(
+        &self,
+        h: &Self::Act,
+        norm: &Self::Weight,
+        eps: f32,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> Self::Act {
+        self.linear(&self.rms_norm(h, norm, eps), w, bias)
+    }
+    /// `linear_swiglu(rms_norm(h, norm, eps), gate_up)` (see [`Backend::linear_normed`]).
+    fn linear_swiglu_normed(&self, h: &Self::Act, norm: &Self::Weight, eps: f32, gate_up: &Self::Weight) -> Self::Act {
+        self.linear_swiglu(&self.rms_norm(h, norm, eps), gate_up)
+    }
+    /// `h += linear(x, w, bias)`: a block's last projection adding into the
+    /// residual stream, which a backend may do in the matmul's epilogue.
+    fn linear_add(&self, h: &mut Self::Act, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>) {
+        let y = self.linear(x, w, bias);
+        self.add_assign(h, &y);
+    }
     /// Rotates every head of width `head_dim` in place; `positions[i]` is row i's position.
     fn rope(&self, x: &mut Self::Act, head_dim: usize, positions: &[usize], rope: &Rope);
     /// Writes this layer's k/v rows at positions `[cache.len(), cache.len() + rows)`.

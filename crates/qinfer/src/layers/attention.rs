@@ -5,6 +5,7 @@
 //! sigmoid(gate) before o_proj).
 
 use super::WeightLoader;
+use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{AttentionShape, Backend, QkvShape};
 use crate::config::ModelConfig;
@@ -81,15 +82,17 @@ impl<B: Backend> Attention<B> {
         })
     }
 
+    /// Attends from `input`; the o projection is left for the caller to add
+    /// into the residual stream.
     pub fn forward(
         &self,
         b: &B,
         cfg: &ModelConfig,
         rope: &Rope,
-        x: &B::Act,
+        input: BlockInput<'_, B>,
         cache: &mut B::Cache,
         positions: &[usize],
-    ) -> B::Act {
+    ) -> BlockOutput<'_, B> {
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
         let shape = QkvShape {
@@ -100,14 +103,14 @@ impl<B: Backend> Attention<B> {
         };
         let (q, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
-                let qkv = b.linear(x, w, bias.as_ref());
+                let qkv = input.linear(b, w, bias.as_ref());
                 b.qkv_prologue(&qkv, &shape, norms, eps, positions, rope, cache, self.layer)
             }
-            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => {
+            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
                 let projected = b.linear(x, q, q_bias.as_ref());
                 let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
                 b.attention_prologue(projected, k, &v, &shape, norms, eps, positions, rope, cache, self.layer)
-            }
+            }),
         };
         let shape = AttentionShape {
             num_heads: cfg.num_heads,
@@ -120,6 +123,6 @@ impl<B: Backend> Attention<B> {
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }
-        b.linear(&o, &self.o_proj, self.o_bias.as_ref())
+        BlockOutput::Projected { x: o, w: &self.o_proj, bias: self.o_bias.as_ref() }
     }
 }

@@ -4,6 +4,7 @@
 //! `in_proj_a`). The backend runs the conv, the delta rule and the gated norm.
 
 use super::WeightLoader;
+use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{Backend, GdnWeights};
 use crate::config::{Architecture, GdnConfig, ModelConfig};
@@ -80,11 +81,14 @@ impl<B: Backend> GatedDeltaNet<B> {
         })
     }
 
-    pub fn forward(&self, bk: &B, x: &B::Act, state: &mut B::GdnState) -> B::Act {
+    /// The layer's output for `input`, advancing `state`; the out projection
+    /// is left for the caller to add into the residual stream.
+    pub fn forward(&self, bk: &B, input: BlockInput<'_, B>, state: &mut B::GdnState) -> BlockOutput<'_, B> {
         let g = &self.cfg;
         let (dk, dv, kd, vd) = (g.k_head_dim, g.v_head_dim, g.key_dim(), g.value_dim());
+        let out = |o: B::Act| BlockOutput::Projected { x: o, w: &self.out_proj, bias: None };
         let (qkv, z, b, a) = match &self.proj {
-            Projections::Fused { qkvz, ba } => {
+            Projections::Fused { qkvz, ba } => input.with_normed(bk, |x| {
                 // `fix_query_key_value_ordering`: split each key head's group.
                 let r = g.num_v_heads / g.num_k_heads;
                 let mixed = bk.linear(x, qkvz, None);
@@ -97,16 +101,16 @@ impl<B: Backend> GatedDeltaNet<B> {
                 let b = bk.gather_columns(&mixed_ba, 2 * r, 0, r);
                 let a = bk.gather_columns(&mixed_ba, 2 * r, r, r);
                 (bk.concat_columns(&[&q, &k, &v]), z, b, a)
-            }
-            Projections::Split { qkv, z, b, a } => {
+            }),
+            Projections::Split { qkv, z, b, a } => input.with_normed(bk, |x| {
                 (bk.linear(x, qkv, None), bk.linear(x, z, None), bk.linear(x, b, None), bk.linear(x, a, None))
-            }
+            }),
             Projections::Stacked { all } => {
-                let mixed = bk.linear(x, all, None);
+                let mixed = input.linear(bk, all, None);
                 let weights =
                     GdnWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm };
                 if let Some(o) = bk.gdn_mix(&mixed, &weights, self.eps, state) {
-                    return bk.linear(&o, &self.out_proj, None);
+                    return out(o);
                 }
                 let (cd, nv) = (g.conv_dim(), g.num_v_heads);
                 let all = cd + vd + 2 * nv;
@@ -124,7 +128,6 @@ impl<B: Backend> GatedDeltaNet<B> {
         let k = bk.gather_columns(&mixed, cd, kd, kd);
         let v = bk.gather_columns(&mixed, cd, 2 * kd, vd);
         let o = bk.gated_delta_rule(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, state);
-        let o = bk.rms_norm_gated(&o, &z, &self.norm, self.eps);
-        bk.linear(&o, &self.out_proj, None)
+        out(bk.rms_norm_gated(&o, &z, &self.norm, self.eps))
     }
 }

@@ -1,6 +1,7 @@
 //! The SwiGLU feed-forward block: `down(silu(gate(x)) ⊙ up(x))`.
 
 use super::WeightLoader;
+use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::Backend;
 
@@ -21,12 +22,22 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
+    /// The block's output for `input`; the down projection is left for the
+    /// caller to add into the residual stream.
+    pub fn forward_block(&self, b: &B, input: BlockInput<'_, B>) -> BlockOutput<'_, B> {
         let h = match self.gate_up.as_slice() {
-            [gate_up] => b.linear_swiglu(x, gate_up),
-            [gate, up] => b.silu_mul(&b.linear(x, gate, None), &b.linear(x, up, None)),
+            [gate_up] => input.linear_swiglu(b, gate_up),
+            [gate, up] => input.with_normed(b, |x| b.silu_mul(&b.linear(x, gate, None), &b.linear(x, up, None))),
             _ => unreachable!("stacked_rows returns one weight or one per name"),
         };
-        b.linear(&h, &self.down_proj, None)
+        BlockOutput::Projected { x: h, w: &self.down_proj, bias: None }
+    }
+
+    /// `down(silu(gate(x)) ⊙ up(x))` of rows `x` already normed (MoE's shared expert).
+    pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
+        match self.forward_block(b, BlockInput::Normed(x)) {
+            BlockOutput::Projected { x, w, bias } => b.linear(&x, w, bias),
+            BlockOutput::Done(y) => y,
+        }
     }
 }

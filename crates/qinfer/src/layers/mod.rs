@@ -2,6 +2,7 @@
 //! Hugging Face name and runs on any [`Backend`] through its ops.
 
 pub mod attention;
+pub mod block;
 pub mod gdn;
 pub mod mlp;
 pub mod moe;

@@ -4,6 +4,7 @@
 //! (`Qwen3NextSparseMoeBlock`).
 
 use super::WeightLoader;
+use super::block::{BlockInput, BlockOutput};
 use super::mlp::Mlp;
 use crate::backend::{Backend, ExpertWeights, Routing};
 use crate::config::MoeConfig;
@@ -82,14 +83,17 @@ impl<B: Backend> SparseMoe<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        let logits = b.linear(x, &self.router, None);
-        let mut out = b.moe(x, &logits, &self.experts, self.routing);
-        if let (Some(shared), Some(gate)) = (&self.shared_expert, &self.shared_expert_gate) {
-            let mut s = shared.forward(b, x);
-            b.mul_sigmoid(&mut s, &b.linear(x, gate, None));
-            b.add_assign(&mut out, &s);
-        }
-        out
+    /// The block's output for `input` (a sum over experts, for the caller to add).
+    pub fn forward(&self, b: &B, input: BlockInput<'_, B>) -> BlockOutput<'_, B> {
+        BlockOutput::Done(input.with_normed(b, |x| {
+            let logits = b.linear(x, &self.router, None);
+            let mut out = b.moe(x, &logits, &self.experts, self.routing);
+            if let (Some(shared), Some(gate)) = (&self.shared_expert, &self.shared_expert_gate) {
+                let mut s = shared.forward(b, x);
+                b.mul_sigmoid(&mut s, &b.linear(x, gate, None));
+                b.add_assign(&mut out, &s);
+            }
+            out
+        }))
     }
 }

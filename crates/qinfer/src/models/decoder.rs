@@ -11,6 +11,7 @@ use crate::engine::sampler::Sampler;
 use crate::formats::TensorSource;
 use crate::layers::WeightLoader;
 use crate::layers::attention::Attention;
+use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
@@ -224,31 +225,40 @@ impl<B: Backend> DecoderModel<B> {
         let b = &self.backend;
         let mut h = b.embed(&self.embed_tokens, tokens)?;
         let eps = self.cfg.rms_norm_eps;
-        // Each residual add is fused with the norm that reads its result: the
-        // next layer's input norm, or the final norm.
-        let mut x = b.rms_norm(&h, &self.layers[0].input_layernorm, eps);
+        // Each block's input norm is left to its first projection and its
+        // output to its last one, which adds into `h` (folded into the
+        // matmuls where the backend can); `normed` holds the next input norm
+        // when a block's output had to be added apart (MoE), fused with it.
+        let mut normed: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let a = match &layer.mixer {
-                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, &x, cache, positions),
+            let out = match &layer.mixer {
+                Mixer::Attention(at) => {
+                    let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
+                    at.forward(b, &self.cfg, &self.rope, x, cache, positions)
+                }
                 Mixer::Linear(net) => {
                     let state = gdn[l].as_mut().expect("every linear-attention layer has a state");
-                    net.forward(b, &x, state)
+                    net.forward(b, BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps), state)
                 }
             };
-            let x_ffn = b.add_rms_norm(&mut h, &a, &layer.post_attention_layernorm, eps);
-            let m = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward(b, &x_ffn),
-                FeedForward::Sparse(moe) => moe.forward(b, &x_ffn),
+            normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
+            let x = BlockInput::new(&h, normed.as_ref(), &layer.post_attention_layernorm, eps);
+            let out = match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward_block(b, x),
+                FeedForward::Sparse(moe) => moe.forward(b, x),
             };
             let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
-            x = b.add_rms_norm(&mut h, &m, next_norm, eps);
+            normed = out.add_into(b, &mut h, next_norm, eps);
         }
-        let h = match logits {
+        let last = |x: B::Act| match logits {
             Logits::Last if b.rows(&x) > 1 => b.last_row(&x),
             _ => x,
         };
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(b.linear(&h, head, None))
+        Ok(match normed {
+            Some(x) => b.linear(&last(x), head, None),
+            None => b.linear_normed(&last(h), &self.norm, eps, head, None),
+        })
     }
 }
 

@@ -42,6 +42,16 @@
 //
 // With PAIRED, rows g and g+8 of a tile are gate row i and up row width + i
 // of a stacked gate|up weight, and the block writes silu(gate)·up.
+//
+// With a norm weight, x is the residual stream h and the product is taken
+// with RMSNorm(h)·norm_w: staging multiplies h by norm_w (the per-unit
+// quantization does not care about the row's scale), keeps each unit's Σh²,
+// and the row's 1/rms multiplies the sums in the epilogue. This saves the
+// norm kernel between a residual add and the next block's first projection.
+//
+// The bias may be the output itself (one activation row): each output reads
+// its own bias value just before writing it, which is how a block's last
+// projection adds into the residual stream.
 
 #define AMMA_WARPS 8
 #define AMMA_STAGES 3
@@ -82,15 +92,17 @@ struct alignas(16) AmmaStage {
     unsigned char biases[16 * SIDE];
 };
 
-// One warp stages units [beg, end) of n_act activation rows of x into shared
-// memory: per activation the high and then the low digit row (one byte per
+// One warp stages units [beg, end) of n_act activation rows of x (times
+// norm_w when given, and then the warp's Σx² of each row in warp_ss) into
+// shared memory: per activation the high and then the low digit row (one byte per
 // column, in MMA order: for 4-bit levels, per 16 columns the even columns of
 // the first 8, of the next 8, then the odd ones; for 8-bit, columns in
 // order), and per unit (Σxi, 1/scale). Each warp reads only the x it
 // multiplies, so no block barrier stands before the first MMA.
 template <int BITS>
-__device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in_dim, int n_act, int beg, int end,
-                                             unsigned char* xs, float2* stats) {
+__device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const float* __restrict__ norm_w,
+                                             int in_dim, int n_act, int beg, int end, unsigned char* xs,
+                                             float2* stats, float* unit_ss, float* warp_ss) {
     int lane = threadIdx.x & 31, units = in_dim / 64;
     // Lanes 8j..8j+7 take the 8 blocks of 8 columns of one unit, so a unit's
     // max and sum are shuffle reductions over 8 lanes.
@@ -103,6 +115,23 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + b * 8);
             float4 v0 = xr[0], v1 = xr[1];
             v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
+        }
+        float sq = 0.0f;
+        if (norm_w) {
+            float nw[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (i < total) {
+                const float4* wr = reinterpret_cast<const float4*>(norm_w + b * 8);
+                float4 w0 = wr[0], w1 = wr[1];
+                nw[0] = w0.x, nw[1] = w0.y, nw[2] = w0.z, nw[3] = w0.w, nw[4] = w1.x, nw[5] = w1.y, nw[6] = w1.z,
+                nw[7] = w1.w;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                sq += v[k] * v[k];
+                v[k] *= nw[k];
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
         }
         float m = 0.0f;
 #pragma unroll
@@ -158,16 +187,30 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, int in
             poison += __shfl_xor_sync(0xffffffffu, poison, o);
         }
         // A non-finite unit's Σxi carries a NaN into its products' sums.
-        if (i < total && (i & 7) == 0) stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
+        if (i < total && (i & 7) == 0) {
+            stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
+            if (norm_w) unit_ss[t * units + b / 8] = sq;
+        }
     }
     __syncwarp();
+    if (norm_w) {
+        // The warp's units of each row, summed in a fixed order (lanes, then
+        // the shuffle tree), so that results repeat bit for bit.
+        for (int t = 0; t < n_act; t++) {
+            float sq = 0.0f;
+            for (int u = beg + lane; u < end; u += 32) sq += unit_ss[t * units + u];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            if (lane == 0) warp_ss[t] = sq;
+        }
+    }
 }
 
 template <typename S, int GROUP, int BITS, bool PAIRED>
 __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restrict__ scales,
                                  const S* __restrict__ biases, const float* __restrict__ x,
-                                 const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
-                                 int n_act) {
+                                 const float* __restrict__ norm_w, float eps, const float* bias, float* y,
+                                 int out_dim, int in_dim, int n_act) {
     using Stage = AmmaStage<S, GROUP, BITS>;
     constexpr int SIDE = Stage::SIDE;
     constexpr int UNITS = amma_units<BITS>();      // per stage
@@ -176,11 +219,13 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     extern __shared__ uint4 amma_shared[];
     __shared__ float partial[2][AMMA_WARPS][16][AMMA_MAX_ACT];
     __shared__ uint4 zeros[AMMA_WARPS];
+    __shared__ float warp_ss[AMMA_WARPS][AMMA_MAX_ACT];  // with norm_w: each warp's Σx² of each row
     int units = in_dim / 64, groups = in_dim / GROUP;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     Stage* ring = reinterpret_cast<Stage*>(amma_shared) + warp * AMMA_STAGES;
     unsigned char* xs = reinterpret_cast<unsigned char*>(reinterpret_cast<Stage*>(amma_shared) + AMMA_WARPS * AMMA_STAGES);
     float2* stats = reinterpret_cast<float2*>(xs + (size_t)n_act * 2 * in_dim);  // [n_act][units]
+    float* unit_ss = reinterpret_cast<float*>(stats + (size_t)n_act * units);     // [n_act][units], with norm_w
     int width = PAIRED ? out_dim / 2 : out_dim;
     int tiles = PAIRED ? (width + 7) / 8 : (out_dim + 15) / 16;
     // The weight row behind row `r` of tile `tile` (clamped: copies stay in bounds).
@@ -227,7 +272,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
-    amma_stage_x<BITS>(x, in_dim, n_act, beg, end, xs, stats);
+    amma_stage_x<BITS>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
     bool b_live = (g >> 1) < n_act;
@@ -237,6 +282,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     const float2* st_x = stats + (size_t)min(c, n_act - 1) * units;  // this lane's C columns: activation c
     unsigned even = 0x0F0F0F0Fu, odd = 0xF0F0F0F0u;
     float acc_top = 0.0f, acc_bottom = 0.0f;
+    // An epilogue thread's activation row is threadIdx.x % AMMA_MAX_ACT in
+    // every tile: it finds that row's 1/rms at its first tile (the warps'
+    // Σx², after the tile's barrier), and keeps it.
+    float inv_rms = 1.0f;
     for (int i = 0; i < my_tiles; i++) {
         for (int batch = 0; batch < batches; batch++) {
             int step = i * batches + batch;
@@ -291,6 +340,13 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         acc_top = 0.0f, acc_bottom = 0.0f;
         __syncthreads();
         int tile = (int)blockIdx.x + i * (int)gridDim.x;
+        if (norm_w && i == 0 && threadIdx.x < 16 * AMMA_MAX_ACT) {
+            int t = min((int)threadIdx.x % AMMA_MAX_ACT, n_act - 1);
+            float total = 0.0f;
+#pragma unroll
+            for (int k = 0; k < AMMA_WARPS; k++) total += warp_ss[k][t];
+            inv_rms = rsqrtf(total / (float)in_dim + eps);
+        }
         if (PAIRED) {
             if (threadIdx.x < 8 * AMMA_MAX_ACT) {
                 int r = threadIdx.x / AMMA_MAX_ACT, t = threadIdx.x % AMMA_MAX_ACT, o = tile * 8 + r;
@@ -300,6 +356,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                     gate += partial[slot][k][r][t];
                     up += partial[slot][k][r + 8][t];
                 }
+                gate *= inv_rms, up *= inv_rms;
                 if (o < width && t < n_act) y[(size_t)t * width + o] = gate / (1.0f + expf(-gate)) * up;
             }
         } else if (threadIdx.x < 16 * AMMA_MAX_ACT) {
@@ -307,25 +364,27 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             float sum = 0.0f;
 #pragma unroll
             for (int k = 0; k < AMMA_WARPS; k++) sum += partial[slot][k][r][t];
-            if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum + (bias ? bias[o] : 0.0f);
+            if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum * inv_rms + (bias ? bias[o] : 0.0f);
         }
     }
 }
 
 // Per format, bit width and group size: the GEMV and its silu(gate)·up form.
-// Shared memory: the stages, then the staged x (Rust: `affine_mma_shared_size`).
+// Shared memory: the stages, then the staged x and its units' sums (Rust:
+// `affine_mma_shared_size`). `nw` (the norm weight) may be null, `b` (the
+// bias) null or `y` itself.
 // 8-bit levels take groups of 64 only: a stage's scales of a row must be at
 // least the 4 bytes a cp.async moves.
 #define AFFINE_MMA(F, S, B, G)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
-        gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* b, float* y,  \
-                            int o, int i, int n) {                                                                 \
-        gemv_affine_mma<S, G, B, false>(w, s, bi, x, b, y, o, i, n);                                               \
+        gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw, float eps, \
+                            const float* b, float* y, int o, int i, int n) {                                       \
+        gemv_affine_mma<S, G, B, false>(w, s, bi, x, nw, eps, b, y, o, i, n);                                      \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
-        gemv_##F##_mma_g##G##_swiglu(const unsigned* w, const S* s, const S* bi, const float* x, float* y, int o,  \
-                                     int i, int n) {                                                               \
-        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nullptr, y, o, i, n);                                          \
+        gemv_##F##_mma_g##G##_swiglu(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw,  \
+                                     float eps, float* y, int o, int i, int n) {                                   \
+        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n);                                 \
     }
 AFFINE_MMA(affine4, float, 4, 64)
 AFFINE_MMA(affine4, float, 4, 128)

@@ -127,7 +127,9 @@ extern "C" __global__ void embed_f32(const float* t, const unsigned* ids, float*
 // ROWS rows and ROWS·GEMV_UNROLL independent loads are in flight per thread:
 // memory bound by design, and HBM needs tens of KB in flight per SM. ACT is
 // the activation rows' compile-time bound (1 for plain decode). The block then
-// sums its threads' partial dot products.
+// sums its threads' partial dot products. The bias may be y itself (one
+// activation row): each output reads its bias just before writing itself,
+// which is how a block's last projection adds into the residual stream.
 #define GEMV_MAX_ROWS 8
 #define GEMV_UNROLL 4
 
@@ -159,8 +161,8 @@ __device__ __forceinline__ void gemv_chunk(const uint4 (&packed)[ROWS], const fl
 // rows are ROWS/2 gate rows then the matching up rows of a stacked gate|up
 // weight, and y[t][row0 + r] = silu(gate)·up (as the swiglu kernel).
 template <int ROWS, int ACT, bool PAIRED = false>
-__device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const float* __restrict__ bias,
-                                           float* __restrict__ y, int row0, int out_dim, int n_act) {
+__device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const float* bias,
+                                           float* y, int row0, int out_dim, int n_act) {
     __shared__ float partial[32][ROWS * ACT];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
@@ -195,8 +197,8 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[ROWS][ACT], const 
 // PAIRED: `w` is a stacked gate|up weight of 2·out_dim rows and y is
 // silu(gate)·up, out_dim wide (see gemv_store).
 template <typename T, int VEC, int ROWS, int ACT, bool PAIRED = false>
-__device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,
-                     float* __restrict__ y, int out_dim, int in_dim, int n_act) {
+__device__ void gemv(const T* __restrict__ w, const float* __restrict__ x, const float* bias,
+                     float* y, int out_dim, int in_dim, int n_act) {
     constexpr int UNITS = PAIRED ? ROWS / 2 : ROWS;  // outputs per block
     int row0 = blockIdx.x * UNITS;
     const T* rows[ROWS];
@@ -377,7 +379,7 @@ __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][B
 template <typename S, int BITS, int ROWS, int ACT>
 __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict__ scales,
                             const S* __restrict__ biases, const float* __restrict__ x,
-                            const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
+                            const float* bias, float* y, int out_dim, int in_dim,
                             int group, int n_act) {
     int row0 = blockIdx.x * ROWS;
     int chunks = in_dim / 32, groups = in_dim / group;
@@ -446,7 +448,7 @@ __device__ __forceinline__ float affine_row_dot(const unsigned (&words)[2][BITS]
 template <typename S, int BITS>
 __device__ void gemv_affine_rows(const unsigned* __restrict__ w, const S* __restrict__ scales,
                                  const S* __restrict__ biases, const float* __restrict__ x,
-                                 const float* __restrict__ bias, float* __restrict__ y, int out_dim, int in_dim,
+                                 const float* bias, float* y, int out_dim, int in_dim,
                                  int group) {
     static_assert(32 % BITS == 0, "word-aligned levels only");
     __shared__ float partial[AFFINE_BLOCK_ROWS][32];

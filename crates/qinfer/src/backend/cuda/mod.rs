@@ -256,7 +256,8 @@ const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 /// does not apply: per warp (8) a ring of `AFFINE_MMA_STAGES` stages, each 16 rows of 128
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
-/// per column and 8 bytes per 64 columns (its sum and scale).
+/// per column and 12 bytes per 64 columns (its sum and scale, and its Σx²
+/// when the kernel folds an RMSNorm).
 fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let (bits, group) = (w.params.bits as usize, w.params.group_size);
     let has_kernel =
@@ -267,7 +268,7 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let units = if bits == 4 { 4 } else { 2 };
     let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
     let stage = 16 * 128 + 2 * 16 * side;
-    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * 8);
+    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * 12);
     let applies = w.cols.is_multiple_of(units * 64)
         && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
         && shared <= AFFINE_MMA_MAX_SHARED;
@@ -797,7 +798,7 @@ impl CudaBackend {
             return;
         };
         let inputs = self.gemm_inputs(x, *dtype);
-        self.gemm_rows(x, &inputs, *dtype, self.p(buf), *out_dim, *in_dim, self.p(&y.buf), *out_dim);
+        self.gemm_rows(x, &inputs, *dtype, self.p(buf), *out_dim, *in_dim, self.p(&y.buf), *out_dim, false);
     }
 
     /// The activations as the GEMM reads them for weights of `dtype`.
@@ -822,7 +823,8 @@ impl CudaBackend {
     }
 
     /// Output columns `[0, rows)` of `y` (row stride `ldy`, at `y_ptr`) from a
-    /// weight of `rows × in_dim` values of `dtype` at `w_ptr`.
+    /// weight of `rows × in_dim` values of `dtype` at `w_ptr`; added to what
+    /// `y` holds with `accumulate`.
     #[allow(clippy::too_many_arguments)]
     fn gemm_rows(
         &self,
@@ -834,6 +836,7 @@ impl CudaBackend {
         in_dim: usize,
         y_ptr: u64,
         ldy: usize,
+        accumulate: bool,
     ) {
         let ty = match dtype {
             DType::BF16 => cudaDataType::CUDA_R_16BF,
@@ -848,7 +851,7 @@ impl CudaBackend {
                 return;
             }
             let alpha = 1.0f32;
-            let beta = if i == 0 { 0.0f32 } else { 1.0f32 };
+            let beta = if i == 0 && !accumulate { 0.0f32 } else { 1.0f32 };
             // Column-major view: Yᵀ[out, n] = W[out, in] (row-major = Wᵀ column-major) · Xᵀ.
             // SAFETY: the pointers hold the m×k, k×n and (ldy)×n values cuBLAS reads and writes.
             let r = unsafe {
@@ -1000,7 +1003,7 @@ impl CudaBackend {
     fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
         // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
         if let Some(shared) = self.affine_mma_shared(w, x.rows) {
-            self.affine_mma(x, w, bias_ptr, y, false, shared);
+            self.affine_mma(x, None, w, bias_ptr, y, false, shared);
             return;
         }
         let chunks = w.cols / 32;
@@ -1056,9 +1059,27 @@ impl CudaBackend {
     /// The tensor-core affine GEMV into `y`: x·wᵀ (+ bias), or with `swiglu`
     /// silu(gate)·up of a stacked gate|up weight, rows/2 wide. A plain block
     /// takes tiles of 16 rows, a swiglu block 8 gate rows and their up rows.
-    fn affine_mma(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &CudaAct, swiglu: bool, shared: usize) {
-        let mut args: Vec<Arg> =
-            vec![self.p(&w.packed).into(), self.p(&w.scales).into(), self.p(&w.biases).into(), self.p(&x.buf).into()];
+    /// With `norm` (the norm weight's pointer and eps), x is RMSNorm(x)·weight.
+    #[allow(clippy::too_many_arguments)]
+    fn affine_mma(
+        &self,
+        x: &CudaAct,
+        norm: Option<(u64, f32)>,
+        w: &AffineWeight,
+        bias_ptr: u64,
+        y: &CudaAct,
+        swiglu: bool,
+        shared: usize,
+    ) {
+        let (norm_ptr, eps) = norm.unwrap_or((0, 0.0));
+        let mut args: Vec<Arg> = vec![
+            self.p(&w.packed).into(),
+            self.p(&w.scales).into(),
+            self.p(&w.biases).into(),
+            self.p(&x.buf).into(),
+            norm_ptr.into(),
+            eps.into(),
+        ];
         if !swiglu {
             args.push(bias_ptr.into());
         }
@@ -1071,19 +1092,27 @@ impl CudaBackend {
 
     /// silu(gate)·up from a stacked affine gate|up weight in the tensor-core
     /// GEMV's epilogue; None where that kernel does not apply.
-    fn affine_swiglu(&self, x: &CudaAct, w: &AffineWeight) -> Option<CudaAct> {
+    fn affine_swiglu(&self, x: &CudaAct, norm: Option<(u64, f32)>, w: &AffineWeight) -> Option<CudaAct> {
         let shared = self.affine_mma_shared(w, x.rows)?;
         if !w.rows.is_multiple_of(2) || x.cols != w.cols {
             return None;
         }
         let y = self.act(x.rows, w.rows / 2);
-        self.affine_mma(x, w, 0, &y, true, shared);
+        self.affine_mma(x, norm, w, 0, &y, true, shared);
         Some(y)
+    }
+
+    /// The norm weight's pointer when `norm` can be folded into a tensor-core
+    /// affine GEMV of `x` through `w` (an f32 vector as wide as a row).
+    fn foldable_norm(&self, x: &CudaAct, norm: &CudaWeight, eps: f32, w: &CudaWeight) -> Option<(u64, f32)> {
+        let (CudaWeight::Affine(a), CudaWeight::Vector(n)) = (w, norm) else { return None };
+        let fits = n.len() == x.cols && a.cols == x.cols && self.affine_mma_shared(a, x.rows).is_some();
+        fits.then(|| (self.p(n), eps))
     }
 
     /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one
     /// transient buffer, each multiplied by cuBLAS into its output columns.
-    fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct) {
+    fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct, accumulate: bool) {
         let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
         let scratch = self.uninit::<u16>(tile_rows * w.cols);
         let inputs = self.gemm_inputs(x, DType::BF16);
@@ -1105,7 +1134,7 @@ impl CudaBackend {
                 w.params.group_size as i32
             );
             let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
-            self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows);
+            self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows, accumulate);
         }
     }
 }
@@ -1321,7 +1350,7 @@ impl Backend for CudaBackend {
             } else if x.rows <= GEMV_MAX_ROWS {
                 self.affine_gemv(x, a, bias_ptr, &mut y);
             } else {
-                self.affine_gemm(x, a, &mut y);
+                self.affine_gemm(x, a, &mut y, false);
                 if bias_ptr != 0 {
                     let n = y.rows * y.cols;
                     launch!(
@@ -1495,7 +1524,7 @@ impl Backend for CudaBackend {
         // intermediate and one launch fewer. Otherwise the two steps.
         let CudaWeight::Matrix { dtype, rows, cols: in_dim, buf } = gate_up else {
             if let CudaWeight::Affine(w) = gate_up
-                && let Some(y) = self.affine_swiglu(x, w)
+                && let Some(y) = self.affine_swiglu(x, None, w)
             {
                 return y;
             }
@@ -1507,6 +1536,73 @@ impl Backend for CudaBackend {
         let y = self.act(x.rows, rows / 2);
         self.float_gemv(buf, *dtype, *rows, *in_dim, x, 0, &y, true);
         y
+    }
+
+    fn linear_normed(
+        &self,
+        h: &CudaAct,
+        norm: &CudaWeight,
+        eps: f32,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+    ) -> CudaAct {
+        // Decode through the tensor-core affine GEMV: it stages RMSNorm(h)·norm
+        // itself (see affine_mma.cu), so no norm kernel runs before it.
+        if let (Some(folded), CudaWeight::Affine(a)) = (self.foldable_norm(h, norm, eps, w), w)
+            && let Some(shared) = self.affine_mma_shared(a, h.rows)
+        {
+            let bias_ptr = match bias {
+                Some(CudaWeight::Vector(b)) => self.p(b),
+                _ => 0u64,
+            };
+            let y = self.act(h.rows, a.rows);
+            self.affine_mma(h, Some(folded), a, bias_ptr, &y, false, shared);
+            return y;
+        }
+        self.linear(&self.rms_norm(h, norm, eps), w, bias)
+    }
+
+    fn linear_swiglu_normed(&self, h: &CudaAct, norm: &CudaWeight, eps: f32, gate_up: &CudaWeight) -> CudaAct {
+        if let (Some(folded), CudaWeight::Affine(a)) = (self.foldable_norm(h, norm, eps, gate_up), gate_up)
+            && let Some(y) = self.affine_swiglu(h, Some(folded), a)
+        {
+            return y;
+        }
+        self.linear_swiglu(&self.rms_norm(h, norm, eps), gate_up)
+    }
+
+    fn linear_add(&self, h: &mut CudaAct, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>) {
+        let (rows, cols) = match w {
+            CudaWeight::Affine(a) => (a.rows, a.cols),
+            CudaWeight::Matrix { rows, cols, .. } => (*rows, *cols),
+            CudaWeight::Vector(_) => (0, 0),
+        };
+        let fits = rows > 0 && x.cols == cols && h.rows == x.rows && h.cols == rows;
+        if fits && bias.is_none() && x.rows == 1 {
+            // The GEMV's bias operand is h and its output h itself: each
+            // output adds its own value just before writing it.
+            let h_ptr = self.p(&h.buf);
+            match w {
+                CudaWeight::Affine(a) => self.affine_gemv(x, a, h_ptr, h),
+                CudaWeight::Matrix { dtype, buf, .. } => self.float_gemv(buf, *dtype, rows, cols, x, h_ptr, h, false),
+                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
+            }
+            return;
+        }
+        if fits && bias.is_none() && x.rows > GEMV_MAX_ROWS {
+            // Prefill: cuBLAS accumulates into h (beta = 1).
+            match w {
+                CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
+                CudaWeight::Matrix { dtype, buf, .. } => {
+                    let inputs = self.gemm_inputs(x, *dtype);
+                    self.gemm_rows(x, &inputs, *dtype, self.p(buf), rows, cols, self.p(&h.buf), rows, true);
+                }
+                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
+            }
+            return;
+        }
+        let y = self.linear(x, w, bias);
+        self.add_assign(h, &y);
     }
 
     fn swiglu(&self, gate_up: &CudaAct) -> CudaAct {
