@@ -270,14 +270,6 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // nor on the kernel before this one (so they go out before the wait).
 #pragma unroll
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
-    // So does the norm weight, into L2: staging reads it right after the
-    // wait, and the weight stream evicts it between tokens, so it would come
-    // from HBM on the staging's critical path.
-    if (norm_w) {
-        const char* nw = reinterpret_cast<const char*>(norm_w + (size_t)beg * 64);
-        for (int off = lane * 128; off < (end - beg) * 256; off += 32 * 128)
-            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(nw + off));
-    }
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     amma_stage_x<BITS>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
