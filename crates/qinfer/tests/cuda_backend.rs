@@ -989,6 +989,10 @@ fn profile_decode_ops_at_8b_shapes() {
         ("temperature 0.7, top-k 20", SamplingParams { temperature: 0.7, top_k: 20, ..base.clone() }),
         ("temperature 0.7, top-p 0.9", SamplingParams { temperature: 0.7, top_p: 0.9, ..base.clone() }),
         (
+            "temperature 0.6, top-k 20, top-p 0.95 (Qwen3)",
+            SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..base.clone() },
+        ),
+        (
             "top-k 20, top-p 0.8, min-p 0.05, penalty 1.1",
             SamplingParams {
                 temperature: 0.7,
@@ -1187,6 +1191,12 @@ fn device_sampling_matches_the_host_sampler() {
         SamplingParams { temperature: 1.0, ..base.clone() },
         SamplingParams { temperature: 0.9, top_p: 0.8, repetition_penalty: 1.3, ..base.clone() },
         SamplingParams { temperature: 2.0, top_k: 3, ..base.clone() },
+        // Qwen3's generation config; then the largest top-k the cut-down
+        // kernel takes, one past it, and a single candidate.
+        SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..base.clone() },
+        SamplingParams { temperature: 1.0, top_k: 64, top_p: 0.9, min_p: 0.01, ..base.clone() },
+        SamplingParams { temperature: 1.0, top_k: 65, ..base.clone() },
+        SamplingParams { temperature: 0.5, top_k: 1, ..base.clone() },
     ];
     for p in &combos {
         let (mut checked, mut skipped) = (0, 0);

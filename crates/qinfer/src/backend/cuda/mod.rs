@@ -87,6 +87,7 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_combine",
     "sample_argmax",
     "sample_filtered",
+    "sample_top_k",
     "sample_penalty",
 ];
 
@@ -520,6 +521,12 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention combine shared memory", &e))?;
+        kernels["sample_top_k"]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                sampling::TOP_K_SHARED as i32,
+            )
+            .map_err(|e| err("top-k sampling shared memory", &e))?;
         // The tensor-core affine GEMV takes what the device allows up to its
         // own cap; launches needing more take the CUDA-core kernel.
         let affine_mma_max_shared = AFFINE_MMA_MAX_SHARED.min(max_shared as usize - 1024);

@@ -188,13 +188,11 @@ struct SampleProb {
     __device__ float operator()(float s) const { return expf(s - max) * inv_z; }
 };
 
-// One block of SAMPLE_THREADS: temperature > 0, top_k = 0 for none, top_p = 1
-// for none, min_p = 0 for none; u in [0, 1).
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_filtered(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
-                    unsigned* out) {
-    grid_dependency_wait();
-    __shared__ SampleShared sh;
+// The pick from the n candidates x (positions in x order ties as token ids
+// do), by the whole block: temperature > 0, top_k = 0 for none, top_p = 1
+// for none, min_p = 0 for none; u in [0, 1). Returns the position in x.
+__device__ int sample_filtered_pick(const float* x, int n, float temperature, int top_k, float top_p, float min_p,
+                                    float u, SampleShared& sh) {
     unsigned kmax = 0;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) kmax = max(kmax, sample_key(x[i] / temperature));
     kmax = sample_reduce_u(kmax, sh.ured, SampleMax{});
@@ -227,8 +225,86 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         if (sample_within(sample_key(s), i, limit)) total += prob(s);
     }
     total = sample_sum(total, sh.red);
-    SamplePos pick = sample_cut(x, n, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh);
-    if (threadIdx.x == 0) *out = (unsigned)pick.idx;
+    return sample_cut(x, n, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh).idx;
+}
+
+// One block of SAMPLE_THREADS over the whole vocabulary (sample_filtered_pick).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_filtered(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
+                    unsigned* out) {
+    grid_dependency_wait();
+    __shared__ SampleShared sh;
+    int pick = sample_filtered_pick(x, n, temperature, top_k, top_p, min_p, u, sh);
+    if (threadIdx.x == 0) *out = (unsigned)pick;
+}
+
+// With a top-k of at most TOPK_MAX, every later filter and the draw see only
+// the k best candidates, so the vocabulary is cut down first on many SMs:
+// TOPK_BLOCKS blocks each find the top k of their slice (a radix select as
+// above), and write those candidates out in token order. The global top k
+// is among them. The last block to finish (by the ticket) gathers the
+// slices' candidates, still in token order (so ties resolve as over the
+// whole vocabulary), into shared memory and picks from them as
+// sample_filtered does from everything. Dynamic shared memory: the gathered
+// logits, then their token ids (TOPK_BLOCKS·TOPK_MAX each).
+#define TOPK_BLOCKS 64
+#define TOPK_MAX 64
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_top_k(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
+                 float* cand_x, int* cand_id, int* cand_count, unsigned* ticket, unsigned* out) {
+    grid_dependency_wait();
+    __shared__ SampleShared sh;
+    __shared__ int offsets[TOPK_BLOCKS + 1];
+    __shared__ bool last;
+    extern __shared__ float gathered[];  // [TOPK_BLOCKS·TOPK_MAX] logits, then as many ids
+    int* gathered_id = reinterpret_cast<int*>(gathered + TOPK_BLOCKS * TOPK_MAX);
+    int per = (n + gridDim.x - 1) / gridDim.x, b0 = min((int)blockIdx.x * per, n), len = min(per, n - b0);
+    const float* xs = x + b0;
+    SamplePos limit{0u, 0x7fffffff};
+    if (top_k < len) limit = sample_cut(xs, len, temperature, limit, (float)top_k, SampleCount{}, sh);
+    // The slice's candidates within the cut, in token order (a block scan of
+    // the kept flags per 1024 tokens).
+    int count = 0;
+    for (int base = 0; base < len; base += SAMPLE_THREADS) {
+        int i = base + threadIdx.x;
+        bool keep = i < len && sample_within(sample_key(xs[i] / temperature), i, limit);
+        int incl = (int)sample_scan(keep ? 1.0f : 0.0f, sh.red);
+        if (keep) {
+            cand_x[blockIdx.x * TOPK_MAX + count + incl - 1] = xs[i];
+            cand_id[blockIdx.x * TOPK_MAX + count + incl - 1] = b0 + i;
+        }
+        count += (int)sh.red[SAMPLE_WARPS - 1];
+        __syncthreads();
+    }
+    // Every thread's candidates are written before the ticket is taken.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cand_count[blockIdx.x] = count;
+        __threadfence();
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < gridDim.x) offsets[threadIdx.x + 1] = __ldcg(cand_count + threadIdx.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        offsets[0] = 0;
+        for (int b = 0; b < (int)gridDim.x; b++) offsets[b + 1] += offsets[b];
+        *ticket = 0u;  // rearmed for the next call
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < (int)gridDim.x * TOPK_MAX; i += SAMPLE_THREADS) {
+        int b = i / TOPK_MAX, j = i % TOPK_MAX;
+        if (j < offsets[b + 1] - offsets[b]) {
+            gathered[offsets[b] + j] = __ldcg(cand_x + i);
+            gathered_id[offsets[b] + j] = __ldcg(cand_id + i);
+        }
+    }
+    __syncthreads();
+    int pick = sample_filtered_pick(gathered, offsets[gridDim.x], temperature, top_k, top_p, min_p, u, sh);
+    if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
 }
 
 // Greedy: the first index of the largest value. ARGMAX_BLOCKS blocks take a
