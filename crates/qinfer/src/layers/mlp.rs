@@ -22,22 +22,23 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    /// The block's output for `input`; the down projection is left for the
-    /// caller to add into the residual stream.
-    pub fn forward_block(&self, b: &B, input: BlockInput<'_, B>) -> BlockOutput<'_, B> {
-        let h = match self.gate_up.as_slice() {
+    /// `silu(gate(input)) ⊙ up(input)`, the down projection's input.
+    fn activations(&self, b: &B, input: &BlockInput<'_, B>) -> B::Act {
+        match self.gate_up.as_slice() {
             [gate_up] => input.linear_swiglu(b, gate_up),
             [gate, up] => input.with_normed(b, |x| b.silu_mul(&b.linear(x, gate, None), &b.linear(x, up, None))),
             _ => unreachable!("stacked_rows returns one weight or one per name"),
-        };
-        BlockOutput::Projected { x: h, w: &self.down_proj, bias: None }
+        }
+    }
+
+    /// The block's output for `input`; the down projection is left for the
+    /// caller to add into the residual stream.
+    pub fn forward_block(&self, b: &B, input: BlockInput<'_, B>) -> BlockOutput<'_, B> {
+        BlockOutput::Projected { x: self.activations(b, &input), w: &self.down_proj, bias: None }
     }
 
     /// `down(silu(gate(x)) ⊙ up(x))` of rows `x` already normed (MoE's shared expert).
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        match self.forward_block(b, BlockInput::Normed(x)) {
-            BlockOutput::Projected { x, w, bias } => b.linear(&x, w, bias),
-            BlockOutput::Done(y) => y,
-        }
+        b.linear(&self.activations(b, &BlockInput::Normed(x)), &self.down_proj, None)
     }
 }

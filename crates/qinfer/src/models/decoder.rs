@@ -231,14 +231,12 @@ impl<B: Backend> DecoderModel<B> {
         // when a block's output had to be added apart (MoE), fused with it.
         let mut normed: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
+            let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
             let out = match &layer.mixer {
-                Mixer::Attention(at) => {
-                    let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
-                    at.forward(b, &self.cfg, &self.rope, x, cache, positions)
-                }
+                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, x, cache, positions),
                 Mixer::Linear(net) => {
                     let state = gdn[l].as_mut().expect("every linear-attention layer has a state");
-                    net.forward(b, BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps), state)
+                    net.forward(b, x, state)
                 }
             };
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
