@@ -1109,12 +1109,18 @@ impl CudaBackend {
         Some(y)
     }
 
-    /// The norm weight's pointer when `norm` can be folded into a tensor-core
-    /// affine GEMV of `x` through `w` (an f32 vector as wide as a row).
-    fn foldable_norm(&self, x: &CudaAct, norm: &CudaWeight, eps: f32, w: &CudaWeight) -> Option<(u64, f32)> {
+    /// The affine weight and the norm weight's pointer and eps when `norm`
+    /// (an f32 vector as wide as a row of `x`) can be folded into a
+    /// tensor-core GEMV of `x` through `w`, if that kernel applies.
+    fn foldable_norm<'w>(
+        &self,
+        x: &CudaAct,
+        norm: &CudaWeight,
+        eps: f32,
+        w: &'w CudaWeight,
+    ) -> Option<(&'w AffineWeight, (u64, f32))> {
         let (CudaWeight::Affine(a), CudaWeight::Vector(n)) = (w, norm) else { return None };
-        let fits = n.len() == x.cols && a.cols == x.cols && self.affine_mma_shared(a, x.rows).is_some();
-        fits.then(|| (self.p(n), eps))
+        (n.len() == x.cols && a.cols == x.cols).then(|| (a, (self.p(n), eps)))
     }
 
     /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one
@@ -1555,7 +1561,7 @@ impl Backend for CudaBackend {
     ) -> CudaAct {
         // Decode through the tensor-core affine GEMV: it stages RMSNorm(h)·norm
         // itself (see affine_mma.cu), so no norm kernel runs before it.
-        if let (Some(folded), CudaWeight::Affine(a)) = (self.foldable_norm(h, norm, eps, w), w)
+        if let Some((a, folded)) = self.foldable_norm(h, norm, eps, w)
             && let Some(shared) = self.affine_mma_shared(a, h.rows)
         {
             let bias_ptr = match bias {
@@ -1570,7 +1576,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_swiglu_normed(&self, h: &CudaAct, norm: &CudaWeight, eps: f32, gate_up: &CudaWeight) -> CudaAct {
-        if let (Some(folded), CudaWeight::Affine(a)) = (self.foldable_norm(h, norm, eps, gate_up), gate_up)
+        if let Some((a, folded)) = self.foldable_norm(h, norm, eps, gate_up)
             && let Some(y) = self.affine_swiglu(h, Some(folded), a)
         {
             return y;
