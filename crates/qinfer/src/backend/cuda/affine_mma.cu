@@ -246,30 +246,49 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     size_t row_bytes = (size_t)in_dim * BITS / 8;
     const unsigned char* wbase = reinterpret_cast<const unsigned char*>(w);
     const unsigned char* side_base = reinterpret_cast<const unsigned char*>(lane < 16 ? scales : biases);
-    // Stage `step`: 16-byte pieces of the levels (4 rows per instruction, 8
-    // lanes a row), and one row's scales (lanes 0-15) or biases (16-31).
-    auto issue = [&](int step) {
-        if (step < steps) {
-            Stage& st = ring[step % AMMA_STAGES];
-            int tile = (int)blockIdx.x + (step / batches) * (int)gridDim.x;
-            int u0 = beg + UNITS * (step % batches);
+    // Stage after stage: 16-byte pieces of the levels (4 rows per
+    // instruction, 8 lanes a row), and one row's scales (lanes 0-15) or
+    // biases (16-31). The copy state advances by additions: the loop is
+    // issue-bound (a division and four 64-bit row products a stage were a
+    // third of its instructions), so the row addresses are found once a tile.
+    const unsigned char* src[4];
+    const unsigned char* side_src = nullptr;
+    int issued = 0, issue_batch = 0, issue_tile = (int)blockIdx.x, issue_slot = 0;
+    auto aim = [&](int tile) {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            src[i] = wbase + (size_t)tile_row(tile, 4 * i + (lane >> 3)) * row_bytes + (size_t)beg * UNIT_BYTES +
+                     (lane & 7) * 16;
+        side_src = side_base + ((size_t)tile_row(tile, lane & 15) * groups + (size_t)beg * 64 / GROUP) * sizeof(S);
+    };
+    aim(issue_tile);
+    // Stage byte offsets of this lane's copies (rows lane/8 + 4i share a swizzle).
+    int level_dst = amma_swizzle<BITS>(lane >> 3, (lane & 7) * 16);
+    int side_dst = 16 * AMMA_PITCH + (lane < 16 ? 0 : 16 * SIDE) + (lane & 15) * SIDE;  // scales, then biases
+    auto issue = [&]() {
+        if (issued < steps) {
+            unsigned char* st = reinterpret_cast<unsigned char*>(ring + issue_slot);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int r = 4 * i + (lane >> 3);
-                cp_async<16>(st.levels + amma_swizzle<BITS>(r, (lane & 7) * 16),
-                             wbase + (size_t)tile_row(tile, r) * row_bytes + (size_t)u0 * UNIT_BYTES + (lane & 7) * 16,
-                             true);
+                cp_async<16>(st + level_dst + 4 * i * AMMA_PITCH, src[i], true);
+                src[i] += UNITS * UNIT_BYTES;
             }
-            unsigned char* side = (lane < 16 ? st.scales : st.biases) + (lane & 15) * SIDE;
-            size_t first = (size_t)tile_row(tile, lane & 15) * groups + (size_t)u0 * 64 / GROUP;
-            cp_async<SIDE>(side, side_base + first * sizeof(S), true);
+            cp_async<SIDE>(st + side_dst, side_src, true);
+            side_src += PER_STAGE * sizeof(S);
+            issued++;
+            issue_slot = issue_slot == AMMA_STAGES - 1 ? 0 : issue_slot + 1;
+            if (++issue_batch == batches) {
+                issue_batch = 0;
+                issue_tile += (int)gridDim.x;
+                if (issued < steps) aim(issue_tile);
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
     // The first stages go out before x is staged: they do not depend on it,
     // nor on the kernel before this one (so they go out before the wait).
 #pragma unroll
-    for (int b = 0; b < AMMA_STAGES - 1; b++) issue(b);
+    for (int b = 0; b < AMMA_STAGES - 1; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     amma_stage_x<BITS>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
@@ -286,13 +305,14 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // every tile: it finds that row's 1/rms at its first tile (the warps'
     // Σx², after the tile's barrier), and keeps it.
     float inv_rms = 1.0f;
+    int read_slot = 0;
     for (int i = 0; i < my_tiles; i++) {
         for (int batch = 0; batch < batches; batch++) {
-            int step = i * batches + batch;
-            issue(step + AMMA_STAGES - 1);
+            issue();
             asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 1));
             __syncwarp();
-            const Stage& st = ring[step % AMMA_STAGES];
+            const Stage& st = ring[read_slot];
+            read_slot = read_slot == AMMA_STAGES - 1 ? 0 : read_slot + 1;
             int u0 = beg + UNITS * batch;
             S sc_top[PER_STAGE], sc_bottom[PER_STAGE], bi_top[PER_STAGE], bi_bottom[PER_STAGE];
 #pragma unroll
