@@ -1135,6 +1135,65 @@ fn qkv_prologue_and_swiglu_match_cpu() {
     }
 }
 
+/// The q|k|v prologue folded into one-row decode attention (CUDA's
+/// `attention_decode{hd}_prologue`) against the CPU's prologue then
+/// attention: outputs, gates, and the cache rows it wrote (read back by the
+/// plain attention of the next steps). Head dims 64/128/256, groups of 1 to
+/// 8 query heads (8: two blocks of heads a KV head), partial rotation, both
+/// rope styles, windows, and caches of one chunk and of several.
+#[test]
+fn qkv_attention_folds_the_prologue_into_decode() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let configs = [
+        (4, 4, 64, false, true, 64, RopeStyle::Neox, None),
+        (8, 2, 128, false, true, 128, RopeStyle::Neox, None),
+        (16, 2, 128, true, true, 128, RopeStyle::Neox, Some(40)),
+        (6, 3, 128, false, false, 128, RopeStyle::Interleaved, None),
+        (8, 2, 256, true, true, 64, RopeStyle::Neox, None),
+        (14, 2, 64, false, true, 32, RopeStyle::Interleaved, Some(300)),
+    ];
+    for (nh, nkv, hd, output_gate, with_norms, rot, style, window) in configs {
+        let shape = QkvShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, output_gate };
+        let attn = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.1 };
+        let rope = Rope::new(&RopeConfig { theta: 1e6, style, scaling: None }, rot);
+        let (qnc, qng) = p.weights(&tensor("qn", DType::F32, vec![hd], &r.vec(hd)));
+        let (knc, kng) = p.weights(&tensor("kn", DType::F32, vec![hd], &r.vec(hd)));
+        let (norms_c, norms_g) = (with_norms.then_some((&qnc, &knc)), with_norms.then_some((&qng, &kng)));
+        let width = nh * hd * if output_gate { 2 } else { 1 } + 2 * nkv * hd;
+        let mut cc = p.cpu.new_cache(2, nkv * hd, 800);
+        let mut cg = p.gpu.new_cache(2, nkv * hd, 800);
+        // A prompt (the composed path), then one-row steps past one chunk.
+        for rows in [1usize, 1, 37, 1, 1, 400, 1, 1, 1] {
+            let start = cc.len();
+            let positions: Vec<usize> = (start..start + rows).collect();
+            let (xc, xg) = p.acts(rows, width, &r.vec(rows * width));
+            let what = format!(
+                "qkv_attention {nh}/{nkv}x{hd} gate {output_gate} rot {rot} {style:?} {window:?} at {start}+{rows}"
+            );
+            let (oc, gc) = p.cpu.qkv_attention(&xc, &shape, norms_c, 1e-6, &positions, &rope, &mut cc, 1, &attn);
+            let (og, gg) = p.gpu.qkv_attention(&xg, &shape, norms_g, 1e-6, &positions, &rope, &mut cg, 1, &attn);
+            let flash = rows > 8;
+            p.check(&what, &oc, &og, if flash { 3e-3 } else { 1e-5 });
+            assert_eq!(gc.is_some(), gg.is_some(), "{what}: gate");
+            if let (Some(gc), Some(gg)) = (gc, gg) {
+                p.check(&format!("{what} gate"), &gc, &gg, 0.0);
+            }
+            cc.set_len(start + rows);
+            cg.set_len(start + rows);
+        }
+        // Every row the steps wrote, through the plain attention of 8 rows.
+        let q = r.vec(8 * nh * hd);
+        let (qc, qg) = p.acts(8, nh * hd, &q);
+        let (kc, kg) = p.acts(8, nkv * hd, &r.vec(8 * nkv * hd));
+        p.cpu.write_kv(&mut cc, 1, &kc, &kc);
+        p.gpu.write_kv(&mut cg, 1, &kg, &kg);
+        let wide = AttentionShape { window: None, ..attn };
+        let what = format!("qkv_attention {nh}/{nkv}x{hd} cache");
+        p.check(&what, &p.cpu.attention(&qc, &cc, 1, &wide), &p.gpu.attention(&qg, &cg, 1, &wide), 1e-5);
+    }
+}
+
 /// How close `pick`'s choice came to flipping, recomputed in f64: the least
 /// distance of top_p, of min_p (relative to the top probability) and of the
 /// draw u·total from a boundary of the sorted candidates' running mass. f32

@@ -21,9 +21,9 @@ const EARLY: [(&str, &str, &[&str]); 4] = [
         &["step[0]", "src[", "values[", "head[c]", "gate_out["],
     ),
     (
-        "attention_decode<HD>(",
+        "attention_decode<HD, ",
         "__device__ void attention_decode(",
-        &["earlier < n", "q[", "part_o[", "part_ml[", "direct["],
+        &["earlier < n", "q[", "q + ", "keys[", "values[", "gate_out[", "part_o[", "part_ml[", "direct["],
     ),
 ];
 

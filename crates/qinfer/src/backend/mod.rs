@@ -225,6 +225,25 @@ pub trait Backend: Send + Sync {
         let v = self.gather_columns(qkv, all, q_rows + kv, kv);
         self.attention_prologue(projected, k, &v, shape, norms, eps, positions, rope, cache, layer)
     }
+    /// [`Backend::qkv_prologue`], then [`Backend::attention`] of its queries
+    /// over the cache: the attention's output and the gate. A backend may
+    /// fold the prologue into the attention kernel (one-row decode steps).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_attention(
+        &self,
+        qkv: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+        attention: &AttentionShape,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
+        (self.attention(&q, cache, layer, attention), gate)
+    }
     /// [`Backend::qkv_prologue`] from separate projections: `projected` is
     /// q_proj's output (queries, with a gate after each head when
     /// `shape.output_gate`), `k` and `v` the key and value projections.

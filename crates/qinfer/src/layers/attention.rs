@@ -101,25 +101,27 @@ impl<B: Backend> Attention<B> {
             head_dim: hd,
             output_gate: self.output_gate,
         };
-        let (q, gate) = match &self.proj {
-            QkvProj::Stacked { w, bias } => {
-                let qkv = input.linear(b, w, bias.as_ref());
-                b.qkv_prologue(&qkv, &shape, norms, eps, positions, rope, cache, self.layer)
-            }
-            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
-                let projected = b.linear(x, q, q_bias.as_ref());
-                let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
-                b.attention_prologue(projected, k, &v, &shape, norms, eps, positions, rope, cache, self.layer)
-            }),
-        };
-        let shape = AttentionShape {
+        let attention = AttentionShape {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: hd,
             window: self.window,
             scale: 1.0 / (hd as f32).sqrt(),
         };
-        let mut o = b.attention(&q, cache, self.layer, &shape);
+        let (mut o, gate) = match &self.proj {
+            QkvProj::Stacked { w, bias } => {
+                let qkv = input.linear(b, w, bias.as_ref());
+                b.qkv_attention(&qkv, &shape, norms, eps, positions, rope, cache, self.layer, &attention)
+            }
+            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => {
+                let (q, gate) = input.with_normed(b, |x| {
+                    let projected = b.linear(x, q, q_bias.as_ref());
+                    let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
+                    b.attention_prologue(projected, k, &v, &shape, norms, eps, positions, rope, cache, self.layer)
+                });
+                (b.attention(&q, cache, self.layer, &attention), gate)
+            }
+        };
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }

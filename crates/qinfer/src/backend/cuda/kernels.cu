@@ -748,13 +748,21 @@ extern "C" __global__ void set_step(int* step, int start, int id) {
 
 // The rotation of pair i at position pos (angle in f32 as the reference
 // computes it, cos/sin in double so large positions keep their precision).
-__device__ __forceinline__ void rope_pair(float* head, int i, int pos, float inv_freq, int half, int style) {
+__device__ __forceinline__ float2 rope_angle(int pos, float inv_freq) {
     float angle = (float)pos * inv_freq;
-    float c = (float)cos((double)angle), s = (float)sin((double)angle);
+    return make_float2((float)cos((double)angle), (float)sin((double)angle));
+}
+
+// Pair i rotated by the angle's (cos, sin).
+__device__ __forceinline__ void rotate_pair(float* head, int i, float2 cs, int half, int style) {
     int ia = style == 0 ? i : 2 * i, ib = style == 0 ? i + half : 2 * i + 1;
     float a = head[ia], b = head[ib];
-    head[ia] = a * c - b * s;
-    head[ib] = b * c + a * s;
+    head[ia] = a * cs.x - b * cs.y;
+    head[ib] = b * cs.x + a * cs.y;
+}
+
+__device__ __forceinline__ void rope_pair(float* head, int i, int pos, float inv_freq, int half, int style) {
+    rotate_pair(head, i, rope_angle(pos, inv_freq), half, style);
 }
 
 // RoPE in place on every head of every row; one thread per rotated pair.
@@ -988,10 +996,70 @@ __device__ __forceinline__ void decode_stage_rows(const float* keys, const float
     asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// What one warp's head needs besides the head itself, read before the wait
+// for the kernel before (weights and the step's position only): each lane's
+// norm weights and the rotation of each of its pairs (double-precision
+// sin and cos are the longest part of the prologue).
 template <int HD>
-__device__ void attention_decode(const float* q, const float* keys, const float* values, float* part_o,
-                                 float* part_ml, float* direct, const int* step, int num_heads, int num_kv_heads,
-                                 int window, float scale, int splits, int chunk) {
+struct DecodeHeadWeights {
+    float w[HD / 32];
+    float2 cs[HD / 64];
+};
+
+template <int HD>
+__device__ __forceinline__ void decode_head_weights(DecodeHeadWeights<HD>& hw, const float* w, const float* inv_freq,
+                                                    int pos, int half) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < HD / 32; k++) hw.w[k] = w ? w[lane + 32 * k] : 1.0f;
+#pragma unroll
+    for (int k = 0; k < HD / 64; k++)
+        hw.cs[k] = lane + 32 * k < half ? rope_angle(pos, inv_freq[lane + 32 * k]) : make_float2(1.0f, 0.0f);
+}
+
+// One warp: dst = RMSNorm(src)·w (a copy without a norm), rotated: the
+// arithmetic of qkv_prologue_head, for the decode attention that folds it
+// (its Σx² summed over the warp's lanes instead of the block's threads).
+template <int HD>
+__device__ void decode_head_prologue(const float* src, float* dst, const DecodeHeadWeights<HD>& hw, bool norm,
+                                     float eps, int half, int style) {
+    int lane = threadIdx.x & 31;
+    float v[HD / 32], ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < HD / 32; k++) {
+        v[k] = src[lane + 32 * k];
+        ss += v[k] * v[k];
+    }
+    float inv = norm ? rsqrtf(warp_sum(ss) / HD + eps) : 1.0f;
+#pragma unroll
+    for (int k = 0; k < HD / 32; k++) dst[lane + 32 * k] = norm ? hw.w[k] * (v[k] * inv) : v[k];
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < HD / 64; k++)
+        if (lane + 32 * k < half) rotate_pair(dst, lane + 32 * k, hw.cs[k], half, style);
+    __syncwarp();
+}
+
+// The q|k|v prologue of a one-row decode step, for attention_decode<HD, true>:
+// `q` is then the stacked projection row (queries, each with its gate after
+// it when output_gate, then keys, then values), and each block norms and
+// rotates its own query heads; the block whose keys end at this pass's
+// position makes the new key and value rows in shared memory itself and,
+// for the first block of query heads, writes them to the cache (and the
+// heads' gates out). This saves the prologue kernel and its round trip.
+struct DecodePrologue {
+    const float* q_norm;
+    const float* k_norm;
+    const float* inv_freq;
+    float* gate_out;
+    float eps;
+    int output_gate, rotary_dim, style;
+};
+
+template <int HD, bool FUSED>
+__device__ void attention_decode(const float* q, float* keys, float* values, float* part_o, float* part_ml,
+                                 float* direct, const int* step, int num_heads, int num_kv_heads, int window,
+                                 float scale, int splits, int chunk, DecodePrologue pro) {
     constexpr int WARPS = DECODE_THREADS / 32;
     constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
     extern __shared__ float4 decode_rows[];       // keys [chunk][HD], then values
@@ -1015,6 +1083,9 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
     if (earlier > 0) decode_stage_rows<HD>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
+    DecodeHeadWeights<HD> hw;
+    if constexpr (FUSED) decode_head_weights<HD>(hw, warp < DECODE_HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
+                                                 pro.rotary_dim / 2);
     grid_dependency_wait();
     if (n <= 0) {
         if (direct) return;  // one split always holds keys
@@ -1025,9 +1096,38 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
         }
         return;
     }
-    if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
-    for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
-        qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
+    if constexpr (FUSED) {
+        // One row (t = 0): warps 0..gh-1 make the query heads; in the block
+        // holding this pass's position (its last key), the next warp the new
+        // key and the one after the value.
+        int q_stride = pro.output_gate ? 2 * HD : HD, q_rows = num_heads * q_stride;
+        bool holds_pos = pos >= lo && pos < hi;
+        if (warp < gh) {
+            const float* src = q + (size_t)(h0 + warp) * q_stride;
+            decode_head_prologue<HD>(src, qs[warp], hw, pro.q_norm, pro.eps, pro.rotary_dim / 2, pro.style);
+            for (int c = lane; c < HD; c += 32) {
+                qs[warp][c] *= scale;
+                if (pro.output_gate && holds_pos) pro.gate_out[(size_t)(h0 + warp) * HD + c] = src[HD + c];
+            }
+        } else if (holds_pos && warp == DECODE_HEADS) {
+            float* row = ks + (pos - lo) * HD;
+            decode_head_prologue<HD>(q + q_rows + kvh * HD, row, hw, pro.k_norm, pro.eps, pro.rotary_dim / 2,
+                                     pro.style);
+            if (blockIdx.z == 0)
+                for (int c = lane; c < HD; c += 32) keys[(size_t)pos * kv_dim + kvh * HD + c] = row[c];
+        } else if (holds_pos && warp == DECODE_HEADS + 1) {
+            const float* src = q + q_rows + kv_dim + kvh * HD;
+            for (int c = lane; c < HD; c += 32) {
+                float v = src[c];
+                vs[(pos - lo) * HD + c] = v;
+                if (blockIdx.z == 0) values[(size_t)pos * kv_dim + kvh * HD + c] = v;
+            }
+        }
+    } else {
+        if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
+        for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
+            qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
+    }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
     // LPK lanes per key, each holding F4 float4s of q per head; KPW keys per warp step.
@@ -1167,9 +1267,18 @@ __device__ void attention_decode(const float* q, const float* keys, const float*
 }
 #define ATTENTION_DECODE(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
-        const float* q, const float* k, const float* v, float* po, float* pml, float* direct, const int* step,      \
-        int nh, int nkv, int window, float scale, int splits, int chunk) {                                         \
-        attention_decode<HD>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk);               \
+        const float* q, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,          \
+        int nkv, int window, float scale, int splits, int chunk) {                                                 \
+        attention_decode<HD, false>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,         \
+                                    DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, 0, 0, 0});           \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue(                  \
+        const float* qkv, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,        \
+        int nkv, int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,         \
+        const float* inv_freq, float* gate, float eps, int output_gate, int rotary_dim, int style) {               \
+        attention_decode<HD, true>(qkv, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,        \
+                                   DecodePrologue{q_norm, k_norm, inv_freq, gate, eps, output_gate, rotary_dim,    \
+                                                  style});                                                         \
     }
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)

@@ -67,6 +67,9 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_decode64",
     "attention_decode128",
     "attention_decode256",
+    "attention_decode64_prologue",
+    "attention_decode128_prologue",
+    "attention_decode256_prologue",
     "kv_append",
     "qkv_prologue",
     "swiglu",
@@ -426,7 +429,17 @@ pub(crate) fn cfg(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchCon
     LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared }
 }
 
+/// Device pointers of a q|k|v prologue ([`CudaBackend::prologue_inputs`]).
+struct PrologueInputs {
+    keys: u64,
+    values: u64,
+    q_norm: u64,
+    k_norm: u64,
+    inv_freq: u64,
+}
+
 /// A kernel argument: a device pointer or a scalar.
+#[derive(Clone, Copy)]
 pub(crate) enum Arg {
     Ptr(u64),
     I32(i32),
@@ -550,12 +563,14 @@ impl CudaBackend {
         for (i, hd) in [64, 128, 256].into_iter().enumerate() {
             decode_whole[i] = decode_whole_keys(hd, max_shared as usize);
             if let Some(whole) = decode_whole[i] {
-                kernels[&format!("attention_decode{hd}")]
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        decode_shared(whole, hd) as i32,
-                    )
-                    .map_err(|e| err("decode attention shared memory", &e))?;
+                for name in [format!("attention_decode{hd}"), format!("attention_decode{hd}_prologue")] {
+                    kernels[&name]
+                        .set_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            decode_shared(whole, hd) as i32,
+                        )
+                        .map_err(|e| err("decode attention shared memory", &e))?;
+                }
             }
             flash[i] = flash_tile(hd).shared + 1024 <= max_shared as usize;
             if flash[i] {
@@ -904,12 +919,56 @@ impl CudaBackend {
         Self::head_dim_slot(head_dim).is_some_and(|i| self.flash[i])
     }
 
+    /// What the q|k|v prologue of a pass needs, after checking that its
+    /// positions continue the cache and reserving the cache's rows: the
+    /// layer's key and value rows, the norm weights (0 when absent) and the
+    /// rotation's frequencies. None (with the error recorded) when a check fails.
+    #[allow(clippy::too_many_arguments)]
+    fn prologue_inputs(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut CudaKv,
+        layer: usize,
+    ) -> Option<PrologueInputs> {
+        let q_rows = shape.num_heads * shape.head_dim * if shape.output_gate { 2 } else { 1 };
+        if qkv.cols != q_rows + 2 * shape.num_kv_heads * shape.head_dim || positions.len() != qkv.rows {
+            self.record(Err("q|k|v columns or positions do not match the shape"), "qkv_prologue");
+            return None;
+        }
+        let start = positions.first().copied().unwrap_or(0);
+        if start != cache.len() || positions.iter().enumerate().any(|(i, &p)| p != start + i) {
+            self.record(Err("positions must continue the cache"), "qkv_prologue");
+            return None;
+        }
+        let r = cache.reserve(&self.stream, layer, qkv.rows);
+        self.record(r, "KV cache allocation");
+        let (Some((keys, values)), Some(inv_freq)) = (cache.layer(layer), self.rope_table(rope)) else {
+            return None;
+        };
+        let norm_ptr = |w: &CudaWeight| match w {
+            CudaWeight::Vector(v) => self.p(v),
+            _ => 0,
+        };
+        let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
+        self.ensure_step(start, None);
+        Some(PrologueInputs { keys: self.p(keys), values: self.p(values), q_norm, k_norm, inv_freq })
+    }
+
     /// Decode attention split over chunks of keys so every SM has work, the
     /// chunks merged by `attention_combine` (with one chunk the kernel writes
     /// the output itself). Head dims of 64/128/256 take `attention_decode`,
     /// blocks over (row·KV head, chunk, group of query heads) sharing each
     /// key and value row; others `attention_split`, a block per (row·head,
     /// chunk).
+    /// With `prologue`, `q` is a one-row stacked q|k|v projection and the
+    /// decode kernel makes the queries and this pass's key and value rows
+    /// itself (`attention_decode{head_dim}_prologue`; the caller checks that
+    /// the head dim has a decode kernel here).
+    #[allow(clippy::too_many_arguments)]
     fn attention_split(
         &self,
         q: &CudaAct,
@@ -918,6 +977,7 @@ impl CudaBackend {
         n_keys: usize,
         s: &AttentionShape,
         out: &CudaAct,
+        prologue: Option<&[Arg]>,
     ) {
         let whole = self.decode_whole_keys(s.head_dim);
         let decode = whole.is_some();
@@ -937,25 +997,25 @@ impl CudaBackend {
         if decode {
             let group = s.num_heads / s.num_kv_heads;
             let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
-            let name = format!("attention_decode{}", s.head_dim);
-            launch!(
-                self,
-                &name,
-                cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32),
-                qp,
-                kp,
-                vp,
-                po,
-                pml,
-                direct,
-                step,
-                heads,
-                kv_heads,
-                window,
-                s.scale,
-                splits as i32,
-                chunk as i32
-            );
+            let suffix = if prologue.is_some() { "_prologue" } else { "" };
+            let name = format!("attention_decode{}{suffix}", s.head_dim);
+            let mut args: Vec<Arg> = vec![
+                qp.into(),
+                kp.into(),
+                vp.into(),
+                po.into(),
+                pml.into(),
+                direct.into(),
+                step.into(),
+                heads.into(),
+                kv_heads.into(),
+                window.into(),
+                s.scale.into(),
+                (splits as i32).into(),
+                (chunk as i32).into(),
+            ];
+            args.extend_from_slice(prologue.unwrap_or(&[]));
+            self.launch_args(&name, cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32), &args);
         } else {
             let grid = (row_heads as u32, splits as u32, 1);
             let hd = s.head_dim as i32;
@@ -1090,7 +1150,12 @@ impl CudaBackend {
         if !swiglu {
             args.push(bias_ptr.into());
         }
-        args.extend([self.p(&y.buf).into(), (w.rows as i32).into(), (w.cols as i32).into(), (x.rows as i32).into()]);
+        args.extend([
+            Arg::from(self.p(&y.buf)),
+            (w.rows as i32).into(),
+            (w.cols as i32).into(),
+            (x.rows as i32).into(),
+        ]);
         let tiles = if swiglu { (w.rows / 2).div_ceil(8) } else { w.rows.div_ceil(16) };
         let suffix = if swiglu { "_swiglu" } else { "" };
         let kernel = format!("gemv_{}_mma_g{}{suffix}", w.format(), w.params.group_size);
@@ -1463,7 +1528,7 @@ impl Backend for CudaBackend {
         let n_keys = cache.len() + q.rows;
         self.ensure_step(cache.len(), None);
         if q.rows <= GEMV_MAX_ROWS {
-            self.attention_split(q, keys, values, n_keys, s, &out);
+            self.attention_split(q, keys, values, n_keys, s, &out, None);
             return out;
         }
         if !self.split_activations && self.flash_fits(s.head_dim) {
@@ -1648,22 +1713,9 @@ impl Backend for CudaBackend {
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let q = self.act(qkv.rows, nh * hd);
         let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
-        let start = positions.first().copied().unwrap_or(0);
-        if start != cache.len() || positions.iter().enumerate().any(|(i, &p)| p != start + i) {
-            self.record(Err("positions must continue the cache"), "qkv_prologue");
-            return (q, gate);
-        }
-        let r = cache.reserve(&self.stream, layer, qkv.rows);
-        self.record(r, "KV cache allocation");
-        let (Some((keys, values)), Some(freq_ptr)) = (cache.layer(layer), self.rope_table(rope)) else {
+        let Some(p) = self.prologue_inputs(qkv, shape, norms, positions, rope, cache, layer) else {
             return (q, gate);
         };
-        let norm_ptr = |w: &CudaWeight| match w {
-            CudaWeight::Vector(v) => self.p(v),
-            _ => 0,
-        };
-        let (qn, kn) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
-        self.ensure_step(start, None);
         let threads = (hd.div_ceil(32) * 32).min(256) as u32;
         launch!(
             self,
@@ -1672,11 +1724,11 @@ impl Backend for CudaBackend {
             self.p(&qkv.buf),
             self.p(&q.buf),
             gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
-            self.p(keys),
-            self.p(values),
-            qn,
-            kn,
-            freq_ptr,
+            p.keys,
+            p.values,
+            p.q_norm,
+            p.k_norm,
+            p.inv_freq,
             self.p(&self.step),
             nh as i32,
             nkv as i32,
@@ -1687,6 +1739,48 @@ impl Backend for CudaBackend {
             rope_style(rope)
         );
         (q, gate)
+    }
+
+    fn qkv_attention(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut CudaKv,
+        layer: usize,
+        attention: &AttentionShape,
+    ) -> (CudaAct, Option<CudaAct>) {
+        let hd = shape.head_dim;
+        let same_heads = (attention.num_heads, attention.num_kv_heads, attention.head_dim)
+            == (shape.num_heads, shape.num_kv_heads, hd);
+        // One-row steps with a decode kernel for the head dim fold the
+        // prologue into the attention; others compose the two.
+        if qkv.rows != 1 || !same_heads || self.decode_whole_keys(hd).is_none() {
+            let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
+            return (self.attention(&q, cache, layer, attention), gate);
+        }
+        let out = self.act(1, shape.num_heads * hd);
+        let gate = shape.output_gate.then(|| self.act(1, shape.num_heads * hd));
+        let Some(p) = self.prologue_inputs(qkv, shape, norms, positions, rope, cache, layer) else {
+            return (out, gate);
+        };
+        let Some((keys, values)) = cache.layer(layer) else { return (out, gate) };
+        let prologue = [
+            Arg::from(p.q_norm),
+            p.k_norm.into(),
+            p.inv_freq.into(),
+            gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0).into(),
+            eps.into(),
+            (shape.output_gate as i32).into(),
+            (rope.rotary_dim as i32).into(),
+            rope_style(rope).into(),
+        ];
+        let n_keys = cache.len() + 1;
+        self.attention_split(qkv, keys, values, n_keys, attention, &out, Some(&prologue));
+        (out, gate)
     }
 
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
