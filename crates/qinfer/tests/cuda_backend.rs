@@ -1140,7 +1140,8 @@ fn qkv_prologue_and_swiglu_match_cpu() {
 /// attention: outputs, gates, and the cache rows it wrote (read back by the
 /// plain attention of the next steps). Head dims 64/128/256, groups of 1 to
 /// 8 query heads (8: two blocks of heads a KV head), partial rotation, both
-/// rope styles, windows, and caches of one chunk and of several.
+/// rope styles and windows; one-row steps over caches longer than a decode
+/// block (and prompts) take the composed path, checked the same way.
 #[test]
 fn qkv_attention_folds_the_prologue_into_decode() {
     let Some(p) = pair() else { return };
