@@ -14,7 +14,8 @@
 // scheduled. What runs ahead of it is the launch itself and, in the kernels
 // that do it (the affine tensor-core GEMV, RMSNorm, the q|k|v prologue),
 // reading weights, which no kernel writes; the decode attention reads the
-// step inputs and the KV rows that earlier passes wrote. Letting the next kernel go only
+// step inputs and the KV rows that earlier passes wrote (and, folding the
+// prologue, the norm weights and its rotations' cos/sin at the step's position). Letting the next kernel go only
 // after the wait keeps at most one kernel waiting behind a running one.
 // tests/kernel_sources.rs checks every kernel against these rules.
 __device__ __forceinline__ void grid_dependency_wait() {
@@ -961,8 +962,9 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 // instead of once per batch of keys and again for the values after the
 // softmax. And the rows of positions before step[0] were written by earlier
 // passes, so their copies are issued before the wait for the kernel before
-// (the q|k|v prologue, which writes this pass's rows): at short contexts the
-// whole cache arrives while that kernel runs. step[0] itself is written by
+// (the q|k|v prologue, which writes this pass's rows, or with the prologue
+// folded in the q|k|v GEMV): at short contexts the whole cache arrives while
+// that kernel runs. step[0] itself is written by
 // set_step, which never immediately precedes a kernel launched to overlap
 // it (mod.rs `ensure_step`), so it is final here; both it and the rows are
 // read through L2 (an earlier kernel on this SM may hold stale L1 lines).
