@@ -1762,7 +1762,7 @@ impl Backend for CudaBackend {
         // norm and rotate its query heads again, in waves that cannot hide
         // it, and the harness run of the fold everywhere measured tg32 after
         // 8192 tokens 2-11% below the run before it (see the README).
-        let one_block = self.decode_whole_keys(hd).is_some_and(|whole| cache.len() < whole);
+        let one_block = self.decode_whole_keys(hd).is_some_and(|whole| decode_plan(cache.len() + 1, whole).1 == 1);
         if qkv.rows != 1 || !same_heads || !one_block {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
             return (self.attention(&q, cache, layer, attention), gate);
