@@ -972,8 +972,8 @@ impl CudaBackend {
     fn attention_split(
         &self,
         q: &CudaAct,
-        keys: &CudaSlice<f32>,
-        values: &CudaSlice<f32>,
+        keys: u64,
+        values: u64,
         n_keys: usize,
         s: &AttentionShape,
         out: &CudaAct,
@@ -993,7 +993,7 @@ impl CudaBackend {
         };
         let (window, step) = (s.window.unwrap_or(0) as i32, self.p(&self.step));
         let (heads, kv_heads) = (s.num_heads as i32, s.num_kv_heads as i32);
-        let (qp, kp, vp) = (self.p(&q.buf), self.p(keys), self.p(values));
+        let (qp, kp, vp) = (self.p(&q.buf), keys, values);
         if decode {
             let group = s.num_heads / s.num_kv_heads;
             let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
@@ -1528,7 +1528,7 @@ impl Backend for CudaBackend {
         let n_keys = cache.len() + q.rows;
         self.ensure_step(cache.len(), None);
         if q.rows <= GEMV_MAX_ROWS {
-            self.attention_split(q, keys, values, n_keys, s, &out, None);
+            self.attention_split(q, self.p(keys), self.p(values), n_keys, s, &out, None);
             return out;
         }
         if !self.split_activations && self.flash_fits(s.head_dim) {
@@ -1762,7 +1762,8 @@ impl Backend for CudaBackend {
         // norm and rotate its query heads again, in waves that cannot hide
         // it, and the harness run of the fold everywhere measured tg32 after
         // 8192 tokens 2-11% below the run before it (see the README).
-        let one_block = self.decode_whole_keys(hd).is_some_and(|whole| decode_plan(cache.len() + 1, whole).1 == 1);
+        let n_keys = cache.len() + 1;
+        let one_block = self.decode_whole_keys(hd).is_some_and(|whole| decode_plan(n_keys, whole).1 == 1);
         if qkv.rows != 1 || !same_heads || !one_block {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
             return (self.attention(&q, cache, layer, attention), gate);
@@ -1772,7 +1773,6 @@ impl Backend for CudaBackend {
         let Some(p) = self.prologue_inputs(qkv, shape, norms, positions, rope, cache, layer) else {
             return (out, gate);
         };
-        let Some((keys, values)) = cache.layer(layer) else { return (out, gate) };
         let prologue = [
             Arg::from(p.q_norm),
             p.k_norm.into(),
@@ -1783,8 +1783,7 @@ impl Backend for CudaBackend {
             (rope.rotary_dim as i32).into(),
             rope_style(rope).into(),
         ];
-        let n_keys = cache.len() + 1;
-        self.attention_split(qkv, keys, values, n_keys, attention, &out, Some(&prologue));
+        self.attention_split(qkv, p.keys, p.values, n_keys, attention, &out, Some(&prologue));
         (out, gate)
     }
 
