@@ -991,13 +991,26 @@ fn profile_decode_ops_at_8b_shapes() {
         }
     }
     // Sampling from Qwen3's 151,936 logits, each call ending with the token
-    // id on the host (what a decode step adds after its graph).
-    let logits = b.act_from_host(1, 151_936, &r.vec(151_936).iter().map(|v| v * 8.0).collect::<Vec<_>>());
+    // id on the host (what a decode step adds after its graph). Flat logits
+    // (uniform in [-8, 8)), and peaked ones (20 tokens 12 to 20 above that
+    // bulk, as a model's next token mostly is): without a top-k, the flat
+    // ones leave the filters' cut in the bulk, the peaked ones among the
+    // cut-down candidates.
+    let flat: Vec<f32> = r.vec(151_936).iter().map(|v| v * 8.0).collect();
+    let mut peaked = flat.clone();
+    for i in 0..20 {
+        peaked[i * 7_577] += 16.0 + 4.0 * r.f();
+    }
     let base = SamplingParams::default();
-    for (what, p) in [
+    let no_top_k = [
+        ("temperature 0.7, top-p 0.9", SamplingParams { temperature: 0.7, top_p: 0.9, ..base.clone() }),
+        ("temperature 1.0, min-p 0.05", SamplingParams { temperature: 1.0, min_p: 0.05, ..base.clone() }),
+        ("temperature 1.0", SamplingParams { temperature: 1.0, ..base.clone() }),
+    ];
+    let peaked_rows = no_top_k.iter().map(|(what, p)| (format!("{what}, peaked"), p.clone(), &peaked));
+    for (what, p, logits) in [
         ("greedy", base.clone()),
         ("temperature 0.7, top-k 20", SamplingParams { temperature: 0.7, top_k: 20, ..base.clone() }),
-        ("temperature 0.7, top-p 0.9", SamplingParams { temperature: 0.7, top_p: 0.9, ..base.clone() }),
         (
             "temperature 0.6, top-k 20, top-p 0.95 (Qwen3)",
             SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..base.clone() },
@@ -1013,7 +1026,13 @@ fn profile_decode_ops_at_8b_shapes() {
                 ..base.clone()
             },
         ),
-    ] {
+    ]
+    .into_iter()
+    .chain(no_top_k.iter().cloned())
+    .map(|(what, p)| (what.to_string(), p, &flat))
+    .chain(peaked_rows)
+    {
+        let logits = b.act_from_host(1, 151_936, logits);
         let context: Vec<u32> = (0..512).map(|i| i * 97 % 151_936).collect();
         b.sample(&logits, &p, &context, 0.5).unwrap();
         let t0 = std::time::Instant::now();
@@ -1267,7 +1286,12 @@ fn device_sampling_matches_the_host_sampler() {
         SamplingParams { temperature: 1.0, top_k: 64, top_p: 0.9, min_p: 0.01, ..base.clone() },
         SamplingParams { temperature: 1.0, top_k: 65, ..base.clone() },
         SamplingParams { temperature: 0.5, top_k: 1, ..base.clone() },
+        // No top-k (or one past the vocabulary): the cut-down candidates
+        // decide, or the kernel falls back to the whole vocabulary.
+        SamplingParams { temperature: 0.7, top_p: 0.95, min_p: 0.05, ..base.clone() },
+        SamplingParams { temperature: 0.8, top_k: 1_000_000, top_p: 0.9, ..base.clone() },
     ];
+    let (mut fast_draws, mut fallback_draws) = (0, 0);
     for p in &combos {
         let (mut checked, mut skipped) = (0, 0);
         for vocab in [5, 1000, 151_936] {
@@ -1276,7 +1300,10 @@ fn device_sampling_matches_the_host_sampler() {
                 // height that decides how much mass the bulk keeps; every
                 // other trial on a grid of 0.5, so that many logits tie.
                 let mut logits: Vec<f32> = r.vec(vocab).iter().map(|x| x * 8.0).collect();
-                let height = 10.0 + 6.0 * r.f();
+                // Every third trial peaked (spikes 16 to 28 above the bulk):
+                // the mass of the candidates the kernels cut the vocabulary
+                // to decides; the other trials leave much of it in the bulk.
+                let height = 10.0 + 6.0 * r.f() + if trial % 3 == 2 { 12.0 } else { 0.0 };
                 for _ in 0..vocab.min(8) {
                     let i = ((r.f().abs() * 1e6) as usize) % vocab;
                     logits[i] += height + r.f();
@@ -1309,12 +1336,23 @@ fn device_sampling_matches_the_host_sampler() {
                 let mut rows = r.vec(vocab);
                 rows.extend_from_slice(&logits);
                 let act = g.act_from_host(2, vocab, &rows);
+                let fallbacks = g.sampling_fallbacks().unwrap();
                 let got = g.sample(&act, p, &penalized, u).unwrap();
                 assert_eq!(got, want, "{p:?} vocab {vocab} trial {trial} u {u}");
                 checked += 1;
+                let no_top_k = p.top_k == 0 || p.top_k >= vocab;
+                if p.temperature > 0.0 && no_top_k && vocab >= 4096 {
+                    match g.sampling_fallbacks().unwrap() - fallbacks {
+                        0 => fast_draws += 1,
+                        _ => fallback_draws += 1,
+                    }
+                }
             }
         }
         println!("{p:?}: {checked} picks equal to the host's, {skipped} skipped at a boundary");
         assert!(checked >= 40, "{p:?}: only {checked} of 60 draws clear of a boundary");
     }
+    // Without a top-k over Qwen's vocabulary, both ways ran and matched.
+    println!("no top-k, 151,936 logits: {fast_draws} draws from the cut-down candidates, {fallback_draws} from all");
+    assert!(fast_draws >= 20 && fallback_draws >= 5, "{fast_draws} cut-down draws, {fallback_draws} fallbacks");
 }

@@ -247,11 +247,85 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // whole vocabulary), into shared memory and picks from them as
 // sample_filtered does from everything. Dynamic shared memory: the gathered
 // logits, then their token ids (TOPK_BLOCKS·TOPK_MAX each).
+//
+// Without a top-k (top_k = 0) the same cut-down serves top-p, min-p and
+// plain temperature: each block keeps the TOPK_MAX best of its slice and
+// also writes the slice's max scaled logit and Σexp(s − max) (so the last
+// block has the whole vocabulary's normalizer) and its best candidate left
+// out. Every candidate before the best one left out over all slices (E) is
+// among the gathered ones, so a filter or a draw that ends before E is
+// exactly what the whole vocabulary gives (sample_nucleus_pick). When it
+// would not end before E (a flat distribution) the last block picks from
+// the whole vocabulary itself, as sample_filtered does, and counts it in
+// `fallbacks`.
 #define TOPK_BLOCKS 64
 #define TOPK_MAX 64
+
+// Whether candidate (key, id) comes before (ekey, eid) in the order.
+__device__ __forceinline__ bool sample_before(unsigned key, int id, unsigned ekey, int eid) {
+    return key > ekey || (key == ekey && id < eid);
+}
+
+// The pick from the gathered candidates x (token ids `ids`, m of them)
+// with the whole vocabulary's max scaled logit `smax` and normalizer `z`,
+// E = (ekey, eid, its scaled logit es) the best candidate not gathered (eid
+// = INT_MAX when none was left out). Returns the position in x, or -1 when
+// the result could depend on candidates not gathered.
+__device__ int sample_nucleus_pick(const float* x, const int* ids, int m, float temperature, float top_p, float min_p,
+                                   float u, float smax, float z, unsigned ekey, int eid, float es, SampleShared& sh) {
+    if (!(z > 0.0f) || !isfinite(z) || !isfinite(smax)) return -1;
+    SampleProb prob{smax, 1.0f / z};
+    // The mass before E: the same over the gathered candidates as over the
+    // whole vocabulary (every candidate before E was gathered).
+    float before = 0.0f;
+    for (int i = threadIdx.x; i < m; i += SAMPLE_THREADS) {
+        float s = x[i] / temperature;
+        if (sample_before(sample_key(s), ids[i], ekey, eid)) before += prob(s);
+    }
+    before = sample_sum(before, sh.red);
+    bool none_left_out = eid == 0x7fffffff;
+    // Margins for rounding: the mass is summed in another order than the cuts'.
+    const float slack = 1e-5f;
+    SamplePos limit{0u, 0x7fffffff};
+    bool bounded = none_left_out;  // the kept candidates all come before E
+    if (top_p < 1.0f) {
+        if (!none_left_out && before < top_p * (1.0f + slack)) return -1;
+        limit = sample_cut(x, m, temperature, limit, top_p, prob, sh);
+        bounded = true;
+    }
+    if (min_p > 0.0f) {
+        float cut = prob(smax) * min_p;
+        unsigned kmin = 0xffffffffu;
+        for (int i = threadIdx.x; i < m; i += SAMPLE_THREADS) {
+            float s = x[i] / temperature;
+            unsigned k = sample_key(s);
+            if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
+        }
+        kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
+        if (kmin != 0xffffffffu) limit = sample_earlier(limit, SamplePos{kmin, 0x7fffffff});
+        if (!bounded) {
+            if (prob(es) >= cut * (1.0f - slack)) return -1;  // E itself would be kept
+            bounded = true;
+        }
+    }
+    float total = 1.0f;  // nothing filtered: the whole vocabulary's mass
+    if (bounded) {
+        total = 0.0f;
+        for (int i = threadIdx.x; i < m; i += SAMPLE_THREADS) {
+            float s = x[i] / temperature;
+            if (sample_within(sample_key(s), i, limit)) total += prob(s);
+        }
+        total = sample_sum(total, sh.red);
+    } else if (u * total > before * (1.0f - slack)) {
+        return -1;  // the draw lands at or past E
+    }
+    return sample_cut(x, m, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh).idx;
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_top_k(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
-                 float* cand_x, int* cand_id, int* cand_count, unsigned* ticket, unsigned* out) {
+                 float* cand_x, int* cand_id, int* cand_count, float* slice_max, float* slice_z, float* left_x,
+                 int* left_id, unsigned* ticket, unsigned* fallbacks, unsigned* out) {
     grid_dependency_wait();
     __shared__ SampleShared sh;
     __shared__ int offsets[TOPK_BLOCKS + 1];
@@ -260,16 +334,46 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int* gathered_id = reinterpret_cast<int*>(gathered + TOPK_BLOCKS * TOPK_MAX);
     int per = (n + gridDim.x - 1) / gridDim.x, b0 = min((int)blockIdx.x * per, n), len = min(per, n - b0);
     const float* xs = x + b0;
+    int keep = top_k > 0 ? top_k : TOPK_MAX;
     SamplePos limit{0u, 0x7fffffff};
-    if (top_k < len) limit = sample_cut(xs, len, temperature, limit, (float)top_k, SampleCount{}, sh);
+    if (keep < len) limit = sample_cut(xs, len, temperature, limit, (float)keep, SampleCount{}, sh);
+    if (top_k == 0) {
+        // The slice's max and Σexp(s − max), and its best candidate left out
+        // (largest key, then lowest id).
+        unsigned kmax = 0, kleft = 0;
+        for (int i = threadIdx.x; i < len; i += SAMPLE_THREADS) {
+            unsigned k = sample_key(xs[i] / temperature);
+            kmax = max(kmax, k);
+            if (!sample_within(k, i, limit)) kleft = max(kleft, k);
+        }
+        kmax = sample_reduce_u(kmax, sh.ured, SampleMax{});
+        kleft = sample_reduce_u(kleft, sh.ured, SampleMax{});
+        float smax = __uint_as_float((kmax & 0x80000000u) ? (kmax & 0x7fffffffu) : ~kmax);
+        float zs = 0.0f;
+        unsigned first = 0xffffffffu;
+        for (int i = threadIdx.x; i < len; i += SAMPLE_THREADS) {
+            float s = xs[i] / temperature;
+            unsigned k = sample_key(s);
+            zs += expf(s - smax);
+            if (k == kleft && !sample_within(k, i, limit)) first = min(first, (unsigned)i);
+        }
+        zs = sample_sum(zs, sh.red);
+        first = sample_reduce_u(first, sh.ured, SampleMin{});
+        if (threadIdx.x == 0) {
+            slice_max[blockIdx.x] = len > 0 ? smax : -INFINITY;
+            slice_z[blockIdx.x] = len > 0 ? zs : 0.0f;
+            left_x[blockIdx.x] = first == 0xffffffffu ? 0.0f : xs[first];
+            left_id[blockIdx.x] = first == 0xffffffffu ? 0x7fffffff : b0 + (int)first;
+        }
+    }
     // The slice's candidates within the cut, in token order (a block scan of
     // the kept flags per 1024 tokens).
     int count = 0;
     for (int base = 0; base < len; base += SAMPLE_THREADS) {
         int i = base + threadIdx.x;
-        bool keep = i < len && sample_within(sample_key(xs[i] / temperature), i, limit);
-        int incl = (int)sample_scan(keep ? 1.0f : 0.0f, sh.red);
-        if (keep) {
+        bool kept = i < len && sample_within(sample_key(xs[i] / temperature), i, limit);
+        int incl = (int)sample_scan(kept ? 1.0f : 0.0f, sh.red);
+        if (kept) {
             cand_x[blockIdx.x * TOPK_MAX + count + incl - 1] = xs[i];
             cand_id[blockIdx.x * TOPK_MAX + count + incl - 1] = b0 + i;
         }
@@ -303,8 +407,47 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         }
     }
     __syncthreads();
-    int pick = sample_filtered_pick(gathered, offsets[gridDim.x], temperature, top_k, top_p, min_p, u, sh);
-    if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
+    if (top_k > 0) {
+        int pick = sample_filtered_pick(gathered, offsets[gridDim.x], temperature, top_k, top_p, min_p, u, sh);
+        if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
+        return;
+    }
+    // The whole vocabulary's max and normalizer, and E: in a fixed order
+    // (block by block), so results repeat bit for bit.
+    __shared__ float whole[2];
+    __shared__ unsigned left_key;
+    __shared__ int left_token;
+    __shared__ float left_s;
+    if (threadIdx.x == 0) {
+        float smax = -INFINITY, z = 0.0f, es = 0.0f;
+        unsigned ekey = 0u;
+        int eid = 0x7fffffff;
+        for (int b = 0; b < (int)gridDim.x; b++) smax = fmaxf(smax, __ldcg(slice_max + b));
+        for (int b = 0; b < (int)gridDim.x; b++) {
+            float mb = __ldcg(slice_max + b);
+            if (mb > -INFINITY) z += __ldcg(slice_z + b) * expf(mb - smax);
+            int id = __ldcg(left_id + b);
+            if (id != 0x7fffffff) {
+                float s = __ldcg(left_x + b) / temperature;
+                unsigned k = sample_key(s);
+                if (sample_before(k, id, ekey, eid)) ekey = k, eid = id, es = s;
+            }
+        }
+        whole[0] = smax, whole[1] = z;
+        left_key = ekey, left_token = eid, left_s = es;
+    }
+    __syncthreads();
+    int pick = sample_nucleus_pick(gathered, gathered_id, offsets[gridDim.x], temperature, top_p, min_p, u, whole[0],
+                                   whole[1], left_key, left_token, left_s, sh);
+    if (pick >= 0) {
+        if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
+        return;
+    }
+    pick = sample_filtered_pick(x, n, temperature, 0, top_p, min_p, u, sh);
+    if (threadIdx.x == 0) {
+        *out = (unsigned)pick;
+        *fallbacks += 1u;
+    }
 }
 
 // Greedy: the first index of the largest value. ARGMAX_BLOCKS blocks take a

@@ -26,13 +26,21 @@ const TOPK_MAX: usize = 64;
 pub(super) const TOP_K_SHARED: usize = 2 * TOPK_BLOCKS * TOPK_MAX * 4;
 
 /// Device buffers the sampling kernels share: the argmax blocks' partial
-/// results, the top-k blocks' candidates, their ticket, and the chosen token.
+/// results, the top-k blocks' candidates (and, without a top-k, each slice's
+/// max, normalizer and best candidate left out), their ticket, and the
+/// chosen token.
 pub(super) struct SampleScratch {
     part_values: CudaSlice<f32>,
     part_ids: CudaSlice<i32>,
     cand_logits: CudaSlice<f32>,
     cand_ids: CudaSlice<i32>,
     cand_counts: CudaSlice<i32>,
+    slice_max: CudaSlice<f32>,
+    slice_z: CudaSlice<f32>,
+    left_logits: CudaSlice<f32>,
+    left_ids: CudaSlice<i32>,
+    /// Draws without a top-k that had to look past the slices' candidates.
+    fallbacks: CudaSlice<u32>,
     /// Zero between calls: the last block of a call resets it.
     ticket: CudaSlice<u32>,
     token: CudaSlice<u32>,
@@ -46,6 +54,11 @@ impl SampleScratch {
             cand_logits: stream.alloc_zeros(TOPK_BLOCKS * TOPK_MAX)?,
             cand_ids: stream.alloc_zeros(TOPK_BLOCKS * TOPK_MAX)?,
             cand_counts: stream.alloc_zeros(TOPK_BLOCKS)?,
+            slice_max: stream.alloc_zeros(TOPK_BLOCKS)?,
+            slice_z: stream.alloc_zeros(TOPK_BLOCKS)?,
+            left_logits: stream.alloc_zeros(TOPK_BLOCKS)?,
+            left_ids: stream.alloc_zeros(TOPK_BLOCKS)?,
+            fallbacks: stream.alloc_zeros(1)?,
             ticket: stream.alloc_zeros(1)?,
             token: stream.alloc_zeros(1)?,
         }))
@@ -96,10 +109,13 @@ impl CudaBackend {
                 self.p(&scratch.ticket),
                 token
             );
-        } else if (1..=TOPK_MAX).contains(&params.top_k) && vocab >= TOPK_BLOCKS * TOPK_MAX {
-            // A small top-k: the vocabulary is cut to the slices' best
-            // candidates on many SMs first (the one-block kernel takes
-            // 0.6 ms over Qwen's 151,936 logits).
+        } else if (params.top_k <= TOPK_MAX || params.top_k >= vocab) && vocab >= TOPK_BLOCKS * TOPK_MAX {
+            // A small top-k, or none: the vocabulary is cut to the slices'
+            // best candidates on many SMs first (the one-block kernel takes
+            // 0.6 ms over Qwen's 151,936 logits). Without a top-k the kernel
+            // checks that the draw depends on those candidates only, and
+            // else draws from the whole vocabulary itself.
+            let top_k = if params.top_k >= vocab { 0 } else { params.top_k };
             launch!(
                 self,
                 "sample_top_k",
@@ -107,14 +123,19 @@ impl CudaBackend {
                 row,
                 vocab as i32,
                 params.temperature,
-                params.top_k as i32,
+                top_k as i32,
                 params.top_p,
                 params.min_p,
                 u,
                 self.p(&scratch.cand_logits),
                 self.p(&scratch.cand_ids),
                 self.p(&scratch.cand_counts),
+                self.p(&scratch.slice_max),
+                self.p(&scratch.slice_z),
+                self.p(&scratch.left_logits),
+                self.p(&scratch.left_ids),
                 self.p(&scratch.ticket),
+                self.p(&scratch.fallbacks),
                 token
             );
         } else {
@@ -145,5 +166,14 @@ impl CudaBackend {
         drop(scratch);
         self.check()?;
         Ok(id)
+    }
+
+    /// Draws without a top-k so far that the cut-down candidates could not
+    /// decide, so that the last block drew from the whole vocabulary (tests
+    /// check that both ways ran).
+    pub fn sampling_fallbacks(&self) -> Result<u32> {
+        let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        let v = self.stream.clone_dtoh(&scratch.fallbacks).map_err(|e| Error::Invalid(format!("cuda: {e}")))?;
+        Ok(v[0])
     }
 }
