@@ -360,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         zs = sample_sum(zs, sh.red);
         first = sample_reduce_u(first, sh.ured, SampleMin{});
         if (threadIdx.x == 0) {
-            slice_max[blockIdx.x] = len > 0 ? smax : -INFINITY;
+            slice_max[blockIdx.x] = len > 0 ? smax : __int_as_float(0xff800000);
             slice_z[blockIdx.x] = len > 0 ? zs : 0.0f;
             left_x[blockIdx.x] = first == 0xffffffffu ? 0.0f : xs[first];
             left_id[blockIdx.x] = first == 0xffffffffu ? 0x7fffffff : b0 + (int)first;
@@ -419,13 +419,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __shared__ int left_token;
     __shared__ float left_s;
     if (threadIdx.x == 0) {
-        float smax = -INFINITY, z = 0.0f, es = 0.0f;
+        float smax = __int_as_float(0xff800000), z = 0.0f, es = 0.0f;
         unsigned ekey = 0u;
         int eid = 0x7fffffff;
         for (int b = 0; b < (int)gridDim.x; b++) smax = fmaxf(smax, __ldcg(slice_max + b));
         for (int b = 0; b < (int)gridDim.x; b++) {
             float mb = __ldcg(slice_max + b);
-            if (mb > -INFINITY) z += __ldcg(slice_z + b) * expf(mb - smax);
+            if (mb > __int_as_float(0xff800000)) z += __ldcg(slice_z + b) * expf(mb - smax);
             int id = __ldcg(left_id + b);
             if (id != 0x7fffffff) {
                 float s = __ldcg(left_x + b) / temperature;
