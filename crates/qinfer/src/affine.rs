@@ -5,15 +5,20 @@
 //! Storage as mlx writes it: `q` values packed into little-endian u32 words as
 //! one continuous bit stream per row, low bits first, so for 3, 5 and 6 bits a
 //! value may straddle two words. Every run of 8 values fills exactly `bits`
-//! bytes, and a group (a multiple of 32 values) starts on a word boundary.
+//! bytes, and a group (16 values or a multiple of 32) starts on a byte
+//! boundary (a word boundary from 32 on).
 
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 
 /// Bit widths mlx's affine mode supports.
 pub const SUPPORTED_BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
-/// Group sizes mlx's affine mode supports.
-pub const SUPPORTED_GROUP_SIZES: [usize; 3] = [32, 64, 128];
+/// Group sizes mlx's affine mode supports (what `qinfer quantize` writes).
+pub const MLX_GROUP_SIZES: [usize; 3] = [32, 64, 128];
+/// Group sizes qinfer computes with: mlx's, and 16: ggml's Q2_K, Q3_K and
+/// Q6_K blocks scale 16 values at a time, and become affine weights with
+/// groups of 16 (formats/gguf/as_affine.rs).
+pub const SUPPORTED_GROUP_SIZES: [usize; 4] = [16, 32, 64, 128];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AffineParams {

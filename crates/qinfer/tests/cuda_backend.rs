@@ -228,6 +228,10 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
             (128, 1280, 18, DType::BF16),
             // More tiles of 16 rows than two blocks per SM: blocks loop over tiles.
             (64, 512, 4500, DType::BF16),
+            // Groups of 16 (ggml's K-quant sub-blocks): the CUDA-core kernels'
+            // g16 forms, bf16 scales widened to f32 at upload.
+            (16, 256, 70, DType::F32),
+            (16, 1024, 33, DType::BF16),
         ] {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
@@ -988,6 +992,21 @@ fn profile_decode_ops_at_8b_shapes() {
                     time_replayed(b, &what, bytes, 0, &mut || b.linear_normed(&x, &norm, 1e-6, &w, None));
                 }
             }
+        }
+    }
+    // ggml's Q6_K as an affine weight (6 bits, groups of 16, f32 scales and
+    // biases: 10 bits a weight) against the f32 matrix it decoded to before.
+    for (name, rows, cols) in [("down", h, inter), ("lm_head", 151936, h)] {
+        let t = affine_tensor(&mut r, 6, 16, rows, cols, DType::F32);
+        let w = b.upload_affine(&t).unwrap();
+        let x = b.act_from_host(1, cols, &r.vec(cols));
+        let bytes = rows * cols * 6 / 8 + rows * cols / 16 * 8;
+        time_replayed(&b, &format!("gemv q6g16 {name} {rows}x{cols}"), bytes, 0, &mut || b.linear(&x, &w, None));
+        if name == "down" {
+            let dense = b.upload(&tensor("w", DType::F32, vec![rows, cols], &r.vec(rows * cols))).unwrap();
+            time_replayed(&b, &format!("gemv f32 {name} {rows}x{cols}"), rows * cols * 4, 0, &mut || {
+                b.linear(&x, &dense, None)
+            });
         }
     }
     // Sampling from Qwen3's 151,936 logits, each call ending with the token

@@ -2,7 +2,8 @@
 //! matrices): the affine form decodes to gguf-py's `gguf.quants.dequantize`
 //! of the same blocks (tests/fixtures/gguf_kquants, made by
 //! scripts/make_kquant_fixtures.py), value for value, whatever the rows'
-//! length; types whose scales cover 16 values have no affine form.
+//! length, with groups of 16 values for the types whose scales cover 16
+//! (Q2_K, Q3_K, Q6_K) and of 32 for the others.
 
 use std::path::PathBuf;
 
@@ -12,7 +13,7 @@ use common::{DecodedBlocks, kquant_fixture as fixture};
 use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
-use qinfer::formats::gguf::{affine_bits, as_affine};
+use qinfer::formats::gguf::{affine_bits, affine_group_size, as_affine};
 use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
 use qinfer::models::{LanguageModel, Logits};
@@ -24,7 +25,18 @@ fn f32s(t: &Tensor) -> Vec<f32> {
 
 #[test]
 fn affine_form_decodes_as_gguf_py() {
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K, DType::Q5_K] {
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ] {
         let (blocks, want) = fixture(dtype);
         let n_blocks = blocks.len() / dtype.block_bytes();
         // The six blocks as one row, as six rows, and as two rows of three.
@@ -32,15 +44,17 @@ fn affine_form_decodes_as_gguf_py() {
             let cols = want.len() / rows;
             let t = Tensor::new("w".into(), dtype, vec![rows, cols], Bytes::from_vec(blocks.clone())).unwrap();
             let a = as_affine(&t).expect("an affine form").unwrap();
-            let bits = affine_bits(dtype).unwrap();
-            assert_eq!((a.params.bits, a.params.group_size, a.shape.clone()), (bits, 32, vec![rows, cols]));
+            let (bits, group) = (affine_bits(dtype).unwrap(), affine_group_size(dtype));
+            let sixteen = matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q6_K);
+            assert_eq!(group, if sixteen { 16 } else { 32 }, "{dtype:?}");
+            assert_eq!((a.params.bits, a.params.group_size, a.shape.clone()), (bits, group, vec![rows, cols]));
             let (scales, biases) = (f32s(&a.scales), f32s(&a.biases));
             let row_bytes = a.params.row_bytes(cols);
             let mut q = vec![0f32; cols];
             for r in 0..rows {
                 unpack(bits, &a.packed.data.as_slice()[r * row_bytes..(r + 1) * row_bytes], &mut q);
                 for (c, &level) in q.iter().enumerate() {
-                    let g = r * cols / 32 + c / 32;
+                    let g = r * cols / group + c / group;
                     let got = scales[g] * level + biases[g];
                     let w = want[r * cols + c];
                     // Equal as numbers (a zero may differ in sign: d·(q − 8)
@@ -53,10 +67,10 @@ fn affine_form_decodes_as_gguf_py() {
 }
 
 #[test]
-fn sixteen_value_scales_have_no_affine_form() {
-    for dtype in [DType::Q2_K, DType::Q3_K, DType::Q6_K] {
-        let (blocks, want) = fixture(dtype);
-        let t = Tensor::new("w".into(), dtype, vec![1, want.len()], Bytes::from_vec(blocks)).unwrap();
+fn float_types_have_no_affine_form() {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let t = Tensor::new("w".into(), dtype, vec![1, 32], Bytes::from_vec(vec![0u8; dtype.bytes_for(32).unwrap()]))
+            .unwrap();
         assert!(affine_bits(dtype).is_none() && as_affine(&t).is_none(), "{dtype:?}");
     }
 }
@@ -114,7 +128,7 @@ fn models_run_on_their_affine_form() {
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let ids: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-    for name in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"] {
+    for name in ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"] {
         let m = loader::open(&dir.join(name).join("model.gguf")).unwrap();
         let logits = |src: &dyn TensorSource| {
             let lm = DecoderModel::load(m.config.clone(), src, CpuBackend::new(), &|_| {}).unwrap();

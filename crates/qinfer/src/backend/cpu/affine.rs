@@ -345,7 +345,9 @@ mod tests {
     #[test]
     fn matmul_matches_decoded_rows() {
         for bits in SUPPORTED_BITS {
-            for (rows, cols, n, gs) in [(37, 128, 3, 32), (5, 64, 1, 64), (70, 256, 9, 128)] {
+            for (rows, cols, n, gs) in
+                [(37, 128, 3, 32), (5, 64, 1, 64), (70, 256, 9, 128), (9, 96, 1, 16), (6, 160, 4, 16)]
+            {
                 let w = matrix(rows, cols, AffineParams { bits, group_size: gs });
                 let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0).collect();
                 let mut out = vec![f32::NAN; n * rows];

@@ -267,7 +267,9 @@ GEMV_KERNELS(gemv_f32, float, 4)
 // Affine-quantized weights (MLX layout): each row is a bit stream of BITS-bit
 // levels in u32 words, low bits first; every run of 32 values fills exactly
 // BITS words, and w = scale·q + bias per group of `group` values (scales and
-// biases as f32 [rows, cols/group]).
+// biases as f32 [rows, cols/group]). Groups are 16 values (ggml's K-quant
+// sub-blocks, see formats/gguf/as_affine.rs) or a multiple of 32: a 32-value
+// chunk lies in one group, or in two of 16 (`halves`).
 
 // Level k (0..31) of a 32-value chunk held in BITS words.
 template <int BITS>
@@ -328,8 +330,9 @@ __device__ __forceinline__ float affine_level_scaled(const unsigned* words, cons
 template <int BITS>
 __host__ __device__ constexpr int affine_offsets() { return 32 % BITS == 0 ? (23 - BITS) / BITS + 1 : 4; }
 
-// Σ q·x over one 32-value chunk of levels (`words`) and x values `xv`.
-template <int BITS>
+// Σ q·x over levels [K0, K1) of one 32-value chunk of levels (`words`) and
+// x values `xv`.
+template <int BITS, int K0 = 0, int K1 = 32>
 __device__ __forceinline__ float affine_dot32(const unsigned (&words)[BITS], const float (&xv)[32]) {
     constexpr bool aligned = 32 % BITS == 0;
     constexpr int parts = affine_offsets<BITS>();
@@ -340,7 +343,7 @@ __device__ __forceinline__ float affine_dot32(const unsigned (&words)[BITS], con
 #pragma unroll
     for (int p = 0; p < parts; p++) d[p] = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 32; k++) {
+    for (int k = K0; k < K1; k++) {
         if (aligned) {
             d[affine_shift(BITS, k) / BITS] += affine_level_scaled<BITS>(words, tops, k) * xv[k];
         } else {
@@ -353,9 +356,12 @@ __device__ __forceinline__ float affine_dot32(const unsigned (&words)[BITS], con
     return dot;
 }
 
-template <int BITS, int ROWS, int ACT>
+// With HALVES (groups of 16) sc/bi apply to the chunk's first 16 values
+// and sc2/bi2 to the rest.
+template <int BITS, int ROWS, int ACT, bool HALVES>
 __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][BITS], const float (&sc)[ROWS],
-                                                 const float (&bi)[ROWS], const float* __restrict__ x, int c,
+                                                 const float (&bi)[ROWS], const float (&sc2)[ROWS],
+                                                 const float (&bi2)[ROWS], const float* __restrict__ x, int c,
                                                  int in_dim, int n_act, float (&acc)[ROWS][ACT]) {
 #pragma unroll
     for (int t = 0; t < ACT; t++) {
@@ -368,6 +374,16 @@ __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][B
                 xv[4 * j] = v.x; xv[4 * j + 1] = v.y; xv[4 * j + 2] = v.z; xv[4 * j + 3] = v.w;
                 sum[0] += v.x; sum[1] += v.y; sum[2] += v.z; sum[3] += v.w;
             }
+            if constexpr (HALVES) {
+                float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 16; k++) lo += xv[k], hi += xv[16 + k];
+#pragma unroll
+                for (int r = 0; r < ROWS; r++)
+                    acc[r][t] += sc[r] * affine_dot32<BITS, 0, 16>(words[r], xv) + bi[r] * lo +
+                                 sc2[r] * affine_dot32<BITS, 16, 32>(words[r], xv) + bi2[r] * hi;
+                continue;
+            }
             float sx = (sum[0] + sum[1]) + (sum[2] + sum[3]);
 #pragma unroll
             for (int r = 0; r < ROWS; r++) acc[r][t] += sc[r] * affine_dot32<BITS>(words[r], xv) + bi[r] * sx;
@@ -377,7 +393,7 @@ __device__ __forceinline__ void affine_chunk_dot(const unsigned (&words)[ROWS][B
 
 #define AFFINE_UNROLL 2
 
-template <typename S, int BITS, int ROWS, int ACT>
+template <typename S, int BITS, int ROWS, int ACT, bool HALVES = false>
 __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict__ scales,
                             const S* __restrict__ biases, const float* __restrict__ x,
                             const float* bias, float* y, int out_dim, int in_dim,
@@ -395,7 +411,7 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict_
     int stride = blockDim.x;
     for (int i0 = threadIdx.x; i0 < chunks; i0 += AFFINE_UNROLL * stride) {
         unsigned words[AFFINE_UNROLL][ROWS][BITS];
-        float sc[AFFINE_UNROLL][ROWS], bi[AFFINE_UNROLL][ROWS];
+        float sc[AFFINE_UNROLL][ROWS], bi[AFFINE_UNROLL][ROWS], sc2[AFFINE_UNROLL][ROWS], bi2[AFFINE_UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < AFFINE_UNROLL; u++) {
             int i = min(i0 + u * stride, chunks - 1), g = i * 32 / group;
@@ -404,12 +420,18 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict_
                 affine_chunk<BITS>(w + (size_t)rows[r] * chunks * BITS, i, words[u][r]);
                 sc[u][r] = to_f32(scales[(size_t)rows[r] * groups + g]);
                 bi[u][r] = to_f32(biases[(size_t)rows[r] * groups + g]);
+                if constexpr (HALVES) {
+                    sc2[u][r] = to_f32(scales[(size_t)rows[r] * groups + g + 1]);
+                    bi2[u][r] = to_f32(biases[(size_t)rows[r] * groups + g + 1]);
+                }
             }
         }
 #pragma unroll
         for (int u = 0; u < AFFINE_UNROLL; u++) {
             int i = i0 + u * stride;
-            if (i < chunks) affine_chunk_dot<BITS, ROWS, ACT>(words[u], sc[u], bi[u], x, i * 32, in_dim, n_act, acc);
+            if (i < chunks)
+                affine_chunk_dot<BITS, ROWS, ACT, HALVES>(words[u], sc[u], bi[u], sc2[u], bi2[u], x, i * 32, in_dim,
+                                                          n_act, acc);
         }
     }
     gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
@@ -533,12 +555,14 @@ __device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restri
     int chunk = i % chunks;
     unsigned words[BITS];
     affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
-    int groups = in_dim / group, g = chunk * 32 / group;
-    float s = to_f32(scales[r * groups + g]), b = to_f32(biases[r * groups + g]);
+    int groups = in_dim / group, g = chunk * 32 / group, g2 = group == 16 ? g + 1 : g;
+    float s0 = to_f32(scales[r * groups + g]), b0 = to_f32(biases[r * groups + g]);
+    float s1 = to_f32(scales[r * groups + g2]), b1 = to_f32(biases[r * groups + g2]);
     uint4* dst = reinterpret_cast<uint4*>(out + (i / chunks) * in_dim + chunk * 32);
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         unsigned packed[4];
+        float s = p < 2 ? s0 : s1, b = p < 2 ? b0 : b1;  // values 8p..8p+7: the second 16 from p = 2
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             __nv_bfloat162 two = __floats2bfloat162_rn(s * affine_level<BITS>(words, 8 * p + 2 * k) + b,
@@ -558,11 +582,12 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
     for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
         unsigned words[BITS];
         affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
-        int g = chunk * 32 / group;
-        float s = to_f32(scales[r * groups + g]), b = to_f32(biases[r * groups + g]);
+        int g = chunk * 32 / group, g2 = group == 16 ? g + 1 : g;
+        float s0 = to_f32(scales[r * groups + g]), b0 = to_f32(biases[r * groups + g]);
+        float s1 = to_f32(scales[r * groups + g2]), b1 = to_f32(biases[r * groups + g2]);
         float* dst = out + (size_t)blockIdx.x * cols + chunk * 32;
 #pragma unroll
-        for (int k = 0; k < 32; k++) dst[k] = s * affine_level<BITS>(words, k) + b;
+        for (int k = 0; k < 32; k++) dst[k] = (k < 16 ? s0 : s1) * affine_level<BITS>(words, k) + (k < 16 ? b0 : b1);
     }
 }
 
@@ -575,6 +600,15 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
                               float* y, int o, int i, int g, int n) {                                              \
         grid_dependency_wait();                                                                                    \
         gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                         \
+    }
+// Groups of 16 (`gemv_{format}_g16_r{R}a{A}`): f32 scales only (the backend
+// widens bf16 ones at upload; ggml's blocks have f32 ones).
+#define GEMV_AFFINE16(F, S, B, R, A)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                              \
+        gemv_##F##_g16_r##R##a##A(const unsigned* w, const S* s, const S* bi, const float* x, const float* b,      \
+                                  float* y, int o, int i, int g, int n) {                                          \
+        grid_dependency_wait();                                                                                    \
+        gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1), true>(w, s, bi, x, b, y, o, i, g, n);                   \
     }
 #define AFFINE_KERNELS(F, S, B)                                                                                    \
     GEMV_AFFINE(F, S, B, 1, 1)                                                                                     \
@@ -594,7 +628,12 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
     }
 #define AFFINE_FORMATS(B)                                                                                          \
     AFFINE_KERNELS(affine##B, float, B)                                                                            \
-    AFFINE_KERNELS(affine##B##_bf16, __nv_bfloat16, B)
+    AFFINE_KERNELS(affine##B##_bf16, __nv_bfloat16, B)                                                             \
+    GEMV_AFFINE16(affine##B, float, B, 1, 1)                                                                       \
+    GEMV_AFFINE16(affine##B, float, B, 2, 1)                                                                       \
+    GEMV_AFFINE16(affine##B, float, B, 4, 1)                                                                       \
+    GEMV_AFFINE16(affine##B, float, B, 1, 8)                                                                       \
+    GEMV_AFFINE16(affine##B, float, B, 2, 8)
 // Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
 #define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)
 FOR_AFFINE_BITS(AFFINE_FORMATS)
@@ -1466,25 +1505,26 @@ MOE_GEMV(moe_gemv_f16, __half, 8)
 MOE_GEMV(moe_gemv_f32, float, 4)
 
 // The same for affine experts: tables of packed, scales and biases pointers.
-template <typename S, int BITS>
+template <typename S, int BITS, bool HALVES>
 __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned long long* scales,
                                 const unsigned long long* biases, const int* ids, const float* x, float* y,
                                 int out_dim, int in_dim, int group, int x_div) {
     int b = blockIdx.y, e = ids[b];
-    gemv_affine<S, BITS, 2, 1>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const S*>(scales[e]),
+    gemv_affine<S, BITS, 2, 1, HALVES>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const S*>(scales[e]),
                                reinterpret_cast<const S*>(biases[e]), x + (size_t)(b / x_div) * in_dim, nullptr,
                                y + (size_t)b * out_dim, out_dim, in_dim, group, 1);
 }
-#define MOE_GEMV_AFFINE(F, S, B)                                                                                   \
+#define MOE_GEMV_AFFINE(F, S, B, H)                                                                                \
     extern "C" __global__ void __launch_bounds__(256) moe_gemv_##F(                                                \
         const unsigned long long* p, const unsigned long long* s, const unsigned long long* bi, const int* ids,    \
         const float* x, float* y, int o, int i, int g, int x_div) {                                                \
         grid_dependency_wait();                                                                                    \
-        moe_gemv_affine<S, B>(p, s, bi, ids, x, y, o, i, g, x_div);                                                \
+        moe_gemv_affine<S, B, H>(p, s, bi, ids, x, y, o, i, g, x_div);                                             \
     }
 #define MOE_AFFINE_FORMATS(B)                                                                                      \
-    MOE_GEMV_AFFINE(affine##B, float, B)                                                                           \
-    MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B)
+    MOE_GEMV_AFFINE(affine##B, float, B, false)                                                                    \
+    MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B, false)                                                     \
+    MOE_GEMV_AFFINE(affine##B##_g16, float, B, true)
 FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).

@@ -218,12 +218,19 @@ const GEMV_WEIGHTS: &[&str] = &[
     "affine8_bf16",
 ];
 
-/// Every affine format's kernels besides its GEMVs.
+/// Every affine format's kernels besides its GEMVs, and the GEMVs of
+/// groups of 16 (f32 scales only: `gemv_{format}_g16_r{R}a{A}`).
 fn affine_kernel_names() -> impl Iterator<Item = String> {
     GEMV_WEIGHTS
         .iter()
         .filter(|f| f.starts_with("affine"))
         .flat_map(|f| [format!("{f}_to_bf16"), format!("embed_{f}"), format!("moe_gemv_{f}")])
+        .chain(GEMV_WEIGHTS.iter().filter(|f| f.starts_with("affine") && !f.ends_with("_bf16")).flat_map(|f| {
+            GEMV_SHAPES
+                .iter()
+                .map(move |(r, a)| gemv_kernel(&format!("{f}_g16"), *r, *a))
+                .chain([format!("moe_gemv_{f}_g16")])
+        }))
         .chain(
             GEMV_WEIGHTS
                 .iter()
@@ -402,8 +409,6 @@ pub struct CudaBackend {
     /// wait (they were written at least two launches before it, or the
     /// launch before it had finished when it started).
     after_step_write: std::sync::atomic::AtomicBool,
-    /// Whether the f32 decoding of Q2_K/Q3_K/Q6_K matrices has been logged.
-    warned_dense_blocks: std::sync::atomic::AtomicBool,
     /// While a decode step is recorded: the arena its buffers come from, and
     /// whether the stream is capturing (nothing may be allocated then).
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
@@ -609,7 +614,6 @@ impl CudaBackend {
             step,
             step_written: Mutex::new(None),
             after_step_write: std::sync::atomic::AtomicBool::new(false),
-            warned_dense_blocks: std::sync::atomic::AtomicBool::new(false),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
             sampling,
@@ -1090,7 +1094,13 @@ impl CudaBackend {
         // chunks per thread, from 64 to 256 threads. (Narrower rows do better
         // with the block-per-rows kernel: Qwen3-0.6B q4g64 decoded at 829
         // tok/s with its 3072-wide down projection here, 931 without.)
-        if x.rows == 1 && aligned && (128..=512).contains(&chunks) && self.gemv_shape.is_none() {
+        // (Not for groups of 16, which that kernel does not split.)
+        if x.rows == 1
+            && aligned
+            && w.params.group_size >= 32
+            && (128..=512).contains(&chunks)
+            && self.gemv_shape.is_none()
+        {
             let threads = (chunks.div_ceil(2).div_ceil(32) * 32) as u32;
             let grid = (w.rows.div_ceil(AFFINE_BLOCK_ROWS) as u32, 1, 1);
             self.launch_args(&format!("gemv_{}_rows", w.format()), cfg(grid, threads, 0), &args);
@@ -1101,7 +1111,8 @@ impl CudaBackend {
         let grid = (w.rows.div_ceil(shape.rows_per_block) as u32, 1, 1);
         // The block-per-rows kernels take the activation rows too.
         args.push((x.rows as i32).into());
-        self.launch_args(&gemv_kernel(&w.format(), shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
+        let format = if w.params.group_size == 16 { format!("{}_g16", w.format()) } else { w.format() };
+        self.launch_args(&gemv_kernel(&format, shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
     }
 
     /// Blocks of a tensor-core affine GEMV: as many as fit on the device at
@@ -1303,10 +1314,8 @@ impl Backend for CudaBackend {
                 cols: t.shape[1],
                 buf: self.upload_slice(t.data.as_slice()),
             }),
-            // ggml blocks: those with 32-value scales become affine weights
-            // (exact, see formats/gguf/as_affine.rs); Q2_K, Q3_K and Q6_K,
-            // whose scales cover 16 values, are decoded to f32 (exact, 4
-            // bytes a value) until they have kernels of their own.
+            // ggml blocks become affine weights, with groups of 32 or (Q2_K,
+            // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs.
             (
                 2,
                 DType::Q4_0
@@ -1321,17 +1330,7 @@ impl Backend for CudaBackend {
                 | DType::Q6_K,
             ) => match crate::formats::gguf::as_affine(t) {
                 Some(affine) => affine.and_then(|a| self.upload_affine(&a)),
-                None => {
-                    if !self.warned_dense_blocks.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            "{} ({}) and any other Q2_K/Q3_K/Q6_K matrices are decoded to f32 on CUDA: exact, but 4 \
-                             bytes a weight",
-                            t.name,
-                            t.dtype.name()
-                        );
-                    }
-                    Tensor::from_f32(&t.name, t.shape.clone(), &t.to_f32_vec()).and_then(|f| self.upload(&f))
-                }
+                None => Err(Error::tensor(&t.name, format!("{} has no affine form", t.dtype.name()))),
             },
             (2, DType::U32) => Err(Error::tensor(
                 &t.name,
@@ -1347,8 +1346,9 @@ impl Backend for CudaBackend {
             return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
         };
         // bf16 scales and biases stay bf16 (half the bytes, exact); any other
-        // storage becomes f32, which holds f16 exactly too.
-        let bf16_scales = t.scales.dtype == DType::BF16 && t.biases.dtype == DType::BF16;
+        // storage becomes f32, which holds f16 exactly too. Groups of 16 take
+        // f32 ones only (their GEMVs have no bf16 form).
+        let bf16_scales = t.scales.dtype == DType::BF16 && t.biases.dtype == DType::BF16 && t.params.group_size != 16;
         let side = |v: &Tensor| match bf16_scales {
             true => self.upload_slice(v.data.as_slice()),
             false => self.upload_slice(&v.to_f32_vec().iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()),

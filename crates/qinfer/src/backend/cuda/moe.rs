@@ -96,7 +96,10 @@ impl CudaBackend {
                     tables.2.push(self.p(&a.biases));
                 }
                 Some(ProjectionTable {
-                    kernel: format!("moe_gemv_{}", first.format()),
+                    kernel: match first.params.group_size {
+                        16 => format!("moe_gemv_{}_g16", first.format()),
+                        _ => format!("moe_gemv_{}", first.format()),
+                    },
                     rows: first.rows,
                     cols: first.cols,
                     weights: self.upload_slice(&tables.0),

@@ -1,18 +1,20 @@
-//! ggml block types as affine weights (`w = scale·q + bias` per group of 32
+//! ggml block types as affine weights (`w = scale·q + bias` per group of
 //! values, q unsigned), for a backend that computes with affine weights but
 //! has no kernels for ggml's blocks (CUDA).
 //!
-//! Why this is exact: in every type whose scales cover 32 values, a value is
-//! `d·(q − k)`, `d·q + m` or `d·sc·q − dmin·mn` with f16 `d`, `m`, `dmin` and
-//! small integers `q`, `sc`, `mn`. So the scale (`d`, or `d·sc`) and the bias
-//! (`−k·d`, `m`, or `−dmin·mn`) are exact in f32, and `scale·q + bias` rounds
-//! once, as ggml's decoder does: decoded values equal ggml's bit for bit
-//! (checked against gguf-py's decoder in `tests/gguf_as_affine.rs`). Scales
-//! and biases stay f32 (an f16 `d` is not a bf16 in general), so a 4-bit
-//! weight takes 6 bits a value instead of 4.5.
+//! Why this is exact: in every type a value is `d·(q − k)`, `d·q + m`,
+//! `d·sc·q − dmin·mn` or `d·sc·(q − k)` with f16 `d`, `m`, `dmin` and small
+//! integers `q`, `sc`, `mn`, `k`. So the scale (`d`, or `d·sc`) and the bias
+//! (`−k·d`, `m`, `−dmin·mn` or `−k·d·sc`) are exact in f32, and `scale·q +
+//! bias` rounds at most once, as ggml's decoder does: decoded values equal
+//! ggml's bit for bit (checked against gguf-py's decoder in
+//! `tests/gguf_as_affine.rs`). Scales and biases stay f32 (an f16 `d` is not
+//! a bf16 in general), so a 4-bit weight takes 6 bits a value instead of 4.5.
 //!
-//! Q2_K, Q3_K and Q6_K scale groups of 16 values, which no affine group size
-//! covers: None.
+//! Groups are 32 values where the type's scales cover 32 (Q4_0 … Q8_0, Q4_K,
+//! Q5_K) and 16 where they cover 16 (Q2_K, Q3_K, Q6_K: 8 bits of scale and
+//! bias a value on top of the levels, against 32 for the f32 they decoded to
+//! before).
 
 use rayon::prelude::*;
 
@@ -22,26 +24,38 @@ use crate::backend::cpu::quant::f16_at;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
-/// One 32-value group: its levels and the affine scale and bias.
+/// One group of a row: its levels (`group_size` values) and the affine scale
+/// and bias.
 struct Group {
     q: [u8; 32],
     scale: f32,
     bias: f32,
 }
 
-/// Bits of the affine levels a ggml type becomes, None where there is no
-/// exact affine form.
+/// Bits of the affine levels a ggml type becomes, None for the float types.
 pub fn affine_bits(dtype: DType) -> Option<u32> {
     match dtype {
+        DType::Q2_K => Some(2),
+        DType::Q3_K => Some(3),
         DType::Q4_0 | DType::Q4_1 | DType::Q4_K => Some(4),
         DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Some(5),
+        DType::Q6_K => Some(6),
         DType::Q8_0 => Some(8),
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::Q2_K | DType::Q3_K | DType::Q6_K => None,
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => None,
     }
 }
 
-/// The 32-value groups of one block of `dtype` (one for the 32-value types,
-/// eight for Q4_K and Q5_K).
+/// Values per affine group of a ggml type's affine form: what one of its
+/// scales covers.
+pub fn affine_group_size(dtype: DType) -> usize {
+    match dtype {
+        DType::Q2_K | DType::Q3_K | DType::Q6_K => 16,
+        _ => 32,
+    }
+}
+
+/// The groups of one block of `dtype` (one for the 32-value types, eight for
+/// Q4_K and Q5_K, sixteen of 16 values for Q2_K, Q3_K and Q6_K).
 fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
     let nibbles = |qs: &[u8], q: &mut [u8; 32]| {
         for j in 0..16 {
@@ -90,14 +104,32 @@ fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
                 out.push(Group { q, scale, bias });
             }
         }
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::Q2_K | DType::Q3_K | DType::Q6_K => {
+        DType::Q2_K | DType::Q3_K | DType::Q6_K => {
+            // Value i is d·sc·q − dmin·mn (Q2_K, q ≥ 0) or d·sc·q with q
+            // signed (Q3_K from −4, Q6_K from −32): levels q + k, bias −k·d·sc.
+            let u = kquants::unpack(dtype, b);
+            let k = match dtype {
+                DType::Q3_K => 4,
+                DType::Q6_K => 32,
+                _ => 0,
+            };
+            for g in 0..QK_K / 16 {
+                for (v, &x) in q.iter_mut().zip(&u.q[16 * g..16 * (g + 1)]) {
+                    *v = (x as i32 + k) as u8;
+                }
+                let scale = u.d * u.scales[g] as f32;
+                let bias = if dtype == DType::Q2_K { -(u.dmin * u.mins[g] as f32) } else { -(k as f32) * scale };
+                out.push(Group { q, scale, bias });
+            }
+        }
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => {
             unreachable!("{} has no affine form", dtype.name())
         }
     }
 }
 
-/// `t` (a matrix of a ggml block type) as an affine weight with groups of 32;
-/// None for types without an exact affine form (see the module comment).
+/// `t` (a matrix of a ggml block type) as an affine weight with groups of
+/// [`affine_group_size`]; None for the float types.
 pub fn as_affine(t: &Tensor) -> Option<Result<AffineTensor>> {
     let bits = affine_bits(t.dtype)?;
     Some(convert(t, bits))
@@ -110,8 +142,9 @@ fn convert(t: &Tensor, bits: u32) -> Result<AffineTensor> {
     if rows == 0 || cols == 0 {
         return Err(Error::tensor(&t.name, format!("an empty matrix, shape {:?}", t.shape)));
     }
-    let params = AffineParams::new(bits, 32, &t.name)?;
-    let (block_bytes, groups) = (t.dtype.block_bytes(), cols / 32);
+    let group = affine_group_size(t.dtype);
+    let params = AffineParams::new(bits, group, &t.name)?;
+    let (block_bytes, groups) = (t.dtype.block_bytes(), cols / group);
     let row_bytes = t.dtype.bytes_for(cols).ok_or_else(|| Error::tensor(&t.name, "rows are not whole blocks"))?;
     let src = t.data.as_slice();
     if src.len() != rows * row_bytes {
@@ -133,7 +166,7 @@ fn convert(t: &Tensor, bits: u32) -> Result<AffineTensor> {
             }
             let mut levels = Vec::with_capacity(cols);
             for (i, g) in row_groups.iter().enumerate() {
-                levels.extend_from_slice(&g.q);
+                levels.extend_from_slice(&g.q[..group]);
                 scales[4 * i..4 * i + 4].copy_from_slice(&g.scale.to_le_bytes());
                 biases[4 * i..4 * i + 4].copy_from_slice(&g.bias.to_le_bytes());
             }
