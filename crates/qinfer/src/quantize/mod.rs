@@ -200,6 +200,13 @@ impl Job {
 /// Quantizes the model in `src` into a new directory `out`. `progress` is
 /// called with (tensors done, total) as the work advances.
 pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn Fn(usize, usize)) -> Result<()> {
+    if !crate::affine::MLX_GROUP_SIZES.contains(&opts.group_size) {
+        // Groups of 16 are qinfer's form of ggml blocks; mlx reads none.
+        return Err(Error::config(
+            "--group-size",
+            format!("{} is not one of mlx's {:?}", opts.group_size, crate::affine::MLX_GROUP_SIZES),
+        ));
+    }
     if out.exists() && !opts.force {
         return Err(Error::Invalid(format!("{} exists; pass --force to replace it", out.display())));
     }
@@ -207,13 +214,6 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
     let model = loader::open(src)?;
     if model.source.names().iter().any(|n| n.ends_with(".scales")) {
         return Err(Error::Invalid(format!("{} is already quantized", src.display())));
-    }
-    if !crate::affine::MLX_GROUP_SIZES.contains(&opts.group_size) {
-        // Groups of 16 are qinfer's form of ggml blocks; mlx reads none.
-        return Err(Error::config(
-            "--group-size",
-            format!("{} is not one of mlx's {:?}", opts.group_size, crate::affine::MLX_GROUP_SIZES),
-        ));
     }
     let default = AffineParams::new(opts.bits, opts.group_size, "--bits/--group-size")?;
     let cfg_path = src.join("config.json");
