@@ -298,7 +298,7 @@ fn folded_norm_and_residual_add_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
     let eps = 1e-6;
-    for (group_size, inp, out) in [(64, 2048, 48), (128, 1024, 40), (64, 4096, 34), (64, 512, 4500)] {
+    for (group_size, inp, out) in [(64, 2048, 48), (128, 1024, 40), (64, 4096, 34), (64, 512, 4500), (32, 1024, 40)] {
         let mut weights = vec![];
         for bits in qinfer::affine::SUPPORTED_BITS {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, DType::BF16);
@@ -993,6 +993,15 @@ fn profile_decode_ops_at_8b_shapes() {
                 }
             }
         }
+    }
+    // ggml's Q4_K (and Q4_0) as an affine weight: 4 bits, groups of 32, f32
+    // scales and biases, on the CUDA-core GEMV (the tensor-core one takes
+    // groups of 64 and 128).
+    for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("down", h, inter)] {
+        let w = b.upload_affine(&affine_tensor(&mut r, 4, 32, rows, cols, DType::F32)).unwrap();
+        let x = b.act_from_host(1, cols, &r.vec(cols));
+        let bytes = rows * cols / 2 + rows * cols / 32 * 8;
+        time_replayed(&b, &format!("gemv q4g32 {name} {rows}x{cols}"), bytes, 0, &mut || b.linear(&x, &w, None));
     }
     // ggml's Q6_K as an affine weight (6 bits, groups of 16, f32 scales and
     // biases: 10 bits a weight) against the f32 matrix it decoded to before.

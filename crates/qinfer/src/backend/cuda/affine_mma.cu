@@ -36,9 +36,11 @@
 // next 8, then the odd columns of each; at 8 bits, columns in order.
 // A unit of 64 columns lies in one scale group (group sizes that are
 // multiples of 64), so the group's scale and bias apply to the unit's sum:
-// Σ(s·q + b)·x = (s·Σq·xi + b·Σxi)/scale.
+// Σ(s·q + b)·x = (s·Σq·xi + b·Σxi)/scale. Groups of 32 (GGUF's Q4_0, Q4_K,
+// Q8_0 as affine weights, and mlx's g32) split each sum by halves instead
+// (HALVES below), for at most 2 activation rows.
 // Scales and biases travel with the levels (cp.async too); this needs rows
-// whose length is a multiple of 256 and groups of 64 or 128.
+// whose length is a multiple of 256 and groups of 32, 64 or 128.
 //
 // With PAIRED, rows g and g+8 of a tile are gate row i and up row width + i
 // of a stacked gate|up weight, and the block writes silu(gate)·up.
@@ -99,7 +101,7 @@ struct alignas(16) AmmaStage {
 // the first 8, of the next 8, then the odd ones; for 8-bit, columns in
 // order), and per unit (Σxi, 1/scale). Each warp reads only the x it
 // multiplies, so no block barrier stands before the first MMA.
-template <int BITS>
+template <int BITS, bool HALVES>
 __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const float* __restrict__ norm_w,
                                              int in_dim, int n_act, int beg, int end, unsigned char* xs,
                                              float2* stats, float* unit_ss, float* warp_ss) {
@@ -185,10 +187,14 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const 
         for (int o = 1; o < 8; o <<= 1) {
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
             poison += __shfl_xor_sync(0xffffffffu, poison, o);
+            // With HALVES (groups of 32): each 32 columns' Σxi (lanes
+            // 8j..8j+3 and 8j+4..8j+7), [n_act][units][2].
+            if (HALVES && o == 2 && i < total && (i & 3) == 0)
+                stats[(t * units + b / 8) * 2 + ((b >> 2) & 1)] = make_float2((float)sum + poison, 1.0f / sc);
         }
         // A non-finite unit's Σxi carries a NaN into its products' sums.
         if (i < total && (i & 7) == 0) {
-            stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
+            if (!HALVES) stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
             if (norm_w) unit_ss[t * units + b / 8] = sq;
         }
     }
@@ -216,6 +222,12 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     constexpr int UNITS = amma_units<BITS>();      // per stage
     constexpr int UNIT_BYTES = 8 * BITS;           // of a row
     constexpr int PER_STAGE = UNITS * 64 / GROUP;  // scale groups per stage and row
+    // Groups of 32: a unit spans two. The MMA's 8 columns then carry two
+    // activations (high and low digit) for each 32-column half, the other
+    // half's B values zero, so each C column pair is one (activation, half)
+    // dot: no more MMAs than a unit of one group (at most 2 activations).
+    constexpr bool HALVES = GROUP == 32;
+    constexpr int SIDE_COPY = SIDE < 16 ? SIDE : 16;  // bytes a cp.async moves
     extern __shared__ uint4 amma_shared[];
     __shared__ float partial[2][AMMA_WARPS][16][AMMA_MAX_ACT];
     __shared__ uint4 zeros[AMMA_WARPS];
@@ -225,7 +237,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     Stage* ring = reinterpret_cast<Stage*>(amma_shared) + warp * AMMA_STAGES;
     unsigned char* xs = reinterpret_cast<unsigned char*>(reinterpret_cast<Stage*>(amma_shared) + AMMA_WARPS * AMMA_STAGES);
     float2* stats = reinterpret_cast<float2*>(xs + (size_t)n_act * 2 * in_dim);  // [n_act][units]
-    float* unit_ss = reinterpret_cast<float*>(stats + (size_t)n_act * units);     // [n_act][units], with norm_w
+    float* unit_ss = reinterpret_cast<float*>(stats + (size_t)n_act * units * (HALVES ? 2 : 1));  // with norm_w
     int width = PAIRED ? out_dim / 2 : out_dim;
     int tiles = PAIRED ? (width + 7) / 8 : (out_dim + 15) / 16;
     // The weight row behind row `r` of tile `tile` (clamped: copies stay in bounds).
@@ -273,7 +285,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                 cp_async<16>(st + level_dst + 4 * i * AMMA_PITCH, src[i], true);
                 src[i] += UNITS * UNIT_BYTES;
             }
-            cp_async<SIDE>(st + side_dst, side_src, true);
+#pragma unroll
+            for (int o = 0; o < SIDE; o += SIDE_COPY) cp_async<SIDE_COPY>(st + side_dst + o, side_src + o, true);
             side_src += PER_STAGE * sizeof(S);
             issued++;
             issue_slot = issue_slot == AMMA_STAGES - 1 ? 0 : issue_slot + 1;
@@ -291,14 +304,20 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     for (int b = 0; b < AMMA_STAGES - 1; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
-    amma_stage_x<BITS>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
+    amma_stage_x<BITS, HALVES>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
-    bool b_live = (g >> 1) < n_act;
-    const uint4* xb = b_live ? reinterpret_cast<const uint4*>(xs + ((g >> 1) * 2 + (g & 1)) * (size_t)in_dim) + c
+    // With HALVES, B column g holds activation (g >> 1) & 1 of half g >> 2,
+    // and this lane's columns (16c..16c+15 of a unit) are in half c >> 1.
+    int b_act = HALVES ? (g >> 1) & 1 : g >> 1;
+    bool b_live = b_act < n_act && (!HALVES || (g >> 2) == (c >> 1));
+    const uint4* xb = b_live ? reinterpret_cast<const uint4*>(xs + (b_act * 2 + (g & 1)) * (size_t)in_dim) + c
                              : zeros + warp;
     int xb_stride = b_live ? 4 : 0;  // uint4 per unit
-    const float2* st_x = stats + (size_t)min(c, n_act - 1) * units;  // this lane's C columns: activation c
+    // This lane's C columns: activation c (with HALVES, c & 1 in half c >> 1).
+    const float2* st_x = HALVES ? stats + ((size_t)min(c & 1, n_act - 1) * units * 2 + (c >> 1))
+                                : stats + (size_t)min(c, n_act - 1) * units;
+    constexpr int ST_STEP = HALVES ? 2 : 1;  // float2 per unit
     unsigned even = 0x0F0F0F0Fu, odd = 0xF0F0F0F0u;
     float acc_top = 0.0f, acc_bottom = 0.0f;
     // An epilogue thread's activation row is threadIdx.x % AMMA_MAX_ACT in
@@ -316,7 +335,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             int u0 = beg + UNITS * batch;
             S sc_top[PER_STAGE], sc_bottom[PER_STAGE], bi_top[PER_STAGE], bi_bottom[PER_STAGE];
 #pragma unroll
-            for (int k = 0; k < PER_STAGE; k++) {
+            for (int k = 0; k < (HALVES ? 0 : PER_STAGE); k++) {
                 sc_top[k] = reinterpret_cast<const S*>(st.scales + g * SIDE)[k];
                 sc_bottom[k] = reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[k];
                 bi_top[k] = reinterpret_cast<const S*>(st.biases + g * SIDE)[k];
@@ -343,12 +362,23 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                     mma_u8s8(d, top.x, bottom.x, top.y, bottom.y, xv.x, xv.y);
                     mma_u8s8(d, top.z, bottom.z, top.w, bottom.w, xv.z, xv.w);
                 }
-                float2 s = st_x[u];
+                float2 s = st_x[(size_t)u * ST_STEP];
                 // Columns 2c and 2c+1 are activation c's high and low digit.
                 float dot_top = (float)(d[0] * 256 + d[1]), dot_bottom = (float)(d[2] * 256 + d[3]);
-                int gk = k * 64 / GROUP;
-                acc_top += s.y * (to_f32(sc_top[gk]) * dot_top + to_f32(bi_top[gk]) * s.x);
-                acc_bottom += s.y * (to_f32(sc_bottom[gk]) * dot_bottom + to_f32(bi_bottom[gk]) * s.x);
+                if constexpr (HALVES) {
+                    // This lane's half: group 2k + c/2 of the stage's row.
+                    int gk = 2 * k + (c >> 1);
+                    float st_ = to_f32(reinterpret_cast<const S*>(st.scales + g * SIDE)[gk]);
+                    float sb_ = to_f32(reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[gk]);
+                    float bt_ = to_f32(reinterpret_cast<const S*>(st.biases + g * SIDE)[gk]);
+                    float bb_ = to_f32(reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[gk]);
+                    acc_top += s.y * (st_ * dot_top + bt_ * s.x);
+                    acc_bottom += s.y * (sb_ * dot_bottom + bb_ * s.x);
+                } else {
+                    int gk = k * 64 / GROUP;
+                    acc_top += s.y * (to_f32(sc_top[gk]) * dot_top + to_f32(bi_top[gk]) * s.x);
+                    acc_bottom += s.y * (to_f32(sc_bottom[gk]) * dot_bottom + to_f32(bi_bottom[gk]) * s.x);
+                }
             }
             __syncwarp();  // the stage is refilled by a later issue
         }
@@ -375,6 +405,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                 for (int k = 0; k < AMMA_WARPS; k++) {
                     gate += partial[slot][k][r][t];
                     up += partial[slot][k][r + 8][t];
+                    if (HALVES && t < 2) {  // the second half's columns
+                        gate += partial[slot][k][r][t + 2];
+                        up += partial[slot][k][r + 8][t + 2];
+                    }
                 }
                 gate *= inv_rms, up *= inv_rms;
                 if (o < width && t < n_act) y[(size_t)t * width + o] = gate / (1.0f + expf(-gate)) * up;
@@ -383,7 +417,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             int r = threadIdx.x / AMMA_MAX_ACT, t = threadIdx.x % AMMA_MAX_ACT, o = tile * 16 + r;
             float sum = 0.0f;
 #pragma unroll
-            for (int k = 0; k < AMMA_WARPS; k++) sum += partial[slot][k][r][t];
+            for (int k = 0; k < AMMA_WARPS; k++) {
+                sum += partial[slot][k][r][t];
+                if (HALVES && t < 2) sum += partial[slot][k][r][t + 2];  // the second half's columns
+            }
             if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum * inv_rms + (bias ? bias[o] : 0.0f);
         }
     }
@@ -393,8 +430,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
 // Shared memory: the stages, then the staged x and its units' sums (Rust:
 // `affine_mma_shared_size`). `nw` (the norm weight) may be null, `b` (the
 // bias) null or `y` itself.
-// 8-bit levels take groups of 64 only: a stage's scales of a row must be at
-// least the 4 bytes a cp.async moves.
+// 8-bit levels take groups of 32 and 64 only: a stage's scales of a row must
+// be at least the 4 bytes a cp.async moves.
 #define AFFINE_MMA(F, S, B, G)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw, float eps, \
@@ -406,6 +443,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                                      float eps, float* y, int o, int i, int n) {                                   \
         gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n);                                 \
     }
+AFFINE_MMA(affine4, float, 4, 32)
+AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 32)
+AFFINE_MMA(affine8, float, 8, 32)
+AFFINE_MMA(affine8_bf16, __nv_bfloat16, 8, 32)
 AFFINE_MMA(affine4, float, 4, 64)
 AFFINE_MMA(affine4, float, 4, 128)
 AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 64)

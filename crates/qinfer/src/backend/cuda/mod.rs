@@ -242,8 +242,12 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
 
 /// The tensor-core affine decode GEMVs (affine_mma.cu), `gemv_{format}_mma_g{group}`
 /// and their `_swiglu` forms: (format, bits, groups).
-const AFFINE_MMA_KERNELS: &[(&str, usize, &[usize])] =
-    &[("affine4", 4, &[64, 128]), ("affine4_bf16", 4, &[64, 128]), ("affine8", 8, &[64]), ("affine8_bf16", 8, &[64])];
+const AFFINE_MMA_KERNELS: &[(&str, usize, &[usize])] = &[
+    ("affine4", 4, &[32, 64, 128]),
+    ("affine4_bf16", 4, &[32, 64, 128]),
+    ("affine8", 8, &[32, 64]),
+    ("affine8_bf16", 8, &[32, 64]),
+];
 
 fn affine_mma_kernels() -> impl Iterator<Item = String> {
     AFFINE_MMA_KERNELS.iter().flat_map(|(f, _, groups)| {
@@ -268,7 +272,8 @@ const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
 /// per column and 12 bytes per 64 columns (its sum and scale, and its Σx²
-/// when the kernel folds an RMSNorm).
+/// when the kernel folds an RMSNorm; 20 with groups of 32, a sum per half).
+/// Groups of 32 take at most 2 activation rows.
 fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let (bits, group) = (w.params.bits as usize, w.params.group_size);
     let has_kernel =
@@ -279,10 +284,11 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let units = if bits == 4 { 4 } else { 2 };
     let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
     let stage = 16 * 128 + 2 * 16 * side;
-    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * 12);
-    let applies = w.cols.is_multiple_of(units * 64)
-        && (1..=AFFINE_MMA_MAX_ACT).contains(&act_rows)
-        && shared <= AFFINE_MMA_MAX_SHARED;
+    let unit_stats = if group == 32 { 20 } else { 12 };
+    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * unit_stats);
+    let max_act = if group == 32 { 2 } else { AFFINE_MMA_MAX_ACT };
+    let applies =
+        w.cols.is_multiple_of(units * 64) && (1..=max_act).contains(&act_rows) && shared <= AFFINE_MMA_MAX_SHARED;
     applies.then_some(shared)
 }
 
