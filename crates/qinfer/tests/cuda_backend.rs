@@ -221,6 +221,7 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     for bits in qinfer::affine::SUPPORTED_BITS {
         for (group_size, inp, out, side) in [
             (32, 256, 70, DType::F32),
+            (32, 768, 36, DType::BF16),
             (64, 2048, 33, DType::BF16),
             (128, 1024, 9, DType::F32),
             (64, 4096, 40, DType::BF16),
