@@ -25,18 +25,7 @@ fn f32s(t: &Tensor) -> Vec<f32> {
 
 #[test]
 fn affine_form_decodes_as_gguf_py() {
-    for dtype in [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
-        DType::Q2_K,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-    ] {
+    for dtype in common::BLOCK_TYPES {
         let (blocks, want) = fixture(dtype);
         let n_blocks = blocks.len() / dtype.block_bytes();
         // The six blocks as one row, as six rows, and as two rows of three.

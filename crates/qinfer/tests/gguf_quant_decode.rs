@@ -8,24 +8,11 @@ mod common;
 use common::kquant_fixture as fixture;
 use qinfer::backend::cpu::matmul::{CpuMatrix, matmul};
 use qinfer::backend::cpu::quant::dequantize_into;
-use qinfer::tensor::{Bytes, DType};
-
-const TYPES: [DType; 10] = [
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-];
+use qinfer::tensor::Bytes;
 
 #[test]
 fn decoding_matches_gguf_py_bit_for_bit() {
-    for dtype in TYPES {
+    for dtype in common::BLOCK_TYPES {
         let (blocks, want) = fixture(dtype);
         assert_eq!(dtype.bytes_for(want.len()), Some(blocks.len()), "{dtype:?}");
         let mut got = vec![f32::NAN; want.len()];
@@ -40,7 +27,7 @@ fn decoding_matches_gguf_py_bit_for_bit() {
 /// stays within the activation quantization error of the exact f64 dot.
 #[test]
 fn integer_matmul_tracks_the_decoded_dot() {
-    for dtype in TYPES {
+    for dtype in common::BLOCK_TYPES {
         let (blocks, wf) = fixture(dtype);
         let cols = wf.len();
         let w = CpuMatrix { dtype, rows: 1, cols, data: Bytes::from_vec(blocks) };

@@ -6,6 +6,20 @@ use std::path::PathBuf;
 use qinfer::formats::TensorSource;
 use qinfer::tensor::{DType, Tensor};
 
+/// Every ggml block type qinfer reads, in the order the fixtures list them.
+pub const BLOCK_TYPES: [DType; 10] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
+
 /// Six random blocks of a ggml block type and gguf-py's decoding of them
 /// (tests/fixtures/gguf_kquants, made by scripts/make_kquant_fixtures.py).
 pub fn kquant_fixture(dtype: DType) -> (Vec<u8>, Vec<f32>) {

@@ -188,6 +188,20 @@ struct SampleProb {
     __device__ float operator()(float s) const { return expf(s - max) * inv_z; }
 };
 
+// min-p: `limit` cut back to the candidates whose probability reaches `cut`
+// (a prefix of the order, as the probabilities fall along it).
+__device__ SamplePos sample_min_p(const float* x, int n, float temperature, SamplePos limit, float cut,
+                                  SampleProb prob, SampleShared& sh) {
+    unsigned kmin = 0xffffffffu;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        float s = x[i] / temperature;
+        unsigned k = sample_key(s);
+        if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
+    }
+    kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
+    return kmin != 0xffffffffu ? sample_earlier(limit, SamplePos{kmin, 0x7fffffff}) : limit;
+}
+
 // The pick from the n candidates x (positions in x order ties as token ids
 // do), by the whole block: temperature > 0, top_k = 0 for none, top_p = 1
 // for none, min_p = 0 for none; u in [0, 1). Returns the position in x.
@@ -207,18 +221,8 @@ __device__ int sample_filtered_pick(const float* x, int n, float temperature, in
     z = sample_sum(z, sh.red);
     SampleProb prob{smax, 1.0f / z};
     if (top_p < 1.0f) limit = sample_cut(x, n, temperature, limit, top_p, prob, sh);
-    if (min_p > 0.0f) {
-        // The most likely candidate has weight exp(0) = 1.
-        float cut = prob(smax) * min_p;
-        unsigned kmin = 0xffffffffu;
-        for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-            float s = x[i] / temperature;
-            unsigned k = sample_key(s);
-            if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
-        }
-        kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
-        if (kmin != 0xffffffffu) limit = sample_earlier(limit, SamplePos{kmin, 0x7fffffff});
-    }
+    // The most likely candidate has weight exp(0) = 1.
+    if (min_p > 0.0f) limit = sample_min_p(x, n, temperature, limit, prob(smax) * min_p, prob, sh);
     float total = 0.0f;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
         float s = x[i] / temperature;
@@ -295,14 +299,7 @@ __device__ int sample_nucleus_pick(const float* x, const int* ids, int m, float 
     }
     if (min_p > 0.0f) {
         float cut = prob(smax) * min_p;
-        unsigned kmin = 0xffffffffu;
-        for (int i = threadIdx.x; i < m; i += SAMPLE_THREADS) {
-            float s = x[i] / temperature;
-            unsigned k = sample_key(s);
-            if (sample_within(k, i, limit) && prob(s) >= cut) kmin = min(kmin, k);
-        }
-        kmin = sample_reduce_u(kmin, sh.ured, SampleMin{});
-        if (kmin != 0xffffffffu) limit = sample_earlier(limit, SamplePos{kmin, 0x7fffffff});
+        limit = sample_min_p(x, m, temperature, limit, cut, prob, sh);
         if (!bounded) {
             if (prob(es) >= cut * (1.0f - slack)) return -1;  // E itself would be kept
             bounded = true;
