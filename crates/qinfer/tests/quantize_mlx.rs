@@ -206,18 +206,18 @@ fn moe_and_hybrid_8bit_runs_close_to_the_original() {
     }
 }
 
-/// Unsupported architectures are refused by name, and nothing is written.
 /// Groups of 16 are what qinfer makes of ggml's K-quant blocks, not a size
 /// mlx reads: the flag is refused by name, and nothing is written.
 #[test]
 fn group_size_16_is_not_written() {
     let out = out_dir("g16");
     let opts = QuantizeOptions { bits: 4, group_size: 16, recipe: None, dtype: None, force: false };
-    let e = quantize(&fixtures().join("qwen3"), &out, &opts, &|_, _| {}).unwrap_err().to_string();
+    let e = quantize(&fixtures().join("tiny/qwen3"), &out, &opts, &|_, _| {}).unwrap_err().to_string();
     assert!(e.contains("--group-size") && e.contains("16"), "{e}");
     assert!(!out.exists());
 }
 
+/// Unsupported architectures are refused by name, and nothing is written.
 #[test]
 fn unsupported_architecture_is_named() {
     let src = out_dir("gemma-src");

@@ -1117,8 +1117,7 @@ impl CudaBackend {
         let grid = (w.rows.div_ceil(shape.rows_per_block) as u32, 1, 1);
         // The block-per-rows kernels take the activation rows too.
         args.push((x.rows as i32).into());
-        let format = if w.params.group_size == 16 { format!("{}_g16", w.format()) } else { w.format() };
-        self.launch_args(&gemv_kernel(&format, shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
+        self.launch_args(&gemv_kernel(&w.gemv_format(), shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
     }
 
     /// Blocks of a tensor-core affine GEMV: as many as fit on the device at

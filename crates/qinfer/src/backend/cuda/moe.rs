@@ -96,10 +96,7 @@ impl CudaBackend {
                     tables.2.push(self.p(&a.biases));
                 }
                 Some(ProjectionTable {
-                    kernel: match first.params.group_size {
-                        16 => format!("moe_gemv_{}_g16", first.format()),
-                        _ => format!("moe_gemv_{}", first.format()),
-                    },
+                    kernel: format!("moe_gemv_{}", first.gemv_format()),
                     rows: first.rows,
                     cols: first.cols,
                     weights: self.upload_slice(&tables.0),

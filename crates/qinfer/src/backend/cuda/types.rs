@@ -111,6 +111,16 @@ impl AffineWeight {
     pub fn format(&self) -> String {
         format!("affine{}{}", self.params.bits, if self.bf16_scales { "_bf16" } else { "" })
     }
+
+    /// The CUDA-core GEMVs' name for it: groups of 16 have kernels of their
+    /// own (`{format}_g16`, f32 scales only); the dequant and embedding
+    /// kernels take every group size under [`AffineWeight::format`].
+    pub fn gemv_format(&self) -> String {
+        match self.params.group_size {
+            16 => format!("{}_g16", self.format()),
+            _ => self.format(),
+        }
+    }
 }
 
 /// One f32 key and value buffer per layer, allocated at full capacity on the
