@@ -532,9 +532,11 @@ fn gated_deltanet_and_moe_match_cpu() {
         let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
         let mut sc = p.cpu.new_gdn_state(&cfg);
         let mut sg = p.gpu.new_gdn_state(&cfg);
-        // A 70-token prompt (chunked on the CPU, recurrent on the GPU), decode
-        // steps, then a second prompt continuing from the state.
-        for t in [70usize, 1, 1, 3, 41] {
+        // A 70-token prompt (chunked on both for key heads of 128), decode
+        // steps, a second prompt continuing from the state, and one longer
+        // than a slice of the GPU's chunked form (1024 tokens) ending in a
+        // partial chunk.
+        for t in [70usize, 1, 1, 3, 41, 1100] {
             let (xc, xg) = p.acts(t, cd, &r.vec(t * cd));
             let mc = p.cpu.gdn_conv(&xc, &convc, &mut sc);
             let mg = p.gpu.gdn_conv(&xg, &convg, &mut sg);
@@ -581,7 +583,7 @@ fn gated_deltanet_and_moe_match_cpu() {
         let wg = GdnWeights { conv: &convg, a_log: &alg, dt_bias: &dtg, norm: &ng };
         let mut sc = p.cpu.new_gdn_state(&cfg);
         let mut sg = p.gpu.new_gdn_state(&cfg);
-        let steps: &[usize] = if dv > 128 { &[37, 9, 50] } else { &[1, 1, 3, 8, 1, 2, 37, 1, 9, 2] };
+        let steps: &[usize] = if dv > 128 { &[37, 9, 50, 130] } else { &[1, 1, 3, 8, 1, 2, 37, 1, 9, 2, 200] };
         for &t in steps {
             let (mc, mg) = p.acts(t, all, &r.vec(t * all));
             let og = p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg).expect("a fused form for key heads of 128");

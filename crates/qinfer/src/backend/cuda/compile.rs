@@ -16,6 +16,8 @@ pub const KERNELS: &str = concat!(
     "\n",
     include_str!("gdn.cu"),
     "\n",
+    include_str!("gdn_chunked.cu"),
+    "\n",
     include_str!("affine_mma.cu"),
     "\n",
     include_str!("sampling.cu")

@@ -83,6 +83,8 @@ const KERNEL_NAMES: &[&str] = &[
     "gdn_conv_rows_f32",
     "gdn_conv_window",
     "gdn_decode128",
+    "gdn_chunk_prep",
+    "gdn_chunk_state",
     "moe_route",
     "moe_gemv_bf16",
     "moe_gemv_f16",
@@ -110,6 +112,25 @@ struct DeltaRuleInputs {
 
 /// Value columns per block of `gdn_scan128` (`GDN_SCAN_COLS`).
 const GDN_SCAN_COLS: usize = 16;
+
+/// Tokens per chunk of the chunked delta rule (`GDN_CHUNK` in gdn_chunked.cu):
+/// prompts of at least this many tokens take it (key heads of 128).
+const GDN_CHUNK: usize = 64;
+
+/// Value columns per block of `gdn_chunk_state` (`GDN_CHUNK_COLS`).
+const GDN_CHUNK_COLS: usize = 32;
+
+/// Tokens per launch pair of the chunked delta rule. Its per-chunk operands
+/// take 160 KB a chunk and value head at dv = 128 (84 MB for 1024 tokens of
+/// the 4B hybrid's 32 value heads); longer prompts reuse them slice by slice.
+const GDN_CHUNK_SLICE: usize = 1024;
+
+/// Dynamic shared memory of a `gdn_chunk_prep` block (`gck_prep_floats`):
+/// q and k rows of 132 floats, U | W rows, A and P rows of 68, four scalars a token.
+fn gdn_chunk_prep_shared(dv: usize) -> usize {
+    let x_pitch = (dv + 128).div_ceil(32) * 32 + 8;
+    (2 * GDN_CHUNK * 132 + GDN_CHUNK * x_pitch + 2 * GDN_CHUNK * 68 + 4 * GDN_CHUNK) * 4
+}
 
 /// Rows per thread of `gdn_conv_rows` (`GDN_CONV_RUN`).
 const GDN_CONV_RUN: usize = 16;
@@ -398,6 +419,8 @@ pub struct CudaBackend {
     flash: [bool; 3],
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
+    /// Dynamic shared memory any block may opt into on this device.
+    max_block_shared: usize,
     /// Streaming multiprocessors: grid size of the kernels that loop over
     /// their work (the tensor-core affine GEMV).
     sm_count: usize,
@@ -545,6 +568,12 @@ impl CudaBackend {
                 max_shared - 1024,
             )
             .map_err(|e| err("attention combine shared memory", &e))?;
+        kernels["gdn_chunk_prep"]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                max_shared - 1024,
+            )
+            .map_err(|e| err("chunked delta rule shared memory", &e))?;
         kernels["sample_top_k"]
             .set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -614,6 +643,7 @@ impl CudaBackend {
             decode_whole,
             flash,
             affine_mma_max_shared,
+            max_block_shared: max_shared as usize - 1024,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
@@ -2303,6 +2333,11 @@ impl CudaBackend {
             x.qk_stride as i32,
             x.ab_stride as i32
         );
+        let chunked =
+            c.k_head_dim == 128 && rows >= GDN_CHUNK && gdn_chunk_prep_shared(c.v_head_dim) <= self.max_block_shared;
+        if chunked {
+            return self.delta_rule_chunked(x, rows, &g, &beta, state, out);
+        }
         // Key heads of 128: the state held in registers (16 value columns per
         // block), the inputs staged ahead; other sizes: one thread per value
         // column, state in memory.
@@ -2331,6 +2366,69 @@ impl CudaBackend {
             x.qk_stride as i32,
             x.v_stride as i32
         );
+    }
+
+    /// The recurrence of `delta_rule` in chunks of 64 tokens (gdn_chunked.cu):
+    /// per slice of up to `GDN_CHUNK_SLICE` tokens, the chunks' operands in
+    /// parallel, then the state through them in order.
+    fn delta_rule_chunked(
+        &self,
+        x: &DeltaRuleInputs,
+        rows: usize,
+        g: &CudaAct,
+        beta: &CudaAct,
+        state: &mut CudaGdnState,
+        out: &CudaAct,
+    ) {
+        let c = &state.cfg;
+        let (nv, dv) = (c.num_v_heads, c.v_head_dim);
+        let slots = rows.min(GDN_CHUNK_SLICE).div_ceil(GDN_CHUNK) * nv;
+        // A-fragment operands: 64×128 f32 each per chunk and head.
+        let (wf, qf, kf) = (self.act(slots, 8192), self.act(slots, 8192), self.act(slots, 8192));
+        let (u, o0, last) = (self.act(slots, GDN_CHUNK * dv), self.act(slots, GDN_CHUNK * dv), self.act(slots, 1));
+        for t0 in (0..rows).step_by(GDN_CHUNK_SLICE) {
+            let n = (rows - t0).min(GDN_CHUNK_SLICE);
+            let at = |base: u64, stride: usize| base + (t0 * stride * 4) as u64;
+            launch!(
+                self,
+                "gdn_chunk_prep",
+                cfg((n.div_ceil(GDN_CHUNK) as u32, nv as u32, 1), 256, gdn_chunk_prep_shared(dv) as u32),
+                at(x.q, x.qk_stride),
+                at(x.k, x.qk_stride),
+                at(x.v, x.v_stride),
+                at(self.p(&g.buf), nv),
+                at(self.p(&beta.buf), nv),
+                self.p(&wf.buf),
+                self.p(&qf.buf),
+                self.p(&kf.buf),
+                self.p(&u.buf),
+                self.p(&o0.buf),
+                self.p(&last.buf),
+                n as i32,
+                c.num_k_heads as i32,
+                nv as i32,
+                dv as i32,
+                c.v_heads_tiled as i32,
+                x.qk_stride as i32,
+                x.v_stride as i32
+            );
+            launch!(
+                self,
+                "gdn_chunk_state",
+                cfg((nv as u32, dv.div_ceil(GDN_CHUNK_COLS) as u32, 1), 256, 0),
+                self.p(&wf.buf),
+                self.p(&qf.buf),
+                self.p(&kf.buf),
+                self.p(&u.buf),
+                self.p(&o0.buf),
+                self.p(&last.buf),
+                self.p(&state.recurrent),
+                at(self.p(&out.buf), nv * dv),
+                n as i32,
+                nv as i32,
+                dv as i32
+            );
+        }
     }
 
     fn copy_columns(&self, src: &CudaAct, dst: &CudaAct, group: usize, offset: usize, len: usize, dst_off: usize) {
