@@ -302,124 +302,145 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // Value columns per block of gdn_chunk_state (Rust: GDN_CHUNK_COLS).
 #define GDN_CHUNK_COLS 32
+#define GCK_SP (GDN_CHUNK_COLS + 8)  // a row of the state or V' in shared memory (B-operand reads: ≡ 8 mod 32)
+
+// Dynamic shared memory of gdn_chunk_state, bytes (Rust:
+// `gdn_chunk_state_shared`): two chunks' −W, Q' and Kdᵀ fragments, the state
+// and V'.
+__host__ __device__ constexpr int gck_state_bytes() { return 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * GCK_SP * 4; }
 
 // The chunks of gdn_chunk_prep in order, for value head `blockIdx.x` and
 // columns GDN_CHUNK_COLS·blockIdx.y onwards: state [nv][128][dv] in and out,
-// out [rows][nv·dv]. 256 threads: warp w holds state rows 16w..16w+15 of the
-// block's columns as MMA accumulators; in each chunk warps 0-3 form V' (token
-// tile w) and warps 4-7 the output (token tile w − 4) from the state in
-// shared memory, then every warp adds its rows' Kdᵀ V'. The A fragments of
-// the next chunk are loaded while this one computes.
+// out [rows][nv·dv]. 512 threads. Each chunk's fragments are copied
+// (cp.async) into shared memory while the chunk before it computes. Per
+// chunk, from the state in shared memory, warps 0-7 form V' and warps 8-15
+// the output, a tile of 16 tokens × 16 columns each; then each warp adds
+// Kdᵀ V' to its tile of 16 state rows × 16 columns, held as MMA
+// accumulators for the whole call. (Sixteen warps, not eight with the
+// fragments in registers: at 8 warps the kernel spilled and each scheduler's
+// two warps left it idle more than half the time.)
 __device__ void gdn_chunk_state_body(const float4* __restrict__ wf, const float4* __restrict__ qf,
                                      const float4* __restrict__ kf, const float* __restrict__ u,
                                      const float* __restrict__ o0, const float* __restrict__ last,
                                      float* __restrict__ state, float* __restrict__ out, int rows, int nv,
                                      int dv) {
-    constexpr int BV = GDN_CHUNK_COLS, NT = BV / 8, SP = BV + 8;
-    __shared__ float ss[128 * SP];       // the state, B operand of V' and o
-    __shared__ float vs[GDN_CHUNK * SP];  // V', B operand of the update
-    int h = blockIdx.x, col0 = blockIdx.y * BV, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int BV = GDN_CHUNK_COLS, SP = GCK_SP;
+    extern __shared__ float4 gck_state_shared[];
+    float4* frags = gck_state_shared;  // [2 chunks][−W, Q', Kdᵀ][2048]
+    float* ss = reinterpret_cast<float*>(frags + 2 * 3 * 2048);
+    float* vs = ss + 128 * SP;
+    int h = blockIdx.x, col0 = blockIdx.y * BV, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int gq = lane >> 2, cq = lane & 3;
     int chunks = (rows + GDN_CHUNK - 1) / GDN_CHUNK;
     float* st = state + (size_t)h * 128 * dv;
-    float s[NT][4];
+    // The state tile of this warp: rows 16·sm.., block columns sc..sc+15.
+    int sm = warp & 7, sc = 16 * (warp >> 3);
+    float s[2][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
+    for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            int i = 16 * warp + gq + (e >> 1) * 8, j = col0 + 8 * nt + 2 * cq + (e & 1);
+            int i = 16 * sm + gq + (e >> 1) * 8, j = col0 + sc + 8 * nt + 2 * cq + (e & 1);
             s[nt][e] = j < dv ? st[(size_t)i * dv + j] : 0.0f;
         }
     }
-    int mt = warp & 3;
-    bool is_o = warp >= 4;
-    const float4* af = is_o ? qf : wf;
+    // The V' or output tile of this warp: tokens 16·mt.., block columns bc..bc+15.
+    bool is_o = warp >= 8;
+    int mt = warp & 3, bc = 16 * ((warp >> 2) & 1);
     const float* init_src = is_o ? o0 : u;
-    float4 ab[16];
-    float init[NT][4];
-    auto load_b = [&](int n) {
+    float init[2][4];
+    // Chunk n's fragments into buffer n & 1 (one cp.async group) and its
+    // U or O₀ values into `init`.
+    auto fetch = [&](int n) {
         size_t b = (size_t)n * nv + h;
-#pragma unroll
-        for (int kt = 0; kt < 16; kt++) ab[kt] = af[b * 2048 + (mt * 16 + kt) * 32 + lane];
+        float4* dst = frags + (n & 1) * 3 * 2048;
+        for (int p = tid; p < 3 * 2048; p += blockDim.x) {
+            const float4* src = p < 2048 ? wf : p < 4096 ? qf : kf;
+            cp_async<16>(dst + p, src + b * 2048 + (p & 2047), true);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
         const float* src = init_src + b * GDN_CHUNK * dv;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                int i = 16 * mt + gq + (e >> 1) * 8, j = col0 + 8 * nt + 2 * cq + (e & 1);
+                int i = 16 * mt + gq + (e >> 1) * 8, j = col0 + bc + 8 * nt + 2 * cq + (e & 1);
                 init[nt][e] = j < dv ? src[(size_t)i * dv + j] : 0.0f;
             }
         }
     };
-    load_b(0);
+    fetch(0);
     for (int n = 0; n < chunks; n++) {
         size_t b = (size_t)n * nv + h;
+        const float4* fr = frags + (n & 1) * 3 * 2048;
+        float el = last[b];
+        asm volatile("cp.async.wait_group 0;\n" ::);
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                ss[(16 * warp + gq + (e >> 1) * 8) * SP + 8 * nt + 2 * cq + (e & 1)] = s[nt][e];
+                ss[(16 * sm + gq + (e >> 1) * 8) * SP + sc + 8 * nt + 2 * cq + (e & 1)] = s[nt][e];
         }
-        __syncthreads();
-        float4 ac[8];
+        float acc[2][4];
 #pragma unroll
-        for (int kt = 0; kt < 8; kt++) ac[kt] = kf[b * 2048 + (warp * 8 + kt) * 32 + lane];
-        float el = last[b];
-        float acc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[nt][e] = init[nt][e];
         }
-#pragma unroll
+        // The state and chunk n's fragments are in place, and every warp is
+        // done with chunk n − 1 (so its buffer may be refilled).
+        __syncthreads();
+        if (n + 1 < chunks) fetch(n + 1);
+        const float4* af = fr + (is_o ? 2048 : 0) + mt * 16 * 32 + lane;
+#pragma unroll 4
         for (int kt = 0; kt < 16; kt++) {
-            float b0[NT], b1[NT];
+            float b0[2], b1[2];
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const float* br = ss + (8 * kt + cq) * SP + 8 * nt + gq;
+            for (int nt = 0; nt < 2; nt++) {
+                const float* br = ss + (8 * kt + cq) * SP + bc + 8 * nt + gq;
                 b0[nt] = br[0], b1[nt] = br[4 * SP];
             }
-            gck_mma<NT>(acc, ab[kt], b0, b1);
+            gck_mma<2>(acc, af[kt * 32], b0, b1);
         }
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                int i = 16 * mt + gq + (e >> 1) * 8, j = 8 * nt + 2 * cq + (e & 1);
+                int i = 16 * mt + gq + (e >> 1) * 8, j = bc + 8 * nt + 2 * cq + (e & 1);
                 if (!is_o) vs[i * SP + j] = acc[nt][e];
                 else if (n * GDN_CHUNK + i < rows && col0 + j < dv)
                     out[((size_t)(n * GDN_CHUNK + i) * nv + h) * dv + col0 + j] = acc[nt][e];
             }
         }
-        if (n + 1 < chunks) load_b(n + 1);
         __syncthreads();
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) s[nt][e] *= el;
         }
-#pragma unroll
+        const float4* kfr = fr + 2 * 2048 + sm * 8 * 32 + lane;
+#pragma unroll 4
         for (int kt = 0; kt < 8; kt++) {
-            float b0[NT], b1[NT];
+            float b0[2], b1[2];
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const float* br = vs + (8 * kt + cq) * SP + 8 * nt + gq;
+            for (int nt = 0; nt < 2; nt++) {
+                const float* br = vs + (8 * kt + cq) * SP + sc + 8 * nt + gq;
                 b0[nt] = br[0], b1[nt] = br[4 * SP];
             }
-            gck_mma<NT>(s, ac[kt], b0, b1);
+            gck_mma<2>(s, kfr[kt * 32], b0, b1);
         }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
+    for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            int i = 16 * warp + gq + (e >> 1) * 8, j = col0 + 8 * nt + 2 * cq + (e & 1);
+            int i = 16 * sm + gq + (e >> 1) * 8, j = col0 + sc + 8 * nt + 2 * cq + (e & 1);
             if (j < dv) st[(size_t)i * dv + j] = s[nt][e];
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(512, 1)
     gdn_chunk_state(const float4* wf, const float4* qf, const float4* kf, const float* u, const float* o0,
                     const float* last, float* state, float* out, int rows, int nv, int dv) {
     grid_dependency_wait();

@@ -125,6 +125,10 @@ const GDN_CHUNK_COLS: usize = 32;
 /// the 4B hybrid's 32 value heads); longer prompts reuse them slice by slice.
 const GDN_CHUNK_SLICE: usize = 1024;
 
+/// Dynamic shared memory of a `gdn_chunk_state` block (`gck_state_bytes`):
+/// two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
+const GDN_CHUNK_STATE_SHARED: usize = 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + 8) * 4;
+
 /// Dynamic shared memory of a `gdn_chunk_prep` block (`gck_prep_floats`):
 /// q and k rows of 132 floats, U | W rows, A and P rows of 68, four scalars a token.
 fn gdn_chunk_prep_shared(dv: usize) -> usize {
@@ -572,6 +576,12 @@ impl CudaBackend {
             .set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 max_shared - 1024,
+            )
+            .map_err(|e| err("chunked delta rule shared memory", &e))?;
+        kernels["gdn_chunk_state"]
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (GDN_CHUNK_STATE_SHARED as i32).min(max_shared - 1024),
             )
             .map_err(|e| err("chunked delta rule shared memory", &e))?;
         kernels["sample_top_k"]
@@ -2415,7 +2425,7 @@ impl CudaBackend {
             launch!(
                 self,
                 "gdn_chunk_state",
-                cfg((nv as u32, dv.div_ceil(GDN_CHUNK_COLS) as u32, 1), 256, 0),
+                cfg((nv as u32, dv.div_ceil(GDN_CHUNK_COLS) as u32, 1), 512, GDN_CHUNK_STATE_SHARED as u32),
                 self.p(&wf.buf),
                 self.p(&qf.buf),
                 self.p(&kf.buf),
