@@ -4,9 +4,13 @@
 // torch_chunk_gated_delta_rule) on the tensor cores.
 //
 // Why: token by token (gdn_scan128) the recurrence is a chain of 128×dv
-// state updates, 2.35 ms a layer at 8192 tokens of the 4B hybrid's shapes.
-// In chunks, all but a short per-chunk chain becomes matrix products that the
-// chunks compute in parallel.
+// state updates per token. In chunks, all but a short per-chunk chain
+// becomes matrix products, most of them computed for all chunks in parallel.
+// Measured at the 4B hybrid's shapes (H200, session-ab.txt runs 26-29):
+// pp8192 31.1k → 37.6k tok/s and pp512 29.3k → 34.9k in the same runs,
+// although ncu, timing each kernel alone, has the two forms level at 8192
+// tokens (gdn_scan128 2.29 ms a layer; here 8 slices of 157-162 µs
+// (prep) + 130 µs (state)).
 //
 // Within a chunk of L tokens with cumulative log decay c (g summed from the
 // chunk's start), A[i][j] = β_i (k_i·k_j) e^{c_i − c_j} (j < i), and
@@ -17,8 +21,7 @@
 // S into the per-chunk kernel:
 //   gdn_chunk_prep (a block per chunk and value head, all in parallel): A and
 //     P (tensor cores), U and W (forward substitution, a thread per column,
-//     CUDA cores, the CPU's order), then Q' = e^c q − P W and O₀ = P U
-//     (tensor cores);
+//     CUDA cores), then Q' = e^c q − P W and O₀ = P U (tensor cores);
 //   gdn_chunk_state (a block per value head and GDN_CHUNK_COLS of its
 //     columns, chunk after chunk): V' = U − W S and o = Q' S + O₀, then the
 //     state update, S in the warps' accumulators.
@@ -27,12 +30,15 @@
 //
 // Precision: each f32 operand is split into a TF32 high part and a TF32 low
 // part (x − hi), and a product takes three MMAs (lo·hi, hi·lo, hi·hi) with
-// f32 accumulation: about f32 accuracy (a single TF32 MMA keeps 11 bits, the
-// error the CPU parity tests would see at 1e-3), on tensor cores.
+// f32 accumulation: about f32 accuracy (within 3e-6 of the CPU's f32 chunked
+// form over 1100 tokens in the CUDA tests; a single TF32 MMA keeps 11 bits,
+// errors near 1e-3). The cost: the state kernel took 85 µs a slice with one
+// MMA a product against 130 µs with three (run 28).
 //
 // The per-chunk kernel hands its operands over in the MMA's A-fragment order
-// (float4 per lane, see gck_frag), so the state kernel loads each as one
-// coalesced 16-byte read per lane, a chunk ahead of its use.
+// (float4 per lane, see gck_frag): the state kernel copies them into shared
+// memory whole (16-byte cp.async, a chunk ahead of their use) and each lane
+// reads its fragment as one 16-byte load.
 
 #define GDN_CHUNK 64
 #define GCK_PITCH 132  // a row of 128 q or k values (A-operand reads: pitch ≡ 4 mod 32)
