@@ -562,10 +562,17 @@ fn gated_deltanet_and_moe_match_cpu() {
     // gated norm in two launches) and the prompt form (each kernel reading
     // its columns of the stacked rows in place) against the CPU's
     // composition of the ops; value heads of 40 cover a partial warp of
-    // columns, 200 of them more than a decode block holds.
-    for (v_heads_tiled, nk, nv, dv) in
-        [(false, 2, 4, 128), (true, 2, 4, 128), (false, 2, 6, 40), (false, 4, 4, 128), (false, 2, 4, 200)]
-    {
+    // columns, 200 of them more than a decode block holds; 3 heads of 33
+    // make the conv's rows 355 floats wide, so q and k rows are not 16-byte
+    // aligned (the per-token kernel with plain loads takes those prompts).
+    for (v_heads_tiled, nk, nv, dv) in [
+        (false, 2, 4, 128),
+        (true, 2, 4, 128),
+        (false, 2, 6, 40),
+        (false, 4, 4, 128),
+        (false, 2, 4, 200),
+        (false, 1, 3, 33),
+    ] {
         let cfg = GdnConfig {
             num_k_heads: nk,
             num_v_heads: nv,

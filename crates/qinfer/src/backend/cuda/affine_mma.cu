@@ -333,13 +333,17 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             const Stage& st = ring[read_slot];
             read_slot = read_slot == AMMA_STAGES - 1 ? 0 : read_slot + 1;
             int u0 = beg + UNITS * batch;
+            // The stage's scales and biases of rows g and g + 8, read ahead
+            // of the MMAs (with HALVES each unit reads its half's own below).
             S sc_top[PER_STAGE], sc_bottom[PER_STAGE], bi_top[PER_STAGE], bi_bottom[PER_STAGE];
+            if constexpr (!HALVES) {
 #pragma unroll
-            for (int k = 0; k < (HALVES ? 0 : PER_STAGE); k++) {
-                sc_top[k] = reinterpret_cast<const S*>(st.scales + g * SIDE)[k];
-                sc_bottom[k] = reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[k];
-                bi_top[k] = reinterpret_cast<const S*>(st.biases + g * SIDE)[k];
-                bi_bottom[k] = reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[k];
+                for (int k = 0; k < PER_STAGE; k++) {
+                    sc_top[k] = reinterpret_cast<const S*>(st.scales + g * SIDE)[k];
+                    sc_bottom[k] = reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[k];
+                    bi_top[k] = reinterpret_cast<const S*>(st.biases + g * SIDE)[k];
+                    bi_bottom[k] = reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[k];
+                }
             }
 #pragma unroll
             for (int k = 0; k < UNITS; k++) {

@@ -2343,15 +2343,21 @@ impl CudaBackend {
             x.qk_stride as i32,
             x.ab_stride as i32
         );
-        let chunked =
-            c.k_head_dim == 128 && rows >= GDN_CHUNK && gdn_chunk_prep_shared(c.v_head_dim) <= self.max_block_shared;
+        // The chunked form and gdn_scan128 copy q and k rows in 16-byte
+        // pieces: rows must start 16-byte aligned (a stacked projection's
+        // rows are, unless its width is not a multiple of 4).
+        let aligned = x.qk_stride.is_multiple_of(4) && x.q.is_multiple_of(16) && x.k.is_multiple_of(16);
+        let chunked = aligned
+            && c.k_head_dim == 128
+            && rows >= GDN_CHUNK
+            && gdn_chunk_prep_shared(c.v_head_dim).max(GDN_CHUNK_STATE_SHARED) <= self.max_block_shared;
         if chunked {
             return self.delta_rule_chunked(x, rows, &g, &beta, state, out);
         }
         // Key heads of 128: the state held in registers (16 value columns per
         // block), the inputs staged ahead; other sizes: one thread per value
         // column, state in memory.
-        let (name, grid, threads) = if c.k_head_dim == 128 {
+        let (name, grid, threads) = if c.k_head_dim == 128 && aligned {
             ("gdn_scan128", (c.num_v_heads as u32, c.v_head_dim.div_ceil(GDN_SCAN_COLS) as u32, 1), 128)
         } else {
             ("gdn_recurrent", (c.num_v_heads as u32, 1, 1), c.v_head_dim.div_ceil(32) as u32 * 32)

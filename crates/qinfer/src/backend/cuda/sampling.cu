@@ -188,6 +188,19 @@ struct SampleProb {
     __device__ float operator()(float s) const { return expf(s - max) * inv_z; }
 };
 
+// The block's sum of weight(s) over the candidates within `limit` (scaled
+// logits s), the same for every thread.
+template <typename W>
+__device__ float sample_mass(const float* x, int n, float temperature, SamplePos limit, W weight,
+                             SampleShared& sh) {
+    float total = 0.0f;
+    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
+        float s = x[i] / temperature;
+        if (sample_within(sample_key(s), i, limit)) total += weight(s);
+    }
+    return sample_sum(total, sh.red);
+}
+
 // min-p: `limit` cut back to the candidates whose probability reaches `cut`
 // (a prefix of the order, as the probabilities fall along it).
 __device__ SamplePos sample_min_p(const float* x, int n, float temperature, SamplePos limit, float cut,
@@ -213,22 +226,12 @@ __device__ int sample_filtered_pick(const float* x, int n, float temperature, in
     float smax = __uint_as_float((kmax & 0x80000000u) ? (kmax & 0x7fffffffu) : ~kmax);
     SamplePos limit{0u, 0x7fffffff};
     if (top_k > 0 && top_k < n) limit = sample_cut(x, n, temperature, limit, (float)top_k, SampleCount{}, sh);
-    float z = 0.0f;
-    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        float s = x[i] / temperature;
-        if (sample_within(sample_key(s), i, limit)) z += expf(s - smax);
-    }
-    z = sample_sum(z, sh.red);
+    float z = sample_mass(x, n, temperature, limit, SampleProb{smax, 1.0f}, sh);
     SampleProb prob{smax, 1.0f / z};
     if (top_p < 1.0f) limit = sample_cut(x, n, temperature, limit, top_p, prob, sh);
     // The most likely candidate has weight exp(0) = 1.
     if (min_p > 0.0f) limit = sample_min_p(x, n, temperature, limit, prob(smax) * min_p, prob, sh);
-    float total = 0.0f;
-    for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
-        float s = x[i] / temperature;
-        if (sample_within(sample_key(s), i, limit)) total += prob(s);
-    }
-    total = sample_sum(total, sh.red);
+    float total = sample_mass(x, n, temperature, limit, prob, sh);
     return sample_cut(x, n, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh).idx;
 }
 
@@ -307,12 +310,7 @@ __device__ int sample_nucleus_pick(const float* x, const int* ids, int m, float 
     }
     float total = 1.0f;  // nothing filtered: the whole vocabulary's mass
     if (bounded) {
-        total = 0.0f;
-        for (int i = threadIdx.x; i < m; i += SAMPLE_THREADS) {
-            float s = x[i] / temperature;
-            if (sample_within(sample_key(s), i, limit)) total += prob(s);
-        }
-        total = sample_sum(total, sh.red);
+        total = sample_mass(x, m, temperature, limit, prob, sh);
     } else if (u * total > before * (1.0f - slack)) {
         return -1;  // the draw lands at or past E
     }
