@@ -249,11 +249,15 @@ __device__ void gdn_chunk_prep_body(const float* __restrict__ q, const float* __
     // Q' = e^c q − P W (into qs, in place: each thread rewrites the values it
     // read) and O₀ = P U (out): tiles of 16 tokens × 8 columns, P's key steps
     // up to the tile's diagonal.
-    // Units of 4 tiles of 8 columns (one A fragment for 4 MMAs).
+    // Units of 4 tiles of 8 columns (one A fragment for 4 MMAs). A unit of
+    // token tile mt takes 2·mt + 2 key steps; the tiles are spread so that
+    // each warp's units add up alike (20 steps a warp at dv = 128, where
+    // warp 3 took 32 and warp 0 took 8 with mt = unit % 4).
     int vu = (dv + 31) / 32, units = 4 * 4 + 4 * vu;
     for (int t = warp; t < units; t += 8) {
         bool is_q = t < 16;
-        int tt = is_q ? t : t - 16, mt = tt & 3, nu = tt >> 2;
+        int tt = is_q ? t : t - 16, nu = tt >> 2, mt = ((tt & 3) + 2 * (tt >> 3)) & 3;
+        if (!is_q) mt = 3 - mt;
         int c0 = is_q ? dv + 32 * nu : 32 * nu;  // X column of the unit's first
         float acc[4][4];
 #pragma unroll
@@ -292,9 +296,8 @@ __device__ void gdn_chunk_prep_body(const float* __restrict__ q, const float* __
         wf[b * 2048 + p] = make_float4(-w.x, -w.y, -w.z, -w.w);
         qf[b * 2048 + p] = gck_frag(qs, P, mt, kt, ln >> 2, ln & 3);
     }
-    for (int p = tid; p < GDN_CHUNK * dv; p += blockDim.x) {
-        int i = p / dv, c = p % dv;
-        u[b * GDN_CHUNK * dv + p] = xs[i * xp + c];
+    for (int i = warp; i < GDN_CHUNK; i += blockDim.x / 32) {
+        for (int c = lane; c < dv; c += 32) u[(b * GDN_CHUNK + i) * dv + c] = xs[i * xp + c];
     }
 }
 
