@@ -560,36 +560,24 @@ impl CudaBackend {
         let max_shared = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .unwrap_or(48 * 1024);
-        kernels["attention"]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                max_shared - 1024,
-            )
-            .map_err(|e| err("attention shared memory", &e))?;
-        kernels["attention_combine"]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                max_shared - 1024,
-            )
-            .map_err(|e| err("attention combine shared memory", &e))?;
-        kernels["gdn_chunk_prep"]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                max_shared - 1024,
-            )
-            .map_err(|e| err("chunked delta rule shared memory", &e))?;
-        kernels["gdn_chunk_state"]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                (GDN_CHUNK_STATE_SHARED as i32).min(max_shared - 1024),
-            )
-            .map_err(|e| err("chunked delta rule shared memory", &e))?;
-        kernels["sample_top_k"]
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                sampling::TOP_K_SHARED as i32,
-            )
-            .map_err(|e| err("top-k sampling shared memory", &e))?;
+        // Dynamic shared memory beyond the default 48 KB, per kernel.
+        let allow_shared = |name: &str, bytes: i32, what: &str| {
+            kernels[name]
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes,
+                )
+                .map_err(|e| err(what, &e))
+        };
+        allow_shared("attention", max_shared - 1024, "attention shared memory")?;
+        allow_shared("attention_combine", max_shared - 1024, "attention combine shared memory")?;
+        allow_shared("gdn_chunk_prep", max_shared - 1024, "chunked delta rule shared memory")?;
+        allow_shared(
+            "gdn_chunk_state",
+            (GDN_CHUNK_STATE_SHARED as i32).min(max_shared - 1024),
+            "chunked delta rule shared memory",
+        )?;
+        allow_shared("sample_top_k", sampling::TOP_K_SHARED as i32, "top-k sampling shared memory")?;
         // The tensor-core affine GEMV takes what the device allows up to its
         // own cap; launches needing more take the CUDA-core kernel.
         let affine_mma_max_shared = AFFINE_MMA_MAX_SHARED.min(max_shared as usize - 1024);
