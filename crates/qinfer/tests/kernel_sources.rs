@@ -91,3 +91,67 @@ fn every_kernel_waits_for_the_previous_one_before_touching_activations() {
         }
     }
 }
+
+/// The `#define NAME <integer>` lines of the .cu files.
+fn cu_integer_defines(sources: &[(String, String)]) -> Vec<(String, String, i64)> {
+    let mut out = Vec::new();
+    for (file, src) in sources {
+        for line in src.lines() {
+            let mut words = line.split_whitespace();
+            if words.next() != Some("#define") {
+                continue;
+            }
+            let (Some(name), Some(value)) = (words.next(), words.next()) else { continue };
+            if let Ok(v) = value.parse::<i64>() {
+                out.push((file.clone(), name.to_string(), v));
+            }
+        }
+    }
+    out
+}
+
+/// Host constants that mirror a kernel's `#define` (launch geometry, shared
+/// memory sizes) must hold the same value, or launches run with the wrong
+/// grid or too little shared memory: a fault or a silently wrong result on
+/// the GPU only. A Rust `const NAME: usize = <integer>;` in the CUDA
+/// backend mirrors a define when the define has its name or its doc comment
+/// names the define in backticks (as `(`GDN_CHUNK` in gdn_chunked.cu)`).
+#[test]
+fn host_constants_match_the_kernels_defines() {
+    let defines = cu_integer_defines(&sources());
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+    let mut checked = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|x| x != "rs") {
+            continue;
+        }
+        let src = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = src.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let Some(rest) = line.strip_prefix("const ") else { continue };
+            let Some((name, value)) = rest.split_once(": usize = ") else { continue };
+            let Ok(value) = value.trim_end_matches(';').parse::<i64>() else { continue };
+            // The doc comment just above: its backticked names.
+            let doc: String = lines[..i].iter().rev().take_while(|l| l.starts_with("///")).copied().collect();
+            // A define of the same name, else the names in the doc.
+            let names: Vec<&str> = if defines.iter().any(|(_, d, _)| d == name) {
+                vec![name]
+            } else {
+                doc.split('`').skip(1).step_by(2).collect()
+            };
+            for (file, define, v) in &defines {
+                if names.contains(&define.as_str()) {
+                    assert_eq!(
+                        *v,
+                        value,
+                        "{}: const {name} = {value}, but {file} defines {define} {v}",
+                        path.file_name().unwrap().to_string_lossy()
+                    );
+                    checked.push(format!("{name} = {define}"));
+                }
+            }
+        }
+    }
+    assert!(checked.len() >= 8, "only {} host constants matched a define: {checked:?}", checked.len());
+}

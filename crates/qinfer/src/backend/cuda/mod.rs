@@ -129,11 +129,19 @@ const GDN_CHUNK_SLICE: usize = 1024;
 /// two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
 const GDN_CHUNK_STATE_SHARED: usize = 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + 8) * 4;
 
+/// Floats a q or k row of `gdn_chunk_prep` takes in shared memory (`GCK_PITCH`).
+const GDN_CHUNK_QK_PITCH: usize = 132;
+
+/// Floats a row of A or P of `gdn_chunk_prep` takes in shared memory (`GCK_TRI`).
+const GDN_CHUNK_TRI_PITCH: usize = 68;
+
 /// Dynamic shared memory of a `gdn_chunk_prep` block (`gck_prep_floats`):
-/// q and k rows of 132 floats, U | W rows, A and P rows of 68, four scalars a token.
+/// q and k rows, U | W rows, A and P rows, four scalars a token.
 fn gdn_chunk_prep_shared(dv: usize) -> usize {
     let x_pitch = (dv + 128).div_ceil(32) * 32 + 8;
-    (2 * GDN_CHUNK * 132 + GDN_CHUNK * x_pitch + 2 * GDN_CHUNK * 68 + 4 * GDN_CHUNK) * 4
+    let floats =
+        2 * GDN_CHUNK * GDN_CHUNK_QK_PITCH + GDN_CHUNK * x_pitch + 2 * GDN_CHUNK * GDN_CHUNK_TRI_PITCH + 4 * GDN_CHUNK;
+    floats * 4
 }
 
 /// Rows per thread of `gdn_conv_rows` (`GDN_CONV_RUN`).
