@@ -98,19 +98,14 @@ __device__ __forceinline__ float4 gck_frag(const float* m, int pitch, int mt, in
     return make_float4(p[0], p[8 * pitch], p[4], p[8 * pitch + 4]);
 }
 
-// Shared memory of gdn_chunk_prep for `dv` value columns, bytes (Rust:
-// `gdn_chunk_prep_shared`): q and k rows, X, A and P, four per-token scalars.
-__host__ __device__ constexpr int gck_prep_floats(int dv) {
-    return 2 * GDN_CHUNK * GCK_PITCH + GDN_CHUNK * gck_x_pitch(dv) + 2 * GDN_CHUNK * GCK_TRI + 4 * GDN_CHUNK;
-}
-
 // Per chunk `blockIdx.x` of the `rows` tokens at q, k, v, g, beta (rows as
 // gdn_scan128 takes them) and value head `blockIdx.y`, into the chunk-head's
 // slots (index b = chunk·nv + head):
 //   wf, qf: −W and Q' as A fragments [b][4 token tiles][16 key steps][32 lanes] (float4);
 //   kf: (e^{c_L − c_j} k_j)ᵀ as A fragments [b][8 key tiles][8 token steps][32 lanes];
 //   u, o0: U and O₀ [b][64][dv]; last: e^{c_L} [b].
-// 256 threads; dv ≤ 256.
+// 256 threads; dv ≤ 256; dynamic shared memory as carved below (Rust:
+// `gdn_chunk_prep_shared`).
 __device__ void gdn_chunk_prep_body(const float* __restrict__ q, const float* __restrict__ k,
                                     const float* __restrict__ v, const float* __restrict__ g,
                                     const float* __restrict__ beta, float4* __restrict__ wf, float4* __restrict__ qf,
@@ -313,14 +308,10 @@ extern "C" __global__ void __launch_bounds__(256)
 #define GDN_CHUNK_COLS 32
 #define GCK_SP (GDN_CHUNK_COLS + 8)  // a row of the state or V' in shared memory (B-operand reads: ≡ 8 mod 32)
 
-// Dynamic shared memory of gdn_chunk_state, bytes (Rust:
-// `gdn_chunk_state_shared`): two chunks' −W, Q' and Kdᵀ fragments, the state
-// and V'.
-__host__ __device__ constexpr int gck_state_bytes() { return 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * GCK_SP * 4; }
-
 // The chunks of gdn_chunk_prep in order, for value head `blockIdx.x` and
 // columns GDN_CHUNK_COLS·blockIdx.y onwards: state [nv][128][dv] in and out,
-// out [rows][nv·dv]. 512 threads. Each chunk's fragments are copied
+// out [rows][nv·dv]. 512 threads; dynamic shared memory as carved below
+// (Rust: `GDN_CHUNK_STATE_SHARED`). Each chunk's fragments are copied
 // (cp.async) into shared memory while the chunk before it computes. Per
 // chunk, from the state in shared memory, warps 0-7 form V' and warps 8-15
 // the output, a tile of 16 tokens × 16 columns each; then each warp adds

@@ -125,8 +125,8 @@ const GDN_CHUNK_COLS: usize = 32;
 /// the 4B hybrid's 32 value heads); longer prompts reuse them slice by slice.
 const GDN_CHUNK_SLICE: usize = 1024;
 
-/// Dynamic shared memory of a `gdn_chunk_state` block (`gck_state_bytes`):
-/// two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
+/// Dynamic shared memory of a `gdn_chunk_state` block, as the kernel carves
+/// it: two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
 const GDN_CHUNK_STATE_SHARED: usize = 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + 8) * 4;
 
 /// Floats a q or k row of `gdn_chunk_prep` takes in shared memory (`GCK_PITCH`).
@@ -135,8 +135,9 @@ const GDN_CHUNK_QK_PITCH: usize = 132;
 /// Floats a row of A or P of `gdn_chunk_prep` takes in shared memory (`GCK_TRI`).
 const GDN_CHUNK_TRI_PITCH: usize = 68;
 
-/// Dynamic shared memory of a `gdn_chunk_prep` block (`gck_prep_floats`):
-/// q and k rows, U | W rows, A and P rows, four scalars a token.
+/// Dynamic shared memory of a `gdn_chunk_prep` block, as the kernel carves
+/// it: q and k rows, U | W rows (`gck_x_pitch`), A and P rows, four scalars
+/// a token.
 fn gdn_chunk_prep_shared(dv: usize) -> usize {
     let x_pitch = (dv + 128).div_ceil(32) * 32 + 8;
     let floats =
