@@ -245,6 +245,16 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
                     x[..inp].iter_mut().for_each(|v| *v *= 1e6);
                     x[inp..2 * inp].iter_mut().for_each(|v| *v *= 1e-7);
                 }
+                // Units whose largest |x| lies in [2^14, 2^15), the binary
+                // exponent whose scale shift is 0, and up to 32700: the high
+                // digit of its integer must still fit a signed byte.
+                if rows == 2 {
+                    x.iter_mut().for_each(|v| *v *= 2.0e4);
+                    x.iter_mut()
+                        .step_by(64)
+                        .enumerate()
+                        .for_each(|(i, v)| *v = if i % 2 == 0 { 32700.0 } else { -32700.0 });
+                }
                 let (xc, xg) = p.acts(rows, inp, &x);
                 let (yc, yg) = (p.cpu.linear(&xc, &wc, None), p.gpu.linear(&xg, &wg, None));
                 // The GEMM path multiplies bf16-rounded weights and activations.

@@ -94,9 +94,40 @@ struct alignas(16) AmmaStage {
     unsigned char biases[16 * SIDE];
 };
 
+// NaN-propagating max (fmaxf drops a NaN operand): a unit holding a NaN
+// must poison its sums.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// v·sc rounded to an integer xi, returned as the bits of the float
+// 1.5·2²³ + 128 + xi: one FFMA rounds to nearest even (as a float-to-int
+// conversion would, at a quarter of its throughput), and the low 16 bits are
+// y = xi + 128 in two's complement. Byte 1 of y is xi's high digit
+// (⌊y/256⌋ as a signed byte) and byte 0 xor 0x80 its low digit (y mod 256 −
+// 128), so xi = 256·hi + lo splits with byte permutes.
+#define AMMA_ROUND_MAGIC 12583040.0f  // 1.5·2²³ + 128
+#define AMMA_ROUND_BITS 0x4B400080u   // its bits
+
+// Packs the digits of y0..y3 (columns in the order given) into a word of
+// high digits and a word of low digits.
+__device__ __forceinline__ void amma_digits(unsigned y0, unsigned y1, unsigned y2, unsigned y3, unsigned& hi,
+                                            unsigned& lo) {
+    unsigned a = __byte_perm(y0, y1, 0x5140), b = __byte_perm(y2, y3, 0x5140);  // lo0 lo1 hi0 hi1
+    hi = __byte_perm(a, b, 0x7632);
+    lo = __byte_perm(a, b, 0x5410) ^ 0x80808080u;
+}
+
+// Passes of 256 values a warp quantizes together: their loads are in flight
+// together and their shuffle reductions interleave (one pass at a time left
+// the warp waiting on L2 and on each reduction in turn).
+#define AMMA_STAGE_PASSES 2
+
 // One warp stages units [beg, end) of n_act activation rows of x (times
-// norm_w when given, and then the warp's Σx² of each row in warp_ss) into
-// shared memory: per activation the high and then the low digit row (one byte per
+// norm_w when given; then its Σx² of each row in warp_ss) into shared
+// memory: per activation the high and then the low digit row (one byte per
 // column, in MMA order: for 4-bit levels, per 16 columns the even columns of
 // the first 8, of the next 8, then the odd ones; for 8-bit, columns in
 // order), and per unit (Σxi, 1/scale). Each warp reads only the x it
@@ -105,97 +136,125 @@ template <int BITS, bool HALVES>
 __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const float* __restrict__ norm_w,
                                              int in_dim, int n_act, int beg, int end, unsigned char* xs,
                                              float2* stats, float* unit_ss, float* warp_ss) {
+    constexpr int P = AMMA_STAGE_PASSES;
     int lane = threadIdx.x & 31, units = in_dim / 64;
     // Lanes 8j..8j+7 take the 8 blocks of 8 columns of one unit, so a unit's
     // max and sum are shuffle reductions over 8 lanes.
-    int per_row = (end - beg) * 8, total = n_act * per_row;
-    for (int i0 = 0; i0 < total; i0 += 32) {
-        int i = i0 + lane;
-        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        int t = i / max(per_row, 1), b = beg * 8 + i % max(per_row, 1);
-        if (i < total) {
-            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + b * 8);
-            float4 v0 = xr[0], v1 = xr[1];
-            v[0] = v0.x, v[1] = v0.y, v[2] = v0.z, v[3] = v0.w, v[4] = v1.x, v[5] = v1.y, v[6] = v1.z, v[7] = v1.w;
-        }
-        float sq = 0.0f;
-        if (norm_w) {
-            float nw[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            if (i < total) {
-                const float4* wr = reinterpret_cast<const float4*>(norm_w + b * 8);
-                float4 w0 = wr[0], w1 = wr[1];
-                nw[0] = w0.x, nw[1] = w0.y, nw[2] = w0.z, nw[3] = w0.w, nw[4] = w1.x, nw[5] = w1.y, nw[6] = w1.z,
-                nw[7] = w1.w;
+    int per_row = max((end - beg) * 8, 1), total = n_act * (end - beg) * 8;
+    for (int i0 = 0; i0 < total; i0 += 32 * P) {
+        float v[P][8], sq[P], m[P];
+        int t[P], b[P];
+        bool live[P];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            int i = i0 + 32 * p + lane;
+            live[p] = i < total;
+            t[p] = i / per_row, b[p] = beg * 8 + i % per_row;
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[p][k] = 0.0f;
+            if (live[p]) {
+                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t[p] * in_dim + b[p] * 8);
+                float4 v0 = xr[0], v1 = xr[1];
+                v[p][0] = v0.x, v[p][1] = v0.y, v[p][2] = v0.z, v[p][3] = v0.w;
+                v[p][4] = v1.x, v[p][5] = v1.y, v[p][6] = v1.z, v[p][7] = v1.w;
             }
+        }
+        if (norm_w) {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                float nw[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                if (live[p]) {
+                    const float4* wr = reinterpret_cast<const float4*>(norm_w + b[p] * 8);
+                    float4 w0 = wr[0], w1 = wr[1];
+                    nw[0] = w0.x, nw[1] = w0.y, nw[2] = w0.z, nw[3] = w0.w;
+                    nw[4] = w1.x, nw[5] = w1.y, nw[6] = w1.z, nw[7] = w1.w;
+                }
+                sq[p] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    sq[p] += v[p][k] * v[p][k];
+                    v[p][k] *= nw[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            m[p] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) m[p] = max_nan(m[p], fabsf(v[p][k]));
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                m[p] = max_nan(m[p], __shfl_xor_sync(0xffffffffu, m[p], o));
+                if (norm_w) sq[p] += __shfl_xor_sync(0xffffffffu, sq[p], o);
+            }
+        }
+        int sum[P];
+        float poison[P], inv[P];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            // A unit of zeros or holding an inf or a NaN keeps scale 1 (and
+            // the NaN poisons its sums, as an inf or NaN would the reference's
+            // products). Otherwise m < 2^e with e its binary exponent (−126
+            // for subnormals, which the clamp below makes no different), so
+            // |x|·sc < (1 − 2^−7)·2^15 = 32512 and the high digit fits a
+            // signed byte.
+            bool scaled = m[p] > 0.0f && m[p] <= 3.0e38f;
+            int e = (int)((__float_as_uint(m[p]) >> 23) & 0xFFu) - 126;
+            int shift = max(-126, min(126, 15 - e));
+            float sc = scaled ? __uint_as_float((unsigned)(127 + shift) << 23) * 0.9921875f : 1.0f;
+            // 1/sc rounded once: 128/127 as a float, times a power of two.
+            inv[p] = scaled ? __uint_as_float((unsigned)(127 - shift) << 23) * 1.00787401574803149606f : 1.0f;
+            poison[p] = (m[p] <= 3.0e38f) ? 0.0f : __uint_as_float(0x7fc00000u);
+            unsigned y[8];
+            sum[p] = 0;
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                sq += v[k] * v[k];
-                v[k] *= nw[k];
+                y[k] = __float_as_uint(fmaf(v[p][k], sc, AMMA_ROUND_MAGIC));
+                sum[p] += (int)(y[k] - AMMA_ROUND_BITS);
             }
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        }
-        float m = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 8; k++) m = fmaxf(m, fabsf(v[k]));
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        int e = 0;
-        frexpf(m, &e);  // m < 2^e, so |x|·sc < (1 − 2^−7)·2^15 = 32512: the high digit fits a signed byte
-        // Units of zeros or with an infinity keep scale 1 (inf/NaN propagate
-        // through the sum as in the reference); the shift stays a normal float.
-        bool finite = m <= 3.0e38f;
-        int shift = (m > 0.0f && finite) ? max(-126, min(126, 15 - e)) : 0;
-        float sc = ldexpf(shift == 0 ? 1.0f : 0.9921875f, shift);
-        int sum = 0;
-        float poison = 0.0f;  // NaN when the unit holds an inf or a NaN
-        unsigned hi_even = 0, hi_odd = 0, lo_even = 0, lo_odd = 0;
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            int xi = __float2int_rn(v[k] * sc);
-            int hi = (xi + 128) >> 8, lo = xi - hi * 256;
-            sum += xi;
-            poison += v[k] * 0.0f;
-            unsigned hb = (unsigned)hi & 0xFFu, lb = (unsigned)lo & 0xFFu;
-            if (k & 1) {
-                hi_odd |= hb << (8 * (k >> 1));
-                lo_odd |= lb << (8 * (k >> 1));
-            } else {
-                hi_even |= hb << (8 * (k >> 1));
-                lo_even |= lb << (8 * (k >> 1));
-            }
-        }
-        if (i < total) {
-            // Block b is the first or second 8 columns of 16-column slice b/2.
-            unsigned char* slice = xs + (size_t)t * 2 * in_dim + (b >> 1) * 16;
-            if (BITS == 4) {
-                slice += (b & 1) * 4;
-                *reinterpret_cast<unsigned*>(slice) = hi_even;
-                *reinterpret_cast<unsigned*>(slice + 8) = hi_odd;
-                *reinterpret_cast<unsigned*>(slice + in_dim) = lo_even;
-                *reinterpret_cast<unsigned*>(slice + in_dim + 8) = lo_odd;
-            } else {
-                // Back in column order: bytes 0-3 hold columns 0-3.
-                slice += (b & 1) * 8;
-                *reinterpret_cast<uint2*>(slice) = make_uint2(__byte_perm(hi_even, hi_odd, 0x5140),
-                                                              __byte_perm(hi_even, hi_odd, 0x7362));
-                *reinterpret_cast<uint2*>(slice + in_dim) = make_uint2(__byte_perm(lo_even, lo_odd, 0x5140),
-                                                                       __byte_perm(lo_even, lo_odd, 0x7362));
+            if (live[p]) {
+                // Block b is the first or second 8 columns of 16-column slice b/2.
+                unsigned char* slice = xs + (size_t)t[p] * 2 * in_dim + (b[p] >> 1) * 16;
+                unsigned hi0, lo0, hi1, lo1;
+                if (BITS == 4) {
+                    amma_digits(y[0], y[2], y[4], y[6], hi0, lo0);  // even columns
+                    amma_digits(y[1], y[3], y[5], y[7], hi1, lo1);  // odd columns
+                    slice += (b[p] & 1) * 4;
+                    *reinterpret_cast<unsigned*>(slice) = hi0;
+                    *reinterpret_cast<unsigned*>(slice + 8) = hi1;
+                    *reinterpret_cast<unsigned*>(slice + in_dim) = lo0;
+                    *reinterpret_cast<unsigned*>(slice + in_dim + 8) = lo1;
+                } else {
+                    amma_digits(y[0], y[1], y[2], y[3], hi0, lo0);
+                    amma_digits(y[4], y[5], y[6], y[7], hi1, lo1);
+                    slice += (b[p] & 1) * 8;
+                    *reinterpret_cast<uint2*>(slice) = make_uint2(hi0, hi1);
+                    *reinterpret_cast<uint2*>(slice + in_dim) = make_uint2(lo0, lo1);
+                }
             }
         }
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) {
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            poison += __shfl_xor_sync(0xffffffffu, poison, o);
-            // With HALVES (groups of 32): each 32 columns' Σxi (lanes
-            // 8j..8j+3 and 8j+4..8j+7), [n_act][units][2].
-            if (HALVES && o == 2 && i < total && (i & 3) == 0)
-                stats[(t * units + b / 8) * 2 + ((b >> 2) & 1)] = make_float2((float)sum + poison, 1.0f / sc);
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                sum[p] += __shfl_xor_sync(0xffffffffu, sum[p], o);
+                // With HALVES (groups of 32): each 32 columns' Σxi (lanes
+                // 8j..8j+3 and 8j+4..8j+7), [n_act][units][2].
+                if (HALVES && o == 2 && live[p] && (lane & 3) == 0)
+                    stats[(t[p] * units + b[p] / 8) * 2 + ((b[p] >> 2) & 1)] =
+                        make_float2((float)sum[p] + poison[p], inv[p]);
+            }
         }
-        // A non-finite unit's Σxi carries a NaN into its products' sums.
-        if (i < total && (i & 7) == 0) {
-            if (!HALVES) stats[t * units + b / 8] = make_float2((float)sum + poison, 1.0f / sc);
-            if (norm_w) unit_ss[t * units + b / 8] = sq;
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            // A non-finite unit's Σxi carries a NaN into its products' sums.
+            if (live[p] && (lane & 7) == 0) {
+                if (!HALVES) stats[t[p] * units + b[p] / 8] = make_float2((float)sum[p] + poison[p], inv[p]);
+                if (norm_w) unit_ss[t[p] * units + b[p] / 8] = sq[p];
+            }
         }
     }
     __syncwarp();
@@ -298,13 +357,16 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    // The first stages go out before x is staged: they do not depend on it,
-    // nor on the kernel before this one (so they go out before the wait).
-#pragma unroll
-    for (int b = 0; b < AMMA_STAGES - 1; b++) issue();
+    // The first stage goes out before the wait: it depends neither on x nor
+    // on the kernel before this one. Only one: x's loads, after the wait,
+    // queue behind the copies already in flight (a second stage there made
+    // the 8B q4g64 decode 1-3% slower), so the next one follows the staging.
+    issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     amma_stage_x<BITS, HALVES>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
+#pragma unroll
+    for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
     // With HALVES, B column g holds activation (g >> 1) & 1 of half g >> 2,
