@@ -295,6 +295,12 @@ const AFFINE_MMA_MAX_ACT: usize = 4;
 /// Stages of each warp's ring in the tensor-core affine GEMV (`AMMA_STAGES`).
 const AFFINE_MMA_STAGES: usize = 3;
 
+/// Shared memory left out of a kernel's dynamic allowance (the device's
+/// opt-in maximum per block, which counts static and dynamic together): room
+/// for the static arrays (block reductions' scratch) of the kernels that take
+/// the whole allowance.
+const STATIC_SHARED_ROOM: usize = 1024;
+
 /// Dynamic shared memory the tensor-core affine GEMV may use.
 const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 /// At most this much, two of its blocks fit on an SM (228 KiB, less 1 KiB
@@ -569,6 +575,8 @@ impl CudaBackend {
         let max_shared = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .unwrap_or(48 * 1024);
+        // What a kernel's dynamic shared memory may take.
+        let block_shared = max_shared as usize - STATIC_SHARED_ROOM;
         // Dynamic shared memory beyond the default 48 KB, per kernel.
         let allow_shared = |name: &str, bytes: i32, what: &str| {
             kernels[name]
@@ -578,25 +586,20 @@ impl CudaBackend {
                 )
                 .map_err(|e| err(what, &e))
         };
-        allow_shared("attention", max_shared - 1024, "attention shared memory")?;
-        allow_shared("attention_combine", max_shared - 1024, "attention combine shared memory")?;
-        allow_shared("gdn_chunk_prep", max_shared - 1024, "chunked delta rule shared memory")?;
+        allow_shared("attention", block_shared as i32, "attention shared memory")?;
+        allow_shared("attention_combine", block_shared as i32, "attention combine shared memory")?;
+        allow_shared("gdn_chunk_prep", block_shared as i32, "chunked delta rule shared memory")?;
         allow_shared(
             "gdn_chunk_state",
-            (GDN_CHUNK_STATE_SHARED as i32).min(max_shared - 1024),
+            GDN_CHUNK_STATE_SHARED.min(block_shared) as i32,
             "chunked delta rule shared memory",
         )?;
         allow_shared("sample_top_k", sampling::TOP_K_SHARED as i32, "top-k sampling shared memory")?;
         // The tensor-core affine GEMV takes what the device allows up to its
         // own cap; launches needing more take the CUDA-core kernel.
-        let affine_mma_max_shared = AFFINE_MMA_MAX_SHARED.min(max_shared as usize - 1024);
+        let affine_mma_max_shared = AFFINE_MMA_MAX_SHARED.min(block_shared);
         for name in affine_mma_kernels() {
-            kernels[&name]
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    affine_mma_max_shared as i32,
-                )
-                .map_err(|e| err("affine GEMV shared memory", &e))?;
+            allow_shared(&name, affine_mma_max_shared as i32, "affine GEMV shared memory")?;
         }
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -619,7 +622,7 @@ impl CudaBackend {
                         .map_err(|e| err("decode attention shared memory", &e))?;
                 }
             }
-            flash[i] = flash_tile(hd).shared + 1024 <= max_shared as usize;
+            flash[i] = flash_tile(hd).shared <= block_shared;
             if flash[i] {
                 kernels[&format!("flash_prefill{hd}")]
                     .set_attribute(
@@ -646,11 +649,11 @@ impl CudaBackend {
             overlap_launches: major >= 9,
             gemv_shape: None,
             replays: Arc::new(AtomicUsize::new(0)),
-            max_attention_keys: (max_shared as usize - 1024) / 4,
+            max_attention_keys: block_shared / 4,
             decode_whole,
             flash,
             affine_mma_max_shared,
-            max_block_shared: max_shared as usize - 1024,
+            max_block_shared: block_shared,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),
             pool: Arc::new(BufferPool::default()),
