@@ -44,8 +44,13 @@
 #define GCK_PITCH 132  // a row of 128 q or k values (A-operand reads: pitch ≡ 4 mod 32)
 #define GCK_TRI 68     // a row of A or P (A-operand reads of P: pitch ≡ 4 mod 32)
 
-// The pitch of X = [U | W] rows (dv + 128 columns; B-operand reads: ≡ 8 mod 32).
-__host__ __device__ constexpr int gck_x_pitch(int dv) { return (dv + 128 + 31) / 32 * 32 + 8; }
+// The pitch of X = [U | W] rows: dv + 128 columns rounded up to GCK_X_ALIGN,
+// plus GCK_X_PAD (B-operand reads: ≡ 8 mod 32). Rust: `gdn_chunk_x_pitch`.
+#define GCK_X_ALIGN 32
+#define GCK_X_PAD 8
+__host__ __device__ constexpr int gck_x_pitch(int dv) {
+    return (dv + 128 + GCK_X_ALIGN - 1) / GCK_X_ALIGN * GCK_X_ALIGN + GCK_X_PAD;
+}
 
 __device__ __forceinline__ unsigned gck_tf32(float x) {
     unsigned r;

@@ -135,13 +135,26 @@ const GDN_CHUNK_QK_PITCH: usize = 132;
 /// Floats a row of A or P of `gdn_chunk_prep` takes in shared memory (`GCK_TRI`).
 const GDN_CHUNK_TRI_PITCH: usize = 68;
 
+/// Columns a U | W row of `gdn_chunk_prep` is rounded up to (`GCK_X_ALIGN`).
+const GDN_CHUNK_X_ALIGN: usize = 32;
+
+/// Floats a U | W row of `gdn_chunk_prep` takes past that rounding (`GCK_X_PAD`).
+const GDN_CHUNK_X_PAD: usize = 8;
+
+/// Floats a U | W row of `gdn_chunk_prep` takes (the kernel's `gck_x_pitch`):
+/// value and key columns, rounded up, then padded.
+fn gdn_chunk_x_pitch(dv: usize) -> usize {
+    (dv + 128).div_ceil(GDN_CHUNK_X_ALIGN) * GDN_CHUNK_X_ALIGN + GDN_CHUNK_X_PAD
+}
+
 /// Dynamic shared memory of a `gdn_chunk_prep` block, as the kernel carves
 /// it: q and k rows, U | W rows (`gck_x_pitch`), A and P rows, four scalars
 /// a token.
 fn gdn_chunk_prep_shared(dv: usize) -> usize {
-    let x_pitch = (dv + 128).div_ceil(32) * 32 + 8;
-    let floats =
-        2 * GDN_CHUNK * GDN_CHUNK_QK_PITCH + GDN_CHUNK * x_pitch + 2 * GDN_CHUNK * GDN_CHUNK_TRI_PITCH + 4 * GDN_CHUNK;
+    let floats = 2 * GDN_CHUNK * GDN_CHUNK_QK_PITCH
+        + GDN_CHUNK * gdn_chunk_x_pitch(dv)
+        + 2 * GDN_CHUNK * GDN_CHUNK_TRI_PITCH
+        + 4 * GDN_CHUNK;
     floats * 4
 }
 
