@@ -195,10 +195,12 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const 
         float poison[P], inv[P];
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            // A unit of zeros or holding an inf or a NaN keeps scale 1 (and
-            // the NaN poisons its sums, as an inf or NaN would the reference's
-            // products). Otherwise m < 2^e with e its binary exponent (−126
-            // for subnormals, which the clamp below makes no different), so
+            // A unit of zeros keeps scale 1; so does one holding an inf or a
+            // NaN, or a value past 3e38, whose sums the NaN poisons (an inf or
+            // NaN would poison the reference's products; a finite value past
+            // 3e38 is not reproduced). Otherwise m < 2^e with e its binary
+            // exponent (−126 for subnormals, which the clamp below makes no
+            // different), so
             // |x|·sc < (1 − 2^−7)·2^15 = 32512 and the high digit fits a
             // signed byte.
             bool scaled = m[p] > 0.0f && m[p] <= 3.0e38f;

@@ -10,7 +10,8 @@
 // pp8192 31.1k → 37.6k tok/s and pp512 29.3k → 34.9k in the same runs,
 // although ncu, timing each kernel alone, has the two forms level at 8192
 // tokens (gdn_scan128 2.29 ms a layer; here 8 slices of 157-162 µs
-// (prep) + 130 µs (state)).
+// (prep) + 130 µs (state)). The prep's balanced tiles (run 31) took it to
+// 140-148 µs, pp8192 to 38.3k.
 //
 // Within a chunk of L tokens with cumulative log decay c (g summed from the
 // chunk's start), A[i][j] = β_i (k_i·k_j) e^{c_i − c_j} (j < i), and
