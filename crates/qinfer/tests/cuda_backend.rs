@@ -190,6 +190,21 @@ fn affine_tensor(
     cols: usize,
     biases: DType,
 ) -> qinfer::affine::AffineTensor {
+    affine_tensor_centered(r, bits, group_size, rows, cols, biases, false)
+}
+
+/// As [`affine_tensor`]; `centered`: each group's biases near −scale·(levels − 1)/2,
+/// as quantizers set them, so the weights' mean is near 0 (chains of GEMVs
+/// then keep their outputs' scale instead of saturating silu).
+fn affine_tensor_centered(
+    r: &mut Rng,
+    bits: u32,
+    group_size: usize,
+    rows: usize,
+    cols: usize,
+    biases: DType,
+    centered: bool,
+) -> qinfer::affine::AffineTensor {
     let bias_dtype = biases;
     let levels = 1u32 << bits;
     let q: Vec<u8> = (0..rows * cols).map(|_| (((r.f() + 1.0) * 0.5 * levels as f32) as u32 % levels) as u8).collect();
@@ -197,7 +212,13 @@ fn affine_tensor(
     qinfer::affine::pack(bits, &q, &mut packed);
     let groups = rows * cols / group_size;
     let scales: Vec<f32> = r.vec(groups).iter().map(|v| 0.02 + 0.01 * v).collect();
-    let biases: Vec<f32> = r.vec(groups).iter().map(|v| 0.1 * v).collect();
+    let half = ((1u32 << bits) - 1) as f32 / 2.0;
+    let biases: Vec<f32> = r
+        .vec(groups)
+        .iter()
+        .zip(&scales)
+        .map(|(v, s)| if centered { -s * half * (1.0 + 0.05 * v) } else { 0.1 * v })
+        .collect();
     qinfer::affine::AffineTensor {
         name: "w.weight".into(),
         shape: vec![rows, cols],
@@ -397,6 +418,142 @@ fn folded_norm_and_residual_add_match_cpu() {
             }
         }
     }
+}
+
+/// A decode layer's GEMVs handing their outputs on quantized (one row): the
+/// o projection adds into h and quantizes RMSNorm's input for gate|up, whose
+/// silu(gate)·up goes to down quantized, whose add goes to the next q|k|v.
+/// Each output against the CPU's, and each handed-on row shown to be read:
+/// zeroed, the next GEMV's output changes.
+#[test]
+fn gemvs_hand_quantized_rows_on_and_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    let eps = 1e-6;
+    // (bits of o, gate|up, down, qkv; group; hidden; intermediate): the 4-bit
+    // consumers reorder the copied digits, the 8-bit ones take them as they
+    // are; groups of 32 split each unit by halves; q8g128 has no tensor-core
+    // kernel, so its GEMV ignores the row (and hands none on).
+    for (bits, group, hid, inter) in [
+        ([4, 4, 4, 4], 64, 1024, 3072),
+        ([8, 8, 8, 8], 64, 2560, 9216),
+        ([4, 8, 4, 8], 32, 1024, 2816),
+        ([8, 4, 8, 4], 128, 768, 1536),
+        ([4, 4, 4, 4], 128, 4096, 12288),
+    ] {
+        let affine = |r: &mut Rng, b: u32, rows: usize, cols: usize| {
+            let t = affine_tensor_centered(r, b, group, rows, cols, DType::BF16, true);
+            (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap())
+        };
+        let eligible = |b: u32| b == 4 || group != 128;
+        let (oc, og) = affine(&mut r, bits[0], hid, hid);
+        let (guc, gug) = affine(&mut r, bits[1], 2 * inter, hid);
+        let (dc, dg) = affine(&mut r, bits[2], hid, inter);
+        let (qc, qg) = affine(&mut r, bits[3], 768, hid);
+        let norm_of = |r: &mut Rng| {
+            let v: Vec<f32> = r.vec(hid).iter().map(|v| 1.0 + 0.5 * v).collect();
+            p.weights(&tensor("norm", DType::F32, vec![hid], &v))
+        };
+        let ((n1c, n1g), (n2c, n2g)) = (norm_of(&mut r), norm_of(&mut r));
+        let what = format!("q{bits:?}g{group} {hid}/{inter}");
+        // h with one large slice and one of zeros: slices scale apart.
+        let mut h = r.vec(hid);
+        h[16..32].iter_mut().for_each(|v| *v *= 1e4);
+        h[48..64].iter_mut().for_each(|v| *v = 0.0);
+        let ((mut hc, mut hg), (ac, ag)) = (p.acts(1, hid, &h), p.acts(1, hid, &r.vec(hid)));
+        let close = |name: &str, c: &qinfer::backend::cpu::CpuAct, g: &qinfer::backend::cuda::CudaAct, tol: f32| {
+            let (want, got) = (p.cpu.to_host(c), p.gpu.to_host(g));
+            p.gpu.check().unwrap();
+            // Outputs of all one value (zeros, or silu saturated) would check nothing.
+            assert!(want.iter().any(|v| *v != want[0]), "{what} {name}: degenerate outputs");
+            let e = rel(&got, &want);
+            println!("{what} {name}: rel err {e:.2e}");
+            assert!(e <= tol, "{what} {name}: rel err {e} > {tol}");
+        };
+        p.cpu.linear_add_for_norm(&mut hc, &ac, &oc, None, &n2c);
+        p.gpu.linear_add_for_norm(&mut hg, &ag, &og, None, &n2g);
+        close("o add", &hc, &hg, 2e-4);
+        assert_eq!(hg.quantized.is_some(), eligible(bits[0]), "{what}: o hands h on");
+        let (mc, mg) =
+            (p.cpu.linear_swiglu_normed(&hc, &n2c, eps, &guc), p.gpu.linear_swiglu_normed(&hg, &n2g, eps, &gug));
+        close("gate|up normed swiglu", &mc, &mg, 4e-4);
+        assert_eq!(mg.quantized.is_some(), eligible(bits[1]), "{what}: gate|up hands its product on");
+        p.cpu.linear_add_for_norm(&mut hc, &mc, &dc, None, &n1c);
+        p.gpu.linear_add_for_norm(&mut hg, &mg, &dg, None, &n1g);
+        close("down add", &hc, &hg, 4e-4);
+        assert_eq!(hg.quantized.is_some(), eligible(bits[2]), "{what}: down hands h on");
+        let (yc, yg) = (p.cpu.linear_normed(&hc, &n1c, eps, &qc, None), p.gpu.linear_normed(&hg, &n1g, eps, &qg, None));
+        close("qkv normed", &yc, &yg, 4e-4);
+        // A row read by a GEMV of another norm weight is not used (n2, not n1).
+        let (yc2, yg2) =
+            (p.cpu.linear_normed(&hc, &n2c, eps, &qc, None), p.gpu.linear_normed(&hg, &n2g, eps, &qg, None));
+        close("qkv normed by another weight", &yc2, &yg2, 4e-4);
+        // The rows are read: zeroed, they change what the next GEMV gives.
+        if eligible(bits[2]) && eligible(bits[3]) {
+            let before = p.gpu.to_host(&yg);
+            let q = hg.quantized.as_mut().unwrap();
+            q.buf = p.gpu.act_from_host(1, q.buf.cols, &vec![0.0; q.buf.cols]);
+            let after = p.gpu.to_host(&p.gpu.linear_normed(&hg, &n1g, eps, &qg, None));
+            assert_ne!(before, after, "{what}: the q|k|v GEMV did not read the row handed on");
+        }
+        if eligible(bits[1]) && eligible(bits[2]) {
+            let mut h2 = p.gpu.act_from_host(1, hid, &h);
+            p.gpu.linear_add(&mut h2, &mg, &dg, None);
+            let before = p.gpu.to_host(&h2);
+            let q = mg.quantized.as_ref().unwrap();
+            let zeroed = p.gpu.act_from_host(1, q.buf.cols, &vec![0.0; q.buf.cols]);
+            let mut m2 = p.gpu.act_from_host(1, inter, &p.gpu.to_host(&mg));
+            m2.quantized = Some(Box::new(qinfer::backend::cuda::QuantizedRow { buf: zeroed, norm: 0 }));
+            let mut h3 = p.gpu.act_from_host(1, hid, &h);
+            p.gpu.linear_add(&mut h3, &m2, &dg, None);
+            assert_ne!(before, p.gpu.to_host(&h3), "{what}: the down GEMV did not read the row handed on");
+        }
+    }
+}
+
+/// Whole random-weight models (the shapes `bench --random-weights` builds,
+/// scaled down), affine-quantized: decode on the GPU, GEMVs handing their
+/// rows on quantized and steps replayed as graphs, against the CPU.
+#[test]
+fn random_affine_models_decode_like_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("qinfer-random-affine-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dense = r#"{"model_type": "qwen3", "vocab_size": 3000, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "max_position_embeddings": 4096, "tie_word_embeddings": false}"#;
+    let hybrid = r#"{"model_type": "qwen3_5_text", "vocab_size": 3000, "hidden_size": 768, "intermediate_size": 2048,
+        "num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-06, "max_position_embeddings": 4096, "tie_word_embeddings": true}"#;
+    for (name, json) in [("dense", dense), ("hybrid", hybrid)] {
+        let config = dir.join(format!("{name}.json"));
+        std::fs::write(&config, json).unwrap();
+        for storage in ["q4g64", "q8g32", "q4g128"] {
+            let storage = storage.parse().unwrap();
+            let (_, cpu) = loader::random_model(&config, storage, Device::Cpu).unwrap();
+            let cuda = Device::Cuda { ordinal: 0, graphs: true, overlap: true };
+            let (_, gpu) = loader::random_model(&config, storage, cuda).unwrap();
+            let (mut sc, mut sg) = (cpu.new_sequence(64), gpu.new_sequence(64));
+            let prompt = [11u32, 250, 7, 1999, 42, 5];
+            let mut worst = rel(
+                &gpu.forward(sg.as_mut(), &prompt, Logits::Last).unwrap(),
+                &cpu.forward(sc.as_mut(), &prompt, Logits::Last).unwrap(),
+            );
+            for i in 0..12u32 {
+                let t = (i * 241 + 3) % 3000;
+                let g = gpu.forward(sg.as_mut(), &[t], Logits::Last).unwrap();
+                let c = cpu.forward(sc.as_mut(), &[t], Logits::Last).unwrap();
+                worst = worst.max(rel(&g, &c));
+            }
+            println!("{name} {storage}: logits rel to the CPU at most {worst:.2e}");
+            assert!(worst < 2e-3, "{name} {storage}: logits rel {worst} to the CPU");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

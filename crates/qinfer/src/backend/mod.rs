@@ -174,6 +174,20 @@ pub trait Backend: Send + Sync {
         let y = self.linear(x, w, bias);
         self.add_assign(h, &y);
     }
+    /// [`Backend::linear_add`] where the next op reads `h` as
+    /// `RMSNorm(h)·next_norm` (the next block's first projection): a backend
+    /// may prepare that input as it writes `h`.
+    fn linear_add_for_norm(
+        &self,
+        h: &mut Self::Act,
+        x: &Self::Act,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        next_norm: &Self::Weight,
+    ) {
+        let _ = next_norm;
+        self.linear_add(h, x, w, bias)
+    }
     /// Rotates every head of width `head_dim` in place; `positions[i]` is row i's position.
     fn rope(&self, x: &mut Self::Act, head_dim: usize, positions: &[usize], rope: &Rope);
     /// Writes this layer's k/v rows at positions `[cache.len(), cache.len() + rows)`.

@@ -68,7 +68,7 @@ impl<B: Backend> BlockOutput<'_, B> {
     pub fn add_into(self, b: &B, h: &mut B::Act, next_norm: &B::Weight, eps: f32) -> Option<B::Act> {
         match self {
             BlockOutput::Projected { x, w, bias } => {
-                b.linear_add(h, &x, w, bias);
+                b.linear_add_for_norm(h, &x, w, bias, next_norm);
                 None
             }
             BlockOutput::Done(y) => Some(b.add_rms_norm(h, &y, next_norm, eps)),

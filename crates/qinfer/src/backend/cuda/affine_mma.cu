@@ -120,6 +120,29 @@ __device__ __forceinline__ void amma_digits(unsigned y0, unsigned y1, unsigned y
     lo = __byte_perm(a, b, 0x5410) ^ 0x80808080u;
 }
 
+// The scale of a unit (or slice) of x whose largest |x| is m: sc takes m just
+// under 32512, inv = 1/sc, and poison is NaN where the unit is not
+// reproduced. A unit of zeros keeps scale 1; so does one holding an inf or a
+// NaN, or a value past 3e38, whose sums the NaN poisons (an inf or NaN would
+// poison the reference's products; a finite value past 3e38 is not
+// reproduced). Otherwise m < 2^e with e its binary exponent (−126 for
+// subnormals, which the clamp below makes no different), so
+// |x|·sc < (1 − 2^−7)·2^15 = 32512 and the high digit fits a signed byte.
+struct AmmaScale {
+    float sc, inv, poison;
+};
+__device__ __forceinline__ AmmaScale amma_scale(float m) {
+    bool scaled = m > 0.0f && m <= 3.0e38f;
+    int e = (int)((__float_as_uint(m) >> 23) & 0xFFu) - 126;
+    int shift = max(-126, min(126, 15 - e));
+    AmmaScale s;
+    s.sc = scaled ? __uint_as_float((unsigned)(127 + shift) << 23) * 0.9921875f : 1.0f;
+    // 1/sc rounded once: 128/127 as a float, times a power of two.
+    s.inv = scaled ? __uint_as_float((unsigned)(127 - shift) << 23) * 1.00787401574803149606f : 1.0f;
+    s.poison = (m <= 3.0e38f) ? 0.0f : __uint_as_float(0x7fc00000u);
+    return s;
+}
+
 // Passes of 256 values a warp quantizes together: their loads are in flight
 // together and their shuffle reductions interleave (one pass at a time left
 // the warp waiting on L2 and on each reduction in turn).
@@ -195,21 +218,9 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const 
         float poison[P], inv[P];
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            // A unit of zeros keeps scale 1; so does one holding an inf or a
-            // NaN, or a value past 3e38, whose sums the NaN poisons (an inf or
-            // NaN would poison the reference's products; a finite value past
-            // 3e38 is not reproduced). Otherwise m < 2^e with e its binary
-            // exponent (−126 for subnormals, which the clamp below makes no
-            // different), so
-            // |x|·sc < (1 − 2^−7)·2^15 = 32512 and the high digit fits a
-            // signed byte.
-            bool scaled = m[p] > 0.0f && m[p] <= 3.0e38f;
-            int e = (int)((__float_as_uint(m[p]) >> 23) & 0xFFu) - 126;
-            int shift = max(-126, min(126, 15 - e));
-            float sc = scaled ? __uint_as_float((unsigned)(127 + shift) << 23) * 0.9921875f : 1.0f;
-            // 1/sc rounded once: 128/127 as a float, times a power of two.
-            inv[p] = scaled ? __uint_as_float((unsigned)(127 - shift) << 23) * 1.00787401574803149606f : 1.0f;
-            poison[p] = (m[p] <= 3.0e38f) ? 0.0f : __uint_as_float(0x7fc00000u);
+            AmmaScale s = amma_scale(m[p]);
+            float sc = s.sc;
+            inv[p] = s.inv, poison[p] = s.poison;
             unsigned y[8];
             sum[p] = 0;
 #pragma unroll
@@ -273,11 +284,103 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const 
     }
 }
 
+// A quantized row, as one GEMV hands its output to the next (one activation
+// row of n values, n a multiple of 16): n high digits, n low digits (columns
+// in order), then per slice of 16 values (Σxi + poison, 1/scale) as a float2,
+// then per slice Σv² of the values before the norm weight. Slices, not units:
+// a block's tile of 16 outputs is one slice, so the block that computes them
+// quantizes them, and no block waits for another's.
+struct AmmaRow {
+    unsigned char* hi;
+    float2* stats;
+    float* ss;
+    __device__ AmmaRow(unsigned char* base, int n)
+        : hi(base), stats(reinterpret_cast<float2*>(base + 2 * (size_t)n)), ss(reinterpret_cast<float*>(stats + n / 16)) {}
+};
+
+// Lanes 0-15 of the calling warp hold outputs o0..o0+15 (a slice) of a row of
+// n, lanes 16-31 zeros; every lane calls. The slice is quantized times nw
+// (each lane's value of the next GEMV's folded RMSNorm weight, or 1), and
+// Σv² is of v itself.
+__device__ __forceinline__ void amma_quantize_slice(float v, float nw, int o0, int n, unsigned char* __restrict__ out) {
+    int lane = threadIdx.x & 31;
+    bool mine = lane < 16;
+    float ss = v * v;
+    v *= nw;
+    // The slice's largest |v| and Σxi by one warp reduction each (this runs
+    // on the kernel's tail): non-negative floats order as their bits, and a
+    // NaN's bits (sign cleared) exceed an inf's, so the max keeps a NaN.
+    float m = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    AmmaScale s = amma_scale(m);
+    unsigned y = __float_as_uint(fmaf(v, s.sc, AMMA_ROUND_MAGIC));
+    int sum = __reduce_add_sync(0xffffffffu, mine ? (int)(y - AMMA_ROUND_BITS) : 0);
+    AmmaRow row(out, n);
+    if (mine) {
+        row.hi[o0 + lane] = (unsigned char)(y >> 8);             // byte 1: the high digit
+        row.hi[n + o0 + lane] = (unsigned char)((y & 0xFFu) ^ 0x80u);  // byte 0 ^ 0x80: the low one
+    }
+    if (lane == 0) {
+        row.stats[o0 / 16] = make_float2((float)sum + s.poison, s.inv);
+        row.ss[o0 / 16] = ss;
+    }
+}
+
+// One warp copies its units [beg, end) of a quantized row (cp.async, one
+// group left open for the caller to commit) into the staged layout: digit
+// rows at xs and xs + in_dim, slice stats, and with norm the slices' Σv².
+__device__ __forceinline__ void amma_copy_row(const unsigned char* __restrict__ row_in, int in_dim, int beg, int end,
+                                              bool norm, unsigned char* xs, float2* stats, float* slice_ss) {
+    int lane = threadIdx.x & 31;
+    const unsigned char* st_in = row_in + 2 * (size_t)in_dim;
+    const unsigned char* ss_in = st_in + (size_t)in_dim / 2;
+    for (int o = 16 * lane; o < (end - beg) * 64; o += 512) {
+        cp_async<16>(xs + beg * 64 + o, row_in + beg * 64 + o, true);
+        cp_async<16>(xs + in_dim + beg * 64 + o, row_in + in_dim + beg * 64 + o, true);
+    }
+    // 4 slices a unit: 32 bytes of stats, 16 of Σv².
+    unsigned char* st = reinterpret_cast<unsigned char*>(stats);
+    for (int o = 16 * lane; o < (end - beg) * 32; o += 512) cp_async<16>(st + beg * 32 + o, st_in + beg * 32 + o, true);
+    if (norm) {
+        unsigned char* ss = reinterpret_cast<unsigned char*>(slice_ss);
+        for (int o = 16 * lane; o < (end - beg) * 16; o += 512) cp_async<16>(ss + beg * 16 + o, ss_in + beg * 16 + o, true);
+    }
+}
+
+// After the copy landed: 4-bit levels take x in MMA order (per 16 columns the
+// even columns of the first 8, of the next 8, then the odd ones), so this
+// warp's digits are permuted in place; with norm, the warp's Σv² of the row,
+// summed in a fixed order (lanes, then the shuffle tree).
+template <int BITS>
+__device__ __forceinline__ void amma_settle_row(int in_dim, int beg, int end, bool norm, unsigned char* xs,
+                                                const float* slice_ss, float* warp_ss) {
+    int lane = threadIdx.x & 31;
+    if (BITS == 4) {
+        for (int k = lane; k < (end - beg) * 4 * 2; k += 32) {
+            int slice = beg * 4 + (k >> 1);
+            uint4* p = reinterpret_cast<uint4*>(xs + (k & 1) * in_dim) + slice;
+            uint4 w = *p;
+            *p = make_uint4(__byte_perm(w.x, w.y, 0x6420), __byte_perm(w.z, w.w, 0x6420),
+                            __byte_perm(w.x, w.y, 0x7531), __byte_perm(w.z, w.w, 0x7531));
+        }
+    }
+    if (norm) {
+        float sq = 0.0f;
+        for (int k = beg * 4 + lane; k < end * 4; k += 32) sq += slice_ss[k];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        if (lane == 0) warp_ss[0] = sq;
+    }
+    __syncwarp();
+}
+
 template <typename S, int GROUP, int BITS, bool PAIRED>
 __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restrict__ scales,
                                  const S* __restrict__ biases, const float* __restrict__ x,
                                  const float* __restrict__ norm_w, float eps, const float* bias, float* y,
-                                 int out_dim, int in_dim, int n_act) {
+                                 int out_dim, int in_dim, int n_act, const unsigned char* __restrict__ row_in,
+                                 unsigned char* __restrict__ row_out, const float* __restrict__ out_norm) {
     using Stage = AmmaStage<S, GROUP, BITS>;
     constexpr int SIDE = Stage::SIDE;
     constexpr int UNITS = amma_units<BITS>();      // per stage
@@ -297,10 +400,19 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     Stage* ring = reinterpret_cast<Stage*>(amma_shared) + warp * AMMA_STAGES;
     unsigned char* xs = reinterpret_cast<unsigned char*>(reinterpret_cast<Stage*>(amma_shared) + AMMA_WARPS * AMMA_STAGES);
-    float2* stats = reinterpret_cast<float2*>(xs + (size_t)n_act * 2 * in_dim);  // [n_act][units]
-    float* unit_ss = reinterpret_cast<float*>(stats + (size_t)n_act * units * (HALVES ? 2 : 1));  // with norm_w
+    // With row_in (one activation row, quantized by the GEMV that wrote it;
+    // see AmmaRow) x is copied, not staged: per slice of 16 columns a sum and
+    // a scale, which lane c applies to its 16 columns of each unit.
+    bool slices = row_in != nullptr;
+    float2* stats = reinterpret_cast<float2*>(xs + (size_t)n_act * 2 * in_dim);  // [n_act][units] or [in_dim/16]
+    float* unit_ss = reinterpret_cast<float*>(stats + (slices ? in_dim / 16 : n_act * units * (HALVES ? 2 : 1)));
     int width = PAIRED ? out_dim / 2 : out_dim;
-    int tiles = PAIRED ? (width + 7) / 8 : (out_dim + 15) / 16;
+    // A swiglu block takes its tiles of 8 outputs in pairs, 16 outputs in
+    // a row: a slice of the row it may hand on quantized (row_out).
+    int work = PAIRED ? (width + 15) / 16 : (out_dim + 15) / 16;
+    auto tile_of = [&](int i) {
+        return PAIRED ? 2 * ((int)blockIdx.x + (i >> 1) * (int)gridDim.x) + (i & 1) : (int)blockIdx.x + i * (int)gridDim.x;
+    };
     // The weight row behind row `r` of tile `tile` (clamped: copies stay in bounds).
     auto tile_row = [&](int tile, int r) {
         if (PAIRED) {
@@ -314,7 +426,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     int per_warp = ((units + AMMA_WARPS - 1) / AMMA_WARPS + UNITS - 1) / UNITS * UNITS;
     int beg = min(warp * per_warp, units), end = min(beg + per_warp, units);
     int batches = (end - beg) / UNITS;
-    int my_tiles = ((int)blockIdx.x < tiles) ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    int my_work = ((int)blockIdx.x < work) ? (work - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    int my_tiles = PAIRED ? 2 * my_work : my_work;
     int steps = batches * my_tiles;  // this warp's stages, tile by tile
     size_t row_bytes = (size_t)in_dim * BITS / 8;
     const unsigned char* wbase = reinterpret_cast<const unsigned char*>(w);
@@ -326,7 +439,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // third of its instructions), so the row addresses are found once a tile.
     const unsigned char* src[4];
     const unsigned char* side_src = nullptr;
-    int issued = 0, issue_batch = 0, issue_tile = (int)blockIdx.x, issue_slot = 0;
+    int issued = 0, issue_batch = 0, issue_tile = 0, issue_slot = 0;  // issue_tile: this block's tile index
     auto aim = [&](int tile) {
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -334,7 +447,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                      (lane & 7) * 16;
         side_src = side_base + ((size_t)tile_row(tile, lane & 15) * groups + (size_t)beg * 64 / GROUP) * sizeof(S);
     };
-    aim(issue_tile);
+    aim(tile_of(issue_tile));
     // Stage byte offsets of this lane's copies (rows lane/8 + 4i share a swizzle).
     int level_dst = amma_swizzle<BITS>(lane >> 3, (lane & 7) * 16);
     int side_dst = 16 * AMMA_PITCH + (lane < 16 ? 0 : 16 * SIDE) + (lane & 15) * SIDE;  // scales, then biases
@@ -353,8 +466,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             issue_slot = issue_slot == AMMA_STAGES - 1 ? 0 : issue_slot + 1;
             if (++issue_batch == batches) {
                 issue_batch = 0;
-                issue_tile += (int)gridDim.x;
-                if (issued < steps) aim(issue_tile);
+                issue_tile++;
+                if (issued < steps) aim(tile_of(issue_tile));
             }
         }
         asm volatile("cp.async.commit_group;\n" ::);
@@ -367,30 +480,55 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
-    amma_stage_x<BITS, HALVES>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
+    if (slices) {
+        // The copy goes out behind the first stage, and the next stage
+        // behind it; the warp then waits for the copy alone.
+        amma_copy_row(row_in, in_dim, beg, end, norm_w != nullptr, xs, stats, unit_ss);
+        asm volatile("cp.async.commit_group;\n" ::);
 #pragma unroll
-    for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
+        for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 2));
+        __syncwarp();
+        amma_settle_row<BITS>(in_dim, beg, end, norm_w != nullptr, xs, unit_ss, warp_ss[warp]);
+    } else {
+        amma_stage_x<BITS, HALVES>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
+#pragma unroll
+        for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
+    }
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
     // With HALVES, B column g holds activation (g >> 1) & 1 of half g >> 2,
     // and this lane's columns (16c..16c+15 of a unit) are in half c >> 1.
-    int b_act = HALVES ? (g >> 1) & 1 : g >> 1;
-    bool b_live = b_act < n_act && (!HALVES || (g >> 2) == (c >> 1));
+    // With slices, B column g holds digit g & 1 of slice g >> 1 (columns
+    // 16·(g >> 1) onwards of each unit), zero in the other lanes' columns:
+    // C columns 2c and 2c + 1 are then lane c's own slice.
+    int b_act = slices ? 0 : HALVES ? (g >> 1) & 1 : g >> 1;
+    bool b_live = slices ? (g >> 1) == c : b_act < n_act && (!HALVES || (g >> 2) == (c >> 1));
     const uint4* xb = b_live ? reinterpret_cast<const uint4*>(xs + (b_act * 2 + (g & 1)) * (size_t)in_dim) + c
                              : zeros + warp;
     int xb_stride = b_live ? 4 : 0;  // uint4 per unit
-    // This lane's C columns: activation c (with HALVES, c & 1 in half c >> 1).
-    const float2* st_x = HALVES ? stats + ((size_t)min(c & 1, n_act - 1) * units * 2 + (c >> 1))
-                                : stats + (size_t)min(c, n_act - 1) * units;
-    constexpr int ST_STEP = HALVES ? 2 : 1;  // float2 per unit
+    // This lane's C columns: activation c (with HALVES, c & 1 in half c >> 1;
+    // with slices, slice c of activation 0).
+    const float2* st_x = slices   ? stats + c
+                         : HALVES ? stats + ((size_t)min(c & 1, n_act - 1) * units * 2 + (c >> 1))
+                                  : stats + (size_t)min(c, n_act - 1) * units;
+    int st_step = slices ? 4 : HALVES ? 2 : 1;  // float2 per unit
     unsigned even = 0x0F0F0F0Fu, odd = 0xF0F0F0F0u;
     float acc_top = 0.0f, acc_bottom = 0.0f;
-    // An epilogue thread's activation row is threadIdx.x % AMMA_MAX_ACT in
+    // An epilogue thread's activation row is threadIdx.x / OUT_ROWS in
     // every tile: it finds that row's 1/rms at its first tile (the warps'
     // Σx², after the tile's barrier), and keeps it.
     float inv_rms = 1.0f;
+    // Outputs of a tile (per activation), and a swiglu pair's first 8 (lanes
+    // 0-7 of warp 0) until its second tile completes the slice.
+    constexpr int OUT_ROWS = PAIRED ? 8 : 16;
+    float held = 0.0f;
     int read_slot = 0;
     for (int i = 0; i < my_tiles; i++) {
+        // The norm weight a handed-on slice is quantized times, read now: at
+        // the tile's end it would be a round trip on the kernel's tail.
+        float out_nw = 1.0f;
+        if (!PAIRED && out_norm && warp == 0 && lane < 16) out_nw = __ldg(out_norm + tile_of(i) * 16 + lane);
         for (int batch = 0; batch < batches; batch++) {
             issue();
             asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 1));
@@ -431,7 +569,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                     mma_u8s8(d, top.x, bottom.x, top.y, bottom.y, xv.x, xv.y);
                     mma_u8s8(d, top.z, bottom.z, top.w, bottom.w, xv.z, xv.w);
                 }
-                float2 s = st_x[(size_t)u * ST_STEP];
+                float2 s = st_x[(size_t)u * st_step];
                 // Columns 2c and 2c+1 are activation c's high and low digit.
                 float dot_top = (float)(d[0] * 256 + d[1]), dot_bottom = (float)(d[2] * 256 + d[3]);
                 if constexpr (HALVES) {
@@ -451,6 +589,14 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             }
             __syncwarp();  // the stage is refilled by a later issue
         }
+        // With slices, lane c summed slice c of each unit: the four lanes'
+        // sums are the row's.
+        if (slices) {
+            acc_top += __shfl_xor_sync(0xffffffffu, acc_top, 1);
+            acc_top += __shfl_xor_sync(0xffffffffu, acc_top, 2);
+            acc_bottom += __shfl_xor_sync(0xffffffffu, acc_bottom, 1);
+            acc_bottom += __shfl_xor_sync(0xffffffffu, acc_bottom, 2);
+        }
         // The tile's sums over the warps (two slots: the next tile's partial
         // sums may land while this one's are read).
         int slot = i & 1;
@@ -458,39 +604,63 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         partial[slot][warp][g + 8][c] = acc_bottom;
         acc_top = 0.0f, acc_bottom = 0.0f;
         __syncthreads();
-        int tile = (int)blockIdx.x + i * (int)gridDim.x;
-        if (norm_w && i == 0 && threadIdx.x < 16 * AMMA_MAX_ACT) {
-            int t = min((int)threadIdx.x % AMMA_MAX_ACT, n_act - 1);
+        int tile = tile_of(i);
+        // Epilogue thread (r, t): output row r of the tile for activation t,
+        // so that activation 0's outputs lie in warp 0's first lanes.
+        int r = (int)threadIdx.x % OUT_ROWS, t = (int)threadIdx.x / OUT_ROWS;
+        if (norm_w && i == 0 && threadIdx.x < OUT_ROWS * AMMA_MAX_ACT) {
+            int tn = min(t, n_act - 1);
             float total = 0.0f;
 #pragma unroll
-            for (int k = 0; k < AMMA_WARPS; k++) total += warp_ss[k][t];
+            for (int k = 0; k < AMMA_WARPS; k++) total += warp_ss[k][tn];
             inv_rms = rsqrtf(total / (float)in_dim + eps);
         }
+        // With HALVES (not slices) columns t + 2 hold the second half's sums.
+        bool second_half = HALVES && !slices && t < 2;
+        float out_v = 0.0f;
         if (PAIRED) {
-            if (threadIdx.x < 8 * AMMA_MAX_ACT) {
-                int r = threadIdx.x / AMMA_MAX_ACT, t = threadIdx.x % AMMA_MAX_ACT, o = tile * 8 + r;
+            int o = tile * 8 + r;
+            if (threadIdx.x < 8 * AMMA_MAX_ACT && o < width && t < n_act) {
                 float gate = 0.0f, up = 0.0f;
 #pragma unroll
                 for (int k = 0; k < AMMA_WARPS; k++) {
                     gate += partial[slot][k][r][t];
                     up += partial[slot][k][r + 8][t];
-                    if (HALVES && t < 2) {  // the second half's columns
+                    if (second_half) {
                         gate += partial[slot][k][r][t + 2];
                         up += partial[slot][k][r + 8][t + 2];
                     }
                 }
                 gate *= inv_rms, up *= inv_rms;
-                if (o < width && t < n_act) y[(size_t)t * width + o] = gate / (1.0f + expf(-gate)) * up;
+                out_v = gate / (1.0f + expf(-gate)) * up;
+                y[(size_t)t * width + o] = out_v;
             }
-        } else if (threadIdx.x < 16 * AMMA_MAX_ACT) {
-            int r = threadIdx.x / AMMA_MAX_ACT, t = threadIdx.x % AMMA_MAX_ACT, o = tile * 16 + r;
-            float sum = 0.0f;
+        } else {
+            int o = tile * 16 + r;
+            if (threadIdx.x < 16 * AMMA_MAX_ACT && o < out_dim && t < n_act) {
+                float sum = 0.0f;
 #pragma unroll
-            for (int k = 0; k < AMMA_WARPS; k++) {
-                sum += partial[slot][k][r][t];
-                if (HALVES && t < 2) sum += partial[slot][k][r][t + 2];  // the second half's columns
+                for (int k = 0; k < AMMA_WARPS; k++) {
+                    sum += partial[slot][k][r][t];
+                    if (second_half) sum += partial[slot][k][r][t + 2];
+                }
+                out_v = sum * inv_rms + (bias ? bias[o] : 0.0f);
+                y[(size_t)t * out_dim + o] = out_v;
             }
-            if (o < out_dim && t < n_act) y[(size_t)t * out_dim + o] = sum * inv_rms + (bias ? bias[o] : 0.0f);
+        }
+        // Handing the row on quantized (one activation row): warp 0's lanes
+        // 0-15 hold a slice, for swiglu after the second tile of a pair.
+        if (row_out && warp == 0) {
+            if (PAIRED) {
+                float second = __shfl_sync(0xffffffffu, out_v, lane & 7);
+                if (i & 1)
+                    amma_quantize_slice(lane < 8 ? held : lane < 16 ? second : 0.0f, 1.0f, (tile - 1) * 8, width,
+                                        row_out);
+                else
+                    held = out_v;
+            } else {
+                amma_quantize_slice(lane < 16 ? out_v : 0.0f, out_nw, tile * 16, out_dim, row_out);
+            }
         }
     }
 }
@@ -498,19 +668,24 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
 // Per format, bit width and group size: the GEMV and its silu(gate)·up form.
 // Shared memory: the stages, then the staged x and its units' sums (Rust:
 // `affine_mma_shared_size`). `nw` (the norm weight) may be null, `b` (the
-// bias) null or `y` itself.
+// bias) null or `y` itself. `q` is x as a quantized row (AmmaRow; one
+// activation row) or null to stage x; `qo`, if not null, receives the output
+// as a quantized row (one activation row, outputs a multiple of 16), times
+// `qn` (the next GEMV's norm weight) when not null.
 // 8-bit levels take groups of 32 and 64 only: a stage's scales of a row must
 // be at least the 4 bytes a cp.async moves.
 #define AFFINE_MMA(F, S, B, G)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw, float eps, \
-                            const float* b, float* y, int o, int i, int n) {                                       \
-        gemv_affine_mma<S, G, B, false>(w, s, bi, x, nw, eps, b, y, o, i, n);                                      \
+                            const float* b, float* y, int o, int i, int n, const unsigned char* q,                 \
+                            unsigned char* qo, const float* qn) {                                                  \
+        gemv_affine_mma<S, G, B, false>(w, s, bi, x, nw, eps, b, y, o, i, n, q, qo, qn);                           \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G##_swiglu(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw,  \
-                                     float eps, float* y, int o, int i, int n) {                                   \
-        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n);                                 \
+                                     float eps, float* y, int o, int i, int n, const unsigned char* q,             \
+                                     unsigned char* qo) {                                                          \
+        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n, q, qo, nullptr);                 \
     }
 AFFINE_MMA(affine4, float, 4, 32)
 AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 32)

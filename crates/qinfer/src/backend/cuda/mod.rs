@@ -36,7 +36,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
-pub use types::{AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight};
+pub use types::{AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, QuantizedRow};
 
 const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
@@ -325,7 +325,8 @@ const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
 /// per column and 12 bytes per 64 columns (its sum and scale, and its Σx²
-/// when the kernel folds an RMSNorm; 20 with groups of 32, a sum per half).
+/// when the kernel folds an RMSNorm; 20 with groups of 32, a sum per half),
+/// for one row 12 bytes per 16 columns (a row handed on quantized).
 /// Groups of 32 take at most 2 activation rows.
 fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let (bits, group) = (w.params.bits as usize, w.params.group_size);
@@ -338,7 +339,9 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
     let stage = 16 * 128 + 2 * 16 * side;
     let unit_stats = if group == 32 { 20 } else { 12 };
-    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * (2 * w.cols + w.cols / 64 * unit_stats);
+    // One row may come quantized by slices of 16 ([`QuantizedRow`]): 12 bytes each.
+    let stats = if act_rows == 1 { w.cols / 16 * 12 } else { act_rows * (w.cols / 64 * unit_stats) };
+    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * 2 * w.cols + stats;
     let max_act = if group == 32 { 2 } else { AFFINE_MMA_MAX_ACT };
     let applies =
         w.cols.is_multiple_of(units * 64) && (1..=max_act).contains(&act_rows) && shared <= AFFINE_MMA_MAX_SHARED;
@@ -1130,10 +1133,12 @@ impl CudaBackend {
     }
 
     /// Affine weights, decode: the GEMV unpacks levels in registers.
-    fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct) {
+    /// With `hand_on` (a norm weight's pointer or 0), the tensor-core GEMV
+    /// also hands y on quantized ([`QuantizedRow`]).
+    fn affine_gemv(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct, hand_on: Option<u64>) {
         // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
         if let Some(shared) = self.affine_mma_shared(w, x.rows) {
-            self.affine_mma(x, None, w, bias_ptr, y, false, shared);
+            self.affine_mma(x, None, w, bias_ptr, y, false, shared, hand_on);
             return;
         }
         let chunks = w.cols / 32;
@@ -1173,6 +1178,51 @@ impl CudaBackend {
         self.launch_args(&gemv_kernel(&w.gemv_format(), shape.rows_per_block, act), cfg(grid, shape.threads, 0), &args);
     }
 
+    /// `h += linear(x, w, bias)`; with `next_norm` (the next op reads
+    /// RMSNorm(h)·next_norm), a tensor-core affine GEMV also hands h on
+    /// quantized times that weight ([`QuantizedRow`]).
+    fn linear_add_into(
+        &self,
+        h: &mut CudaAct,
+        x: &CudaAct,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        next_norm: Option<u64>,
+    ) {
+        h.quantized = None;
+        let (rows, cols) = match w {
+            CudaWeight::Affine(a) => (a.rows, a.cols),
+            CudaWeight::Matrix { rows, cols, .. } => (*rows, *cols),
+            CudaWeight::Vector(_) => (0, 0),
+        };
+        let fits = rows > 0 && x.cols == cols && h.rows == x.rows && h.cols == rows;
+        if fits && bias.is_none() && x.rows == 1 {
+            // The GEMV's bias operand is h and its output h itself: each
+            // output adds its own value just before writing it.
+            let h_ptr = self.p(&h.buf);
+            match w {
+                CudaWeight::Affine(a) => self.affine_gemv(x, a, h_ptr, h, next_norm),
+                CudaWeight::Matrix { dtype, buf, .. } => self.float_gemv(buf, *dtype, rows, cols, x, h_ptr, h, false),
+                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
+            }
+            return;
+        }
+        if fits && bias.is_none() && x.rows > GEMV_MAX_ROWS {
+            // Prefill: cuBLAS accumulates into h (beta = 1).
+            match w {
+                CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
+                CudaWeight::Matrix { dtype, buf, .. } => {
+                    let inputs = self.gemm_inputs(x, *dtype);
+                    self.gemm_rows(x, &inputs, *dtype, self.p(buf), rows, cols, self.p(&h.buf), rows, true);
+                }
+                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
+            }
+            return;
+        }
+        let y = self.linear(x, w, bias);
+        self.add_assign(h, &y);
+    }
+
     /// Blocks of a tensor-core affine GEMV: as many as fit on the device at
     /// once (each stages x once and loops over tiles of 16 rows), at most one
     /// per tile.
@@ -1194,8 +1244,12 @@ impl CudaBackend {
 
     /// The tensor-core affine GEMV into `y`: x·wᵀ (+ bias), or with `swiglu`
     /// silu(gate)·up of a stacked gate|up weight, rows/2 wide. A plain block
-    /// takes tiles of 16 rows, a swiglu block 8 gate rows and their up rows.
-    /// With `norm` (the norm weight's pointer and eps), x is RMSNorm(x)·weight.
+    /// takes tiles of 16 rows, a swiglu block pairs of tiles of 8 gate rows
+    /// and their up rows. With `norm` (the norm weight's pointer and eps), x
+    /// is RMSNorm(x)·weight. x quantized by its writer for this norm is
+    /// copied, not quantized again; with `hand_on` (the next GEMV's norm
+    /// weight pointer, or 0) y is handed on so, where it is one row of
+    /// whole 16-value slices.
     #[allow(clippy::too_many_arguments)]
     fn affine_mma(
         &self,
@@ -1203,11 +1257,21 @@ impl CudaBackend {
         norm: Option<(u64, f32)>,
         w: &AffineWeight,
         bias_ptr: u64,
-        y: &CudaAct,
+        y: &mut CudaAct,
         swiglu: bool,
         shared: usize,
+        hand_on: Option<u64>,
     ) {
         let (norm_ptr, eps) = norm.unwrap_or((0, 0.0));
+        let row_in = match &x.quantized {
+            Some(q) if x.rows == 1 && q.norm == norm_ptr => self.p(&q.buf.buf),
+            _ => 0,
+        };
+        let out_cols = if swiglu { w.rows / 2 } else { w.rows };
+        y.quantized = hand_on
+            .filter(|_| x.rows == 1 && out_cols.is_multiple_of(16) && y.cols == out_cols)
+            .map(|norm| Box::new(QuantizedRow { buf: self.act(1, QuantizedRow::words(out_cols)), norm }));
+        let row_out = y.quantized.as_ref().map_or(0, |q| self.p(&q.buf.buf));
         let mut args: Vec<Arg> = vec![
             self.p(&w.packed).into(),
             self.p(&w.scales).into(),
@@ -1224,8 +1288,14 @@ impl CudaBackend {
             (w.rows as i32).into(),
             (w.cols as i32).into(),
             (x.rows as i32).into(),
+            row_in.into(),
+            row_out.into(),
         ]);
-        let tiles = if swiglu { (w.rows / 2).div_ceil(8) } else { w.rows.div_ceil(16) };
+        if !swiglu {
+            args.push(y.quantized.as_ref().map_or(0, |q| q.norm).into());
+        }
+        // Blocks loop over tiles, swiglu blocks over pairs of them.
+        let tiles = if swiglu { (w.rows / 2).div_ceil(16) } else { w.rows.div_ceil(16) };
         let suffix = if swiglu { "_swiglu" } else { "" };
         let kernel = format!("gemv_{}_mma_g{}{suffix}", w.format(), w.params.group_size);
         self.launch_args(&kernel, cfg((self.affine_mma_grid(tiles, shared), 1, 1), 256, shared as u32), &args);
@@ -1238,8 +1308,9 @@ impl CudaBackend {
         if !w.rows.is_multiple_of(2) || x.cols != w.cols {
             return None;
         }
-        let y = self.act(x.rows, w.rows / 2);
-        self.affine_mma(x, norm, w, 0, &y, true, shared);
+        // One row hands silu(gate)·up on quantized: the down projection's x.
+        let mut y = self.act(x.rows, w.rows / 2);
+        self.affine_mma(x, norm, w, 0, &mut y, true, shared, Some(0));
         Some(y)
     }
 
@@ -1484,7 +1555,7 @@ impl Backend for CudaBackend {
             if x.cols != a.cols {
                 self.record(Err(format!("input width {} for a weight of {} columns", x.cols, a.cols)), "linear");
             } else if x.rows <= GEMV_MAX_ROWS {
-                self.affine_gemv(x, a, bias_ptr, &mut y);
+                self.affine_gemv(x, a, bias_ptr, &mut y, None);
             } else {
                 self.affine_gemm(x, a, &mut y, false);
                 if bias_ptr != 0 {
@@ -1528,10 +1599,12 @@ impl Backend for CudaBackend {
     }
 
     fn add_rms_norm(&self, h: &mut CudaAct, y: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
+        h.quantized = None;
         self.norm(h, Some(y), w, None, eps)
     }
 
     fn rope(&self, x: &mut CudaAct, head_dim: usize, positions: &[usize], rope: &Rope) {
+        x.quantized = None;
         // Positions are consecutive in every forward: pass the first, not a table.
         let start = positions.first().copied().unwrap_or(0);
         if positions.iter().enumerate().any(|(i, &p)| p != start + i) {
@@ -1691,8 +1764,8 @@ impl Backend for CudaBackend {
                 Some(CudaWeight::Vector(b)) => self.p(b),
                 _ => 0u64,
             };
-            let y = self.act(h.rows, a.rows);
-            self.affine_mma(h, Some(folded), a, bias_ptr, &y, false, shared);
+            let mut y = self.act(h.rows, a.rows);
+            self.affine_mma(h, Some(folded), a, bias_ptr, &mut y, false, shared, None);
             return y;
         }
         self.linear(&self.rms_norm(h, norm, eps), w, bias)
@@ -1708,37 +1781,22 @@ impl Backend for CudaBackend {
     }
 
     fn linear_add(&self, h: &mut CudaAct, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>) {
-        let (rows, cols) = match w {
-            CudaWeight::Affine(a) => (a.rows, a.cols),
-            CudaWeight::Matrix { rows, cols, .. } => (*rows, *cols),
-            CudaWeight::Vector(_) => (0, 0),
+        self.linear_add_into(h, x, w, bias, None);
+    }
+
+    fn linear_add_for_norm(
+        &self,
+        h: &mut CudaAct,
+        x: &CudaAct,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        next_norm: &CudaWeight,
+    ) {
+        let norm = match next_norm {
+            CudaWeight::Vector(n) if n.len() == h.cols => Some(self.p(n)),
+            _ => None,
         };
-        let fits = rows > 0 && x.cols == cols && h.rows == x.rows && h.cols == rows;
-        if fits && bias.is_none() && x.rows == 1 {
-            // The GEMV's bias operand is h and its output h itself: each
-            // output adds its own value just before writing it.
-            let h_ptr = self.p(&h.buf);
-            match w {
-                CudaWeight::Affine(a) => self.affine_gemv(x, a, h_ptr, h),
-                CudaWeight::Matrix { dtype, buf, .. } => self.float_gemv(buf, *dtype, rows, cols, x, h_ptr, h, false),
-                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
-            }
-            return;
-        }
-        if fits && bias.is_none() && x.rows > GEMV_MAX_ROWS {
-            // Prefill: cuBLAS accumulates into h (beta = 1).
-            match w {
-                CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
-                CudaWeight::Matrix { dtype, buf, .. } => {
-                    let inputs = self.gemm_inputs(x, *dtype);
-                    self.gemm_rows(x, &inputs, *dtype, self.p(buf), rows, cols, self.p(&h.buf), rows, true);
-                }
-                CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
-            }
-            return;
-        }
-        let y = self.linear(x, w, bias);
-        self.add_assign(h, &y);
+        self.linear_add_into(h, x, w, bias, norm);
     }
 
     fn swiglu(&self, gate_up: &CudaAct) -> CudaAct {
@@ -1861,6 +1919,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) {
+        x.quantized = None;
         let n = x.rows * x.cols;
         launch!(self, "add_assign", Self::elementwise_cfg(n), self.p(&x.buf), self.p(&y.buf), n as i64);
     }
@@ -1921,6 +1980,7 @@ impl Backend for CudaBackend {
     }
 
     fn mul_sigmoid(&self, x: &mut CudaAct, gate: &CudaAct) {
+        x.quantized = None;
         let n = x.rows * x.cols;
         launch!(
             self,

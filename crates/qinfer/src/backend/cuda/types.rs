@@ -18,12 +18,32 @@ pub struct CudaAct {
     pub rows: usize,
     pub cols: usize,
     pub buf: ManuallyDrop<CudaSlice<f32>>,
+    /// The same row quantized by the GEMV that wrote it, for the next
+    /// tensor-core GEMV to copy instead of quantizing x itself; cleared by
+    /// every op that changes the activation in place.
+    pub quantized: Option<Box<QuantizedRow>>,
     pool: Option<Arc<BufferPool>>,
 }
 
 impl CudaAct {
     pub fn new(rows: usize, cols: usize, buf: CudaSlice<f32>, pool: Option<Arc<BufferPool>>) -> Self {
-        CudaAct { rows, cols, buf: ManuallyDrop::new(buf), pool }
+        CudaAct { rows, cols, buf: ManuallyDrop::new(buf), quantized: None, pool }
+    }
+}
+
+/// A one-row activation as a tensor-core affine GEMV hands it on
+/// (affine_mma.cu's `AmmaRow`): each 16 values times `norm` (the next GEMV's
+/// folded RMSNorm weight, 0 for none) as two signed bytes per value, with
+/// per 16 values their sum, scale and Σx².
+pub struct QuantizedRow {
+    pub buf: CudaAct,
+    pub norm: u64,
+}
+
+impl QuantizedRow {
+    /// f32 words of the row of `cols` values: 2 bytes a value, 12 per 16.
+    pub fn words(cols: usize) -> usize {
+        cols / 2 + cols / 16 * 3
     }
 }
 
