@@ -43,7 +43,12 @@
 // whose length is a multiple of 256 and groups of 32, 64 or 128.
 //
 // With PAIRED, rows g and g+8 of a tile are gate row i and up row width + i
-// of a stacked gate|up weight, and the block writes silu(gate)·up.
+// of a stacked gate|up weight, and the block writes silu(gate)·up; it takes
+// its tiles in pairs, 16 outputs in a row.
+//
+// One activation row can go from GEMV to GEMV quantized (AmmaRow below): the
+// block that computes 16 outputs quantizes them, and the next GEMV copies
+// the digits instead of staging x (each lane scales its own 16 columns).
 //
 // With a norm weight, x is the residual stream h and the product is taken
 // with RMSNorm(h)·norm_w: staging multiplies h by norm_w (the per-unit

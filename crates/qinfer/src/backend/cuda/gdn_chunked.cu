@@ -312,7 +312,10 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // Value columns per block of gdn_chunk_state (Rust: GDN_CHUNK_COLS).
 #define GDN_CHUNK_COLS 32
-#define GCK_SP (GDN_CHUNK_COLS + 8)  // a row of the state or V' in shared memory (B-operand reads: ≡ 8 mod 32)
+// A row of the state or V' in shared memory: the block's columns and
+// GCK_SP_PAD more (B-operand reads: ≡ 8 mod 32). Rust: GDN_CHUNK_STATE_PAD.
+#define GCK_SP_PAD 8
+#define GCK_SP (GDN_CHUNK_COLS + GCK_SP_PAD)
 
 // The chunks of gdn_chunk_prep in order, for value head `blockIdx.x` and
 // columns GDN_CHUNK_COLS·blockIdx.y onwards: state [nv][128][dv] in and out,

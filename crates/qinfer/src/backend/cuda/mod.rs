@@ -125,9 +125,14 @@ const GDN_CHUNK_COLS: usize = 32;
 /// the 4B hybrid's 32 value heads); longer prompts reuse them slice by slice.
 const GDN_CHUNK_SLICE: usize = 1024;
 
+/// Floats a row of the state or V' of `gdn_chunk_state` takes in shared
+/// memory past the block's value columns (`GCK_SP_PAD`).
+const GDN_CHUNK_STATE_PAD: usize = 8;
+
 /// Dynamic shared memory of a `gdn_chunk_state` block, as the kernel carves
 /// it: two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
-const GDN_CHUNK_STATE_SHARED: usize = 2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + 8) * 4;
+const GDN_CHUNK_STATE_SHARED: usize =
+    2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + GDN_CHUNK_STATE_PAD) * 4;
 
 /// Floats a q or k row of `gdn_chunk_prep` takes in shared memory (`GCK_PITCH`).
 const GDN_CHUNK_QK_PITCH: usize = 132;
