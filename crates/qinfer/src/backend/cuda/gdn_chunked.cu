@@ -317,6 +317,24 @@ extern "C" __global__ void __launch_bounds__(256)
 #define GCK_SP_PAD 8
 #define GCK_SP (GDN_CHUNK_COLS + GCK_SP_PAD)
 
+// acc += A·B over KT k-steps of 8 (gdn_chunk_state's two products): this
+// lane's A fragments af[32·kt], B the rows of `b` (pitch GCK_SP) from 8·kt,
+// columns c0 onwards (two n-tiles of 8).
+template <int KT>
+__device__ __forceinline__ void gck_mma_rows(float (&acc)[2][4], const float4* af, const float* b, int c0) {
+    int lane = threadIdx.x & 31, gq = lane >> 2, cq = lane & 3;
+#pragma unroll 4
+    for (int kt = 0; kt < KT; kt++) {
+        float b0[2], b1[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            const float* br = b + (8 * kt + cq) * GCK_SP + c0 + 8 * nt + gq;
+            b0[nt] = br[0], b1[nt] = br[4 * GCK_SP];
+        }
+        gck_mma<2>(acc, af[kt * 32], b0, b1);
+    }
+}
+
 // The chunks of gdn_chunk_prep in order, for value head `blockIdx.x` and
 // columns GDN_CHUNK_COLS·blockIdx.y onwards: state [nv][128][dv] in and out,
 // out [rows][nv·dv]. 512 threads; dynamic shared memory as carved below
@@ -400,17 +418,8 @@ __device__ void gdn_chunk_state_body(const float4* __restrict__ wf, const float4
         // done with chunk n − 1 (so its buffer may be refilled).
         __syncthreads();
         if (n + 1 < chunks) fetch(n + 1);
-        const float4* af = fr + (is_o ? 2048 : 0) + mt * 16 * 32 + lane;
-#pragma unroll 4
-        for (int kt = 0; kt < 16; kt++) {
-            float b0[2], b1[2];
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float* br = ss + (8 * kt + cq) * SP + bc + 8 * nt + gq;
-                b0[nt] = br[0], b1[nt] = br[4 * SP];
-            }
-            gck_mma<2>(acc, af[kt * 32], b0, b1);
-        }
+        // V' = U − W·S (from −W), or the output O₀ + Q'·S: 16 rows of 8.
+        gck_mma_rows<16>(acc, fr + (is_o ? 2048 : 0) + mt * 16 * 32 + lane, ss, bc);
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
@@ -427,17 +436,8 @@ __device__ void gdn_chunk_state_body(const float4* __restrict__ wf, const float4
 #pragma unroll
             for (int e = 0; e < 4; e++) s[nt][e] *= el;
         }
-        const float4* kfr = fr + 2 * 2048 + sm * 8 * 32 + lane;
-#pragma unroll 4
-        for (int kt = 0; kt < 8; kt++) {
-            float b0[2], b1[2];
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const float* br = vs + (8 * kt + cq) * SP + sc + 8 * nt + gq;
-                b0[nt] = br[0], b1[nt] = br[4 * SP];
-            }
-            gck_mma<2>(s, kfr[kt * 32], b0, b1);
-        }
+        // S += Kdᵀ·V': the chunk's 64 tokens, 8 at a time.
+        gck_mma_rows<8>(s, fr + 2 * 2048 + sm * 8 * 32 + lane, vs, sc);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
