@@ -321,6 +321,41 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     }
 }
 
+/// Activations up to the largest finite float: the tensor-core GEMV scales
+/// such a unit like any other (its sums stay finite where the product is),
+/// where an inf or a NaN poisons the outputs as it does the CPU's. Weights
+/// centered and small, so that the CPU's products of 3.3e38 stay finite.
+/// (The CUDA-core GEMV, which more rows take, sums levels times x before
+/// the scale: past FLT_MAX/2^bits those sums overflow.)
+#[test]
+fn affine_gemv_takes_activations_up_to_the_float_limit() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    for bits in [4u32, 8] {
+        for group in [32, 64] {
+            let (inp, out) = (1024, 40);
+            let mut t = affine_tensor_centered(&mut r, bits, group, out, inp, DType::BF16, true);
+            let scales: Vec<f32> = r.vec(out * inp / group).iter().map(|v| 1e-3 * (1.0 + 0.1 * v)).collect();
+            t.scales = tensor("w.scales", DType::BF16, vec![out, inp / group], &scales);
+            let half = ((1u32 << bits) - 1) as f32 / 2.0;
+            let biases: Vec<f32> = scales.iter().map(|s| -s * half).collect();
+            t.biases = tensor("w.biases", DType::BF16, vec![out, inp / group], &biases);
+            let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
+            // The tensor-core GEMV's rows: up to 2 with groups of 32, 4 with 64.
+            let most = if group == 32 { 2 } else { 4 };
+            for rows in [1, 2, 4].into_iter().filter(|&n| n <= most) {
+                let mut x = r.vec(rows * inp);
+                for row in 0..rows {
+                    x[row * inp + 5 + 64 * row] = if row % 2 == 0 { 3.3e38 } else { -f32::MAX };
+                }
+                let (xc, xg) = p.acts(rows, inp, &x);
+                let what = format!("q{bits}g{group} {rows} rows up to the float limit");
+                p.check(&what, &p.cpu.linear(&xc, &wc, None), &p.gpu.linear(&xg, &wg, None), 1e-4);
+            }
+        }
+    }
+}
+
 /// The pre-norm block's ends as the decoder issues them: the first
 /// projection reading RMSNorm(h)·w (folded into the tensor-core affine GEMV),
 /// the last one adding into h (in the GEMV's epilogue, or cuBLAS with beta 1),

@@ -126,25 +126,25 @@ __device__ __forceinline__ void amma_digits(unsigned y0, unsigned y1, unsigned y
 }
 
 // The scale of a unit (or slice) of x whose largest |x| is m: sc takes m just
-// under 32512, inv = 1/sc, and poison is NaN where the unit is not
-// reproduced. A unit of zeros keeps scale 1; so does one holding an inf or a
-// NaN, or a value past 3e38, whose sums the NaN poisons (an inf or NaN would
-// poison the reference's products; a finite value past 3e38 is not
-// reproduced). Otherwise m < 2^e with e its binary exponent (−126 for
-// subnormals, which the clamp below makes no different), so
-// |x|·sc < (1 − 2^−7)·2^15 = 32512 and the high digit fits a signed byte.
+// under 32512, inv = 1/sc, and poison is NaN where the unit holds an inf or a
+// NaN (which poison the reference's products too). A unit of zeros, or one
+// poisoned, keeps scale 1. Otherwise m < 2^e with e its binary exponent
+// (−126 for subnormals, which the clamp below makes no different; at most 128,
+// so sc and inv stay normal), so |x|·sc < (1 − 2^−7)·2^15 = 32512 and the
+// high digit fits a signed byte.
 struct AmmaScale {
     float sc, inv, poison;
 };
 __device__ __forceinline__ AmmaScale amma_scale(float m) {
-    bool scaled = m > 0.0f && m <= 3.0e38f;
+    bool finite = m <= __uint_as_float(0x7f7fffffu);  // FLT_MAX; false for an inf or a NaN
+    bool scaled = m > 0.0f && finite;
     int e = (int)((__float_as_uint(m) >> 23) & 0xFFu) - 126;
     int shift = max(-126, min(126, 15 - e));
     AmmaScale s;
     s.sc = scaled ? __uint_as_float((unsigned)(127 + shift) << 23) * 0.9921875f : 1.0f;
     // 1/sc rounded once: 128/127 as a float, times a power of two.
     s.inv = scaled ? __uint_as_float((unsigned)(127 - shift) << 23) * 1.00787401574803149606f : 1.0f;
-    s.poison = (m <= 3.0e38f) ? 0.0f : __uint_as_float(0x7fc00000u);
+    s.poison = finite ? 0.0f : __uint_as_float(0x7fc00000u);
     return s;
 }
 
