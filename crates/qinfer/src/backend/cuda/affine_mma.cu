@@ -153,6 +153,14 @@ __device__ __forceinline__ AmmaScale amma_scale(float m) {
 // the warp waiting on L2 and on each reduction in turn).
 #define AMMA_STAGE_PASSES 2
 
+// The warp's sum of v[from..to), in a fixed order (lanes, then the shuffle
+// tree), so that results repeat bit for bit; every lane gets it.
+__device__ __forceinline__ float amma_warp_range_sum(const float* v, int from, int to) {
+    float s = 0.0f;
+    for (int k = from + (int)(threadIdx.x & 31); k < to; k += 32) s += v[k];
+    return warp_sum(s);
+}
+
 // One warp stages units [beg, end) of n_act activation rows of x (times
 // norm_w when given; then its Σx² of each row in warp_ss) into shared
 // memory: per activation the high and then the low digit row (one byte per
@@ -277,13 +285,9 @@ __device__ __forceinline__ void amma_stage_x(const float* __restrict__ x, const 
     }
     __syncwarp();
     if (norm_w) {
-        // The warp's units of each row, summed in a fixed order (lanes, then
-        // the shuffle tree), so that results repeat bit for bit.
+        // The warp's units of each row.
         for (int t = 0; t < n_act; t++) {
-            float sq = 0.0f;
-            for (int u = beg + lane; u < end; u += 32) sq += unit_ss[t * units + u];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            float sq = amma_warp_range_sum(unit_ss + t * units, beg, end);
             if (lane == 0) warp_ss[t] = sq;
         }
     }
@@ -332,31 +336,30 @@ __device__ __forceinline__ void amma_quantize_slice(float v, float nw, int o0, i
     }
 }
 
+// One warp's cp.async of `bytes` (a multiple of 16) from src to dst.
+__device__ __forceinline__ void amma_warp_copy(void* dst, const void* src, int bytes) {
+    for (int o = 16 * (int)(threadIdx.x & 31); o < bytes; o += 512)
+        cp_async<16>(static_cast<unsigned char*>(dst) + o, static_cast<const unsigned char*>(src) + o, true);
+}
+
 // One warp copies its units [beg, end) of a quantized row (cp.async, one
 // group left open for the caller to commit) into the staged layout: digit
 // rows at xs and xs + in_dim, slice stats, and with norm the slices' Σv².
+// Per unit: 64 bytes of each digit row, 4 slices' stats (32 bytes) and Σv² (16).
 __device__ __forceinline__ void amma_copy_row(const unsigned char* __restrict__ row_in, int in_dim, int beg, int end,
                                               bool norm, unsigned char* xs, float2* stats, float* slice_ss) {
-    int lane = threadIdx.x & 31;
     const unsigned char* st_in = row_in + 2 * (size_t)in_dim;
     const unsigned char* ss_in = st_in + (size_t)in_dim / 2;
-    for (int o = 16 * lane; o < (end - beg) * 64; o += 512) {
-        cp_async<16>(xs + beg * 64 + o, row_in + beg * 64 + o, true);
-        cp_async<16>(xs + in_dim + beg * 64 + o, row_in + in_dim + beg * 64 + o, true);
-    }
-    // 4 slices a unit: 32 bytes of stats, 16 of Σv².
-    unsigned char* st = reinterpret_cast<unsigned char*>(stats);
-    for (int o = 16 * lane; o < (end - beg) * 32; o += 512) cp_async<16>(st + beg * 32 + o, st_in + beg * 32 + o, true);
-    if (norm) {
-        unsigned char* ss = reinterpret_cast<unsigned char*>(slice_ss);
-        for (int o = 16 * lane; o < (end - beg) * 16; o += 512) cp_async<16>(ss + beg * 16 + o, ss_in + beg * 16 + o, true);
-    }
+    int units = end - beg;
+    amma_warp_copy(xs + beg * 64, row_in + beg * 64, units * 64);
+    amma_warp_copy(xs + in_dim + beg * 64, row_in + in_dim + beg * 64, units * 64);
+    amma_warp_copy(reinterpret_cast<unsigned char*>(stats) + beg * 32, st_in + beg * 32, units * 32);
+    if (norm) amma_warp_copy(reinterpret_cast<unsigned char*>(slice_ss) + beg * 16, ss_in + beg * 16, units * 16);
 }
 
 // After the copy landed: 4-bit levels take x in MMA order (per 16 columns the
 // even columns of the first 8, of the next 8, then the odd ones), so this
-// warp's digits are permuted in place; with norm, the warp's Σv² of the row,
-// summed in a fixed order (lanes, then the shuffle tree).
+// warp's digits are permuted in place; with norm, the warp's Σv² of the row.
 template <int BITS>
 __device__ __forceinline__ void amma_settle_row(int in_dim, int beg, int end, bool norm, unsigned char* xs,
                                                 const float* slice_ss, float* warp_ss) {
@@ -371,10 +374,7 @@ __device__ __forceinline__ void amma_settle_row(int in_dim, int beg, int end, bo
         }
     }
     if (norm) {
-        float sq = 0.0f;
-        for (int k = beg * 4 + lane; k < end * 4; k += 32) sq += slice_ss[k];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        float sq = amma_warp_range_sum(slice_ss, beg * 4, end * 4);
         if (lane == 0) warp_ss[0] = sq;
     }
     __syncwarp();
