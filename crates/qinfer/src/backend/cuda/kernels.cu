@@ -993,7 +993,8 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 
 // The same split-K decode attention for head dims of 64, 128 and 256, with
 // GQA sharing: a block takes one KV head's chunk of keys for up to
-// DECODE_HEADS of the query heads that read it, so each key and value row is
+// HEADS of the query heads that read it (DECODE_HEADS, or DECODE_FUSED_HEADS
+// folding the prologue), so each key and value row is
 // read once for all of them.
 //
 // Why the rows go through shared memory: the chunk's key and value rows are
@@ -1013,6 +1014,12 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 // dims; then the warps' sums are added. Output as attention_split's (parts,
 // or `direct`).
 #define DECODE_HEADS 4
+// The kernel that folds the q|k|v prologue runs only where one block holds a
+// head's whole cache (short contexts): there a block takes 2 query heads, so
+// twice the blocks share the work (8B q4g64 decode at 128 keys 1.5-2.5%
+// faster). Split caches keep 4: each block reads its chunk of keys and values
+// from memory, and 2 heads a block made decode after 8192 tokens 22% slower.
+#define DECODE_FUSED_HEADS 2
 #define DECODE_THREADS 256
 // Keys per block (`chunk`, chosen by mod.rs `decode_plan`): a cache of at
 // most DECODE_ONE_BLOCK / HD keys is one block's, its f32 key and value rows
@@ -1097,7 +1104,7 @@ struct DecodePrologue {
     int output_gate, rotary_dim, style;
 };
 
-template <int HD, bool FUSED>
+template <int HD, bool FUSED, int HEADS>
 __device__ void attention_decode(const float* q, float* keys, float* values, float* part_o, float* part_ml,
                                  float* direct, const int* step, int num_heads, int num_kv_heads, int window,
                                  float scale, int splits, int chunk, DecodePrologue pro) {
@@ -1107,13 +1114,13 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     float* ks = reinterpret_cast<float*>(decode_rows);
     float* vs = ks + chunk * HD;
     // The warps' value sums reuse the keys' space (read only before the softmax).
-    auto red = reinterpret_cast<float4(*)[DECODE_HEADS][HD / 4]>(ks);
-    __shared__ float qs[DECODE_HEADS][HD];
-    __shared__ float scores[DECODE_HEADS][DECODE_ONE_BLOCK / HD];
-    __shared__ float ml[DECODE_HEADS][2];
+    auto red = reinterpret_cast<float4(*)[HEADS][HD / 4]>(ks);
+    __shared__ float qs[HEADS][HD];
+    __shared__ float scores[HEADS][DECODE_ONE_BLOCK / HD];
+    __shared__ float ml[HEADS][2];
     int group = num_heads / num_kv_heads;
     int t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads, split = blockIdx.y;
-    int g0 = blockIdx.z * DECODE_HEADS, gh = min(DECODE_HEADS, group - g0);
+    int g0 = blockIdx.z * HEADS, gh = min(HEADS, group - g0);
     int h0 = kvh * group + g0;  // first query head of this block
     int start = __ldcg(step);
     int pos = start + t;
@@ -1125,7 +1132,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
     if (earlier > 0) decode_stage_rows<HD>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
     DecodeHeadWeights<HD> hw;
-    if constexpr (FUSED) decode_head_weights<HD>(hw, warp < DECODE_HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
+    if constexpr (FUSED) decode_head_weights<HD>(hw, warp < HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
                                                  pro.rotary_dim / 2);
     grid_dependency_wait();
     if (n <= 0) {
@@ -1150,13 +1157,13 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
                 qs[warp][c] *= scale;
                 if (pro.output_gate && holds_pos) pro.gate_out[(size_t)(h0 + warp) * HD + c] = src[HD + c];
             }
-        } else if (holds_pos && warp == DECODE_HEADS) {
+        } else if (holds_pos && warp == HEADS) {
             float* row = ks + (pos - lo) * HD;
             decode_head_prologue<HD>(q + q_rows + kvh * HD, row, hw, pro.k_norm, pro.eps, pro.rotary_dim / 2,
                                      pro.style);
             if (blockIdx.z == 0)
                 for (int c = lane; c < HD; c += 32) keys[(size_t)pos * kv_dim + kvh * HD + c] = row[c];
-        } else if (holds_pos && warp == DECODE_HEADS + 1) {
+        } else if (holds_pos && warp == HEADS + 1) {
             const float* src = q + q_rows + kv_dim + kvh * HD;
             for (int c = lane; c < HD; c += 32) {
                 float v = src[c];
@@ -1174,9 +1181,9 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     // LPK lanes per key, each holding F4 float4s of q per head; KPW keys per warp step.
     constexpr int LPK = HD / 4 < 32 ? HD / 4 : 32, KPW = 32 / LPK, F4 = HD / 4 / LPK;
     int sub = lane / LPK, l = lane % LPK;
-    float4 qv[DECODE_HEADS][F4];
+    float4 qv[HEADS][F4];
 #pragma unroll
-    for (int g = 0; g < DECODE_HEADS; g++)
+    for (int g = 0; g < HEADS; g++)
 #pragma unroll
         for (int f = 0; f < F4; f++) qv[g][f] = reinterpret_cast<const float4*>(qs[g])[f * LPK + l];
     const float4* ks4 = reinterpret_cast<const float4*>(ks);
@@ -1190,37 +1197,42 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
                 kv[u][f] = j < n ? ks4[j * (HD / 4) + f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         // Each lane's share of the 8 keys' dot products with each head.
-        float d[8 * DECODE_HEADS];
+        float d[8 * HEADS];
 #pragma unroll
         for (int u = 0; u < 8; u++)
 #pragma unroll
-            for (int g = 0; g < DECODE_HEADS; g++) {
+            for (int g = 0; g < HEADS; g++) {
                 float s = 0.0f;
 #pragma unroll
                 for (int f = 0; f < F4; f++)
                     s += qv[g][f].x * kv[u][f].x + qv[g][f].y * kv[u][f].y + qv[g][f].z * kv[u][f].z +
                          qv[g][f].w * kv[u][f].w;
-                d[u * DECODE_HEADS + g] = s;
+                d[u * HEADS + g] = s;
             }
-        if constexpr (LPK == 32 && 8 * DECODE_HEADS == 32) {
+        if constexpr (LPK == 32) {
             // Sums over the warp, one per lane (a reduce-scatter): at each
             // halving, a lane keeps the half of its sums named by the bit
-            // and adds its partner's, so lane i ends with sum i. 31 shuffles
-            // for the 32 sums, where a reduction of each would take 160.
-            reduce_scatter_half<16>(d, lane);
-            reduce_scatter_half<8>(d, lane);
+            // and adds its partner's, so lane i ends with sum i (of the N
+            // sums, lane i mod N, the lanes' higher bits then added by
+            // plain shuffles). 31 shuffles for 32 sums, where a reduction of
+            // each would take 160.
+            constexpr int N = 8 * HEADS;
+            if constexpr (N >= 32) reduce_scatter_half<16>(d, lane);
+            if constexpr (N >= 16) reduce_scatter_half<8>(d, lane);
             reduce_scatter_half<4>(d, lane);
             reduce_scatter_half<2>(d, lane);
             reduce_scatter_half<1>(d, lane);
-            int j = j0 + (lane / DECODE_HEADS) * WARPS * KPW;
-            if (j < n) scores[lane % DECODE_HEADS][j] = d[0];
+#pragma unroll
+            for (int o = N; o < 32; o <<= 1) d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+            int j = j0 + (lane % N / HEADS) * WARPS * KPW;
+            if (lane < N && j < n) scores[lane % HEADS][j] = d[0];
         } else {
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 int j = j0 + u * WARPS * KPW + sub;
 #pragma unroll
-                for (int g = 0; g < DECODE_HEADS; g++) {
-                    float v = d[u * DECODE_HEADS + g];
+                for (int g = 0; g < HEADS; g++) {
+                    float v = d[u * HEADS + g];
                     for (int o = LPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                     if (l == 0 && j < n) scores[g][j] = v;
                 }
@@ -1244,9 +1256,9 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     __syncthreads();
     const float4* vs4 = reinterpret_cast<const float4*>(vs);
     if (HD >= 128) {
-        float4 acc[DECODE_HEADS][V4];
+        float4 acc[HEADS][V4];
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++)
+        for (int g = 0; g < HEADS; g++)
 #pragma unroll
             for (int v = 0; v < V4; v++) acc[g][v] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
@@ -1255,7 +1267,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
             for (int v = 0; v < V4; v++) {
                 float4 x = vs4[j * (HD / 4) + lane + 32 * v];
 #pragma unroll
-                for (int g = 0; g < DECODE_HEADS; g++) {
+                for (int g = 0; g < HEADS; g++) {
                     float p = scores[g][j];
                     acc[g][v].x += p * x.x; acc[g][v].y += p * x.y;
                     acc[g][v].z += p * x.z; acc[g][v].w += p * x.w;
@@ -1263,26 +1275,26 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
             }
         }
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++)
+        for (int g = 0; g < HEADS; g++)
 #pragma unroll
             for (int v = 0; v < V4; v++) red[warp][g][lane + 32 * v] = acc[g][v];
     } else {
         // 64 dims: a half-warp per key, two keys per warp step.
         int half = lane >> 4, l16 = lane & 15;
-        float4 a[DECODE_HEADS];
+        float4 a[HEADS];
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++) a[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int g = 0; g < HEADS; g++) a[g] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
         for (int j = 2 * warp + half; j < n; j += 2 * WARPS) {
             float4 x = vs4[j * (HD / 4) + l16];
 #pragma unroll
-            for (int g = 0; g < DECODE_HEADS; g++) {
+            for (int g = 0; g < HEADS; g++) {
                 float p = scores[g][j];
                 a[g].x += p * x.x; a[g].y += p * x.y; a[g].z += p * x.z; a[g].w += p * x.w;
             }
         }
 #pragma unroll
-        for (int g = 0; g < DECODE_HEADS; g++) {
+        for (int g = 0; g < HEADS; g++) {
             a[g].x += __shfl_xor_sync(0xffffffffu, a[g].x, 16);
             a[g].y += __shfl_xor_sync(0xffffffffu, a[g].y, 16);
             a[g].z += __shfl_xor_sync(0xffffffffu, a[g].z, 16);
@@ -1310,16 +1322,18 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
         const float* q, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,          \
         int nkv, int window, float scale, int splits, int chunk) {                                                 \
-        attention_decode<HD, false>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,         \
-                                    DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, 0, 0, 0});           \
+        attention_decode<HD, false, DECODE_HEADS>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits,  \
+                                                  chunk, DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, \
+                                                                        0, 0, 0});                                 \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue(                  \
         const float* qkv, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,        \
         int nkv, int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,         \
         const float* inv_freq, float* gate, float eps, int output_gate, int rotary_dim, int style) {               \
-        attention_decode<HD, true>(qkv, k, v, po, pml, direct, step, nh, nkv, window, scale, splits, chunk,        \
-                                   DecodePrologue{q_norm, k_norm, inv_freq, gate, eps, output_gate, rotary_dim,    \
-                                                  style});                                                         \
+        attention_decode<HD, true, DECODE_FUSED_HEADS>(qkv, k, v, po, pml, direct, step, nh, nkv, window, scale,   \
+                                                       splits, chunk,                                              \
+                                                       DecodePrologue{q_norm, k_norm, inv_freq, gate, eps,         \
+                                                                      output_gate, rotary_dim, style});            \
     }
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)

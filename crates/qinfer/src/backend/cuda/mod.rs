@@ -245,6 +245,10 @@ fn flash_tile(head_dim: usize) -> FlashTile {
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
 const DECODE_HEADS: usize = 4;
 
+/// Query heads per block of the decode attention that folds the q|k|v
+/// prologue (`DECODE_FUSED_HEADS`).
+const DECODE_FUSED_HEADS: usize = 2;
+
 /// Values per prefill tile of dequantized affine weights (bf16 scratch of 128 MiB).
 const AFFINE_TILE_VALUES: usize = 64 << 20;
 
@@ -1087,7 +1091,8 @@ impl CudaBackend {
         let (qp, kp, vp) = (self.p(&q.buf), keys, values);
         if decode {
             let group = s.num_heads / s.num_kv_heads;
-            let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
+            let per_block = if prologue.is_some() { DECODE_FUSED_HEADS } else { DECODE_HEADS };
+            let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(per_block) as u32);
             let suffix = if prologue.is_some() { "_prologue" } else { "" };
             let name = format!("attention_decode{}{suffix}", s.head_dim);
             let mut args: Vec<Arg> = vec![
