@@ -202,17 +202,16 @@ fn affine_tensor_centered(
     group_size: usize,
     rows: usize,
     cols: usize,
-    biases: DType,
+    bias_dtype: DType,
     centered: bool,
 ) -> qinfer::affine::AffineTensor {
-    let bias_dtype = biases;
     let levels = 1u32 << bits;
     let q: Vec<u8> = (0..rows * cols).map(|_| (((r.f() + 1.0) * 0.5 * levels as f32) as u32 % levels) as u8).collect();
     let mut packed = Vec::new();
     qinfer::affine::pack(bits, &q, &mut packed);
     let groups = rows * cols / group_size;
     let scales: Vec<f32> = r.vec(groups).iter().map(|v| 0.02 + 0.01 * v).collect();
-    let half = ((1u32 << bits) - 1) as f32 / 2.0;
+    let half = (levels - 1) as f32 / 2.0;
     let biases: Vec<f32> = r
         .vec(groups)
         .iter()
