@@ -1035,6 +1035,46 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
     }
 }
 
+/// A dropped sequence's buffers and recorded steps serve the next sequence of
+/// the same capacity: its decode steps all replay, its Gated DeltaNet states
+/// start from zeros again (same logits as the first sequence, bit for bit),
+/// and a sequence of another capacity still computes the same.
+#[test]
+fn new_sequences_replay_the_steps_a_dropped_one_recorded() {
+    if gpu().is_none() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    for name in ["qwen3", "qwen3_5", "qwen3_5_moe"] {
+        let m = loader::open(&root.join(name)).unwrap();
+        let vocab = m.config.vocab_size;
+        let mut r = Rng::fresh();
+        let prompt: Vec<u32> = (0..20).map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32).collect();
+        let backend = CudaBackend::new(0).unwrap();
+        let replays = backend.replay_counter();
+        let model = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {}).unwrap();
+        let run = |capacity: usize| {
+            let mut seq = model.new_sequence(capacity);
+            let mut out = vec![model.forward(seq.as_mut(), &prompt, Logits::Last).unwrap()];
+            for i in 0..40 {
+                let t = (i * 37 % vocab) as u32;
+                out.push(model.forward(seq.as_mut(), &[t], Logits::Last).unwrap());
+            }
+            out
+        };
+        let count = || replays.load(std::sync::atomic::Ordering::Relaxed);
+        let first = run(100);
+        let before = count();
+        let second = run(100);
+        assert_eq!(count() - before, 40, "{name}: every step of the second sequence replays");
+        assert!(first == second, "{name}: the reused sequence computes what the first did");
+        let before = count();
+        let other = run(120);
+        assert!(count() - before < 40, "{name}: another capacity records its own steps");
+        assert!(first == other, "{name}: a sequence of another capacity computes the same");
+    }
+}
+
 /// Prints the device time of `op`: issued 50 times inside one recorded step
 /// at position `start`, the step replayed 5 times (host launch costs drop
 /// out), and GB/s when `bytes` is the data one call must read.

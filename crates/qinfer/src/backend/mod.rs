@@ -78,7 +78,8 @@ pub trait Backend: Send + Sync {
     type Act: Send;
     /// A weight placed where this backend computes.
     type Weight: Send + Sync;
-    type Cache: KvCache + 'static;
+    /// Default: an empty cache of no layers (what a dropped sequence leaves).
+    type Cache: KvCache + Default + 'static;
     /// Gated DeltaNet state of one layer for one sequence (conv window and the
     /// f32 recurrent state). Cloning it is a snapshot.
     type GdnState: Clone + Send + 'static;
@@ -309,6 +310,16 @@ pub trait Backend: Send + Sync {
     fn rms_norm_gated(&self, x: &Self::Act, z: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act;
 
     fn new_gdn_state(&self, cfg: &GdnConfig) -> Self::GdnState;
+    /// Zeroes `state` in place, as [`Backend::new_gdn_state`] makes it, on
+    /// the buffers it has (a reused sequence's recorded steps address them).
+    fn clear_gdn_state(&self, state: &mut Self::GdnState);
+    /// Whether a dropped sequence's cache and states are worth keeping for the
+    /// next sequence of the same capacity: where [`Backend::run_step`]
+    /// records steps over them, reusing them replays those recordings
+    /// instead of recording each new sequence's steps again.
+    fn reuses_sequences(&self) -> bool {
+        false
+    }
     /// Depthwise causal conv1d over time (rows) with SiLU, `weight` `[channels, kernel]`,
     /// continuing from and then updating the state's conv window.
     fn gdn_conv(&self, x: &Self::Act, weight: &Self::Weight, state: &mut Self::GdnState) -> Self::Act;

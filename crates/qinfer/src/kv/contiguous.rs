@@ -3,6 +3,7 @@
 
 use crate::backend::KvCache;
 
+#[derive(Default)]
 pub struct ContiguousKv {
     kv_dim: usize,
     capacity: usize,

@@ -324,6 +324,11 @@ impl Backend for CpuBackend {
         CpuGdnState::new(cfg)
     }
 
+    fn clear_gdn_state(&self, state: &mut CpuGdnState) {
+        state.conv.fill(0.0);
+        state.recurrent.fill(0.0);
+    }
+
     fn gdn_conv(&self, x: &CpuAct, weight: &CpuWeight, state: &mut CpuGdnState) -> CpuAct {
         let m = weight.matrix();
         assert_eq!(m.rows, x.cols, "gdn_conv: {} channels for a weight of {} rows", x.cols, m.rows);

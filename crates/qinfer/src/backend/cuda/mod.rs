@@ -2036,6 +2036,17 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn clear_gdn_state(&self, state: &mut CudaGdnState) {
+        let conv = self.stream.memset_zeros(&mut state.conv);
+        self.record(conv, "clearing a Gated DeltaNet state");
+        let recurrent = self.stream.memset_zeros(&mut state.recurrent);
+        self.record(recurrent, "clearing a Gated DeltaNet state");
+    }
+
+    fn reuses_sequences(&self) -> bool {
+        self.graphs
+    }
+
     fn gdn_conv(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState) -> CudaAct {
         let out = self.act(x.rows, x.cols);
         self.conv_columns(x, weight, state, &out);

@@ -145,6 +145,7 @@ impl AffineWeight {
 
 /// One f32 key and value buffer per layer, allocated at full capacity on the
 /// layer's first write (layers without attention never allocate).
+#[derive(Default)]
 pub struct CudaKv {
     kv_dim: usize,
     capacity: usize,
