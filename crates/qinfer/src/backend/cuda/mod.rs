@@ -30,7 +30,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
+use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
 use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
@@ -180,6 +180,10 @@ const DECODE_ONE_BLOCK: usize = 16384;
 /// Static shared memory of `attention_decode` (q, scores, sums: at most
 /// 8.3 KB) and the 1 KB the driver reserves per block, rounded up.
 const DECODE_STATIC_SHARED: usize = 10 * 1024;
+
+/// The token id the step inputs hold after `feed_pick`: the host does not
+/// know it ([`DEVICE_PICK`]).
+const PICK_ON_DEVICE: i32 = -1;
 
 /// Keys whose f32 key and value rows an `attention_decode{head_dim}` block
 /// holds when one block takes the whole cache: DECODE_ONE_BLOCK / head_dim
@@ -766,6 +770,14 @@ impl CudaBackend {
         self.record(r.result(), name);
     }
 
+    /// The first failure recorded so far, without waiting for the device.
+    fn recorded_error(&self) -> Result<()> {
+        match self.error.lock().ok().and_then(|e| e.clone()) {
+            Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
+            None => Ok(()),
+        }
+    }
+
     fn failed(&self) -> bool {
         self.error.lock().map(|e| e.is_some()).unwrap_or(true)
     }
@@ -874,6 +886,15 @@ impl CudaBackend {
         let Ok(mut written) = self.step_written.lock() else {
             return self.record(Err("step lock poisoned"), "step inputs");
         };
+        if id == Some(DEVICE_PICK) {
+            // Only `feed_pick` writes this token, and only the device knows it.
+            if *written != Some([start as i32, PICK_ON_DEVICE]) {
+                drop(written);
+                let e = format!("no pick on the device feeds position {start}");
+                self.record(Err(e), "feeding a pick made on the device");
+            }
+            return;
+        }
         let old_id = written.map(|w| w[1]).unwrap_or(0);
         let want = [start as i32, id.map(|i| i as i32).unwrap_or(old_id)];
         if *written == Some(want) {
@@ -886,6 +907,16 @@ impl CudaBackend {
         *written = Some(want);
         drop(written);
         launch!(self, "set_step", cfg((1, 1, 1), 1, 0), self.p(&self.step), want[0], want[1]);
+        self.after_step_write.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes that `feed_pick` has just written the step inputs of position
+    /// `start` on the device.
+    fn step_fed_on_device(&self, start: usize) {
+        match self.step_written.lock() {
+            Ok(mut written) => *written = Some([start as i32, PICK_ON_DEVICE]),
+            Err(_) => self.record(Err("step lock poisoned"), "step inputs"),
+        }
         self.after_step_write.store(true, Ordering::Relaxed);
     }
 
@@ -1455,13 +1486,22 @@ impl Backend for CudaBackend {
         self.sample_on_device(logits, params, penalized, u)
     }
 
+    fn samples_ahead(&self) -> bool {
+        true
+    }
+
+    fn sample_ahead(&self, logits: &CudaAct, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
+        self.sample_ahead_on_device(logits, params, u, next_start)
+    }
+
+    fn picked(&self, ticket: usize) -> Result<u32> {
+        self.picked_on_device(ticket)
+    }
+
     fn check(&self) -> Result<()> {
         let sync = self.stream.synchronize();
         self.record(sync, "synchronize");
-        match self.error.lock().ok().and_then(|e| e.clone()) {
-            Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
-            None => Ok(()),
-        }
+        self.recorded_error()
     }
 
     fn upload(&self, t: &Tensor) -> Result<CudaWeight> {
@@ -1534,7 +1574,7 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
         if let CudaWeight::Affine(w) = table {
-            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows) {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
                 return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", w.rows)));
             }
             let out = self.act(ids.len(), w.cols);
@@ -1557,7 +1597,7 @@ impl Backend for CudaBackend {
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
             return Err(Error::Invalid("embedding table must be a matrix".into()));
         };
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows) {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
             return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
         }
         let out = self.act(ids.len(), *cols);
