@@ -64,6 +64,7 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_split",
     "attention_combine",
     "set_step",
+    "feed_pick",
     "attention_decode64",
     "attention_decode128",
     "attention_decode256",
