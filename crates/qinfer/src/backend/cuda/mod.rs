@@ -1455,32 +1455,33 @@ impl Backend for CudaBackend {
         }
         // Warm-up: this token's pass runs for real, every buffer it takes from
         // a fresh arena; then the same pass is captured (not run) and finds
-        // the same buffers free in the same order (so `finish`, which may
-        // take buffers of its own, runs outside the arena).
+        // the buffers the warm-up freed free again in the same order. Only
+        // then `finish` runs on the warm-up's output, outside the arena (it
+        // may take buffers of its own, and may set the next pass's step
+        // inputs, which the captured pass must not see change).
         let arena = Arc::new(BufferPool::arena());
         self.set_recording(Some((arena.clone(), false)));
         let warm = body();
         self.set_recording(None);
-        let result = finish(&warm?)?;
-        if self.failed() {
-            return Ok(result);
-        }
-        self.set_recording(Some((arena.clone(), true)));
-        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
-        self.record(began, "starting a decode step capture");
-        let out = body();
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        self.set_recording(None);
-        match (out, graph) {
-            (Ok(out), Ok(Some(graph))) if !self.failed() => {
-                step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+        let warm = warm?;
+        if !self.failed() {
+            self.set_recording(Some((arena.clone(), true)));
+            let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+            self.record(began, "starting a decode step capture");
+            let out = body();
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            self.set_recording(None);
+            match (out, graph) {
+                (Ok(out), Ok(Some(graph))) if !self.failed() => {
+                    step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+                }
+                (out, graph) => {
+                    out?;
+                    self.record(graph.map(|_| ()), "capturing a decode step");
+                }
             }
-            (out, graph) => {
-                out?;
-                self.record(graph.map(|_| ()), "capturing a decode step");
-            }
         }
-        Ok(result)
+        finish(&warm)
     }
 
     fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
 use super::{Arg, CudaAct, CudaBackend, cfg};
 use crate::backend::Backend;
@@ -47,6 +47,9 @@ pub(super) struct SampleScratch {
     /// Pinned host slots the picks of `sample_ahead` are copied into, used in
     /// turn (the ticket is the slot), and the next one to use.
     picks: Vec<PinnedHostSlice<u32>>,
+    /// Recorded after each slot's copy (cudarc records the slot's own event
+    /// only where it tracks events, which this backend turns off).
+    copied: Vec<CudaEvent>,
     next_slot: usize,
 }
 
@@ -75,6 +78,7 @@ impl SampleScratch {
             ticket: stream.alloc_zeros(1)?,
             token: stream.alloc_zeros(1)?,
             picks: (0..2).map(|_| pinned_zero(stream)).collect::<std::result::Result<_, _>>()?,
+            copied: (0..2).map(|_| stream.context().new_event(None)).collect::<std::result::Result<_, _>>()?,
             next_slot: 0,
         }))
     }
@@ -121,9 +125,10 @@ impl CudaBackend {
         self.step_fed_on_device(next_start);
         let ticket = scratch.next_slot;
         scratch.next_slot = (ticket + 1) % scratch.picks.len();
-        let SampleScratch { token, picks, .. } = &mut *scratch;
+        let SampleScratch { token, picks, copied, .. } = &mut *scratch;
         let copy = self.stream.memcpy_dtoh(token, &mut picks[ticket]);
         self.record(copy, "copying a pick to the host");
+        self.record(copied[ticket].record(&self.stream), "marking a pick's copy");
         self.recorded_error()?;
         Ok(ticket)
     }
@@ -132,6 +137,7 @@ impl CudaBackend {
     pub(super) fn picked_on_device(&self, ticket: usize) -> Result<u32> {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
         let slot = scratch.picks.get(ticket).ok_or_else(|| Error::Invalid(format!("no pick ticket {ticket}")))?;
+        self.record(scratch.copied[ticket].synchronize(), "waiting for a pick");
         let id = match slot.as_slice() {
             Ok(v) => v[0],
             Err(e) => {
