@@ -46,7 +46,6 @@ impl SamplingParams {
     }
 }
 
-#[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
