@@ -155,3 +155,38 @@ fn host_constants_match_the_kernels_defines() {
     }
     assert!(checked.len() >= 8, "only {} host constants matched a define: {checked:?}", checked.len());
 }
+
+/// The quoted names in the first `[...]` after `marker` in `src`.
+fn quoted_names_after(src: &str, marker: &str) -> Vec<String> {
+    let start = src.find(marker).unwrap_or_else(|| panic!("{marker} not found")) + marker.len();
+    let list = &src[start..start + src[start..].find("];").expect("the list ends")];
+    list.split('"').skip(1).step_by(2).map(str::to_string).collect()
+}
+
+/// A kernel launched by a literal name must be in the list the backend loads
+/// at start (mod.rs `KERNEL_NAMES`; loading that list fails at once on a
+/// name no .cu file defines): otherwise the launch fails only when it first
+/// runs, on a GPU ("no such kernel").
+#[test]
+fn every_kernel_launched_by_name_is_loaded() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+    let module = std::fs::read_to_string(dir.join("mod.rs")).unwrap();
+    let listed = quoted_names_after(&module, "const KERNEL_NAMES: &[&str] = &[");
+    let mut launched = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|x| x != "rs") {
+            continue;
+        }
+        let src = std::fs::read_to_string(&path).unwrap();
+        for call in src.split("launch!(").skip(1) {
+            let call: String = call.chars().take(120).filter(|c| !c.is_whitespace()).collect();
+            let Some(name) = call.strip_prefix("self,\"").and_then(|rest| rest.split('"').next()) else {
+                continue; // a name built at run time
+            };
+            launched += 1;
+            assert!(listed.iter().any(|l| l == name), "{} launches {name}, not in KERNEL_NAMES", path.display());
+        }
+    }
+    assert!(launched > 20, "found only {launched} launches by name: the pattern no longer matches");
+}
