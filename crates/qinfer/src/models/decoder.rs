@@ -59,7 +59,7 @@ const MAX_IDLE_SEQUENCES: usize = 4;
 /// steps) kept for the next sequence of the same capacity, on backends that
 /// record steps over those buffers ([`Backend::reuses_sequences`]): a new
 /// request then replays the recordings instead of recording its first steps
-/// again (8B q4g64 decode of 128 tokens: 1.4% of its time; 0.6B: 6%).
+/// again (8B q4g64 decode of 128 tokens: 1.4% of its time; 0.6B: 6.6%).
 /// Asking for another capacity frees them all, so idle buffers never keep
 /// the memory from a sequence that needs it.
 struct IdleSequences<B: Backend>(Mutex<Vec<DecoderSequence<B>>>);
