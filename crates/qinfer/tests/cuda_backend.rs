@@ -1035,6 +1035,62 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
     }
 }
 
+/// Decoding that starts each step before the host has read the pick it feeds
+/// (the device feeds it) picks what one step at a time picks, greedy and
+/// sampled; a stop leaves the step started after it out of the sequence, so
+/// the sequence goes on from the last accepted pick as one never run ahead.
+#[test]
+fn decoding_ahead_picks_what_step_by_step_decoding_does() {
+    if gpu().is_none() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
+    for name in ["qwen3", "qwen2_sliding", "qwen3_moe"] {
+        let m = loader::open(&root.join(name)).unwrap();
+        let vocab = m.config.vocab_size;
+        let mut r = Rng::fresh();
+        let prompt: Vec<u32> = (0..30).map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32).collect();
+        let model = DecoderModel::load(m.config.clone(), m.source.as_ref(), CudaBackend::new(0).unwrap(), &|_| {});
+        let model = model.unwrap();
+        let sampled = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 7, ..Default::default() };
+        for params in [SamplingParams::default(), sampled] {
+            // Step by step: each pick read before the next step.
+            let mut seq = model.new_sequence(200);
+            let mut sampler = Sampler::new(params.clone()).unwrap();
+            let mut context = prompt.clone();
+            let mut t = model.forward_sample(seq.as_mut(), &prompt, &mut sampler, &context).unwrap();
+            let mut by_step = vec![t];
+            for _ in 0..60 {
+                context.push(t);
+                t = model.forward_sample(seq.as_mut(), &[t], &mut sampler, &context).unwrap();
+                by_step.push(t);
+            }
+            drop(seq);
+            // Ahead, stopped after 40 picks: then 20 more fed one at a time.
+            let mut seq = model.new_sequence(200);
+            let mut sampler = Sampler::new(params.clone()).unwrap();
+            let mut context = prompt.clone();
+            let first = model.forward_sample(seq.as_mut(), &prompt, &mut sampler, &context).unwrap();
+            context.push(first);
+            let mut ahead = vec![first];
+            let on_pick = &mut |p: u32| {
+                ahead.push(p);
+                Ok(ahead.len() < 41)
+            };
+            model.decode(seq.as_mut(), first, 60, &mut sampler, &mut context, on_pick).unwrap();
+            assert_eq!(ahead.len(), 41, "{name}: the stop ends the picks");
+            assert_eq!(seq.len(), prompt.len() + 40, "{name}: the step past the stop is left out");
+            let mut t = ahead[40];
+            for _ in 0..20 {
+                t = model.forward_sample(seq.as_mut(), &[t], &mut sampler, &context).unwrap();
+                context.push(t);
+                ahead.push(t);
+            }
+            assert_eq!(ahead, by_step, "{name}: {params:?}");
+        }
+    }
+}
+
 /// A dropped sequence's buffers and recorded steps serve the next sequence of
 /// the same capacity: its decode steps all replay, its Gated DeltaNet states
 /// start from zeros again (same logits as the first sequence, bit for bit),

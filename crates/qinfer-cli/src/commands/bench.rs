@@ -80,14 +80,14 @@ fn pp(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
 
 fn tg(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
     let mut seq = context(lm, ctx, ids.len())?;
-    // Greedy picks, where the model samples (on the device for GPU models):
-    // each step ends with a token id on the host, as in generation. The fed
-    // tokens stay the fixed sequence, so every run does the same work.
+    // Greedy decoding as generation runs it: the first fixed token, then
+    // each pick (on the device for GPU models), every pick read on the host.
+    // The picks of a model and context are the same every run, so every run
+    // does the same work.
     let mut greedy = Sampler::new(SamplingParams::default())?;
+    let mut picks = ctx.to_vec();
     let t = Instant::now();
-    for id in ids {
-        lm.forward_sample(seq.as_mut(), std::slice::from_ref(id), &mut greedy, &[])?;
-    }
+    lm.decode(seq.as_mut(), ids[0], ids.len(), &mut greedy, &mut picks, &mut |_| Ok(true))?;
     Ok(ids.len() as f64 / t.elapsed().as_secs_f64())
 }
 

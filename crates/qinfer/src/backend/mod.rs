@@ -6,12 +6,12 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use crate::Result;
 use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
 use crate::engine::sampler::{SamplingParams, pick};
 use crate::models::rope::Rope;
 use crate::tensor::Tensor;
+use crate::{Error, Result};
 
 /// Shape of one attention call: `q` holds `num_heads` heads of `head_dim` per
 /// row; the cache holds `num_kv_heads` heads (GQA when fewer).
@@ -73,6 +73,10 @@ pub struct Routing {
     pub renormalize: bool,
 }
 
+/// The token of a one-token pass that feeds the pick of the last
+/// [`Backend::sample_ahead`], which only the device holds.
+pub const DEVICE_PICK: u32 = u32::MAX;
+
 pub trait Backend: Send + Sync {
     /// Activations: `rows × cols` values, one row per token.
     type Act: Send;
@@ -126,6 +130,25 @@ pub trait Backend: Send + Sync {
         let cols = self.cols(logits);
         let mut row = host[host.len() - cols..].to_vec();
         Ok(pick(params, &mut row, penalized, u))
+    }
+    /// Whether [`Backend::sample_ahead`] works here.
+    fn samples_ahead(&self) -> bool {
+        false
+    }
+    /// Picks as [`Backend::sample`] does (no repetition penalty) without
+    /// waiting for the pick: it stays on the device as the token of the next
+    /// one-token pass, at position `next_start`, which names it
+    /// [`DEVICE_PICK`], so that pass can start before the host has read it.
+    /// Returns the ticket [`Backend::picked`] reads it with; two tickets may
+    /// be outstanding at once.
+    fn sample_ahead(&self, logits: &Self::Act, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
+        let _ = (logits, params, u, next_start);
+        Err(Error::Invalid(format!("{} does not pick ahead", self.name())))
+    }
+    /// The pick of a [`Backend::sample_ahead`], once the device has made it.
+    fn picked(&self, ticket: usize) -> Result<u32> {
+        let _ = ticket;
+        Err(Error::Invalid(format!("{} does not pick ahead", self.name())))
     }
     /// Reports a failure of earlier asynchronous work (device backends), after
     /// waiting for it to finish.

@@ -77,18 +77,21 @@ pub fn generate(
         return Ok((out, stats));
     }
     let t0 = Instant::now();
-    let mut next = prefill_sample(model, seq.as_mut(), prompt, opts.prefill_chunk, &mut sampler, &context)?;
+    let next = prefill_sample(model, seq.as_mut(), prompt, opts.prefill_chunk, &mut sampler, &context)?;
     stats.prefill_time = t0.elapsed();
     let t1 = Instant::now();
-    loop {
-        out.push(next);
-        context.push(next);
-        let go_on = on_token(next)?;
-        if !go_on || opts.stop_tokens.contains(&next) || out.len() >= opts.max_new_tokens {
-            break;
-        }
-        next = model.forward_sample(seq.as_mut(), &[next], &mut sampler, &context)?;
-        stats.decode_tokens += 1;
+    out.push(next);
+    context.push(next);
+    let mut go_on = |t: u32| Ok(on_token(t)? && !opts.stop_tokens.contains(&t));
+    if go_on(next)? {
+        // Each feed picks one more token.
+        let feeds = opts.max_new_tokens - 1;
+        let on_pick = &mut |t: u32| {
+            out.push(t);
+            stats.decode_tokens += 1;
+            go_on(t)
+        };
+        model.decode(seq.as_mut(), next, feeds, &mut sampler, &mut context, on_pick)?;
     }
     stats.decode_time = t1.elapsed();
     Ok((out, stats))

@@ -46,6 +46,7 @@ impl SamplingParams {
     }
 }
 
+#[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,

@@ -6,7 +6,7 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{Backend, KvCache};
+use crate::backend::{Backend, DEVICE_PICK, KvCache};
 use crate::config::{LayerKind, ModelConfig};
 use crate::engine::sampler::Sampler;
 use crate::formats::TensorSource;
@@ -18,7 +18,7 @@ use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
 use crate::models::random::RandomWeights;
 use crate::models::rope::Rope;
-use crate::models::{LanguageModel, Logits, SequenceState, Snapshot};
+use crate::models::{LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -212,12 +212,14 @@ impl<B: Backend> DecoderModel<B> {
     }
 
     /// Runs `tokens` through the model and hands the pass's logits
-    /// activations to `finish`.
+    /// activations to `finish`; with `sync`, waits for the pass and reports
+    /// its failures (without, the caller does).
     fn forward_seq<R>(
         &self,
         seq: &mut DecoderSequence<B>,
         tokens: &[u32],
         logits: Logits,
+        sync: bool,
         finish: &mut dyn FnMut(&B::Act) -> Result<R>,
     ) -> Result<R> {
         let b = &self.backend;
@@ -247,7 +249,9 @@ impl<B: Backend> DecoderModel<B> {
             finish,
         )?;
         cache.set_len(start + tokens.len());
-        b.check()?;
+        if sync {
+            b.check()?;
+        }
         Ok(out)
     }
 
@@ -408,7 +412,7 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let seq = DecoderSequence::<B>::of(seq)?;
         let b = &self.backend;
-        b.run_pass(|| self.forward_seq(seq, tokens, logits, &mut |out| Ok(b.to_host(out))))
+        b.run_pass(|| self.forward_seq(seq, tokens, logits, true, &mut |out| Ok(b.to_host(out))))
     }
     fn forward_sample(
         &self,
@@ -421,6 +425,64 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
         let penalized = sampler.penalized(context);
         let u = sampler.draw();
         let (b, params) = (&self.backend, sampler.params());
-        b.run_pass(|| self.forward_seq(seq, tokens, Logits::Last, &mut |out| b.sample(out, params, &penalized, u)))
+        b.run_pass(|| {
+            self.forward_seq(seq, tokens, Logits::Last, true, &mut |out| b.sample(out, params, &penalized, u))
+        })
+    }
+    fn decode(
+        &self,
+        seq: &mut dyn SequenceState,
+        first: u32,
+        feeds: usize,
+        sampler: &mut Sampler,
+        context: &mut Vec<u32>,
+        on_pick: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        let dseq = DecoderSequence::<B>::of(seq)?;
+        // A step started past the last accepted pick is left out by rolling
+        // the cache back; Gated DeltaNet states cannot roll back, and the
+        // repetition penalty needs each pick on the host before the next.
+        let ahead = self.backend.samples_ahead()
+            && dseq.gdn.iter().all(Option::is_none)
+            && sampler.params().repetition_penalty == 1.0;
+        if !ahead {
+            return decode_on_host(self, dseq, first, feeds, sampler, context, on_pick);
+        }
+        let b = &self.backend;
+        let params = sampler.params().clone();
+        let (mut token, mut fed, mut pending) = (first, 0, None);
+        loop {
+            // Start the next step, fed by the pick still on the device...
+            let started = if fed < feeds {
+                let undo = sampler.clone();
+                let u = sampler.draw();
+                let next_start = dseq.cache.len() + 1;
+                let finish = &mut |out: &B::Act| b.sample_ahead(out, &params, u, next_start);
+                let ticket = b.run_pass(|| self.forward_seq(dseq, &[token], Logits::Last, false, finish))?;
+                (token, fed) = (DEVICE_PICK, fed + 1);
+                Some((ticket, undo))
+            } else {
+                None
+            };
+            // ...then read the pick before it while that step runs.
+            if let Some(ticket) = pending {
+                let pick = b.picked(ticket)?;
+                context.push(pick);
+                if !on_pick(pick)? {
+                    // The step started after this pick never happened,
+                    // its draw included.
+                    if let Some((_, undo)) = started {
+                        dseq.cache.set_len(dseq.cache.len() - 1);
+                        *sampler = undo;
+                    }
+                    break;
+                }
+            }
+            match started {
+                Some((ticket, _)) => pending = Some(ticket),
+                None => break,
+            }
+        }
+        b.check()
     }
 }

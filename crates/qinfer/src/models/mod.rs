@@ -80,4 +80,43 @@ pub trait LanguageModel: Send + Sync {
         let mut logits = self.forward(seq, tokens, Logits::Last)?;
         Ok(sampler.sample(&mut logits, context))
     }
+    /// Decodes: feeds `first`, then each pick, at most `feeds` tokens. Each
+    /// pick is appended to `context` (every token of the sequence so far)
+    /// and handed to `on_pick`, which stops decoding by returning false.
+    /// Models on a device may start a step before the host has read the pick
+    /// it feeds; a step started after the last pick that `on_pick` accepts
+    /// is left out of the sequence.
+    fn decode(
+        &self,
+        seq: &mut dyn SequenceState,
+        first: u32,
+        feeds: usize,
+        sampler: &mut Sampler,
+        context: &mut Vec<u32>,
+        on_pick: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        decode_on_host(self, seq, first, feeds, sampler, context, on_pick)
+    }
+}
+
+/// [`LanguageModel::decode`] one step at a time, each pick read before the
+/// next step starts.
+pub fn decode_on_host<M: LanguageModel + ?Sized>(
+    model: &M,
+    seq: &mut dyn SequenceState,
+    first: u32,
+    feeds: usize,
+    sampler: &mut Sampler,
+    context: &mut Vec<u32>,
+    on_pick: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<()> {
+    let mut next = first;
+    for _ in 0..feeds {
+        next = model.forward_sample(seq, &[next], sampler, context)?;
+        context.push(next);
+        if !on_pick(next)? {
+            break;
+        }
+    }
+    Ok(())
 }

@@ -30,7 +30,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
+use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
 use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
@@ -64,6 +64,7 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_split",
     "attention_combine",
     "set_step",
+    "feed_pick",
     "attention_decode64",
     "attention_decode128",
     "attention_decode256",
@@ -180,6 +181,10 @@ const DECODE_ONE_BLOCK: usize = 16384;
 /// Static shared memory of `attention_decode` (q, scores, sums: at most
 /// 8.3 KB) and the 1 KB the driver reserves per block, rounded up.
 const DECODE_STATIC_SHARED: usize = 10 * 1024;
+
+/// The token id the step inputs hold after `feed_pick`: the host does not
+/// know it ([`DEVICE_PICK`]).
+const PICK_ON_DEVICE: i32 = -1;
 
 /// Keys whose f32 key and value rows an `attention_decode{head_dim}` block
 /// holds when one block takes the whole cache: DECODE_ONE_BLOCK / head_dim
@@ -766,6 +771,14 @@ impl CudaBackend {
         self.record(r.result(), name);
     }
 
+    /// The first failure recorded so far, without waiting for the device.
+    fn recorded_error(&self) -> Result<()> {
+        match self.error.lock().ok().and_then(|e| e.clone()) {
+            Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
+            None => Ok(()),
+        }
+    }
+
     fn failed(&self) -> bool {
         self.error.lock().map(|e| e.is_some()).unwrap_or(true)
     }
@@ -874,6 +887,15 @@ impl CudaBackend {
         let Ok(mut written) = self.step_written.lock() else {
             return self.record(Err("step lock poisoned"), "step inputs");
         };
+        if id == Some(DEVICE_PICK) {
+            // Only `feed_pick` writes this token, and only the device knows it.
+            if *written != Some([start as i32, PICK_ON_DEVICE]) {
+                drop(written);
+                let e = format!("no pick on the device feeds position {start}");
+                self.record(Err(e), "feeding a pick made on the device");
+            }
+            return;
+        }
         let old_id = written.map(|w| w[1]).unwrap_or(0);
         let want = [start as i32, id.map(|i| i as i32).unwrap_or(old_id)];
         if *written == Some(want) {
@@ -886,6 +908,16 @@ impl CudaBackend {
         *written = Some(want);
         drop(written);
         launch!(self, "set_step", cfg((1, 1, 1), 1, 0), self.p(&self.step), want[0], want[1]);
+        self.after_step_write.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes that `feed_pick` has just written the step inputs of position
+    /// `start` on the device.
+    fn step_fed_on_device(&self, start: usize) {
+        match self.step_written.lock() {
+            Ok(mut written) => *written = Some([start as i32, PICK_ON_DEVICE]),
+            Err(_) => self.record(Err("step lock poisoned"), "step inputs"),
+        }
         self.after_step_write.store(true, Ordering::Relaxed);
     }
 
@@ -1423,45 +1455,55 @@ impl Backend for CudaBackend {
         }
         // Warm-up: this token's pass runs for real, every buffer it takes from
         // a fresh arena; then the same pass is captured (not run) and finds
-        // the same buffers free in the same order (so `finish`, which may
-        // take buffers of its own, runs outside the arena).
+        // the buffers the warm-up freed free again in the same order. Only
+        // then `finish` runs on the warm-up's output, outside the arena (it
+        // may take buffers of its own, and may set the next pass's step
+        // inputs, which the captured pass must not see change).
         let arena = Arc::new(BufferPool::arena());
         self.set_recording(Some((arena.clone(), false)));
         let warm = body();
         self.set_recording(None);
-        let result = finish(&warm?)?;
-        if self.failed() {
-            return Ok(result);
-        }
-        self.set_recording(Some((arena.clone(), true)));
-        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
-        self.record(began, "starting a decode step capture");
-        let out = body();
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        self.set_recording(None);
-        match (out, graph) {
-            (Ok(out), Ok(Some(graph))) if !self.failed() => {
-                step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+        let warm = warm?;
+        if !self.failed() {
+            self.set_recording(Some((arena.clone(), true)));
+            let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+            self.record(began, "starting a decode step capture");
+            let out = body();
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            self.set_recording(None);
+            match (out, graph) {
+                (Ok(out), Ok(Some(graph))) if !self.failed() => {
+                    step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+                }
+                (out, graph) => {
+                    out?;
+                    self.record(graph.map(|_| ()), "capturing a decode step");
+                }
             }
-            (out, graph) => {
-                out?;
-                self.record(graph.map(|_| ()), "capturing a decode step");
-            }
         }
-        Ok(result)
+        finish(&warm)
     }
 
     fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
         self.sample_on_device(logits, params, penalized, u)
     }
 
+    fn samples_ahead(&self) -> bool {
+        true
+    }
+
+    fn sample_ahead(&self, logits: &CudaAct, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
+        self.sample_ahead_on_device(logits, params, u, next_start)
+    }
+
+    fn picked(&self, ticket: usize) -> Result<u32> {
+        self.picked_on_device(ticket)
+    }
+
     fn check(&self) -> Result<()> {
         let sync = self.stream.synchronize();
         self.record(sync, "synchronize");
-        match self.error.lock().ok().and_then(|e| e.clone()) {
-            Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
-            None => Ok(()),
-        }
+        self.recorded_error()
     }
 
     fn upload(&self, t: &Tensor) -> Result<CudaWeight> {
@@ -1534,7 +1576,7 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
         if let CudaWeight::Affine(w) = table {
-            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows) {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
                 return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", w.rows)));
             }
             let out = self.act(ids.len(), w.cols);
@@ -1557,7 +1599,7 @@ impl Backend for CudaBackend {
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
             return Err(Error::Invalid("embedding table must be a matrix".into()));
         };
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows) {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
             return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
         }
         let out = self.act(ids.len(), *cols);

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
 use super::{Arg, CudaAct, CudaBackend, cfg};
 use crate::backend::Backend;
@@ -44,6 +44,22 @@ pub(super) struct SampleScratch {
     /// Zero between calls: the last block of a call resets it.
     ticket: CudaSlice<u32>,
     token: CudaSlice<u32>,
+    /// Pinned host slots the picks of `sample_ahead` are copied into, used in
+    /// turn (the ticket is the slot), and the next one to use.
+    picks: Vec<PinnedHostSlice<u32>>,
+    /// Recorded after each slot's copy (cudarc records the slot's own event
+    /// only where it tracks events, which this backend turns off).
+    copied: Vec<CudaEvent>,
+    next_slot: usize,
+}
+
+/// A pinned host slot holding 0.
+fn pinned_zero(stream: &Arc<CudaStream>) -> std::result::Result<PinnedHostSlice<u32>, cudarc::driver::DriverError> {
+    // SAFETY: the slot is written before anything can read it.
+    let mut slot = unsafe { stream.context().alloc_pinned::<u32>(1)? };
+    // SAFETY: the pointer is to the one u32 just allocated, and nothing else uses it yet.
+    unsafe { slot.as_mut_ptr()?.write(0) };
+    Ok(slot)
 }
 
 impl SampleScratch {
@@ -61,6 +77,9 @@ impl SampleScratch {
             fallbacks: stream.alloc_zeros(1)?,
             ticket: stream.alloc_zeros(1)?,
             token: stream.alloc_zeros(1)?,
+            picks: (0..2).map(|_| pinned_zero(stream)).collect::<std::result::Result<_, _>>()?,
+            copied: (0..2).map(|_| stream.context().new_event(None)).collect::<std::result::Result<_, _>>()?,
+            next_slot: 0,
         }))
     }
 }
@@ -74,8 +93,73 @@ impl CudaBackend {
         penalized: &[u32],
         u: f32,
     ) -> Result<u32> {
-        let vocab = logits.cols;
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        self.launch_pick(&scratch, logits, params, penalized, u);
+        let id = match self.failed() {
+            true => 0,
+            false => match self.stream.clone_dtoh(&scratch.token) {
+                Ok(v) => v[0],
+                Err(e) => {
+                    self.record(Err(e), "reading the sampled token");
+                    0
+                }
+            },
+        };
+        drop(scratch);
+        self.check()?;
+        Ok(id)
+    }
+
+    /// [`Backend::sample_ahead`] on the device: the pick is copied into a
+    /// pinned host slot, and `feed_pick` writes it into the step inputs.
+    pub(super) fn sample_ahead_on_device(
+        &self,
+        logits: &CudaAct,
+        params: &SamplingParams,
+        u: f32,
+        next_start: usize,
+    ) -> Result<usize> {
+        let mut scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        self.launch_pick(&scratch, logits, params, &[], u);
+        launch!(self, "feed_pick", cfg((1, 1, 1), 1, 0), self.p(&self.step), next_start as i32, self.p(&scratch.token));
+        self.step_fed_on_device(next_start);
+        let ticket = scratch.next_slot;
+        scratch.next_slot = (ticket + 1) % scratch.picks.len();
+        let SampleScratch { token, picks, copied, .. } = &mut *scratch;
+        let copy = self.stream.memcpy_dtoh(token, &mut picks[ticket]);
+        self.record(copy, "copying a pick to the host");
+        self.record(copied[ticket].record(&self.stream), "marking a pick's copy");
+        self.recorded_error()?;
+        Ok(ticket)
+    }
+
+    /// [`Backend::picked`] on the device: waits for the ticket's copy only.
+    pub(super) fn picked_on_device(&self, ticket: usize) -> Result<u32> {
+        let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        let slot = scratch.picks.get(ticket).ok_or_else(|| Error::Invalid(format!("no pick ticket {ticket}")))?;
+        self.record(scratch.copied[ticket].synchronize(), "waiting for a pick");
+        let id = match slot.as_slice() {
+            Ok(v) => v[0],
+            Err(e) => {
+                self.record(Err(e), "reading a pick");
+                0
+            }
+        };
+        self.recorded_error()?;
+        Ok(id)
+    }
+
+    /// Launches the kernels that leave the pick from the last row of
+    /// `logits` in `scratch.token`.
+    fn launch_pick(
+        &self,
+        scratch: &SampleScratch,
+        logits: &CudaAct,
+        params: &SamplingParams,
+        penalized: &[u32],
+        u: f32,
+    ) {
+        let vocab = logits.cols;
         let mut row = self.p(&logits.buf) + ((logits.rows - 1) * vocab * 4) as u64;
         // The penalty rewrites logits: on a copy, never on the pass's output.
         let _penalized_copy = if params.repetition_penalty != 1.0 && !penalized.is_empty() {
@@ -153,19 +237,6 @@ impl CudaBackend {
                 token
             );
         }
-        let id = match self.failed() {
-            true => 0,
-            false => match self.stream.clone_dtoh(&scratch.token) {
-                Ok(v) => v[0],
-                Err(e) => {
-                    self.record(Err(e), "reading the sampled token");
-                    0
-                }
-            },
-        };
-        drop(scratch);
-        self.check()?;
-        Ok(id)
     }
 
     /// Draws without a top-k so far that the cut-down candidates could not
