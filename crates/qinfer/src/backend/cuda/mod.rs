@@ -911,6 +911,20 @@ impl CudaBackend {
         self.after_step_write.store(true, Ordering::Relaxed);
     }
 
+    /// What the host last wrote (or knows) of the device step inputs.
+    fn step_inputs(&self) -> Option<[i32; 2]> {
+        self.step_written.lock().ok().and_then(|w| *w)
+    }
+
+    /// Sets what the host takes the device step inputs to hold, returning
+    /// what it took before (no launch: for a capture, which does not run).
+    fn set_step_inputs(&self, inputs: Option<[i32; 2]>) -> Option<[i32; 2]> {
+        match self.step_written.lock() {
+            Ok(mut written) => std::mem::replace(&mut *written, inputs),
+            Err(_) => None,
+        }
+    }
+
     /// Notes that `feed_pick` has just written the step inputs of position
     /// `start` on the device.
     fn step_fed_on_device(&self, start: usize) {
@@ -1455,33 +1469,37 @@ impl Backend for CudaBackend {
         }
         // Warm-up: this token's pass runs for real, every buffer it takes from
         // a fresh arena; then the same pass is captured (not run) and finds
-        // the buffers the warm-up freed free again in the same order. Only
-        // then `finish` runs on the warm-up's output, outside the arena (it
-        // may take buffers of its own, and may set the next pass's step
-        // inputs, which the captured pass must not see change).
+        // the same buffers free in the same order (so `finish`, which may
+        // take buffers of its own, runs outside the arena). `finish` may also
+        // set the next pass's step inputs (a pick fed on the device): the
+        // capture sees this pass's, which its replays are given (above).
         let arena = Arc::new(BufferPool::arena());
+        let pass_inputs = self.step_inputs();
         self.set_recording(Some((arena.clone(), false)));
         let warm = body();
         self.set_recording(None);
-        let warm = warm?;
-        if !self.failed() {
-            self.set_recording(Some((arena.clone(), true)));
-            let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
-            self.record(began, "starting a decode step capture");
-            let out = body();
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            self.set_recording(None);
-            match (out, graph) {
-                (Ok(out), Ok(Some(graph))) if !self.failed() => {
-                    step.recorded.insert(key, Recorded { graph, out, _arena: arena });
-                }
-                (out, graph) => {
-                    out?;
-                    self.record(graph.map(|_| ()), "capturing a decode step");
-                }
+        let result = finish(&warm?)?;
+        if self.failed() {
+            return Ok(result);
+        }
+        let next_inputs = self.set_step_inputs(pass_inputs);
+        self.set_recording(Some((arena.clone(), true)));
+        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        self.record(began, "starting a decode step capture");
+        let out = body();
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.set_recording(None);
+        self.set_step_inputs(next_inputs);
+        match (out, graph) {
+            (Ok(out), Ok(Some(graph))) if !self.failed() => {
+                step.recorded.insert(key, Recorded { graph, out, _arena: arena });
+            }
+            (out, graph) => {
+                out?;
+                self.record(graph.map(|_| ()), "capturing a decode step");
             }
         }
-        finish(&warm)
+        Ok(result)
     }
 
     fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
