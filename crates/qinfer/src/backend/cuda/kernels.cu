@@ -786,14 +786,6 @@ extern "C" __global__ void set_step(int* step, int start, int id) {
     step[1] = id;
 }
 
-// The step inputs of the pass after a pick made on the device: its position
-// and the pick (sampling.rs `sample_ahead`).
-extern "C" __global__ void feed_pick(int* step, int start, const unsigned* token) {
-    grid_dependency_wait();
-    step[0] = start;
-    step[1] = (int)*token;
-}
-
 // The rotation of pair i at position pos (angle in f32 as the reference
 // computes it, cos/sin in double so large positions keep their precision).
 __device__ __forceinline__ float2 rope_angle(int pos, float inv_freq) {

@@ -64,7 +64,6 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_split",
     "attention_combine",
     "set_step",
-    "feed_pick",
     "attention_decode64",
     "attention_decode128",
     "attention_decode256",
@@ -182,7 +181,8 @@ const DECODE_ONE_BLOCK: usize = 16384;
 /// 8.3 KB) and the 1 KB the driver reserves per block, rounded up.
 const DECODE_STATIC_SHARED: usize = 10 * 1024;
 
-/// The token id the step inputs hold after `feed_pick`: the host does not
+/// The token id the step inputs hold after a pick fed on the device
+/// (sampling.rs `sample_ahead_on_device`): the host does not
 /// know it ([`DEVICE_PICK`]).
 const PICK_ON_DEVICE: i32 = -1;
 
@@ -888,7 +888,7 @@ impl CudaBackend {
             return self.record(Err("step lock poisoned"), "step inputs");
         };
         if id == Some(DEVICE_PICK) {
-            // Only `feed_pick` writes this token, and only the device knows it.
+            // Only a sampling kernel writes this token, and only the device knows it.
             if *written != Some([start as i32, PICK_ON_DEVICE]) {
                 drop(written);
                 let e = format!("no pick on the device feeds position {start}");
@@ -925,7 +925,7 @@ impl CudaBackend {
         }
     }
 
-    /// Notes that `feed_pick` has just written the step inputs of position
+    /// Notes that a sampling kernel has just written the step inputs of position
     /// `start` on the device.
     fn step_fed_on_device(&self, start: usize) {
         match self.step_written.lock() {

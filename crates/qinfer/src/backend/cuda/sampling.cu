@@ -235,14 +235,29 @@ __device__ int sample_filtered_pick(const float* x, int n, float temperature, in
     return sample_cut(x, n, temperature, limit, fmaxf(u * total, 1e-38f), prob, sh).idx;
 }
 
+// Where a pick goes: `out`, and with `feed` (sampling.rs `sample_ahead`) the
+// step inputs of the next one-token pass (position feed_start, the pick) and
+// the host's pinned slot `feed_host`, so no other launch or copy stands
+// between the pick and the next step.
+__device__ __forceinline__ void sample_emit(unsigned pick, unsigned* out, int* feed, int feed_start,
+                                            unsigned* feed_host) {
+    *out = pick;
+    if (feed) {
+        feed[0] = feed_start;
+        feed[1] = (int)pick;
+        *(volatile unsigned*)feed_host = pick;
+        __threadfence_system();
+    }
+}
+
 // One block of SAMPLE_THREADS over the whole vocabulary (sample_filtered_pick).
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_filtered(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
-                    unsigned* out) {
+                    unsigned* out, int* feed, int feed_start, unsigned* feed_host) {
     grid_dependency_wait();
     __shared__ SampleShared sh;
     int pick = sample_filtered_pick(x, n, temperature, top_k, top_p, min_p, u, sh);
-    if (threadIdx.x == 0) *out = (unsigned)pick;
+    if (threadIdx.x == 0) sample_emit((unsigned)pick, out, feed, feed_start, feed_host);
 }
 
 // With a top-k of at most TOPK_MAX, every later filter and the draw see only
@@ -320,7 +335,8 @@ __device__ int sample_nucleus_pick(const float* x, const int* ids, int m, float 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_top_k(const float* x, int n, float temperature, int top_k, float top_p, float min_p, float u,
                  float* cand_x, int* cand_id, int* cand_count, float* slice_max, float* slice_z, float* left_x,
-                 int* left_id, unsigned* ticket, unsigned* fallbacks, unsigned* out) {
+                 int* left_id, unsigned* ticket, unsigned* fallbacks, unsigned* out, int* feed, int feed_start,
+                 unsigned* feed_host) {
     grid_dependency_wait();
     __shared__ SampleShared sh;
     __shared__ int offsets[TOPK_BLOCKS + 1];
@@ -404,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     __syncthreads();
     if (top_k > 0) {
         int pick = sample_filtered_pick(gathered, offsets[gridDim.x], temperature, top_k, top_p, min_p, u, sh);
-        if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
+        if (threadIdx.x == 0) sample_emit((unsigned)gathered_id[pick], out, feed, feed_start, feed_host);
         return;
     }
     // The whole vocabulary's max and normalizer, and E: in a fixed order
@@ -435,12 +451,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int pick = sample_nucleus_pick(gathered, gathered_id, offsets[gridDim.x], temperature, top_p, min_p, u, whole[0],
                                    whole[1], left_key, left_token, left_s, sh);
     if (pick >= 0) {
-        if (threadIdx.x == 0) *out = (unsigned)gathered_id[pick];
+        if (threadIdx.x == 0) sample_emit((unsigned)gathered_id[pick], out, feed, feed_start, feed_host);
         return;
     }
     pick = sample_filtered_pick(x, n, temperature, 0, top_p, min_p, u, sh);
     if (threadIdx.x == 0) {
-        *out = (unsigned)pick;
+        sample_emit((unsigned)pick, out, feed, feed_start, feed_host);
         *fallbacks += 1u;
     }
 }
@@ -473,7 +489,8 @@ __device__ void argmax_block(float& v, int& i) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out) {
+    sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out, int* feed,
+                  int feed_start, unsigned* feed_host) {
     grid_dependency_wait();
     __shared__ bool last;
     float v = __int_as_float(0xff800000);
@@ -502,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(256)
     argmax_block(v, idx);
     if (threadIdx.x == 0) {
         // All NaN (or empty): index 0, as the host's argmax.
-        *out = idx < n ? (unsigned)idx : 0u;
+        sample_emit(idx < n ? (unsigned)idx : 0u, out, feed, feed_start, feed_host);
         *ticket = 0u;
     }
 }

@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
 use super::{Arg, CudaAct, CudaBackend, cfg};
@@ -44,22 +45,37 @@ pub(super) struct SampleScratch {
     /// Zero between calls: the last block of a call resets it.
     ticket: CudaSlice<u32>,
     token: CudaSlice<u32>,
-    /// Pinned host slots the picks of `sample_ahead` are copied into, used in
-    /// turn (the ticket is the slot), and the next one to use.
-    picks: Vec<PinnedHostSlice<u32>>,
-    /// Recorded after each slot's copy (cudarc records the slot's own event
-    /// only where it tracks events, which this backend turns off).
-    copied: Vec<CudaEvent>,
+    /// Pinned host slots the sampling kernels write the picks of
+    /// `sample_ahead` into, used in turn (the ticket is the slot), and the
+    /// next one to use.
+    picks: Vec<PickSlot>,
     next_slot: usize,
 }
 
-/// A pinned host slot holding 0.
-fn pinned_zero(stream: &Arc<CudaStream>) -> std::result::Result<PinnedHostSlice<u32>, cudarc::driver::DriverError> {
-    // SAFETY: the slot is written before anything can read it.
-    let mut slot = unsafe { stream.context().alloc_pinned::<u32>(1)? };
-    // SAFETY: the pointer is to the one u32 just allocated, and nothing else uses it yet.
-    unsafe { slot.as_mut_ptr()?.write(0) };
-    Ok(slot)
+/// A pinned, device-mapped host u32 that a sampling kernel writes a pick into.
+struct PickSlot {
+    host: PinnedHostSlice<u32>,
+    /// The slot's address on the device.
+    device: u64,
+    /// Recorded after the kernel that writes the slot (cudarc records the
+    /// slot's own event only where it tracks events, which this backend
+    /// turns off).
+    written: CudaEvent,
+}
+
+impl PickSlot {
+    /// A slot holding 0. Mapped, not write-combined: the host reads it.
+    fn new(stream: &Arc<CudaStream>) -> std::result::Result<Self, cudarc::driver::DriverError> {
+        // SAFETY: the slot is written before anything can read it.
+        let mut host = unsafe { stream.context().alloc_pinned_with_flags::<u32>(1, sys::CU_MEMHOSTALLOC_DEVICEMAP)? };
+        let ptr = host.as_mut_ptr()?;
+        // SAFETY: the pointer is to the one u32 just allocated, and nothing else uses it yet.
+        unsafe { ptr.write(0) };
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a mapped page-locked allocation of this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, ptr.cast(), 0) }.result()?;
+        Ok(PickSlot { host, device, written: stream.context().new_event(None)? })
+    }
 }
 
 impl SampleScratch {
@@ -77,11 +93,20 @@ impl SampleScratch {
             fallbacks: stream.alloc_zeros(1)?,
             ticket: stream.alloc_zeros(1)?,
             token: stream.alloc_zeros(1)?,
-            picks: (0..2).map(|_| pinned_zero(stream)).collect::<std::result::Result<_, _>>()?,
-            copied: (0..2).map(|_| stream.context().new_event(None)).collect::<std::result::Result<_, _>>()?,
+            picks: (0..2).map(|_| PickSlot::new(stream)).collect::<std::result::Result<_, _>>()?,
             next_slot: 0,
         }))
     }
+}
+
+/// Where a sampling kernel also writes its pick (`sample_emit` in
+/// sampling.cu): the step inputs, as the pass at `start`'s, and a host slot;
+/// null pointers for none.
+#[derive(Clone, Copy, Default)]
+struct Feed {
+    step: u64,
+    start: i32,
+    host: u64,
 }
 
 impl CudaBackend {
@@ -94,7 +119,7 @@ impl CudaBackend {
         u: f32,
     ) -> Result<u32> {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
-        self.launch_pick(&scratch, logits, params, penalized, u);
+        self.launch_pick(&scratch, logits, params, penalized, u, None);
         let id = match self.failed() {
             true => 0,
             false => match self.stream.clone_dtoh(&scratch.token) {
@@ -110,8 +135,8 @@ impl CudaBackend {
         Ok(id)
     }
 
-    /// [`Backend::sample_ahead`] on the device: the pick is copied into a
-    /// pinned host slot, and `feed_pick` writes it into the step inputs.
+    /// [`Backend::sample_ahead`] on the device: the sampling kernel itself
+    /// writes the pick into the step inputs and a pinned host slot.
     pub(super) fn sample_ahead_on_device(
         &self,
         logits: &CudaAct,
@@ -120,26 +145,25 @@ impl CudaBackend {
         next_start: usize,
     ) -> Result<usize> {
         let mut scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
-        self.launch_pick(&scratch, logits, params, &[], u);
-        launch!(self, "feed_pick", cfg((1, 1, 1), 1, 0), self.p(&self.step), next_start as i32, self.p(&scratch.token));
-        self.step_fed_on_device(next_start);
         let ticket = scratch.next_slot;
         scratch.next_slot = (ticket + 1) % scratch.picks.len();
-        let SampleScratch { token, picks, copied, .. } = &mut *scratch;
-        let copy = self.stream.memcpy_dtoh(token, &mut picks[ticket]);
-        self.record(copy, "copying a pick to the host");
-        self.record(copied[ticket].record(&self.stream), "marking a pick's copy");
+        let feed = Feed { step: self.p(&self.step), start: next_start as i32, host: scratch.picks[ticket].device };
+        self.launch_pick(&scratch, logits, params, &[], u, Some(feed));
+        self.step_fed_on_device(next_start);
+        self.record(scratch.picks[ticket].written.record(&self.stream), "marking a pick");
         self.recorded_error()?;
         Ok(ticket)
     }
 
-    /// [`Backend::picked`] on the device: waits for the ticket's copy only.
+    /// [`Backend::picked`] on the device: waits for the kernel that wrote the
+    /// ticket's slot only.
     pub(super) fn picked_on_device(&self, ticket: usize) -> Result<u32> {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
         let slot = scratch.picks.get(ticket).ok_or_else(|| Error::Invalid(format!("no pick ticket {ticket}")))?;
-        self.record(scratch.copied[ticket].synchronize(), "waiting for a pick");
-        let id = match slot.as_slice() {
-            Ok(v) => v[0],
+        self.record(slot.written.synchronize(), "waiting for a pick");
+        let id = match slot.host.as_ptr() {
+            // SAFETY: the slot is one u32, written by a kernel that has finished.
+            Ok(p) => unsafe { p.read_volatile() },
             Err(e) => {
                 self.record(Err(e), "reading a pick");
                 0
@@ -150,7 +174,7 @@ impl CudaBackend {
     }
 
     /// Launches the kernels that leave the pick from the last row of
-    /// `logits` in `scratch.token`.
+    /// `logits` in `scratch.token` (and where `feed` says).
     fn launch_pick(
         &self,
         scratch: &SampleScratch,
@@ -158,7 +182,9 @@ impl CudaBackend {
         params: &SamplingParams,
         penalized: &[u32],
         u: f32,
+        feed: Option<Feed>,
     ) {
+        let Feed { step: feed_step, start: feed_start, host: feed_host } = feed.unwrap_or_default();
         let vocab = logits.cols;
         let mut row = self.p(&logits.buf) + ((logits.rows - 1) * vocab * 4) as u64;
         // The penalty rewrites logits: on a copy, never on the pass's output.
@@ -191,7 +217,10 @@ impl CudaBackend {
                 self.p(&scratch.part_values),
                 self.p(&scratch.part_ids),
                 self.p(&scratch.ticket),
-                token
+                token,
+                feed_step,
+                feed_start,
+                feed_host
             );
         } else if (params.top_k <= TOPK_MAX || params.top_k >= vocab) && vocab >= TOPK_BLOCKS * TOPK_MAX {
             // A small top-k, or none: the vocabulary is cut to the slices'
@@ -220,7 +249,10 @@ impl CudaBackend {
                 self.p(&scratch.left_ids),
                 self.p(&scratch.ticket),
                 self.p(&scratch.fallbacks),
-                token
+                token,
+                feed_step,
+                feed_start,
+                feed_host
             );
         } else {
             launch!(
@@ -234,7 +266,10 @@ impl CudaBackend {
                 params.top_p,
                 params.min_p,
                 u,
-                token
+                token,
+                feed_step,
+                feed_start,
+                feed_host
             );
         }
     }
