@@ -385,7 +385,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                                  const S* __restrict__ biases, const float* __restrict__ x,
                                  const float* __restrict__ norm_w, float eps, const float* bias, float* y,
                                  int out_dim, int in_dim, int n_act, const unsigned char* __restrict__ row_in,
-                                 unsigned char* __restrict__ row_out, const float* __restrict__ out_norm) {
+                                 unsigned char* __restrict__ row_out, const float* __restrict__ out_norm, int lead) {
     using Stage = AmmaStage<S, GROUP, BITS>;
     constexpr int SIDE = Stage::SIDE;
     constexpr int UNITS = amma_units<BITS>();      // per stage
@@ -482,7 +482,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // queue behind the copies already in flight (a second stage there made
     // the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its place,
     // 6%), so the next one follows the staging.
-    issue();
+    for (int b = 0; b < lead; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     if (slices) {
@@ -490,15 +490,16 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         // behind it; the warp then waits for the copy alone.
         amma_copy_row(row_in, in_dim, beg, end, norm_w != nullptr, xs, stats, unit_ss);
         asm volatile("cp.async.commit_group;\n" ::);
-#pragma unroll
-        for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 2));
+        for (int b = lead; b < AMMA_STAGES - 1; b++) issue();
+        if (lead < AMMA_STAGES - 1)
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 2));
+        else
+            asm volatile("cp.async.wait_group 0;\n" ::);
         __syncwarp();
         amma_settle_row<BITS>(in_dim, beg, end, norm_w != nullptr, xs, unit_ss, warp_ss[warp]);
     } else {
         amma_stage_x<BITS, HALVES>(x, norm_w, in_dim, n_act, beg, end, xs, stats, unit_ss, warp_ss[warp]);
-#pragma unroll
-        for (int b = 1; b < AMMA_STAGES - 1; b++) issue();
+        for (int b = lead; b < AMMA_STAGES - 1; b++) issue();
     }
     // B operand of this lane: activation g/2, its high (even g) or low digit;
     // lanes past the activations read zeros (one broadcast address).
@@ -683,14 +684,14 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw, float eps, \
                             const float* b, float* y, int o, int i, int n, const unsigned char* q,                 \
-                            unsigned char* qo, const float* qn) {                                                  \
-        gemv_affine_mma<S, G, B, false>(w, s, bi, x, nw, eps, b, y, o, i, n, q, qo, qn);                           \
+                            unsigned char* qo, const float* qn, int lead) {                                        \
+        gemv_affine_mma<S, G, B, false>(w, s, bi, x, nw, eps, b, y, o, i, n, q, qo, qn, lead);                     \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                           \
         gemv_##F##_mma_g##G##_swiglu(const unsigned* w, const S* s, const S* bi, const float* x, const float* nw,  \
                                      float eps, float* y, int o, int i, int n, const unsigned char* q,             \
-                                     unsigned char* qo) {                                                          \
-        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n, q, qo, nullptr);                 \
+                                     unsigned char* qo, int lead) {                                                \
+        gemv_affine_mma<S, G, B, true>(w, s, bi, x, nw, eps, nullptr, y, o, i, n, q, qo, nullptr, lead);           \
     }
 AFFINE_MMA(affine4, float, 4, 32)
 AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 32)

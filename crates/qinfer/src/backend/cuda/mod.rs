@@ -487,6 +487,8 @@ pub struct CudaBackend {
     /// wait (they were written at least two launches before it, or the
     /// launch before it had finished when it started).
     after_step_write: std::sync::atomic::AtomicBool,
+    /// Whether the last kernel launched was an attention kernel.
+    after_attention: std::sync::atomic::AtomicBool,
     /// While a decode step is recorded: the arena its buffers come from, and
     /// whether the stream is capturing (nothing may be allocated then).
     recording: Mutex<Option<(Arc<BufferPool>, bool)>>,
@@ -710,6 +712,7 @@ impl CudaBackend {
             step,
             step_written: Mutex::new(None),
             after_step_write: std::sync::atomic::AtomicBool::new(false),
+            after_attention: std::sync::atomic::AtomicBool::new(false),
             recording: Mutex::new(None),
             pass: Mutex::new(()),
             sampling,
@@ -724,6 +727,7 @@ impl CudaBackend {
         let Some(f) = self.kernels.get(name) else {
             return self.record(Err("no such kernel in kernels.cu"), name);
         };
+        self.after_attention.store(name.starts_with("attention_"), Ordering::Relaxed);
         // Each argument in an 8-byte slot, its value in the first bytes (as
         // the driver reads a parameter of that size through the slot's address).
         let mut slots: Vec<[u8; 8]> = args
@@ -1370,6 +1374,10 @@ impl CudaBackend {
         if !swiglu {
             args.push(y.quantized.as_ref().map_or(0, |q| q.norm).into());
         }
+        // After a kernel that streams no weights (the decode attention) every
+        // stage the ring holds goes out before the wait.
+        let lead = if self.after_attention.load(Ordering::Relaxed) { AFFINE_MMA_STAGES - 1 } else { 1 };
+        args.push((lead as i32).into());
         // Blocks loop over tiles, swiglu blocks over pairs of them.
         let tiles = if swiglu { (w.rows / 2).div_ceil(16) } else { w.rows.div_ceil(16) };
         let suffix = if swiglu { "_swiglu" } else { "" };
