@@ -477,11 +477,14 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    // The first stage goes out before the wait: it depends neither on x nor
-    // on the kernel before this one. Only one: x's loads, after the wait,
-    // queue behind the copies already in flight (a second stage there made
-    // the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its place,
-    // 6%), so the next one follows the staging.
+    // `lead` stages go out before the wait: they depend neither on x nor on
+    // the kernel before this one. After a GEMV one: x's loads, after the
+    // wait, queue behind the copies already in flight (a second stage there
+    // made the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its
+    // place, 6%), so the next one follows the staging. After a kernel that
+    // streams no weights (the decode attention, about 5 us on a few SMs)
+    // the whole ring (mod.rs `affine_mma`): those copies land long before
+    // the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%, run 60).
     for (int b = 0; b < lead; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
