@@ -181,6 +181,16 @@ const DECODE_ONE_BLOCK: usize = 16384;
 /// 8.3 KB) and the 1 KB the driver reserves per block, rounded up.
 const DECODE_STATIC_SHARED: usize = 10 * 1024;
 
+/// Every id of `ids` names a row of a `rows`-row embedding table, except a
+/// one-token pass's [`DEVICE_PICK`] (the step inputs hold its id).
+fn check_token_ids(ids: &[u32], rows: usize) -> Result<()> {
+    let device_pick = ids == [DEVICE_PICK];
+    match ids.iter().find(|&&id| id as usize >= rows && !device_pick) {
+        Some(id) => Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}"))),
+        None => Ok(()),
+    }
+}
+
 /// The token id the step inputs hold after a pick fed on the device
 /// (sampling.rs `sample_ahead_on_device`): the host does not
 /// know it ([`DEVICE_PICK`]).
@@ -1602,9 +1612,7 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaAct> {
         if let CudaWeight::Affine(w) = table {
-            if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
-                return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {}", w.rows)));
-            }
+            check_token_ids(ids, w.rows)?;
             let out = self.act(ids.len(), w.cols);
             let (d_ids, ids_ptr) = self.device_ids(ids);
             launch!(
@@ -1625,9 +1633,7 @@ impl Backend for CudaBackend {
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
             return Err(Error::Invalid("embedding table must be a matrix".into()));
         };
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= *rows && !(ids.len() == 1 && id == DEVICE_PICK)) {
-            return Err(Error::Invalid(format!("token id {id} is out of range for a vocabulary of {rows}")));
-        }
+        check_token_ids(ids, *rows)?;
         let out = self.act(ids.len(), *cols);
         let (d_ids, ids_ptr) = self.device_ids(ids);
         launch!(
