@@ -538,6 +538,15 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         // the tile's end it would be a round trip on the kernel's tail.
         float out_nw = 1.0f;
         if (!PAIRED && out_norm && warp == 0 && lane < 16) out_nw = __ldg(out_norm + tile_of(i) * 16 + lane);
+        // So is the bias of this thread's output in the epilogue (the same
+        // round trip, and where the bias is y itself, the residual stream,
+        // only this thread writes that value): a residual add's last tile
+        // then waits for no load (8B q4g64: the o and down projections).
+        float bias_v = 0.0f;
+        if (!PAIRED && bias && threadIdx.x < 16 * AMMA_MAX_ACT) {
+            int o = tile_of(i) * 16 + (int)threadIdx.x % 16;
+            if (o < out_dim) bias_v = bias[o];
+        }
         for (int batch = 0; batch < batches; batch++) {
             issue();
             asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 1));
@@ -653,7 +662,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                     sum += partial[slot][k][r][t];
                     if (second_half) sum += partial[slot][k][r][t + 2];
                 }
-                out_v = sum * inv_rms + (bias ? bias[o] : 0.0f);
+                out_v = sum * inv_rms + bias_v;
                 y[(size_t)t * out_dim + o] = out_v;
             }
         }

@@ -13,7 +13,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::{Error, Result};
 
 /// Blocks of `sample_argmax` (`ARGMAX_BLOCKS` in sampling.cu).
-const ARGMAX_BLOCKS: usize = 64;
+const ARGMAX_BLOCKS: usize = 128;
 
 /// Threads of the one block of `sample_filtered` (`SAMPLE_THREADS`).
 const SAMPLE_THREADS: u32 = 1024;
