@@ -13,7 +13,7 @@
 /// Device functions that kernels call first and that read weights (or
 /// earlier passes' KV rows) before waiting: (kernel body start, definition, what must come after the wait).
 const EARLY: [(&str, &str, &[&str]); 4] = [
-    ("gemv_affine_mma<", "__device__ void gemv_affine_mma(", &["amma_stage_x<BITS, HALVES>(", "y["]),
+    ("gemv_affine_mma<", "__device__ void gemv_affine_mma(", &["amma_stage_x<BITS, HALVES>(", "y[", "bias[o]"]),
     ("rms_norm_group(", "__device__ void rms_norm_group(", &["x4[i]", "y4[i]", "out4[i]", "x[base", "out[base"]),
     (
         "qkv_prologue_head(",
