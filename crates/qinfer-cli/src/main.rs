@@ -46,6 +46,9 @@ enum Command {
     Inspect(commands::inspect::Args),
     /// Write an MLX affine-quantized copy of a Hugging Face model.
     Quantize(commands::quantize::Args),
+    /// Compile the CUDA kernels for a GPU architecture into the kernel cache
+    /// (`QINFER_CACHE`, else ~/.cache/qinfer), ahead of the first run.
+    Kernels(commands::kernels::Args),
 }
 
 fn main() {
@@ -82,6 +85,7 @@ fn main() {
         Command::Bench(a) => commands::bench::main(a, device),
         Command::Inspect(a) => commands::inspect::main(a),
         Command::Quantize(a) => commands::quantize::main(a),
+        Command::Kernels(a) => commands::kernels::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

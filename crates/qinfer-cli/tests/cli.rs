@@ -150,6 +150,27 @@ fn bad_inputs_are_clear_errors() {
     assert!(stderr(&o).contains("tokenizer"), "{}", stderr(&o));
 }
 
+/// `qinfer kernels` names what is wrong and writes nothing: a build without
+/// CUDA says so, and a CUDA build rejects an architecture NVRTC does not
+/// name (`sm_90a` is a real GPU's, not a virtual architecture).
+#[test]
+fn kernels_say_what_is_wrong_and_write_nothing() {
+    let cache = temp_dir("kernels");
+    let o = Command::new(env!("CARGO_BIN_EXE_qinfer"))
+        .args(["kernels", "--arch", "sm_90a"])
+        .env("QINFER_CACHE", &cache)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    if cfg!(feature = "cuda") {
+        assert!(e.contains("--arch sm_90a") && e.contains("compute_90a"), "{e}");
+    } else {
+        assert!(e.contains("no CUDA support") && e.contains("--features cuda"), "{e}");
+    }
+    assert!(!cache.join("kernels").exists(), "a failed kernels command wrote to the cache");
+}
+
 #[test]
 fn run_without_the_default_model_says_how_to_fetch_it() {
     let empty = temp_dir("cache");

@@ -45,12 +45,27 @@ fn cache_dir() -> PathBuf {
     base.join("kernels")
 }
 
-/// PTX for `arch` (e.g. `compute_90a`), from the disk cache when present.
-pub fn ptx(arch: &'static str) -> Result<Ptx> {
+/// The cache file of the kernels' PTX for `arch`: keyed by a hash of the
+/// source and the architecture.
+pub fn cache_path(arch: &str) -> PathBuf {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     KERNELS.hash(&mut h);
     arch.hash(&mut h);
-    let path = cache_dir().join(format!("{:016x}-{arch}.ptx", h.finish()));
+    cache_dir().join(format!("{:016x}-{arch}.ptx", h.finish()))
+}
+
+/// Whether `arch` names a virtual architecture NVRTC targets:
+/// `compute_` and a compute capability of two or three digits, optionally
+/// with the architecture-specific `a` suffix (`compute_90a`).
+pub fn valid_arch(arch: &str) -> bool {
+    let Some(cc) = arch.strip_prefix("compute_") else { return false };
+    let digits = cc.strip_suffix('a').unwrap_or(cc);
+    (2..=3).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// PTX for `arch` (e.g. `compute_90a`), from the disk cache when present.
+pub fn ptx(arch: &'static str) -> Result<Ptx> {
+    let path = cache_path(arch);
     if let Ok(text) = std::fs::read_to_string(&path) {
         return Ok(Ptx::from_src(text));
     }
@@ -62,11 +77,54 @@ pub fn ptx(arch: &'static str) -> Result<Ptx> {
     };
     let ptx = compile_ptx_with_opts(KERNELS, opts).map_err(|e| Error::Invalid(format!("NVRTC: {e}")))?;
     // Best effort: a read-only cache only costs a recompile next time.
-    if std::fs::create_dir_all(cache_dir()).is_ok() {
-        let tmp = path.with_extension("tmp");
-        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
+    let _ = write_cache(&path, &ptx);
+    Ok(ptx)
+}
+
+/// Writes `ptx` to the cache file `path` whole (a temporary file renamed),
+/// so a reader never sees part of it.
+fn write_cache(path: &std::path::Path, ptx: &Ptx) -> std::io::Result<()> {
+    std::fs::create_dir_all(cache_dir())?;
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, ptx.to_src())?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Compiles the kernels for `arch` into the disk cache (see [`ptx`]) on a
+/// machine that need not have a GPU: a later run on a device of that
+/// architecture loads them instead of compiling at first use. Needs NVRTC
+/// and CUDA's headers; returns the cache file.
+pub fn prebuild(arch: &str) -> Result<PathBuf> {
+    if !valid_arch(arch) {
+        return Err(Error::Invalid(format!(
+            "--arch {arch}: expected compute_ and a compute capability, e.g. compute_90a (H100, H200) or compute_89"
+        )));
+    }
+    // SAFETY: only tries to open the shared library (cudarc panics on first
+    // use of one it cannot load).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Invalid("NVRTC (libnvrtc) is not installed or not on the library path".into()));
+    }
+    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    let path = cache_path(arch);
+    let ptx = ptx(arch)?;
+    if !path.exists() {
+        write_cache(&path, &ptx).map_err(|e| Error::Invalid(format!("writing {}: {e}", path.display())))?;
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn architectures_are_compute_capabilities() {
+        for ok in ["compute_90a", "compute_90", "compute_89", "compute_100a", "compute_120"] {
+            assert!(valid_arch(ok), "{ok}");
+        }
+        for bad in ["sm_90a", "compute_", "compute_9", "compute_9x", "compute_1000", "90a", "compute_90b"] {
+            assert!(!valid_arch(bad), "{bad}");
         }
     }
-    Ok(ptx)
 }

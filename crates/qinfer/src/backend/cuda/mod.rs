@@ -36,6 +36,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
+pub use compile::prebuild as prebuild_kernels;
 pub use types::{AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, QuantizedRow};
 
 const KERNEL_NAMES: &[&str] = &[
