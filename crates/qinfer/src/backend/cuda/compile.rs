@@ -69,16 +69,21 @@ pub fn ptx(arch: &'static str) -> Result<Ptx> {
     if let Ok(text) = std::fs::read_to_string(&path) {
         return Ok(Ptx::from_src(text));
     }
+    let ptx = compile(arch)?;
+    // Best effort: a read-only cache only costs a recompile next time.
+    let _ = write_cache(&path, &ptx);
+    Ok(ptx)
+}
+
+/// The kernels compiled by NVRTC for `arch`.
+fn compile(arch: &'static str) -> Result<Ptx> {
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec![include_dir()?],
         options: vec!["--std=c++17".into()],
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(KERNELS, opts).map_err(|e| Error::Invalid(format!("NVRTC: {e}")))?;
-    // Best effort: a read-only cache only costs a recompile next time.
-    let _ = write_cache(&path, &ptx);
-    Ok(ptx)
+    compile_ptx_with_opts(KERNELS, opts).map_err(|e| Error::Invalid(format!("NVRTC: {e}")))
 }
 
 /// Writes `ptx` to the cache file `path` whole (a temporary file renamed),
@@ -91,9 +96,10 @@ fn write_cache(path: &std::path::Path, ptx: &Ptx) -> std::io::Result<()> {
 }
 
 /// Compiles the kernels for `arch` into the disk cache (see [`ptx`]) on a
-/// machine that need not have a GPU: a later run on a device of that
-/// architecture loads them instead of compiling at first use. Needs NVRTC
-/// and CUDA's headers; returns the cache file.
+/// machine that need not have a GPU, unless the cache holds them already: a
+/// later run on a device of that architecture loads them instead of
+/// compiling at first use. Needs NVRTC and CUDA's headers; returns the
+/// cache file.
 pub fn prebuild(arch: &str) -> Result<PathBuf> {
     if !valid_arch(arch) {
         return Err(Error::Invalid(format!(
@@ -105,10 +111,9 @@ pub fn prebuild(arch: &str) -> Result<PathBuf> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::Invalid("NVRTC (libnvrtc) is not installed or not on the library path".into()));
     }
-    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
     let path = cache_path(arch);
-    let ptx = ptx(arch)?;
     if !path.exists() {
+        let ptx = compile(Box::leak(arch.to_string().into_boxed_str()))?;
         write_cache(&path, &ptx).map_err(|e| Error::Invalid(format!("writing {}: {e}", path.display())))?;
     }
     Ok(path)
