@@ -117,6 +117,12 @@ fn bad_inputs_are_clear_errors() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("/nonexistent/model"), "{}", stderr(&o));
 
+    // A missing file: its path and the system's reason, said once.
+    let o = qinfer(&["bench", "--random-weights", "--config", "/nonexistent/config.json"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("/nonexistent/config.json") && e.matches("os error").count() == 1, "{e}");
+
     // Unknown architecture: the error lists what is supported.
     let d = temp_dir("arch");
     let mut cfg: serde_json::Value =

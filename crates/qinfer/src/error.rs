@@ -4,12 +4,10 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is part of the message, not a separate source: the CLI
+    /// prints an error's chain of sources, which would repeat it.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: malformed file: {reason}")]
     Malformed { path: PathBuf, reason: String },
     #[error("config field `{field}`: {reason}")]
@@ -30,7 +28,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io { path: path.into(), error: source }
     }
     pub fn malformed(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
         Error::Malformed { path: path.into(), reason: reason.into() }
