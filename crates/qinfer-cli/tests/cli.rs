@@ -58,6 +58,17 @@ fn generate_json_prints_only_new_tokens_matching_transformers() {
     assert!(v["text"].is_string());
 }
 
+/// With no token asked for, nothing runs, and the rates say so (not a
+/// prompt rate over no time).
+#[test]
+fn generate_of_no_tokens_reports_no_prompt_run() {
+    let dir = fixture("qwen3");
+    let o = qinfer(&["generate", "--model", dir.to_str().unwrap(), "--tokens", "1,2,3", "--max-tokens", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("prompt: 0 tokens, 0.0 tok/s | decode: 0 tokens, 0.0 tok/s"), "{e}");
+}
+
 #[test]
 fn score_writes_reference_logits_as_npy() {
     let r = reference("qwen2");

@@ -18,6 +18,7 @@ pub struct GenerateOptions {
 
 #[derive(Debug, Clone, Default)]
 pub struct GenerationStats {
+    /// Prompt tokens run through the model (none when no token was asked for).
     pub prompt_tokens: usize,
     pub prefill_time: Duration,
     /// Tokens produced by decode forwards (all but the first generated token).
@@ -70,12 +71,12 @@ pub fn generate(
         tracing::warn!("{capacity} tokens exceed the model's max_position_embeddings ({max_ctx})");
     }
     let mut seq = model.new_sequence(capacity);
-    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
     let mut context: Vec<u32> = prompt.to_vec();
     let mut out = Vec::new();
     if opts.max_new_tokens == 0 {
-        return Ok((out, stats));
+        return Ok((out, GenerationStats::default()));
     }
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
     let t0 = Instant::now();
     let next = prefill_sample(model, seq.as_mut(), prompt, opts.prefill_chunk, &mut sampler, &context)?;
     stats.prefill_time = t0.elapsed();
