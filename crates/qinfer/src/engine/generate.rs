@@ -70,12 +70,12 @@ pub fn generate(
     if capacity > max_ctx {
         tracing::warn!("{capacity} tokens exceed the model's max_position_embeddings ({max_ctx})");
     }
+    if opts.max_new_tokens == 0 {
+        return Ok((Vec::new(), GenerationStats::default()));
+    }
     let mut seq = model.new_sequence(capacity);
     let mut context: Vec<u32> = prompt.to_vec();
     let mut out = Vec::new();
-    if opts.max_new_tokens == 0 {
-        return Ok((out, GenerationStats::default()));
-    }
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
     let t0 = Instant::now();
     let next = prefill_sample(model, seq.as_mut(), prompt, opts.prefill_chunk, &mut sampler, &context)?;
