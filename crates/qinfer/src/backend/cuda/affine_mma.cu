@@ -56,9 +56,10 @@
 // and the row's 1/rms multiplies the sums in the epilogue. This saves the
 // norm kernel between a residual add and the next block's first projection.
 //
-// The bias may be the output itself (one activation row): each output reads
-// its own bias value just before writing it, which is how a block's last
-// projection adds into the residual stream.
+// The bias may be the output itself (one activation row): the thread that
+// writes an output reads its own bias value (at the start of the tile, where
+// the MMAs cover the load), which is how a block's last projection adds into
+// the residual stream.
 
 #define AMMA_WARPS 8
 #define AMMA_STAGES 3
