@@ -437,12 +437,14 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     int steps = batches * my_tiles;  // this warp's stages, tile by tile
     size_t row_bytes = (size_t)in_dim * BITS / 8;
     const unsigned char* wbase = reinterpret_cast<const unsigned char*>(w);
+    const unsigned long long streamed = l2_evict_first();  // the levels' L2 policy
     const unsigned char* side_base = reinterpret_cast<const unsigned char*>(lane < 16 ? scales : biases);
     // Stage after stage: 16-byte pieces of the levels (4 rows per
-    // instruction, 8 lanes a row), and one row's scales (lanes 0-15) or
-    // biases (16-31). The copy state advances by additions: the loop is
-    // issue-bound (a division and four 64-bit row products a stage were a
-    // third of its instructions), so the row addresses are found once a tile.
+    // instruction, 8 lanes a row; first out of L2, see l2_evict_first), and
+    // one row's scales (lanes 0-15) or biases (16-31). The copy state
+    // advances by additions: the loop is issue-bound (a division and four
+    // 64-bit row products a stage were a third of its instructions), so the
+    // row addresses are found once a tile.
     const unsigned char* src[4];
     const unsigned char* side_src = nullptr;
     int issued = 0, issue_batch = 0, issue_tile = 0, issue_slot = 0;  // issue_tile: this block's tile index
@@ -462,7 +464,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             unsigned char* st = reinterpret_cast<unsigned char*>(ring + issue_slot);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                cp_async<16>(st + level_dst + 4 * i * AMMA_PITCH, src[i], true);
+                cp_async_hinted(st + level_dst + 4 * i * AMMA_PITCH, src[i], streamed);
                 src[i] += UNITS * UNIT_BYTES;
             }
 #pragma unroll
