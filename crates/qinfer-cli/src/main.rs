@@ -23,6 +23,11 @@ struct Cli {
     /// finishes (measuring the overlap; same results, slower).
     #[arg(long, global = true)]
     no_overlapped_launches: bool,
+    /// How the CUDA KV cache stores keys and values: f16 (the default: half
+    /// the memory, and half the bytes each decode step reads from a long
+    /// context) or f32 (as computed).
+    #[arg(long, global = true, value_name = "f16|f32")]
+    kv_cache: Option<qinfer::backend::KvPrecision>,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,
@@ -76,6 +81,13 @@ fn main() {
             std::process::exit(2);
         }),
         false => device,
+    };
+    let device = match cli.kv_cache {
+        Some(kv) => device.with_kv_precision(kv).unwrap_or_else(|e| {
+            eprintln!("error: --kv-cache: {e}");
+            std::process::exit(2);
+        }),
+        None => device,
     };
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),

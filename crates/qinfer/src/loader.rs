@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::backend::KvPrecision;
 use crate::backend::cpu::CpuBackend;
 use crate::config::ModelConfig;
 use crate::engine::sampler::SamplingParams;
@@ -28,11 +29,13 @@ pub enum Device {
     /// record decode steps as CUDA graphs and replay them (the default);
     /// `overlap`: let each kernel be scheduled while the one before it
     /// finishes (programmatic dependent launch, compute capability 9.0 and
-    /// later; the default).
+    /// later; the default); `kv`: how KV caches store keys and values
+    /// (f16 by default).
     Cuda {
         ordinal: usize,
         graphs: bool,
         overlap: bool,
+        kv: KvPrecision,
     },
 }
 
@@ -41,7 +44,7 @@ impl Device {
     /// replaying recorded graphs (debugging; the results are the same).
     pub fn without_graphs(self) -> std::result::Result<Self, String> {
         match self {
-            Device::Cuda { ordinal, overlap, .. } => Ok(Device::Cuda { ordinal, graphs: false, overlap }),
+            Device::Cuda { ordinal, overlap, kv, .. } => Ok(Device::Cuda { ordinal, graphs: false, overlap, kv }),
             Device::Cpu => Err("turning CUDA graphs off needs a CUDA device (--device cuda[:N])".into()),
         }
     }
@@ -50,8 +53,16 @@ impl Device {
     /// has finished (measuring what the overlap gains; the results are the same).
     pub fn without_overlapped_launches(self) -> std::result::Result<Self, String> {
         match self {
-            Device::Cuda { ordinal, graphs, .. } => Ok(Device::Cuda { ordinal, graphs, overlap: false }),
+            Device::Cuda { ordinal, graphs, kv, .. } => Ok(Device::Cuda { ordinal, graphs, overlap: false, kv }),
             Device::Cpu => Err("overlapped kernel launches are a CUDA option (--device cuda[:N])".into()),
+        }
+    }
+
+    /// The same device, its KV caches storing keys and values as `kv`.
+    pub fn with_kv_precision(self, kv: KvPrecision) -> std::result::Result<Self, String> {
+        match self {
+            Device::Cuda { ordinal, graphs, overlap, .. } => Ok(Device::Cuda { ordinal, graphs, overlap, kv }),
+            Device::Cpu => Err("the KV cache's precision is a CUDA option (the CPU's cache is f32)".into()),
         }
     }
 }
@@ -61,9 +72,9 @@ impl std::str::FromStr for Device {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda { ordinal: 0, graphs: true, overlap: true }),
+            "cuda" => Ok(Device::Cuda { ordinal: 0, graphs: true, overlap: true, kv: KvPrecision::default() }),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Device::Cuda { ordinal: n, graphs: true, overlap: true }),
+                Some(Ok(n)) => Ok(Device::Cuda { ordinal: n, graphs: true, overlap: true, kv: KvPrecision::default() }),
                 _ => Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
             },
         }
@@ -91,8 +102,8 @@ fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Result<Box<dyn L
     match device {
         Device::Cpu => build(cfg, weights, CpuBackend::new()),
         #[cfg(feature = "cuda")]
-        Device::Cuda { ordinal, graphs, overlap } => {
-            let mut backend = crate::backend::cuda::CudaBackend::new(ordinal)?;
+        Device::Cuda { ordinal, graphs, overlap, kv } => {
+            let mut backend = crate::backend::cuda::CudaBackend::new(ordinal)?.with_kv_precision(kv);
             if !graphs {
                 backend = backend.without_graphs();
             }

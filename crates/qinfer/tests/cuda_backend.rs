@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use common::DecodedBlocks;
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::CudaBackend;
-use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
+use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, KvPrecision, QkvShape, Routing};
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::sampler::{Sampler, SamplingParams};
@@ -101,8 +101,23 @@ impl Pair {
     }
 }
 
+/// Attention over an f16 cache against the CPU's over the f32 values (where
+/// the test cannot round the CPU's rows as the cache does): keys and values
+/// each off by at most 2^-11 of themselves move the softmax weights and the
+/// weighted sum by a few 2^-11 of the output's largest value. The same bound
+/// as the prefill's tensor cores, which round q and the weights to f16 too.
+const F16_CACHE_TOL: f32 = 3e-3;
+
+/// [`pair`] with the fast backend's KV cache stored as `kv`.
+fn pair_kv(kv: KvPrecision) -> Option<Pair> {
+    let mut p = pair()?;
+    p.gpu = p.gpu.with_kv_precision(kv);
+    Some(p)
+}
+
 fn pair() -> Option<Pair> {
-    let split = gpu()?.with_split_activations();
+    // The parity configuration: prefill GEMMs near f32, and an f32 KV cache.
+    let split = gpu()?.with_split_activations().with_kv_precision(KvPrecision::F32);
     gpu().map(|g| Pair { cpu: CpuBackend::new(), gpu: g, split })
 }
 
@@ -566,10 +581,10 @@ fn random_affine_models_decode_like_the_cpu() {
     for (name, json) in [("dense", dense), ("hybrid", hybrid)] {
         let config = dir.join(format!("{name}.json"));
         std::fs::write(&config, json).unwrap();
-        for storage in ["q4g64", "q8g32", "q4g128"] {
+        for (storage, kv) in [("q4g64", KvPrecision::F16), ("q8g32", KvPrecision::F16), ("q4g128", KvPrecision::F32)] {
             let storage = storage.parse().unwrap();
             let (_, cpu) = loader::random_model(&config, storage, Device::Cpu).unwrap();
-            let cuda = Device::Cuda { ordinal: 0, graphs: true, overlap: true };
+            let cuda = Device::Cuda { ordinal: 0, graphs: true, overlap: true, kv };
             let (_, gpu) = loader::random_model(&config, storage, cuda).unwrap();
             let (mut sc, mut sg) = (cpu.new_sequence(64), gpu.new_sequence(64));
             let prompt = [11u32, 250, 7, 1999, 42, 5];
@@ -583,8 +598,8 @@ fn random_affine_models_decode_like_the_cpu() {
                 let c = cpu.forward(sc.as_mut(), &[t], Logits::Last).unwrap();
                 worst = worst.max(rel(&g, &c));
             }
-            println!("{name} {storage}: logits rel to the CPU at most {worst:.2e}");
-            assert!(worst < 2e-3, "{name} {storage}: logits rel {worst} to the CPU");
+            println!("{name} {storage} {kv:?} cache: logits rel to the CPU at most {worst:.2e}");
+            assert!(worst < 2e-3, "{name} {storage} {kv:?} cache: logits rel {worst} to the CPU");
         }
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -672,11 +687,19 @@ fn attention_over_the_cache_matches_cpu() {
     // Steps of 1, 3 and 8 rows at up to 1400 keys (one chunk and several),
     // windows shorter and longer than a chunk; longer steps take the
     // one-block-per-head kernel.
+    // The f16 cache (the default) against the CPU over keys and values
+    // rounded to f16 as it stores them: the same arithmetic, so f32 bounds.
+    // An f32 cache, and the split-activation backend's (f32 too), against
+    // the CPU over the values themselves.
+    let gpu32 = gpu().unwrap().with_kv_precision(KvPrecision::F32);
+    let to_f16 = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect::<Vec<_>>();
     for (nh, nkv, hd) in [(4, 2, 32), (8, 2, 128), (14, 2, 64), (4, 4, 256), (16, 2, 128), (6, 3, 128)] {
         for window in [None, Some(5), Some(300)] {
             let shape = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window, scale: 0.2 };
             let mut cc = p.cpu.new_cache(2, nkv * hd, 1500);
+            let mut c16 = p.cpu.new_cache(2, nkv * hd, 1500);
             let mut cg = p.gpu.new_cache(2, nkv * hd, 1500);
+            let mut c32 = gpu32.new_cache(2, nkv * hd, 1500);
             let mut cs = p.split.new_cache(2, nkv * hd, 1500);
             for step in [9usize, 1, 3, 8, 1, 20, 600, 1, 3, 8, 700, 1, 8] {
                 let qv = r.vec(step * nh * hd);
@@ -686,24 +709,41 @@ fn attention_over_the_cache_matches_cpu() {
                 let (kc, kg) = p.acts(step, nkv * hd, &kv);
                 let (vc, vg) = p.acts(step, nkv * hd, &vv);
                 p.cpu.write_kv(&mut cc, 1, &kc, &vc);
+                let (k16, v16) = (to_f16(&kv), to_f16(&vv));
+                p.cpu.write_kv(
+                    &mut c16,
+                    1,
+                    &p.cpu.act_from_host(step, nkv * hd, &k16),
+                    &p.cpu.act_from_host(step, nkv * hd, &v16),
+                );
                 p.gpu.write_kv(&mut cg, 1, &kg, &vg);
                 let oc = p.cpu.attention(&qc, &cc, 1, &shape);
+                let o16 = p.cpu.attention(&qc, &c16, 1, &shape);
                 let og = p.gpu.attention(&qg, &cg, 1, &shape);
                 let what = format!("attention {nh}/{nkv}×{hd} window {window:?} at {} + {step}", cc.len());
                 // Prefill steps of head dims 64/128/256 run on the tensor
                 // cores with f16 inputs; the split-activation backend keeps
                 // them exact.
                 let flash = step > 8 && matches!(hd, 64 | 128 | 256);
-                p.check(&what, &oc, &og, if flash { 3e-3 } else { 1e-5 });
+                let tol = if flash { 3e-3 } else { 1e-5 };
+                p.check(&format!("{what} f16 cache"), &o16, &og, tol);
+                let g32 = |v: &[f32]| gpu32.act_from_host(step, v.len() / step, v);
+                gpu32.write_kv(&mut c32, 1, &g32(&kv), &g32(&vv));
+                let o32 = gpu32.attention(&g32(&qv), &c32, 1, &shape);
+                let e = rel(&gpu32.to_host(&o32), &p.cpu.to_host(&oc));
+                assert!(e <= tol, "{what} f32 cache: rel {e} > {tol}");
                 let (ks, vs) = (p.split.act_from_host(step, nkv * hd, &kv), p.split.act_from_host(step, nkv * hd, &vv));
                 p.split.write_kv(&mut cs, 1, &ks, &vs);
                 let os = p.split.attention(&p.split.act_from_host(step, nh * hd, &qv), &cs, 1, &shape);
                 let e = rel(&p.split.to_host(&os), &p.cpu.to_host(&oc));
                 assert!(e <= 1e-5, "{what} split activations: rel {e}");
                 let n = cc.len() + step;
-                cc.set_len(n);
-                cg.set_len(n);
-                cs.set_len(n);
+                for c in [&mut cc, &mut c16] {
+                    c.set_len(n);
+                }
+                for c in [&mut cg, &mut c32, &mut cs] {
+                    c.set_len(n);
+                }
             }
         }
     }
@@ -897,11 +937,11 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
         let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         // Default precision (prefill activations rounded to bf16): reported, not asserted.
-        let fast = m.load(Device::Cuda { ordinal: 0, graphs: true, overlap: true }, false).unwrap();
+        let fast = m.load("cuda".parse().unwrap(), false).unwrap();
         let mut seq = fast.new_sequence(input.len());
         let d_fast = max_abs(&fast.forward(seq.as_mut(), &input, Logits::All).unwrap(), &want);
-        // Split activations: the parity configuration.
-        let backend = CudaBackend::new(0).unwrap().with_split_activations();
+        // Split activations and an f32 KV cache: the parity configuration.
+        let backend = CudaBackend::new(0).unwrap().with_split_activations().with_kv_precision(KvPrecision::F32);
         let lm = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {}).unwrap();
         let mut seq = lm.new_sequence(input.len());
         let d = max_abs(&lm.forward(seq.as_mut(), &input, Logits::All).unwrap(), &want);
@@ -925,6 +965,10 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
         let opts = GenerateOptions { max_new_tokens: want_greedy.len(), stop_tokens: vec![], prefill_chunk: 512 };
         let (got_greedy, _) = generate(&lm, &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         assert_eq!(got_greedy, want_greedy, "{}: greedy on CUDA", dir.display());
+        // The default configuration (bf16 prefill activations, f16 KV cache) too.
+        let (fast_greedy, _) =
+            generate(fast.as_ref(), &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
+        assert_eq!(fast_greedy, want_greedy, "{}: greedy on CUDA, default precision", dir.display());
     }
 }
 
@@ -988,16 +1032,14 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         let vocab = m.config.vocab_size;
         let mut r = Rng::fresh();
         let prompt: Vec<u32> = (0..250).map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32).collect();
-        // Split activations: the prefill's GEMMs close to f32, like the CPU's.
-        let backend = CudaBackend::new(0).unwrap().with_split_activations();
+        // Split activations and an f32 cache: the prefill's GEMMs close to
+        // f32, like the CPU's (the f16 cache's recorded steps replay in
+        // new_sequences_replay_the_steps_a_dropped_one_recorded).
+        let parity = || CudaBackend::new(0).unwrap().with_split_activations().with_kv_precision(KvPrecision::F32);
+        let backend = parity();
         let replays = backend.replay_counter();
         let graphs = DecoderModel::load(m.config.clone(), m.source.as_ref(), backend, &|_| {});
-        let eager = DecoderModel::load(
-            m.config.clone(),
-            m.source.as_ref(),
-            CudaBackend::new(0).unwrap().with_split_activations().without_graphs(),
-            &|_| {},
-        );
+        let eager = DecoderModel::load(m.config.clone(), m.source.as_ref(), parity().without_graphs(), &|_| {});
         let (graphs, eager) = (graphs.unwrap(), eager.unwrap());
         let cpu = m.load_cpu(false).unwrap();
         let (mut sg, mut se, mut sc) = (graphs.new_sequence(600), eager.new_sequence(600), cpu.new_sequence(600));
@@ -1433,7 +1475,14 @@ fn profile_decode_ops_at_8b_shapes() {
 /// composition of the separate ops; the caches compared through attention.
 #[test]
 fn qkv_prologue_and_swiglu_match_cpu() {
-    let Some(p) = pair() else { return };
+    for kv in [KvPrecision::F32, KvPrecision::F16] {
+        qkv_prologue_and_swiglu_with(kv);
+    }
+}
+
+fn qkv_prologue_and_swiglu_with(kv: KvPrecision) {
+    let Some(p) = pair_kv(kv) else { return };
+    let cache_tol = if kv == KvPrecision::F16 { F16_CACHE_TOL } else { 1e-5 };
     let mut r = Rng::fresh();
     let configs = [
         (4, 2, 32, false, true, 32, RopeStyle::Neox),
@@ -1455,7 +1504,8 @@ fn qkv_prologue_and_swiglu_match_cpu() {
             let start = cc.len();
             let positions: Vec<usize> = (start..start + rows).collect();
             let (xc, xg) = p.acts(rows, width, &r.vec(rows * width));
-            let what = format!("qkv_prologue {nh}/{nkv}×{hd} gate {output_gate} rot {rot} {style:?} at {start}+{rows}");
+            let what =
+                format!("qkv_prologue {nh}/{nkv}×{hd} gate {output_gate} rot {rot} {style:?} at {start}+{rows} {kv:?}");
             let norms_c = with_norms.then_some((&qnc, &knc));
             let norms_g = with_norms.then_some((&qng, &kng));
             let (qc, gc) = p.cpu.qkv_prologue(&xc, &shape, norms_c, 1e-6, &positions, &rope, &mut cc, 0);
@@ -1466,7 +1516,7 @@ fn qkv_prologue_and_swiglu_match_cpu() {
                 p.check(&format!("{what} gate"), &gc, &gg, 0.0);
             }
             let (oc, og) = (p.cpu.attention(&qc, &cc, 0, &attn), p.gpu.attention(&qg, &cg, 0, &attn));
-            p.check(&format!("{what} cache"), &oc, &og, 1e-5);
+            p.check(&format!("{what} cache"), &oc, &og, cache_tol);
             cc.set_len(start + rows);
             cg.set_len(start + rows);
         }
@@ -1498,7 +1548,14 @@ fn qkv_prologue_and_swiglu_match_cpu() {
 /// block (and prompts) take the composed path, checked the same way.
 #[test]
 fn qkv_attention_folds_the_prologue_into_decode() {
-    let Some(p) = pair() else { return };
+    for kv in [KvPrecision::F32, KvPrecision::F16] {
+        qkv_attention_folds_with(kv);
+    }
+}
+
+fn qkv_attention_folds_with(kv: KvPrecision) {
+    let Some(p) = pair_kv(kv) else { return };
+    let cache_tol = if kv == KvPrecision::F16 { F16_CACHE_TOL } else { 1e-5 };
     let mut r = Rng::fresh();
     let configs = [
         (4, 4, 64, false, true, 64, RopeStyle::Neox, None),
@@ -1524,12 +1581,12 @@ fn qkv_attention_folds_the_prologue_into_decode() {
             let positions: Vec<usize> = (start..start + rows).collect();
             let (xc, xg) = p.acts(rows, width, &r.vec(rows * width));
             let what = format!(
-                "qkv_attention {nh}/{nkv}x{hd} gate {output_gate} rot {rot} {style:?} {window:?} at {start}+{rows}"
+                "qkv_attention {nh}/{nkv}x{hd} gate {output_gate} rot {rot} {style:?} {window:?} at {start}+{rows} {kv:?}"
             );
             let (oc, gc) = p.cpu.qkv_attention(&xc, &shape, norms_c, 1e-6, &positions, &rope, &mut cc, 1, &attn);
             let (og, gg) = p.gpu.qkv_attention(&xg, &shape, norms_g, 1e-6, &positions, &rope, &mut cg, 1, &attn);
             let flash = rows > 8;
-            p.check(&what, &oc, &og, if flash { 3e-3 } else { 1e-5 });
+            p.check(&what, &oc, &og, if flash { 3e-3 } else { cache_tol });
             assert_eq!(gc.is_some(), gg.is_some(), "{what}: gate");
             if let (Some(gc), Some(gg)) = (gc, gg) {
                 p.check(&format!("{what} gate"), &gc, &gg, 0.0);
@@ -1544,8 +1601,8 @@ fn qkv_attention_folds_the_prologue_into_decode() {
         p.cpu.write_kv(&mut cc, 1, &kc, &kc);
         p.gpu.write_kv(&mut cg, 1, &kg, &kg);
         let wide = AttentionShape { window: None, ..attn };
-        let what = format!("qkv_attention {nh}/{nkv}x{hd} cache");
-        p.check(&what, &p.cpu.attention(&qc, &cc, 1, &wide), &p.gpu.attention(&qg, &cg, 1, &wide), 1e-5);
+        let what = format!("qkv_attention {nh}/{nkv}x{hd} cache {kv:?}");
+        p.check(&what, &p.cpu.attention(&qc, &cc, 1, &wide), &p.gpu.attention(&qg, &cg, 1, &wide), cache_tol);
     }
 }
 

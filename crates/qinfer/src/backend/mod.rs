@@ -48,6 +48,40 @@ pub trait KvCache: Send {
     fn capacity(&self) -> usize;
 }
 
+/// How a device KV cache stores keys and values (the CPU backend's is f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvPrecision {
+    /// Half the memory of f32, and half the bytes a decode step reads from a
+    /// long cache. Keys and values are rounded once, when written (11
+    /// significant bits, finer than the bf16 the reference models keep
+    /// them in); the attention's arithmetic stays f32.
+    #[default]
+    F16,
+    /// Keys and values as computed.
+    F32,
+}
+
+impl KvPrecision {
+    /// Bytes of one stored value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvPrecision::F16 => 2,
+            KvPrecision::F32 => 4,
+        }
+    }
+}
+
+impl std::str::FromStr for KvPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f16" => Ok(KvPrecision::F16),
+            "f32" => Ok(KvPrecision::F32),
+            _ => Err(format!("unknown KV cache precision `{s}` (expected f16 or f32)")),
+        }
+    }
+}
+
 /// One expert's SwiGLU weights: `down(silu(gate(x)) ⊙ up(x))`.
 pub struct ExpertWeights<W> {
     pub gate: W,

@@ -837,6 +837,26 @@ extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq
     rope_pair(x + (size_t)r * cols + (size_t)h * head_dim, i, step[0] + r, inv_freq[i], half, style);
 }
 
+// The KV cache holds f32 or f16 values (mod.rs `KvPrecision`): f16 halves
+// the bytes every decode step reads (and the prefill's tensor cores take f16
+// keys and values as they lie). A value is rounded once, where it is written;
+// the arithmetic on it stays in f32.
+__device__ __forceinline__ float kv_load(const float* p) { return *p; }
+__device__ __forceinline__ float kv_load(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_store(__half* p, float v) { *p = __float2half_rn(v); }
+// v as the cache holds it.
+__device__ __forceinline__ float kv_rounded(float v, const float*) { return v; }
+__device__ __forceinline__ float kv_rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
+// Four consecutive values (16- or 8-byte aligned) as a float4.
+__device__ __forceinline__ float4 kv_load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 kv_load4(const __half* p) {
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // The attention prologue from a stacked q|k|v projection, one block per
 // (row, head) over the query heads then the KV heads: the head's values
 // (after the gate, for q_proj rows holding [query, gate] per head) RMS-normed
@@ -845,7 +865,8 @@ extern "C" __global__ void rope(float* x, const int* step, const float* inv_freq
 // beside it. Same arithmetic as rms_norm then rope then kv_append. The norm
 // weight and the rotation frequency of each thread's first value are read
 // before the wait for the kernel before (no kernel writes them).
-__device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
+template <typename T>
+__device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,
                                   const float* q_norm, const float* k_norm, const float* inv_freq, const int* step,
                                   int num_heads, int num_kv_heads, int head_dim, int output_gate, float eps,
                                   int rotary_dim, int style) {
@@ -863,7 +884,8 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
     int pos = step[0] + t;
     if (!is_q) {
         const float* v = row + q_rows + kv_dim + kh * head_dim;
-        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) values[(size_t)pos * kv_dim + kh * head_dim + c] = v[c];
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
+            kv_store(values + (size_t)pos * kv_dim + kh * head_dim + c, v[c]);
     } else if (output_gate) {
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
             gate_out[((size_t)t * num_heads + hh) * head_dim + c] = src[head_dim + c];
@@ -880,41 +902,53 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
     for (int i = threadIdx.x; i < half; i += blockDim.x)
         rope_pair(head, i, pos, i == c0 ? freq0 : inv_freq[i], half, style);
     __syncthreads();
-    float* dst = is_q ? q_out + ((size_t)t * num_heads + hh) * head_dim : keys + (size_t)pos * kv_dim + kh * head_dim;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
+    if (is_q) {
+        float* dst = q_out + ((size_t)t * num_heads + hh) * head_dim;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
+    } else {
+        T* dst = keys + (size_t)pos * kv_dim + kh * head_dim;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) kv_store(dst + c, head[c]);
+    }
 }
 
-extern "C" __global__ void qkv_prologue(const float* qkv, float* q_out, float* gate_out, float* keys, float* values,
-                                        const float* q_norm, const float* k_norm, const float* inv_freq,
-                                        const int* step, int num_heads, int num_kv_heads, int head_dim,
-                                        int output_gate, float eps, int rotary_dim, int style) {
-    qkv_prologue_head(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads, num_kv_heads,
-                      head_dim, output_gate, eps, rotary_dim, style);
-}
+#define QKV_PROLOGUE(NAME, T)                                                                                      \
+    extern "C" __global__ void NAME(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,          \
+                                    const float* q_norm, const float* k_norm, const float* inv_freq,             \
+                                    const int* step, int num_heads, int num_kv_heads, int head_dim,              \
+                                    int output_gate, float eps, int rotary_dim, int style) {                     \
+        qkv_prologue_head<T>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads,       \
+                             num_kv_heads, head_dim, output_gate, eps, rotary_dim, style);                        \
+    }
+QKV_PROLOGUE(qkv_prologue, float)
+QKV_PROLOGUE(qkv_prologue_f16, __half)
 
 // Rows of k and v into the cache at positions step[0].. (one thread per value).
-extern "C" __global__ void kv_append(const float* k, const float* v, float* keys, float* values, const int* step,
-                                     int rows, int kv_dim) {
-    grid_dependency_wait();
-    long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
-    if (i >= (long)rows * kv_dim) return;
-    size_t dst = (size_t)step[0] * kv_dim + i;
-    keys[dst] = k[i];
-    values[dst] = v[i];
-}
+#define KV_APPEND(NAME, T)                                                                                         \
+    extern "C" __global__ void NAME(const float* k, const float* v, T* keys, T* values, const int* step, int rows, \
+                                    int kv_dim) {                                                                  \
+        grid_dependency_wait();                                                                                    \
+        long i = blockIdx.x * (long)blockDim.x + threadIdx.x;                                                      \
+        if (i >= (long)rows * kv_dim) return;                                                                      \
+        size_t dst = (size_t)step[0] * kv_dim + i;                                                                 \
+        kv_store(keys + dst, k[i]);                                                                                \
+        kv_store(values + dst, v[i]);                                                                              \
+    }
+KV_APPEND(kv_append, float)
+KV_APPEND(kv_append_f16, __half)
 
 // ---------------------------------------------------------------------------
 // Keys [lo, lo + n) of one KV head (at column `head_off` of rows `kv_dim` wide)
 // scored against the query `qh` into `scores`, then replaced by e^(score − max).
 // Returns (max, Σ e^(score − max)). Every thread of the block calls it.
-__device__ float2 score_keys(const float* qh, const float* keys, int lo, int n, int kv_dim, int head_off,
+template <typename T>
+__device__ float2 score_keys(const float* qh, const T* keys, int lo, int n, int kv_dim, int head_off,
                              int head_dim, float scale, float* scores) {
     __shared__ float red[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int j = warp; j < n; j += warps) {
-        const float* k = keys + (size_t)(lo + j) * kv_dim + head_off;
+        const T* k = keys + (size_t)(lo + j) * kv_dim + head_off;
         float d = 0.0f;
-        for (int c = lane; c < head_dim; c += 32) d += qh[c] * k[c];
+        for (int c = lane; c < head_dim; c += 32) d += qh[c] * kv_load(k + c);
         d = warp_sum(d);
         if (lane == 0) scores[j] = d * scale;
     }
@@ -937,22 +971,23 @@ __device__ float2 score_keys(const float* qh, const float* keys, int lo, int n, 
 }
 
 // o[c] = mul · Σ_j weights[j] · values[lo + j][head_off + c].
-__device__ void weigh_values(const float* weights, const float* values, int lo, int n, int kv_dim, int head_off,
+template <typename T>
+__device__ void weigh_values(const float* weights, const T* values, int lo, int n, int kv_dim, int head_off,
                              int head_dim, float mul, float* o) {
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < n; j++) acc += weights[j] * values[(size_t)(lo + j) * kv_dim + head_off + c];
+        for (int j = 0; j < n; j++) acc += weights[j] * kv_load(values + (size_t)(lo + j) * kv_dim + head_off + c);
         o[c] = acc * mul;
     }
 }
 
-// Causal (optionally sliding-window) GQA attention over the f32 cache. One
+// Causal (optionally sliding-window) GQA attention over the cache. One
 // block per (query row, head): scores for every visible key in shared memory,
 // softmax, then the weighted sum of values. The simple form; a split-K
 // flash-decoding kernel replaces it for long contexts.
-extern "C" __global__ void attention(const float* q, const float* keys, const float* values, float* out,
-                                     const int* step, int num_heads, int num_kv_heads, int head_dim, int window,
-                                     float scale) {
+template <typename T>
+__device__ void attention_exact(const float* q, const T* keys, const T* values, float* out, const int* step,
+                                int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
     grid_dependency_wait();
     extern __shared__ float scores[];
     int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
@@ -965,6 +1000,13 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
     float2 ml = score_keys(q + row_head, keys, first, n, kv_dim, head_off, head_dim, scale, scores);
     weigh_values(scores, values, first, n, kv_dim, head_off, head_dim, 1.0f / ml.y, out + row_head);
 }
+#define ATTENTION_EXACT(NAME, T)                                                                                   \
+    extern "C" __global__ void NAME(const float* q, const T* keys, const T* values, float* out, const int* step,   \
+                                    int num_heads, int num_kv_heads, int head_dim, int window, float scale) {     \
+        attention_exact<T>(q, keys, values, out, step, num_heads, num_kv_heads, head_dim, window, scale);          \
+    }
+ATTENTION_EXACT(attention, float)
+ATTENTION_EXACT(attention_f16, __half)
 
 // ---------------------------------------------------------------------------
 // Split-K (flash-decoding) attention for a few query rows over a long cache:
@@ -977,9 +1019,10 @@ extern "C" __global__ void attention(const float* q, const float* keys, const fl
 // last key are empty. With one split, `direct` receives the normalized output
 // and no combine is needed.
 #define ATTN_CHUNK 128
-extern "C" __global__ void attention_split(const float* q, const float* keys, const float* values, float* part_o,
-                                           float* part_ml, float* direct, const int* step, int num_heads,
-                                           int num_kv_heads, int head_dim, int window, float scale, int splits) {
+template <typename T>
+__device__ void attention_split_chunk(const float* q, const T* keys, const T* values, float* part_o, float* part_ml,
+                                      float* direct, const int* step, int num_heads, int num_kv_heads, int head_dim,
+                                      int window, float scale, int splits) {
     grid_dependency_wait();
     __shared__ float scores[ATTN_CHUNK];
     int row_head = blockIdx.x, split = blockIdx.y;
@@ -1006,6 +1049,15 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
     weigh_values(scores, values, lo, n, kv_dim, head_off, head_dim, 1.0f, o);
     if (threadIdx.x == 0) { part_ml[2 * part] = ml.x; part_ml[2 * part + 1] = ml.y; }
 }
+#define ATTENTION_SPLIT(NAME, T)                                                                                   \
+    extern "C" __global__ void NAME(const float* q, const T* keys, const T* values, float* part_o, float* part_ml,  \
+                                    float* direct, const int* step, int num_heads, int num_kv_heads, int head_dim, \
+                                    int window, float scale, int splits) {                                         \
+        attention_split_chunk<T>(q, keys, values, part_o, part_ml, direct, step, num_heads, num_kv_heads,          \
+                                 head_dim, window, scale, splits);                                                 \
+    }
+ATTENTION_SPLIT(attention_split, float)
+ATTENTION_SPLIT(attention_split_f16, __half)
 
 // The same split-K decode attention for head dims of 64, 128 and 256, with
 // GQA sharing: a block takes one KV head's chunk of keys for up to
@@ -1038,24 +1090,29 @@ extern "C" __global__ void attention_split(const float* q, const float* keys, co
 #define DECODE_FUSED_HEADS 2
 #define DECODE_THREADS 256
 // Keys per block (`chunk`, chosen by mod.rs `decode_plan`): a cache of at
-// most DECODE_ONE_BLOCK / HD keys is one block's, its f32 key and value rows
-// 128 KB of shared memory (fewer keys, a power of two and at least 32, on a
-// device that gives a block less); longer caches are split in chunks of half
-// that (64 KB), so that three blocks share an SM and one's loads overlap
-// another's arithmetic. The warps' value sums reuse the keys' rows, which
-// 32 keys fill exactly.
+// most DECODE_ONE_BLOCK / HD keys is one block's, its key and value rows
+// 128 KB of shared memory in f32, 64 KB in f16 (fewer keys, a power of two
+// and at least 32, on a device that gives a block less); longer caches are
+// split in chunks of 64 KB of rows (mod.rs `decode_plan`), so that three
+// blocks share an SM and one's loads overlap another's arithmetic. The warps' value sums reuse the keys'
+// rows: 8 warps' float4 sums of DECODE_HEADS heads fill the rows of
+// decode_red_keys<T>() keys (32 in f32, 64 in f16), and a chunk of fewer
+// keys leaves that much room before the values (mod.rs `decode_shared`).
 #define DECODE_ONE_BLOCK 16384
+template <typename T>
+__host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }
 // Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
-// `ks` and values to `vs` (HD floats a row), in one cp.async group.
-template <int HD>
-__device__ __forceinline__ void decode_stage_rows(const float* keys, const float* values, float* ks, float* vs,
-                                                  int lo, int j0, int j1, int kv_dim, int kvh) {
-    constexpr int PIECES = HD / 4;  // 16-byte pieces a row
+// `ks` and values to `vs` (HD values a row), in one cp.async group.
+template <int HD, typename T>
+__device__ __forceinline__ void decode_stage_rows(const T* keys, const T* values, T* ks, T* vs, int lo, int j0,
+                                                  int j1, int kv_dim, int kvh) {
+    constexpr int PER = 16 / (int)sizeof(T);  // values a 16-byte piece
+    constexpr int PIECES = HD / PER;         // pieces a row
     for (int i = j0 * PIECES + threadIdx.x; i < j1 * PIECES; i += DECODE_THREADS) {
         int j = i / PIECES, p = i % PIECES;
-        size_t src = (size_t)(lo + j) * kv_dim + kvh * HD + 4 * p;
-        cp_async<16>(ks + j * HD + 4 * p, keys + src, true);
-        cp_async<16>(vs + j * HD + 4 * p, values + src, true);
+        size_t src = (size_t)(lo + j) * kv_dim + kvh * HD + PER * p;
+        cp_async<16>(ks + j * HD + PER * p, keys + src, true);
+        cp_async<16>(vs + j * HD + PER * p, values + src, true);
     }
     asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -1120,17 +1177,18 @@ struct DecodePrologue {
     int output_gate, rotary_dim, style;
 };
 
-template <int HD, bool FUSED, int HEADS>
-__device__ void attention_decode(const float* q, float* keys, float* values, float* part_o, float* part_ml,
-                                 float* direct, const int* step, int num_heads, int num_kv_heads, int window,
-                                 float scale, int splits, int chunk, DecodePrologue pro) {
+template <int HD, bool FUSED, int HEADS, typename T>
+__device__ void attention_decode(const float* q, T* keys, T* values, float* part_o, float* part_ml, float* direct,
+                                 const int* step, int num_heads, int num_kv_heads, int window, float scale,
+                                 int splits, int chunk, DecodePrologue pro) {
     constexpr int WARPS = DECODE_THREADS / 32;
-    constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // float4s per lane per value row
-    extern __shared__ float4 decode_rows[];       // keys [chunk][HD], then values
-    float* ks = reinterpret_cast<float*>(decode_rows);
-    float* vs = ks + chunk * HD;
+    constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // 4-value groups per lane per value row
+    static_assert(HEADS <= DECODE_HEADS, "the value sums must fit the keys' space");
+    extern __shared__ float4 decode_rows[];       // keys [max(chunk, red keys)][HD], then values
+    T* ks = reinterpret_cast<T*>(decode_rows);
+    T* vs = ks + max(chunk, decode_red_keys<T>()) * HD;
     // The warps' value sums reuse the keys' space (read only before the softmax).
-    auto red = reinterpret_cast<float4(*)[HEADS][HD / 4]>(ks);
+    auto red = reinterpret_cast<float4(*)[HEADS][HD / 4]>(decode_rows);
     __shared__ float qs[HEADS][HD];
     __shared__ float scores[HEADS][DECODE_ONE_BLOCK / HD];
     __shared__ float ml[HEADS][2];
@@ -1146,7 +1204,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     int kv_dim = num_kv_heads * HD;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
-    if (earlier > 0) decode_stage_rows<HD>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
+    if (earlier > 0) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
     DecodeHeadWeights<HD> hw;
     if constexpr (FUSED) decode_head_weights<HD>(hw, warp < HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
                                                  pro.rotary_dim / 2);
@@ -1174,21 +1232,25 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
                 if (pro.output_gate && holds_pos) pro.gate_out[(size_t)(h0 + warp) * HD + c] = src[HD + c];
             }
         } else if (holds_pos && warp == HEADS) {
-            float* row = ks + (pos - lo) * HD;
-            decode_head_prologue<HD>(q + q_rows + kvh * HD, row, hw, pro.k_norm, pro.eps, pro.rotary_dim / 2,
+            // The new key is made in f32, then stored as the cache holds it.
+            __shared__ float key_row[HD];
+            decode_head_prologue<HD>(q + q_rows + kvh * HD, key_row, hw, pro.k_norm, pro.eps, pro.rotary_dim / 2,
                                      pro.style);
-            if (blockIdx.z == 0)
-                for (int c = lane; c < HD; c += 32) keys[(size_t)pos * kv_dim + kvh * HD + c] = row[c];
+            T* row = ks + (pos - lo) * HD;
+            for (int c = lane; c < HD; c += 32) {
+                kv_store(row + c, key_row[c]);
+                if (blockIdx.z == 0) kv_store(keys + (size_t)pos * kv_dim + kvh * HD + c, key_row[c]);
+            }
         } else if (holds_pos && warp == HEADS + 1) {
             const float* src = q + q_rows + kv_dim + kvh * HD;
             for (int c = lane; c < HD; c += 32) {
                 float v = src[c];
-                vs[(pos - lo) * HD + c] = v;
-                if (blockIdx.z == 0) values[(size_t)pos * kv_dim + kvh * HD + c] = v;
+                kv_store(vs + (pos - lo) * HD + c, v);
+                if (blockIdx.z == 0) kv_store(values + (size_t)pos * kv_dim + kvh * HD + c, v);
             }
         }
     } else {
-        if (earlier < n) decode_stage_rows<HD>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
+        if (earlier < n) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
         for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
             qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
     }
@@ -1202,7 +1264,6 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
     for (int g = 0; g < HEADS; g++)
 #pragma unroll
         for (int f = 0; f < F4; f++) qv[g][f] = reinterpret_cast<const float4*>(qs[g])[f * LPK + l];
-    const float4* ks4 = reinterpret_cast<const float4*>(ks);
     for (int j0 = warp * KPW; j0 < n; j0 += 8 * WARPS * KPW) {
         float4 kv[8][F4];
 #pragma unroll
@@ -1210,7 +1271,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
             int j = j0 + u * WARPS * KPW + sub;
 #pragma unroll
             for (int f = 0; f < F4; f++)
-                kv[u][f] = j < n ? ks4[j * (HD / 4) + f * LPK + l] : make_float4(0.f, 0.f, 0.f, 0.f);
+                kv[u][f] = j < n ? kv_load4(ks + j * HD + 4 * (f * LPK + l)) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         // Each lane's share of the 8 keys' dot products with each head.
         float d[8 * HEADS];
@@ -1270,7 +1331,6 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
         if (lane == 0) { ml[warp][0] = m; ml[warp][1] = l; }
     }
     __syncthreads();
-    const float4* vs4 = reinterpret_cast<const float4*>(vs);
     if (HD >= 128) {
         float4 acc[HEADS][V4];
 #pragma unroll
@@ -1281,7 +1341,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
         for (int j = warp; j < n; j += WARPS) {
 #pragma unroll
             for (int v = 0; v < V4; v++) {
-                float4 x = vs4[j * (HD / 4) + lane + 32 * v];
+                float4 x = kv_load4(vs + j * HD + 4 * (lane + 32 * v));
 #pragma unroll
                 for (int g = 0; g < HEADS; g++) {
                     float p = scores[g][j];
@@ -1302,7 +1362,7 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
         for (int g = 0; g < HEADS; g++) a[g] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
         for (int j = 2 * warp + half; j < n; j += 2 * WARPS) {
-            float4 x = vs4[j * (HD / 4) + l16];
+            float4 x = kv_load4(vs + j * HD + 4 * l16);
 #pragma unroll
             for (int g = 0; g < HEADS; g++) {
                 float p = scores[g][j];
@@ -1334,26 +1394,30 @@ __device__ void attention_decode(const float* q, float* keys, float* values, flo
         }
     }
 }
-#define ATTENTION_DECODE(HD)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD(                             \
-        const float* q, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,          \
-        int nkv, int window, float scale, int splits, int chunk) {                                                 \
-        attention_decode<HD, false, DECODE_HEADS>(q, k, v, po, pml, direct, step, nh, nkv, window, scale, splits,  \
-                                                  chunk, DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, \
-                                                                        0, 0, 0});                                 \
+#define ATTENTION_DECODE(HD, SUFFIX, T)                                                                           \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##SUFFIX(                     \
+        const float* q, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,        \
+        int window, float scale, int splits, int chunk) {                                                          \
+        attention_decode<HD, false, DECODE_HEADS, T>(q, k, v, po, pml, direct, step, nh, nkv, window, scale,       \
+                                                     splits, chunk,                                                \
+                                                     DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, 0, 0, \
+                                                                    0});                                           \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue(                  \
-        const float* qkv, float* k, float* v, float* po, float* pml, float* direct, const int* step, int nh,        \
-        int nkv, int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,         \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue##SUFFIX(          \
+        const float* qkv, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,      \
+        int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,                  \
         const float* inv_freq, float* gate, float eps, int output_gate, int rotary_dim, int style) {               \
-        attention_decode<HD, true, DECODE_FUSED_HEADS>(qkv, k, v, po, pml, direct, step, nh, nkv, window, scale,   \
-                                                       splits, chunk,                                              \
-                                                       DecodePrologue{q_norm, k_norm, inv_freq, gate, eps,         \
-                                                                      output_gate, rotary_dim, style});            \
+        attention_decode<HD, true, DECODE_FUSED_HEADS, T>(qkv, k, v, po, pml, direct, step, nh, nkv, window,       \
+                                                          scale, splits, chunk,                                    \
+                                                          DecodePrologue{q_norm, k_norm, inv_freq, gate, eps,      \
+                                                                         output_gate, rotary_dim, style});         \
     }
-ATTENTION_DECODE(64)
-ATTENTION_DECODE(128)
-ATTENTION_DECODE(256)
+ATTENTION_DECODE(64, , float)
+ATTENTION_DECODE(128, , float)
+ATTENTION_DECODE(256, , float)
+ATTENTION_DECODE(64, _f16, __half)
+ATTENTION_DECODE(128, _f16, __half)
+ATTENTION_DECODE(256, _f16, __half)
 
 // Block (row·head, 32 of its values): out = Σ_s e^(m_s − M)·o_s / Σ_s e^(m_s − M)·l_s.
 // Each block computes every split's weight e^(m_s − M) once, into shared

@@ -30,7 +30,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, KvCache, QkvShape, Routing};
+use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, KvCache, KvPrecision, QkvShape, Routing};
 use crate::config::{GdnConfig, RopeStyle};
 use crate::engine::sampler::SamplingParams;
 use crate::models::rope::Rope;
@@ -73,6 +73,16 @@ const KERNEL_NAMES: &[&str] = &[
     "attention_decode256_prologue",
     "kv_append",
     "qkv_prologue",
+    "attention_f16",
+    "attention_split_f16",
+    "attention_decode64_f16",
+    "attention_decode128_f16",
+    "attention_decode256_f16",
+    "attention_decode64_prologue_f16",
+    "attention_decode128_prologue_f16",
+    "attention_decode256_prologue_f16",
+    "kv_append_f16",
+    "qkv_prologue_f16",
     "swiglu",
     "flash_prefill64",
     "flash_prefill128",
@@ -174,8 +184,8 @@ const GDN_CONV_WALKED_ROWS: usize = 8;
 /// Keys per block of the split-K decode attention (`ATTN_CHUNK` in kernels.cu).
 const ATTENTION_CHUNK: usize = 128;
 
-/// Shared memory of one `attention_decode{head_dim}` block that holds the
-/// whole cache (`DECODE_ONE_BLOCK` f32 values of keys and as many of values).
+/// Keys times head dim of one `attention_decode{head_dim}` block that holds
+/// the whole cache (`DECODE_ONE_BLOCK`): its key rows, and as many values.
 const DECODE_ONE_BLOCK: usize = 16384;
 
 /// Static shared memory of `attention_decode` (q, scores, sums: at most
@@ -197,38 +207,59 @@ fn check_token_ids(ids: &[u32], rows: usize) -> Result<()> {
 /// know it ([`DEVICE_PICK`]).
 const PICK_ON_DEVICE: i32 = -1;
 
-/// Keys whose f32 key and value rows an `attention_decode{head_dim}` block
-/// holds when one block takes the whole cache: DECODE_ONE_BLOCK / head_dim
-/// (128 KB of rows), or the largest power of two that fits a device giving a
-/// block less shared memory (`max_shared`, opt-in). None below 32 keys, where
-/// the value sums no longer fit in the keys' space: the plain split kernel
-/// then.
-fn decode_whole_keys(head_dim: usize, max_shared: usize) -> Option<usize> {
-    let fit = max_shared.saturating_sub(DECODE_STATIC_SHARED) / (8 * head_dim);
-    if fit < 32 {
-        return None;
+/// Keys whose key and value rows an `attention_decode{head_dim}` block holds
+/// when one block takes the whole cache: DECODE_ONE_BLOCK / head_dim (128 KB
+/// of f32 rows, 64 KB of f16 ones), or the largest power of two that fits a
+/// device giving a block less shared memory (`max_shared`, opt-in). None
+/// below 32 keys: the plain split kernel then.
+fn decode_whole_keys(head_dim: usize, max_shared: usize, kv: KvPrecision) -> Option<usize> {
+    let room = max_shared.saturating_sub(DECODE_STATIC_SHARED);
+    let mut keys = DECODE_ONE_BLOCK / head_dim;
+    while keys >= 32 && decode_shared(keys, head_dim, kv) > room {
+        keys /= 2;
     }
-    let largest_power_of_two = 1usize << (usize::BITS - 1 - fit.leading_zeros());
-    Some((DECODE_ONE_BLOCK / head_dim).min(largest_power_of_two))
+    (keys >= 32).then_some(keys)
 }
 
-/// How `attention_decode` covers `n_keys` keys when one block holds `whole`
-/// keys: (keys per block, blocks). A cache that fits one block is one
-/// block's (no combine); a longer one is split in chunks of half that size
-/// (at least 32), so three blocks share an SM, their number a power of two
-/// so one recorded step serves every cache length up to it.
-fn decode_plan(n_keys: usize, whole: usize) -> (usize, usize) {
+/// How `attention_decode` covers `n_keys` keys of a `kv` cache when one
+/// block holds `whole` keys: (keys per block, blocks). A cache that fits one
+/// block is one block's (no combine); a longer one is split in chunks of 64
+/// KB of rows where the whole block's f32 rows are 128 KB (half the keys in
+/// f32, all of them in f16; at least 32), so three blocks share an SM, their
+/// number a power of two so one recorded step serves every cache length up
+/// to it. (f16 chunks of half a block, 32 KB, made decode after 8192 tokens
+/// 8-9% slower than 64 KB ones, and of a quarter 18-24%: run 83.)
+fn decode_plan(n_keys: usize, whole: usize, kv: KvPrecision) -> (usize, usize) {
     if n_keys <= whole {
         return (whole, 1);
     }
-    let chunk = (whole / 2).max(32);
+    let chunk = (whole * 2 / kv.bytes()).max(32);
     (chunk, n_keys.div_ceil(chunk).next_power_of_two())
 }
 
 /// Bytes of dynamic shared memory of an `attention_decode{head_dim}` block
-/// of `chunk` keys: its f32 key and value rows.
-fn decode_shared(chunk: usize, head_dim: usize) -> usize {
-    2 * chunk * head_dim * 4
+/// of `chunk` keys: its key rows, at least as many as the warps' value sums
+/// fill (`decode_red_keys`: 8 warps' f32 sums of `DECODE_HEADS` heads), then
+/// its value rows.
+fn decode_shared(chunk: usize, head_dim: usize, kv: KvPrecision) -> usize {
+    let red_keys = 8 * DECODE_HEADS * 4 / kv.bytes();
+    (chunk.max(red_keys) + chunk) * head_dim * kv.bytes()
+}
+
+/// The name suffix of the kernels that read or write a cache of `kv`.
+fn kv_suffix(kv: KvPrecision) -> &'static str {
+    match kv {
+        KvPrecision::F16 => "_f16",
+        KvPrecision::F32 => "",
+    }
+}
+
+/// Index of a precision in per-precision tables.
+fn kv_slot(kv: KvPrecision) -> usize {
+    match kv {
+        KvPrecision::F16 => 0,
+        KvPrecision::F32 => 1,
+    }
 }
 
 /// Threads of an `attention_combine` block.
@@ -460,6 +491,8 @@ pub struct CudaBackend {
     /// Multi-row GEMMs see activations as two bf16/f16 halves (two GEMMs)
     /// instead of one rounding: twice the FLOPs, ~16-bit activations.
     split_activations: bool,
+    /// How new KV caches store keys and values.
+    kv_precision: KvPrecision,
     /// Record decode steps as CUDA graphs and replay them.
     graphs: bool,
     /// Launch kernels with programmatic stream serialization (compute
@@ -472,10 +505,10 @@ pub struct CudaBackend {
     replays: Arc<AtomicUsize>,
     /// Keys the attention kernel's shared memory holds.
     max_attention_keys: usize,
-    /// Per head dim 64, 128, 256: the keys one decode attention block holds
-    /// ([`decode_whole_keys`]), and whether the prefill's tensor-core tiles
-    /// fit a block.
-    decode_whole: [Option<usize>; 3],
+    /// Per cache precision ([`kv_slot`]) and head dim 64, 128, 256: the keys
+    /// one decode attention block holds ([`decode_whole_keys`]); per head
+    /// dim, whether the prefill's tensor-core tiles fit a block.
+    decode_whole: [[Option<usize>; 3]; 2],
     flash: [bool; 3],
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
@@ -527,11 +560,18 @@ pub(crate) fn cfg(grid: (u32, u32, u32), threads: u32, shared: u32) -> LaunchCon
 
 /// Device pointers of a q|k|v prologue ([`CudaBackend::prologue_inputs`]).
 struct PrologueInputs {
-    keys: u64,
-    values: u64,
+    kv: KvRows,
     q_norm: u64,
     k_norm: u64,
     inv_freq: u64,
+}
+
+/// A layer's key and value rows on the device, and how they are stored.
+#[derive(Clone, Copy)]
+struct KvRows {
+    keys: u64,
+    values: u64,
+    precision: KvPrecision,
 }
 
 /// A kernel argument: a device pointer or a scalar.
@@ -630,6 +670,7 @@ impl CudaBackend {
                 .map_err(|e| err(what, &e))
         };
         allow_shared("attention", block_shared as i32, "attention shared memory")?;
+        allow_shared("attention_f16", block_shared as i32, "attention shared memory")?;
         allow_shared("attention_combine", block_shared as i32, "attention combine shared memory")?;
         allow_shared("gdn_chunk_prep", block_shared as i32, "chunked delta rule shared memory")?;
         allow_shared(
@@ -670,17 +711,21 @@ impl CudaBackend {
         // Per head dim, what the device's shared memory allows: the decode
         // attention's rows (else the plain split kernel) and the prefill's
         // tensor-core tiles (else the exact attention kernel).
-        let mut decode_whole = [None; 3];
+        let mut decode_whole = [[None; 3]; 2];
         let mut flash = [false; 3];
         for (i, hd) in [64, 128, 256].into_iter().enumerate() {
-            decode_whole[i] = decode_whole_keys(hd, max_shared as usize);
-            if let Some(whole) = decode_whole[i] {
-                for name in [format!("attention_decode{hd}"), format!("attention_decode{hd}_prologue")] {
+            for kv in [KvPrecision::F16, KvPrecision::F32] {
+                let whole = decode_whole_keys(hd, max_shared as usize, kv);
+                decode_whole[kv_slot(kv)][i] = whole;
+                let Some(whole) = whole else { continue };
+                let suffix = kv_suffix(kv);
+                for name in [format!("attention_decode{hd}{suffix}"), format!("attention_decode{hd}_prologue{suffix}")]
+                {
                     prefer_shared(&name)?;
                     kernels[&name]
                         .set_attribute(
                             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            decode_shared(whole, hd) as i32,
+                            decode_shared(whole, hd, kv) as i32,
                         )
                         .map_err(|e| err("decode attention shared memory", &e))?;
                 }
@@ -708,6 +753,7 @@ impl CudaBackend {
             error: Mutex::new(None),
             poison: false,
             split_activations: false,
+            kv_precision: KvPrecision::default(),
             graphs: true,
             overlap_launches: major >= 9,
             gemv_shape: None,
@@ -864,6 +910,12 @@ impl CudaBackend {
     /// check that the fast path ran).
     pub fn replay_counter(&self) -> Arc<AtomicUsize> {
         self.replays.clone()
+    }
+
+    /// New KV caches store keys and values as `kv` (f16 unless set).
+    pub fn with_kv_precision(mut self, kv: KvPrecision) -> Self {
+        self.kv_precision = kv;
+        self
     }
 
     /// Prefill GEMMs carry activations at about 16 bits (see `split_activations`).
@@ -1066,8 +1118,8 @@ impl CudaBackend {
 
     /// The keys one `attention_decode{head_dim}` block holds on this device;
     /// None where that kernel does not apply.
-    fn decode_whole_keys(&self, head_dim: usize) -> Option<usize> {
-        Self::head_dim_slot(head_dim).and_then(|i| self.decode_whole[i])
+    fn decode_whole_keys(&self, head_dim: usize, kv: KvPrecision) -> Option<usize> {
+        Self::head_dim_slot(head_dim).and_then(|i| self.decode_whole[kv_slot(kv)][i])
     }
 
     /// Whether `flash_prefill{head_dim}` exists and its tiles fit a block here.
@@ -1111,7 +1163,8 @@ impl CudaBackend {
         };
         let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
         self.ensure_step(start, None);
-        Some(PrologueInputs { keys: self.p(keys), values: self.p(values), q_norm, k_norm, inv_freq })
+        let kv = KvRows { keys: self.p(keys), values: self.p(values), precision: cache.precision() };
+        Some(PrologueInputs { kv, q_norm, k_norm, inv_freq })
     }
 
     /// Decode attention split over chunks of keys so every SM has work, the
@@ -1128,17 +1181,16 @@ impl CudaBackend {
     fn attention_split(
         &self,
         q: &CudaAct,
-        keys: u64,
-        values: u64,
+        kv: KvRows,
         n_keys: usize,
         s: &AttentionShape,
         out: &CudaAct,
         prologue: Option<&[Arg]>,
     ) {
-        let whole = self.decode_whole_keys(s.head_dim);
+        let whole = self.decode_whole_keys(s.head_dim, kv.precision);
         let decode = whole.is_some();
         let (chunk, splits) = match whole {
-            Some(whole) => decode_plan(n_keys, whole),
+            Some(whole) => decode_plan(n_keys, whole, kv.precision),
             None => (ATTENTION_CHUNK, split_count(n_keys)),
         };
         let row_heads = q.rows * s.num_heads;
@@ -1149,13 +1201,14 @@ impl CudaBackend {
         };
         let (window, step) = (s.window.unwrap_or(0) as i32, self.p(&self.step));
         let (heads, kv_heads) = (s.num_heads as i32, s.num_kv_heads as i32);
-        let (qp, kp, vp) = (self.p(&q.buf), keys, values);
+        let (qp, kp, vp) = (self.p(&q.buf), kv.keys, kv.values);
+        let kv_kind = kv_suffix(kv.precision);
         if decode {
             let group = s.num_heads / s.num_kv_heads;
             let per_block = if prologue.is_some() { DECODE_FUSED_HEADS } else { DECODE_HEADS };
             let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(per_block) as u32);
             let suffix = if prologue.is_some() { "_prologue" } else { "" };
-            let name = format!("attention_decode{}{suffix}", s.head_dim);
+            let name = format!("attention_decode{}{suffix}{kv_kind}", s.head_dim);
             let mut args: Vec<Arg> = vec![
                 qp.into(),
                 kp.into(),
@@ -1172,13 +1225,13 @@ impl CudaBackend {
                 (chunk as i32).into(),
             ];
             args.extend_from_slice(prologue.unwrap_or(&[]));
-            self.launch_args(&name, cfg(grid, 256, decode_shared(chunk, s.head_dim) as u32), &args);
+            self.launch_args(&name, cfg(grid, 256, decode_shared(chunk, s.head_dim, kv.precision) as u32), &args);
         } else {
             let grid = (row_heads as u32, splits as u32, 1);
             let hd = s.head_dim as i32;
             launch!(
                 self,
-                "attention_split",
+                &format!("attention_split{kv_kind}"),
                 cfg(grid, 128, 0),
                 qp,
                 kp,
@@ -1603,7 +1656,7 @@ impl Backend for CudaBackend {
     }
 
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
-        CudaKv::new(num_layers, kv_dim, capacity)
+        CudaKv::new(num_layers, kv_dim, capacity, self.kv_precision)
     }
 
     fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaAct {
@@ -1743,7 +1796,7 @@ impl Backend for CudaBackend {
         let n = k.rows * k.cols;
         launch!(
             self,
-            "kv_append",
+            &format!("kv_append{}", kv_suffix(cache.precision())),
             Self::elementwise_cfg(n),
             self.p(&k.buf),
             self.p(&v.buf),
@@ -1762,26 +1815,33 @@ impl Backend for CudaBackend {
             return out;
         };
         let n_keys = cache.len() + q.rows;
+        let kv = KvRows { keys: self.p(keys), values: self.p(values), precision: cache.precision() };
         self.ensure_step(cache.len(), None);
         if q.rows <= GEMV_MAX_ROWS {
-            self.attention_split(q, self.p(keys), self.p(values), n_keys, s, &out, None);
+            self.attention_split(q, kv, n_keys, s, &out, None);
             return out;
         }
         if !self.split_activations && self.flash_fits(s.head_dim) {
-            // The kernel reads f16 keys and values, converted once per call.
+            // The kernel reads f16 keys and values: an f16 cache as it is,
+            // an f32 one converted once per call.
             let kv_dim = s.num_kv_heads * s.head_dim;
-            let (keys_half, values_half) = (self.act(n_keys, kv_dim / 2), self.act(n_keys, kv_dim / 2));
-            let n = n_keys * kv_dim;
-            launch!(
-                self,
-                "kv_to_half",
-                cfg(((n / 4).div_ceil(256).min(4096) as u32, 1, 1), 256, 0),
-                self.p(keys),
-                self.p(values),
-                self.p(&keys_half.buf),
-                self.p(&values_half.buf),
-                n as i64
-            );
+            let converted = (kv.precision == KvPrecision::F32).then(|| {
+                let (keys_half, values_half) = (self.act(n_keys, kv_dim / 2), self.act(n_keys, kv_dim / 2));
+                let n = n_keys * kv_dim;
+                launch!(
+                    self,
+                    "kv_to_half",
+                    cfg(((n / 4).div_ceil(256).min(4096) as u32, 1, 1), 256, 0),
+                    kv.keys,
+                    kv.values,
+                    self.p(&keys_half.buf),
+                    self.p(&values_half.buf),
+                    n as i64
+                );
+                (keys_half, values_half)
+            });
+            let (keys_half, values_half) =
+                converted.as_ref().map_or((kv.keys, kv.values), |(k, v)| (self.p(&k.buf), self.p(&v.buf)));
             let tile = flash_tile(s.head_dim);
             let grid = (s.num_heads as u32, q.rows.div_ceil(tile.rows) as u32, 1);
             launch!(
@@ -1789,8 +1849,8 @@ impl Backend for CudaBackend {
                 &format!("flash_prefill{}", s.head_dim),
                 cfg(grid, tile.threads as u32, tile.shared as u32),
                 self.p(&q.buf),
-                self.p(&keys_half.buf),
-                self.p(&values_half.buf),
+                keys_half,
+                values_half,
                 self.p(&out.buf),
                 self.p(&self.step),
                 q.rows as i32,
@@ -1801,7 +1861,8 @@ impl Backend for CudaBackend {
             );
             return out;
         }
-        // Exact f32 (the parity configuration, and other head dims).
+        // f32 arithmetic on the cache as stored (the parity configuration,
+        // and other head dims).
         let shared = (n_keys * 4) as u32;
         if n_keys > self.max_attention_keys {
             self.record(
@@ -1812,11 +1873,11 @@ impl Backend for CudaBackend {
         }
         launch!(
             self,
-            "attention",
+            &format!("attention{}", kv_suffix(kv.precision)),
             cfg(((q.rows * s.num_heads) as u32, 1, 1), 128, shared),
             self.p(&q.buf),
-            self.p(keys),
-            self.p(values),
+            kv.keys,
+            kv.values,
             self.p(&out.buf),
             self.p(&self.step),
             s.num_heads as i32,
@@ -1940,13 +2001,13 @@ impl Backend for CudaBackend {
         let threads = (hd.div_ceil(32) * 32).min(256) as u32;
         launch!(
             self,
-            "qkv_prologue",
+            &format!("qkv_prologue{}", kv_suffix(p.kv.precision)),
             cfg((qkv.rows as u32, (nh + nkv) as u32, 1), threads, (hd * 4) as u32),
             self.p(&qkv.buf),
             self.p(&q.buf),
             gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
-            p.keys,
-            p.values,
+            p.kv.keys,
+            p.kv.values,
             p.q_norm,
             p.k_norm,
             p.inv_freq,
@@ -1984,7 +2045,9 @@ impl Backend for CudaBackend {
         // it, and the harness run of the fold everywhere measured tg32 after
         // 8192 tokens 2-11% below the run before it (see the README).
         let n_keys = cache.len() + 1;
-        let one_block = self.decode_whole_keys(hd).is_some_and(|whole| decode_plan(n_keys, whole).1 == 1);
+        let one_block = self
+            .decode_whole_keys(hd, cache.precision())
+            .is_some_and(|whole| decode_plan(n_keys, whole, cache.precision()).1 == 1);
         if qkv.rows != 1 || !same_heads || !one_block {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
             return (self.attention(&q, cache, layer, attention), gate);
@@ -2004,7 +2067,7 @@ impl Backend for CudaBackend {
             (rope.rotary_dim as i32).into(),
             rope_style(rope).into(),
         ];
-        self.attention_split(qkv, p.keys, p.values, n_keys, attention, &out, Some(&prologue));
+        self.attention_split(qkv, p.kv, n_keys, attention, &out, Some(&prologue));
         (out, gate)
     }
 
@@ -2678,18 +2741,32 @@ mod tests {
     fn decode_attention_holds_what_the_device_gives_a_block() {
         // H100/H200 (227 KB a block): 128 KB of rows whatever the head dim.
         let hopper = 227 * 1024;
-        assert_eq!([64, 128, 256].map(|hd| decode_whole_keys(hd, hopper)), [Some(256), Some(128), Some(64)]);
+        let f32_keys = |hd, max| decode_whole_keys(hd, max, KvPrecision::F32);
+        assert_eq!([64, 128, 256].map(|hd| f32_keys(hd, hopper)), [Some(256), Some(128), Some(64)]);
         // Ada and consumer Ampere (99 KB): the largest power of two that fits.
         let ada = 99 * 1024;
-        assert_eq!([64, 128, 256].map(|hd| decode_whole_keys(hd, ada)), [Some(128), Some(64), Some(32)]);
+        assert_eq!([64, 128, 256].map(|hd| f32_keys(hd, ada)), [Some(128), Some(64), Some(32)]);
         // Turing (64 KB): too few keys of 256 values for the kernel's sums.
-        assert_eq!(decode_whole_keys(256, 64 * 1024), None);
-        assert_eq!(decode_whole_keys(128, 64 * 1024), Some(32));
-        // Every chosen block fits with the kernel's static shared memory.
-        for max in [hopper, ada, 64 * 1024, 48 * 1024] {
-            for hd in [64, 128, 256] {
-                if let Some(w) = decode_whole_keys(hd, max) {
-                    assert!(decode_shared(w, hd) + DECODE_STATIC_SHARED <= max, "{hd} at {max}");
+        assert_eq!(f32_keys(256, 64 * 1024), None);
+        assert_eq!(f32_keys(128, 64 * 1024), Some(32));
+        // f16 rows: as many keys in half the bytes, so the same keys where
+        // f32 rows fit, and whole caches on smaller devices.
+        let f16_keys = |hd, max| decode_whole_keys(hd, max, KvPrecision::F16);
+        assert_eq!([64, 128, 256].map(|hd| f16_keys(hd, hopper)), [Some(256), Some(128), Some(64)]);
+        assert_eq!([64, 128, 256].map(|hd| f16_keys(hd, ada)), [Some(256), Some(128), Some(64)]);
+        assert_eq!(f16_keys(256, 64 * 1024), Some(32));
+        // Every chosen block fits with the kernel's static shared memory, and
+        // its key space holds the warps' value sums (8 warps, 4 heads, f32).
+        for kv in [KvPrecision::F16, KvPrecision::F32] {
+            for max in [hopper, ada, 64 * 1024, 48 * 1024] {
+                for hd in [64, 128, 256] {
+                    if let Some(w) = decode_whole_keys(hd, max, kv) {
+                        for chunk in [w, decode_plan(w + 1, w, kv).0] {
+                            let shared = decode_shared(chunk, hd, kv);
+                            assert!(shared + DECODE_STATIC_SHARED <= max, "{hd} at {max}");
+                            assert!(shared - chunk * hd * kv.bytes() >= 8 * DECODE_HEADS * hd * 4, "{hd} {kv:?}");
+                        }
+                    }
                 }
             }
         }
@@ -2697,16 +2774,19 @@ mod tests {
 
     #[test]
     fn decode_plans_change_only_where_the_recorded_step_does() {
-        for whole in [32, 64, 128, 256] {
-            assert_eq!(decode_plan(whole, whole), (whole, 1));
-            let (chunk, splits) = decode_plan(whole + 1, whole);
-            assert_eq!(chunk, (whole / 2).max(32));
-            assert!(splits * chunk > whole && splits.is_power_of_two());
-            // Between consecutive keys of a recorded step, the plan is fixed.
-            for n in 1..5000 {
-                if decode_step_key(n) == decode_step_key(n + 1) {
-                    assert_eq!(decode_plan(n, whole), decode_plan(n + 1, whole), "{n} keys, {whole} a block");
-                    assert_eq!(split_count(n), split_count(n + 1));
+        for (kv, half) in [(KvPrecision::F32, true), (KvPrecision::F16, false)] {
+            for whole in [32, 64, 128, 256] {
+                assert_eq!(decode_plan(whole, whole, kv), (whole, 1));
+                let (chunk, splits) = decode_plan(whole + 1, whole, kv);
+                assert_eq!(chunk, if half { (whole / 2).max(32) } else { whole });
+                assert!(splits * chunk > whole && splits.is_power_of_two());
+                // Between consecutive keys of a recorded step, the plan is fixed.
+                for n in 1..5000 {
+                    if decode_step_key(n) == decode_step_key(n + 1) {
+                        let (a, b) = (decode_plan(n, whole, kv), decode_plan(n + 1, whole, kv));
+                        assert_eq!(a, b, "{n} keys, {whole} a block, {kv:?}");
+                        assert_eq!(split_count(n), split_count(n + 1));
+                    }
                 }
             }
         }

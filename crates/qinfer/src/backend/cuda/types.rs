@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 
 use crate::affine::AffineParams;
-use crate::backend::KvCache;
+use crate::backend::{KvCache, KvPrecision};
 use crate::config::GdnConfig;
 use crate::tensor::DType;
 
@@ -143,19 +143,26 @@ impl AffineWeight {
     }
 }
 
-/// One f32 key and value buffer per layer, allocated at full capacity on the
-/// layer's first write (layers without attention never allocate).
+/// One key and one value buffer per layer, f16 or f32 values
+/// ([`KvPrecision`]), allocated at full capacity on the layer's first write
+/// (layers without attention never allocate).
 #[derive(Default)]
 pub struct CudaKv {
     kv_dim: usize,
     capacity: usize,
     len: usize,
-    layers: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    precision: KvPrecision,
+    layers: Vec<Option<(CudaSlice<u8>, CudaSlice<u8>)>>,
 }
 
 impl CudaKv {
-    pub fn new(num_layers: usize, kv_dim: usize, capacity: usize) -> Self {
-        CudaKv { kv_dim, capacity, len: 0, layers: (0..num_layers).map(|_| None).collect() }
+    pub fn new(num_layers: usize, kv_dim: usize, capacity: usize, precision: KvPrecision) -> Self {
+        CudaKv { kv_dim, capacity, len: 0, precision, layers: (0..num_layers).map(|_| None).collect() }
+    }
+
+    /// How the buffers store keys and values.
+    pub fn precision(&self) -> KvPrecision {
+        self.precision
     }
 
     /// Makes room for `rows` rows at positions `[len, len + rows)` of `layer`
@@ -163,14 +170,14 @@ impl CudaKv {
     pub fn reserve(&mut self, stream: &Arc<CudaStream>, layer: usize, rows: usize) -> Result<(), DriverError> {
         assert!(self.len + rows <= self.capacity, "KV cache overflow: {} + {rows} > {}", self.len, self.capacity);
         if self.layers[layer].is_none() {
-            let n = self.capacity * self.kv_dim;
-            self.layers[layer] = Some((stream.alloc_zeros(n.max(1))?, stream.alloc_zeros(n.max(1))?));
+            let bytes = (self.capacity * self.kv_dim * self.precision.bytes()).max(4);
+            self.layers[layer] = Some((stream.alloc_zeros(bytes)?, stream.alloc_zeros(bytes)?));
         }
         Ok(())
     }
 
-    /// The layer's key and value buffers, `[capacity, kv_dim]`.
-    pub fn layer(&self, layer: usize) -> Option<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+    /// The layer's key and value buffers, `[capacity, kv_dim]` values each.
+    pub fn layer(&self, layer: usize) -> Option<(&CudaSlice<u8>, &CudaSlice<u8>)> {
         self.layers[layer].as_ref().map(|(k, v)| (k, v))
     }
 }
