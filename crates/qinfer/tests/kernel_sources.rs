@@ -16,14 +16,26 @@ const EARLY: [(&str, &str, &[&str]); 4] = [
     ("gemv_affine_mma<", "__device__ void gemv_affine_mma(", &["amma_stage_x<BITS, HALVES>(", "y[", "bias[o]"]),
     ("rms_norm_group(", "__device__ void rms_norm_group(", &["x4[i]", "y4[i]", "out4[i]", "x[base", "out[base"]),
     (
-        "qkv_prologue_head(",
+        "qkv_prologue_head<",
         "__device__ void qkv_prologue_head(",
-        &["step[0]", "src[", "values[", "head[c]", "gate_out["],
+        &["step[0]", "src[", "kv_store(values", "head[c]", "gate_out[", "kv_store(dst"],
     ),
     (
         "attention_decode<HD, ",
         "__device__ void attention_decode(",
-        &["earlier < n", "q[", "q + ", "keys[", "values[", "gate_out[", "part_o[", "part_ml[", "direct["],
+        &[
+            "earlier < n",
+            "q[",
+            "q + ",
+            "kv_store(keys",
+            "kv_store(values",
+            "kv_store(row",
+            "kv_store(vs",
+            "gate_out[",
+            "part_o[",
+            "part_ml[",
+            "direct[",
+        ],
     ),
 ];
 

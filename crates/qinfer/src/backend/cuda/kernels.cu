@@ -985,10 +985,10 @@ __device__ void weigh_values(const float* weights, const T* values, int lo, int 
 // block per (query row, head): scores for every visible key in shared memory,
 // softmax, then the weighted sum of values. The simple form; a split-K
 // flash-decoding kernel replaces it for long contexts.
+// (The kernels below wait for the kernel before, then call it.)
 template <typename T>
 __device__ void attention_exact(const float* q, const T* keys, const T* values, float* out, const int* step,
                                 int num_heads, int num_kv_heads, int head_dim, int window, float scale) {
-    grid_dependency_wait();
     extern __shared__ float scores[];
     int t = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
     int head_off = h / (num_heads / num_kv_heads) * head_dim;
@@ -1003,6 +1003,7 @@ __device__ void attention_exact(const float* q, const T* keys, const T* values, 
 #define ATTENTION_EXACT(NAME, T)                                                                                   \
     extern "C" __global__ void NAME(const float* q, const T* keys, const T* values, float* out, const int* step,   \
                                     int num_heads, int num_kv_heads, int head_dim, int window, float scale) {     \
+        grid_dependency_wait();                                                                                    \
         attention_exact<T>(q, keys, values, out, step, num_heads, num_kv_heads, head_dim, window, scale);          \
     }
 ATTENTION_EXACT(attention, float)
@@ -1019,11 +1020,11 @@ ATTENTION_EXACT(attention_f16, __half)
 // last key are empty. With one split, `direct` receives the normalized output
 // and no combine is needed.
 #define ATTN_CHUNK 128
+// (Its kernels wait for the kernel before, then call it.)
 template <typename T>
 __device__ void attention_split_chunk(const float* q, const T* keys, const T* values, float* part_o, float* part_ml,
                                       float* direct, const int* step, int num_heads, int num_kv_heads, int head_dim,
                                       int window, float scale, int splits) {
-    grid_dependency_wait();
     __shared__ float scores[ATTN_CHUNK];
     int row_head = blockIdx.x, split = blockIdx.y;
     int t = row_head / num_heads, h = row_head % num_heads;
@@ -1053,6 +1054,7 @@ __device__ void attention_split_chunk(const float* q, const T* keys, const T* va
     extern "C" __global__ void NAME(const float* q, const T* keys, const T* values, float* part_o, float* part_ml,  \
                                     float* direct, const int* step, int num_heads, int num_kv_heads, int head_dim, \
                                     int window, float scale, int splits) {                                         \
+        grid_dependency_wait();                                                                                    \
         attention_split_chunk<T>(q, keys, values, part_o, part_ml, direct, step, num_heads, num_kv_heads,          \
                                  head_dim, window, scale, splits);                                                 \
     }
