@@ -259,3 +259,22 @@ impl LoadedModel {
         Ok(model)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_with_their_defaults_and_options_apply_to_cuda_only() {
+        let cuda: Device = "cuda:1".parse().unwrap();
+        assert_eq!(cuda, Device::Cuda { ordinal: 1, graphs: true, overlap: true, kv: KvPrecision::F16 });
+        let f32_cache = cuda.with_kv_precision("f32".parse().unwrap()).unwrap();
+        assert_eq!(f32_cache, Device::Cuda { ordinal: 1, graphs: true, overlap: true, kv: KvPrecision::F32 });
+        // Each option keeps the others.
+        let plain = f32_cache.without_graphs().unwrap().without_overlapped_launches().unwrap();
+        assert_eq!(plain, Device::Cuda { ordinal: 1, graphs: false, overlap: false, kv: KvPrecision::F32 });
+        assert!(Device::Cpu.with_kv_precision(KvPrecision::F16).unwrap_err().contains("CUDA option"));
+        assert!("bf16".parse::<KvPrecision>().unwrap_err().contains("expected f16 or f32"));
+        assert!("cuda:x".parse::<Device>().is_err());
+    }
+}
