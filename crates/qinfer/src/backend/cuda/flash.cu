@@ -4,8 +4,8 @@
 //
 // A block of WARPS warps takes 16·WARPS query rows of one head; each warp owns
 // 16 rows. Keys and values are walked in tiles of BK, double-buffered in
-// shared memory by cp.async from an f16 copy of the layer's cache
-// (`kv_to_half`, once per call), so a tile's loads overlap the previous tile's
+// shared memory by cp.async from the layer's f16 cache (an f32 cache is
+// copied to f16 first, `kv_to_half`, once per call), so a tile's loads overlap the previous tile's
 // products. Per tile a warp forms S = Q·Kᵀ (m16n8k16, f16 in, f32 out), takes
 // the online softmax of its rows in registers (running max m and sum l, the
 // output rescaled by e^(m_old − m_new)), and adds P·V, with P's accumulator
@@ -42,7 +42,7 @@ __device__ __forceinline__ unsigned flash_pack(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// The f16 copy of a layer's keys and values that flash_prefill reads: n
+// The f16 copy of an f32 cache's keys and values that flash_prefill reads: n
 // values of each (a multiple of 4).
 extern "C" __global__ void kv_to_half(const float* __restrict__ k, const float* __restrict__ v, __half* kh,
                                       __half* vh, size_t n) {
