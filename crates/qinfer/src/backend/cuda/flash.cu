@@ -5,11 +5,12 @@
 // A block of WARPS warps takes 16·WARPS query rows of one head; each warp owns
 // 16 rows. Keys and values are walked in tiles of BK, double-buffered in
 // shared memory by cp.async from the layer's f16 cache (an f32 cache is
-// copied to f16 first, `kv_to_half`, once per call), so a tile's loads overlap the previous tile's
-// products. Per tile a warp forms S = Q·Kᵀ (m16n8k16, f16 in, f32 out), takes
-// the online softmax of its rows in registers (running max m and sum l, the
-// output rescaled by e^(m_old − m_new)), and adds P·V, with P's accumulator
-// fragment reused as the A operand: the score matrix never leaves registers.
+// copied to f16 first, `kv_to_half`, once per call), so a tile's loads
+// overlap the previous tile's products. Per tile a warp forms S = Q·Kᵀ
+// (m16n8k16, f16 in, f32 out), takes the online softmax of its rows in
+// registers (running max m and sum l, the output rescaled by
+// e^(m_old − m_new)), and adds P·V, with P's accumulator fragment reused as
+// the A operand: the score matrix never leaves registers.
 //
 // Rounding: q (pre-scaled), k, v and p are f16 (11 significant bits), sums
 // and the softmax in f32.

@@ -845,9 +845,6 @@ __device__ __forceinline__ float kv_load(const float* p) { return *p; }
 __device__ __forceinline__ float kv_load(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void kv_store(__half* p, float v) { *p = __float2half_rn(v); }
-// v as the cache holds it.
-__device__ __forceinline__ float kv_rounded(float v, const float*) { return v; }
-__device__ __forceinline__ float kv_rounded(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 // Four consecutive values (16- or 8-byte aligned) as a float4.
 __device__ __forceinline__ float4 kv_load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 kv_load4(const __half* p) {
@@ -1096,10 +1093,11 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 // 128 KB of shared memory in f32, 64 KB in f16 (fewer keys, a power of two
 // and at least 32, on a device that gives a block less); longer caches are
 // split in chunks of 64 KB of rows (mod.rs `decode_plan`), so that three
-// blocks share an SM and one's loads overlap another's arithmetic. The warps' value sums reuse the keys'
-// rows: 8 warps' float4 sums of DECODE_HEADS heads fill the rows of
-// decode_red_keys<T>() keys (32 in f32, 64 in f16), and a chunk of fewer
-// keys leaves that much room before the values (mod.rs `decode_shared`).
+// blocks share an SM and one's loads overlap another's arithmetic. The
+// warps' value sums reuse the keys' rows: 8 warps' float4 sums of
+// DECODE_HEADS heads fill the rows of decode_red_keys<T>() keys (32 in f32,
+// 64 in f16), and a chunk of fewer keys leaves that much room before the
+// values (mod.rs `decode_shared`).
 #define DECODE_ONE_BLOCK 16384
 template <typename T>
 __host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }

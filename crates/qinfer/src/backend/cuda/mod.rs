@@ -1154,7 +1154,7 @@ impl CudaBackend {
         }
         let r = cache.reserve(&self.stream, layer, qkv.rows);
         self.record(r, "KV cache allocation");
-        let (Some((keys, values)), Some(inv_freq)) = (cache.layer(layer), self.rope_table(rope)) else {
+        let (Some(kv), Some(inv_freq)) = (self.kv_rows(cache, layer), self.rope_table(rope)) else {
             return None;
         };
         let norm_ptr = |w: &CudaWeight| match w {
@@ -1163,8 +1163,14 @@ impl CudaBackend {
         };
         let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
         self.ensure_step(start, None);
-        let kv = KvRows { keys: self.p(keys), values: self.p(values), precision: cache.precision() };
         Some(PrologueInputs { kv, q_norm, k_norm, inv_freq })
+    }
+
+    /// The device rows of `layer`'s keys and values in `cache`, None before
+    /// the layer's first write.
+    fn kv_rows(&self, cache: &CudaKv, layer: usize) -> Option<KvRows> {
+        let (keys, values) = cache.layer(layer)?;
+        Some(KvRows { keys: self.p(keys), values: self.p(values), precision: cache.precision() })
     }
 
     /// Decode attention split over chunks of keys so every SM has work, the
@@ -1791,17 +1797,17 @@ impl Backend for CudaBackend {
     fn write_kv(&self, cache: &mut CudaKv, layer: usize, k: &CudaAct, v: &CudaAct) {
         let r = cache.reserve(&self.stream, layer, k.rows);
         self.record(r, "KV cache allocation");
-        let Some((keys, values)) = cache.layer(layer) else { return };
+        let Some(kv) = self.kv_rows(cache, layer) else { return };
         self.ensure_step(cache.len(), None);
         let n = k.rows * k.cols;
         launch!(
             self,
-            &format!("kv_append{}", kv_suffix(cache.precision())),
+            &format!("kv_append{}", kv_suffix(kv.precision)),
             Self::elementwise_cfg(n),
             self.p(&k.buf),
             self.p(&v.buf),
-            self.p(keys),
-            self.p(values),
+            kv.keys,
+            kv.values,
             self.p(&self.step),
             k.rows as i32,
             k.cols as i32
@@ -1810,12 +1816,11 @@ impl Backend for CudaBackend {
 
     fn attention(&self, q: &CudaAct, cache: &CudaKv, layer: usize, s: &AttentionShape) -> CudaAct {
         let out = self.act(q.rows, s.num_heads * s.head_dim);
-        let Some((keys, values)) = cache.layer(layer) else {
+        let Some(kv) = self.kv_rows(cache, layer) else {
             self.record(Err("attention before any KV write"), "attention");
             return out;
         };
         let n_keys = cache.len() + q.rows;
-        let kv = KvRows { keys: self.p(keys), values: self.p(values), precision: cache.precision() };
         self.ensure_step(cache.len(), None);
         if q.rows <= GEMV_MAX_ROWS {
             self.attention_split(q, kv, n_keys, s, &out, None);
