@@ -903,6 +903,52 @@ fn gated_deltanet_and_moe_match_cpu() {
             1e-4,
         );
     }
+    // Other storage through the same device path (the fused silu(gate)·up and
+    // down-and-combine kernels where rows are whole chunks): bit widths that
+    // do and do not divide a word, groups of 16 (f32 scales), 64 and 128,
+    // float experts, and affine gate/up beside a bf16 down projection; 12
+    // experts of 128 → 64 → 128, top 3 and top 8 of 1 to 8 rows.
+    let (h, i, e) = (128, 64, 12);
+    // (name, affine (bits, group, scale dtype), float dtype: all float
+    // experts without affine, else the down projection's)
+    type Quant = Option<(u32, usize, DType)>;
+    let kinds: [(&str, Quant, Option<DType>); 7] = [
+        ("q4g64 bf16 scales", Some((4, 64, DType::BF16)), None),
+        ("q8g64 f32 scales", Some((8, 64, DType::F32)), None),
+        ("q3g32", Some((3, 32, DType::BF16)), None),
+        ("q4g16 f32 scales", Some((4, 16, DType::F32)), None),
+        ("q6g128 gate/up, bf16 down", Some((6, 128, DType::BF16)), Some(DType::BF16)),
+        ("f32", None, Some(DType::F32)),
+        ("f16", None, Some(DType::F16)),
+    ];
+    for (what, quant, float) in kinds {
+        let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
+            .map(|_| {
+                let mut make = |rows, cols, down: bool| match (quant, float) {
+                    (Some((bits, group, scales)), f) if !(down && f.is_some()) && cols % group == 0 => {
+                        let t = affine_tensor(&mut r, bits, group, rows, cols, scales);
+                        (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap())
+                    }
+                    _ => p.weights(&tensor("w", float.unwrap_or(DType::BF16), vec![rows, cols], &r.vec(rows * cols))),
+                };
+                let ((gc, gg), (uc, ug), (dc, dg)) = (make(i, h, false), make(i, h, false), make(h, i, true));
+                (ExpertWeights { gate: gc, up: uc, down: dc }, ExpertWeights { gate: gg, up: ug, down: dg })
+            })
+            .collect();
+        let (ec, eg): (Vec<_>, Vec<_>) = experts.into_iter().unzip();
+        for (rows, top_k) in [(1usize, 8usize), (3, 3), (8, 8)] {
+            let (xc, xg) = p.acts(rows, h, &r.vec(rows * h));
+            let (lc, lg) = p.acts(rows, e, &r.vec(rows * e));
+            let routing = Routing { top_k, renormalize: rows != 3 };
+            // The same f32 arithmetic as the CPU's, summed in another order.
+            p.check(
+                &format!("moe {what} {rows} rows top {top_k}"),
+                &p.cpu.moe(&xc, &lc, &ec, routing),
+                &p.gpu.moe(&xg, &lg, &eg, routing),
+                1e-4,
+            );
+        }
+    }
 }
 
 fn fixtures() -> Vec<PathBuf> {
@@ -1275,6 +1321,50 @@ fn profile_decode_ops_at_hybrid_shapes() {
     time_replayed(&b, "rms_norm 2560", 0, 0, &mut || b.rms_norm(&x, &nw, 1e-6));
     let g = b.act_from_host(1, 2 * inter, &r.vec(2 * inter));
     time_replayed(&b, "swiglu 9216", 0, 0, &mut || b.swiglu(&g));
+}
+
+/// Device time of the routed experts of one decode step at Qwen3-30B-A3B's
+/// shapes (bench/configs/qwen3-30b-a3b.json: hidden 2048, 128 experts of 768,
+/// top 8), q4g64 with bf16 scales: the router, and the experts as a whole
+/// (routing, gate, up, down, combine). Each call routes by other logits, so
+/// that its experts are mostly not in L2 from the call before.
+#[test]
+#[ignore]
+fn profile_decode_ops_at_moe_shapes() {
+    let Some(_) = gpu() else { return };
+    let b = CudaBackend::new(0).unwrap();
+    let mut r = Rng::fresh();
+    let (h, inter, n_exp, top_k) = (2048, 768, 128, 8);
+    // 32 random experts, each uploaded 4 times: 128 experts in distinct memory.
+    let host: Vec<[qinfer::affine::AffineTensor; 3]> = (0..32)
+        .map(|_| {
+            [
+                affine_tensor_centered(&mut r, 4, 64, inter, h, DType::BF16, true),
+                affine_tensor_centered(&mut r, 4, 64, inter, h, DType::BF16, true),
+                affine_tensor_centered(&mut r, 4, 64, h, inter, DType::BF16, true),
+            ]
+        })
+        .collect();
+    let experts: Vec<ExpertWeights<_>> = (0..n_exp)
+        .map(|e| {
+            let [g, u, d] = &host[e % 32];
+            ExpertWeights {
+                gate: b.upload_affine(g).unwrap(),
+                up: b.upload_affine(u).unwrap(),
+                down: b.upload_affine(d).unwrap(),
+            }
+        })
+        .collect();
+    let router = b.upload_affine(&affine_tensor(&mut r, 4, 64, n_exp, h, DType::BF16)).unwrap();
+    let x = b.act_from_host(1, h, &r.vec(h));
+    let logits: Vec<_> = (0..50).map(|_| b.act_from_host(1, n_exp, &r.vec(n_exp))).collect();
+    let expert_bytes = top_k * 3 * inter * h * 9 / 16;
+    time_replayed(&b, "router q4g64 128x2048", n_exp * h * 9 / 16, 0, &mut || b.linear(&x, &router, None));
+    let mut call = 0;
+    time_replayed(&b, "moe q4g64 8 of 128 experts", expert_bytes, 0, &mut || {
+        call += 1;
+        b.moe(&x, &logits[call % logits.len()], &experts, Routing { top_k, renormalize: true })
+    });
 }
 
 /// Device time of the decode step's ops at Qwen3-8B's shapes: each op issued

@@ -20,6 +20,8 @@ pub const KERNELS: &str = concat!(
     "\n",
     include_str!("affine_mma.cu"),
     "\n",
+    include_str!("moe.cu"),
+    "\n",
     include_str!("sampling.cu")
 );
 

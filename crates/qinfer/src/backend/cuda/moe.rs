@@ -1,8 +1,11 @@
 //! Routed experts on the device for decode-sized batches: the router's top-k
-//! by `moe_route`, each (token, chosen expert) pair's SwiGLU by GEMVs that
-//! pick the expert's weights from a table of device pointers, and the
-//! weighted sum by `moe_combine` (kernels.cu). No host synchronization, so a
-//! decode step of an MoE model can be recorded as a CUDA graph.
+//! by `moe_route`, then each (token, chosen expert) pair's silu(gate)·up by
+//! one GEMV kernel that picks the expert's weights from tables of device
+//! pointers, and the down projection with the weighted sum folded in by
+//! another (moe.cu). Experts whose rows are not whole 16-byte chunks take
+//! separate gate, up and down GEMVs and `moe_combine` (kernels.cu). No host
+//! synchronization, so a decode step of an MoE model can be recorded as a
+//! CUDA graph.
 
 use std::sync::Arc;
 
@@ -17,8 +20,10 @@ pub(super) const MAX_DEVICE_EXPERTS: usize = 1024;
 /// One projection (gate, up or down) of every expert of a layer, as device
 /// pointer tables; all experts stored alike.
 pub(super) struct ProjectionTable {
-    /// `moe_gemv_{bf16,f16,f32}` or `moe_gemv_affine{bits}[_bf16]`.
-    kernel: String,
+    /// The kernels' format suffix: `bf16`, `f16`, `f32` or
+    /// `affine{bits}[_bf16|_g16]` (`moe_gemv_{format}` and the fused
+    /// `moe_swiglu_{format}`, `moe_down_{format}`).
+    format: String,
     rows: usize,
     cols: usize,
     /// Matrices, or the packed levels of affine weights.
@@ -29,6 +34,14 @@ pub(super) struct ProjectionTable {
     vec: usize,
 }
 
+impl ProjectionTable {
+    /// Values per chunk of the fused kernels: 32 affine levels, or a 16-byte
+    /// chunk of floats.
+    fn chunk(&self) -> usize {
+        if self.affine.is_some() { 32 } else { self.vec }
+    }
+}
+
 /// A layer's gate, up and down tables.
 pub(super) struct ExpertTables {
     gate: ProjectionTable,
@@ -36,12 +49,40 @@ pub(super) struct ExpertTables {
     down: ProjectionTable,
 }
 
+/// An expert's projections: gate, up, down.
+fn projections(e: &ExpertWeights<CudaWeight>) -> [&CudaWeight; 3] {
+    [&e.gate, &e.up, &e.down]
+}
+
+/// Output rows a block of the fused kernels computes (`MOE_ROWS`).
+const MOE_ROWS: usize = 4;
+
+impl ExpertTables {
+    /// Whether the fused kernels take these experts for inputs `hidden`
+    /// wide: gate and up stored alike, down their transpose's shape, and
+    /// every row whole chunks.
+    fn fused(&self, hidden: usize) -> bool {
+        let (g, u, d) = (&self.gate, &self.up, &self.down);
+        let same_kind = |a: &ProjectionTable, b: &ProjectionTable| {
+            a.format == b.format && a.affine.as_ref().map(|x| x.2) == b.affine.as_ref().map(|x| x.2)
+        };
+        same_kind(g, u)
+            && (g.rows, g.cols) == (u.rows, u.cols)
+            && g.cols == hidden
+            && (d.rows, d.cols) == (hidden, g.rows)
+            && g.cols.is_multiple_of(g.chunk())
+            && d.cols.is_multiple_of(d.chunk())
+    }
+}
+
 impl CudaBackend {
-    /// The layer's pointer tables, built on first use and kept by the
-    /// experts' address (they live as long as the model); `None` when the
-    /// experts are not all stored alike.
+    /// The layer's pointer tables, built on first use and kept by what they
+    /// hold: every expert's device pointers and the first one's storage (the
+    /// slice's own address would name the tables of a dropped model to a
+    /// later one allocated in its place); `None` when the experts are not
+    /// all stored alike.
     pub(super) fn expert_tables(&self, experts: &[ExpertWeights<CudaWeight>]) -> Option<Arc<ExpertTables>> {
-        let key = (experts.as_ptr() as usize, experts.len());
+        let key = self.expert_key(experts);
         if let Some(t) = self.moe_tables.lock().ok()?.get(&key) {
             return Some(t.clone());
         }
@@ -50,6 +91,34 @@ impl CudaBackend {
             Arc::new(ExpertTables { gate: build(|e| &e.gate)?, up: build(|e| &e.up)?, down: build(|e| &e.down)? });
         self.moe_tables.lock().ok()?.insert(key, tables.clone());
         Some(tables)
+    }
+
+    /// Per projection of each expert its buffers' device pointers, then the
+    /// first expert's shapes and storage kinds.
+    fn expert_key(&self, experts: &[ExpertWeights<CudaWeight>]) -> Vec<u64> {
+        let mut key = Vec::with_capacity(experts.len() * 9 + 12);
+        for e in experts {
+            for w in projections(e) {
+                match w {
+                    CudaWeight::Matrix { buf, .. } => key.push(self.p(buf)),
+                    CudaWeight::Affine(a) => key.extend([self.p(&a.packed), self.p(&a.scales), self.p(&a.biases)]),
+                    CudaWeight::Vector(v) => key.push(self.p(v)),
+                }
+            }
+        }
+        for w in experts.first().map(projections).into_iter().flatten() {
+            key.extend(match w {
+                CudaWeight::Matrix { dtype, rows, cols, .. } => [0, *dtype as u64, *rows as u64, *cols as u64],
+                CudaWeight::Affine(a) => [
+                    1 + a.bf16_scales as u64,
+                    (a.params.bits as u64) << 32 | a.params.group_size as u64,
+                    a.rows as u64,
+                    a.cols as u64,
+                ],
+                CudaWeight::Vector(v) => [3, v.len() as u64, 0, 0],
+            });
+        }
+        key
     }
 
     fn projection_table(
@@ -72,7 +141,7 @@ impl CudaBackend {
                     })
                     .collect::<Option<Vec<u64>>>()?;
                 Some(ProjectionTable {
-                    kernel: format!("moe_gemv_{name}"),
+                    format: name.to_string(),
                     rows: *rows,
                     cols: *cols,
                     weights: self.upload_slice(&ptrs),
@@ -96,7 +165,7 @@ impl CudaBackend {
                     tables.2.push(self.p(&a.biases));
                 }
                 Some(ProjectionTable {
-                    kernel: format!("moe_gemv_{}", first.gemv_format()),
+                    format: first.gemv_format(),
                     rows: first.rows,
                     cols: first.cols,
                     weights: self.upload_slice(&tables.0),
@@ -126,6 +195,9 @@ impl CudaBackend {
             k as i32,
             routing.renormalize as i32
         );
+        if t.fused(x.cols) {
+            return self.moe_fused(x, t, &ids, &weights, k);
+        }
         let gate = self.grouped_gemv(&t.gate, &ids, x, entries, k);
         let up = self.grouped_gemv(&t.up, &ids, x, entries, k);
         let h = crate::backend::Backend::silu_mul(self, &gate, &up);
@@ -144,6 +216,87 @@ impl CudaBackend {
         out
     }
 
+    /// [`Self::moe_on_device`]'s experts in two kernels (moe.cu): silu(gate)·up
+    /// per entry, then the down projection summed over each token's experts
+    /// by their routing weights.
+    fn moe_fused(&self, x: &CudaAct, t: &ExpertTables, ids: &CudaAct, weights: &CudaAct, k: usize) -> CudaAct {
+        let (rows, width, hidden) = (x.rows, t.gate.rows, t.down.rows);
+        let threads = |items: usize| items.next_multiple_of(32).clamp(32, 256) as u32;
+        let act = self.act(rows * k, width);
+        let c = cfg((width.div_ceil(MOE_ROWS) as u32, (rows * k) as u32, 1), threads(x.cols / t.gate.chunk()), 0);
+        let kernel = format!("moe_swiglu_{}", t.gate.format);
+        let (ids_p, x_p, act_p) = (self.p(&ids.buf), self.p(&x.buf), self.p(&act.buf));
+        match (&t.gate.affine, &t.up.affine) {
+            (Some((gs, gb, group)), Some((us, ub, _))) => launch!(
+                self,
+                &kernel,
+                c,
+                self.p(&t.gate.weights),
+                self.p(gs),
+                self.p(gb),
+                self.p(&t.up.weights),
+                self.p(us),
+                self.p(ub),
+                ids_p,
+                x_p,
+                act_p,
+                width as i32,
+                x.cols as i32,
+                *group as i32,
+                k as i32
+            ),
+            _ => launch!(
+                self,
+                &kernel,
+                c,
+                self.p(&t.gate.weights),
+                self.p(&t.up.weights),
+                ids_p,
+                x_p,
+                act_p,
+                width as i32,
+                x.cols as i32,
+                k as i32
+            ),
+        }
+        let out = self.act(rows, hidden);
+        let c = cfg((hidden.div_ceil(MOE_ROWS) as u32, rows as u32, 1), threads(k * width / t.down.chunk()), 0);
+        let kernel = format!("moe_down_{}", t.down.format);
+        let (w_p, out_p) = (self.p(&weights.buf), self.p(&out.buf));
+        match &t.down.affine {
+            Some((scales, biases, group)) => launch!(
+                self,
+                &kernel,
+                c,
+                self.p(&t.down.weights),
+                self.p(scales),
+                self.p(biases),
+                ids_p,
+                w_p,
+                act_p,
+                out_p,
+                hidden as i32,
+                width as i32,
+                *group as i32,
+                k as i32
+            ),
+            None => launch!(
+                self,
+                &kernel,
+                c,
+                self.p(&t.down.weights),
+                ids_p,
+                w_p,
+                act_p,
+                out_p,
+                hidden as i32,
+                width as i32,
+                k as i32
+            ),
+        }
+        out
+    }
+
     /// One GEMV per entry: expert `ids[b]` on row `b / x_div` of `x`.
     fn grouped_gemv(&self, t: &ProjectionTable, ids: &CudaAct, x: &CudaAct, entries: usize, x_div: usize) -> CudaAct {
         let y = self.act(entries, t.rows);
@@ -154,7 +307,7 @@ impl CudaBackend {
         match &t.affine {
             None => launch!(
                 self,
-                &t.kernel,
+                &format!("moe_gemv_{}", t.format),
                 c,
                 self.p(&t.weights),
                 self.p(&ids.buf),
@@ -166,7 +319,7 @@ impl CudaBackend {
             ),
             Some((scales, biases, group)) => launch!(
                 self,
-                &t.kernel,
+                &format!("moe_gemv_{}", t.format),
                 c,
                 self.p(&t.weights),
                 self.p(scales),

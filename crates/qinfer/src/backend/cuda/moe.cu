@@ -1,0 +1,200 @@
+// ---------------------------------------------------------------------------
+// Routed experts of a decode step in two kernels after moe_route (mod.rs
+// `moe_on_device`), where the plain path took four (gate GEMV, up GEMV,
+// silu·mul, down GEMV) and a combine:
+//
+// moe_swiglu_{F}: block (outputs o0..o0+MOE_ROWS-1, entry b = token·k + s)
+//   writes silu(gate_e·x)·(up_e·x) for expert e = ids[b] and the entry's
+//   token row x: the gate rows and the up rows stream side by side, so each
+//   thread has 2·MOE_ROWS rows' chunks in flight.
+// moe_down_{F}: block (outputs o0..o0+MOE_ROWS-1, token t) writes
+//   Σ_s weights[t·k + s] · down_{ids[t·k + s]}·h[t·k + s]: the combine folded
+//   into the GEMV, the token's k experts' rows read by one block, whose threads
+//   take (expert, chunk) items (k·in_dim/32 of them at 4 bits: 192 for
+//   Qwen3-30B-A3B, one a thread), so all its loads are independent.
+//
+// Chunks and their arithmetic are the CUDA-core GEMVs' (kernels.cu:
+// affine_chunk_dot for affine levels, gemv_chunk for floats); every output is
+// each row's dot, scaled and summed over the block as gemv_store does.
+#define MOE_ROWS 4
+
+// One 32-value chunk `i` of R affine rows (their levels, scales and biases
+// from row starts w, s, b) against x: acc[r] += row r · x.
+template <typename S, int BITS, bool HALVES, int R>
+__device__ __forceinline__ void moe_affine_chunk(const unsigned* const (&w)[R], const S* const (&s)[R],
+                                                 const S* const (&b)[R], const float* __restrict__ x, int i,
+                                                 int in_dim, int group, float (&acc)[R][1]) {
+    int g = i * 32 / group;
+    unsigned words[R][BITS];
+    float sc[R], bi[R], sc2[R], bi2[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        affine_chunk<BITS>(w[r], i, words[r]);
+        sc[r] = to_f32(s[r][g]);
+        bi[r] = to_f32(b[r][g]);
+        sc2[r] = HALVES ? to_f32(s[r][g + 1]) : 0.0f;
+        bi2[r] = HALVES ? to_f32(b[r][g + 1]) : 0.0f;
+    }
+    affine_chunk_dot<BITS, R, 1, HALVES>(words, sc, bi, sc2, bi2, x, i * 32, in_dim, 1, acc);
+}
+
+// Row starts r = FROM..FROM+N-1 (output rows[r]) of expert `e`'s levels,
+// scales and biases (from its tables).
+template <typename S, int BITS, int FROM, int N, int R>
+__device__ __forceinline__ void moe_affine_rows(const unsigned long long* packed, const unsigned long long* scales,
+                                                const unsigned long long* biases, int e, const int (&rows)[R],
+                                                int in_dim, int group, const unsigned* (&w)[R], const S* (&s)[R],
+                                                const S* (&b)[R]) {
+    size_t words = (size_t)in_dim / 32 * BITS, groups = (size_t)in_dim / group;
+#pragma unroll
+    for (int r = FROM; r < FROM + N; r++) {
+        w[r] = reinterpret_cast<const unsigned*>(packed[e]) + rows[r] * words;
+        s[r] = reinterpret_cast<const S*>(scales[e]) + rows[r] * groups;
+        b[r] = reinterpret_cast<const S*>(biases[e]) + rows[r] * groups;
+    }
+}
+
+template <typename S, int BITS, bool HALVES>
+__device__ void moe_swiglu_affine(const unsigned long long* gp, const unsigned long long* gs,
+                                  const unsigned long long* gb, const unsigned long long* up,
+                                  const unsigned long long* us, const unsigned long long* ub, const int* ids,
+                                  const float* x, float* y, int width, int in_dim, int group, int top_k) {
+    constexpr int R = 2 * MOE_ROWS;
+    int entry = blockIdx.y, e = ids[entry], o0 = blockIdx.x * MOE_ROWS;
+    int rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) rows[r] = min(o0 + r % MOE_ROWS, width - 1);
+    const unsigned* w[R];
+    const S* s[R];
+    const S* b[R];
+    moe_affine_rows<S, BITS, 0, MOE_ROWS>(gp, gs, gb, e, rows, in_dim, group, w, s, b);         // gate rows
+    moe_affine_rows<S, BITS, MOE_ROWS, MOE_ROWS>(up, us, ub, e, rows, in_dim, group, w, s, b);  // up rows
+    const float* xr = x + (size_t)(entry / top_k) * in_dim;
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = 0.0f;
+    for (int i = threadIdx.x; i < in_dim / 32; i += blockDim.x)
+        moe_affine_chunk<S, BITS, HALVES, R>(w, s, b, xr, i, in_dim, group, acc);
+    gemv_store<R, 1, true>(acc, nullptr, y + (size_t)entry * width, o0, width, 1);
+}
+
+template <typename S, int BITS, bool HALVES>
+__device__ void moe_down_affine(const unsigned long long* packed, const unsigned long long* scales,
+                                const unsigned long long* biases, const int* ids, const float* weights,
+                                const float* h, float* out, int out_dim, int in_dim, int group, int top_k) {
+    constexpr int R = MOE_ROWS;
+    int t = blockIdx.y, o0 = blockIdx.x * R, chunks = in_dim / 32;
+    int rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) rows[r] = min(o0 + r, out_dim - 1);
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = 0.0f;
+    for (int item = threadIdx.x; item < top_k * chunks; item += blockDim.x) {
+        int entry = t * top_k + item / chunks, i = item % chunks;
+        const unsigned* w[R];
+        const S* s[R];
+        const S* b[R];
+        moe_affine_rows<S, BITS, 0, R>(packed, scales, biases, ids[entry], rows, in_dim, group, w, s, b);
+        float d[R][1];
+#pragma unroll
+        for (int r = 0; r < R; r++) d[r][0] = 0.0f;
+        moe_affine_chunk<S, BITS, HALVES, R>(w, s, b, h + (size_t)entry * in_dim, i, in_dim, group, d);
+        float wt = weights[entry];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r][0] += wt * d[r][0];
+    }
+    gemv_store<R, 1>(acc, nullptr, out + (size_t)t * out_dim, o0, out_dim, 1);
+}
+
+#define MOE_AFFINE_FUSED(F, S, B, H)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) moe_swiglu_##F(                                              \
+        const unsigned long long* gp, const unsigned long long* gs, const unsigned long long* gb,                  \
+        const unsigned long long* up, const unsigned long long* us, const unsigned long long* ub, const int* ids,  \
+        const float* x, float* y, int width, int in_dim, int group, int top_k) {                                   \
+        grid_dependency_wait();                                                                                    \
+        moe_swiglu_affine<S, B, H>(gp, gs, gb, up, us, ub, ids, x, y, width, in_dim, group, top_k);                \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_##F(                                                \
+        const unsigned long long* p, const unsigned long long* s, const unsigned long long* bi, const int* ids,    \
+        const float* wts, const float* h, float* out, int out_dim, int in_dim, int group, int top_k) {             \
+        grid_dependency_wait();                                                                                    \
+        moe_down_affine<S, B, H>(p, s, bi, ids, wts, h, out, out_dim, in_dim, group, top_k);                       \
+    }
+#define MOE_FUSED_FORMATS(B)                                                                                       \
+    MOE_AFFINE_FUSED(affine##B, float, B, false)                                                                   \
+    MOE_AFFINE_FUSED(affine##B##_bf16, __nv_bfloat16, B, false)                                                    \
+    MOE_AFFINE_FUSED(affine##B##_g16, float, B, true)
+FOR_AFFINE_BITS(MOE_FUSED_FORMATS)
+
+// Float experts (bf16, f16, f32 matrices from a table of pointers): the same
+// two kernels over 16-byte chunks of VEC values (rows a whole number of them).
+template <typename T, int VEC, int R>
+__device__ __forceinline__ void moe_float_chunk(const T* const (&w)[R], const float* __restrict__ x, int i, int in_dim,
+                                                float (&acc)[R][1]) {
+    uint4 packed[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) packed[r] = __ldcs(reinterpret_cast<const uint4*>(w[r]) + i);
+    gemv_chunk<T, VEC, R, 1>(packed, x, i * VEC, in_dim, 1, acc);
+}
+
+template <typename T, int VEC>
+__device__ void moe_swiglu_float(const unsigned long long* gate, const unsigned long long* up, const int* ids,
+                                 const float* x, float* y, int width, int in_dim, int top_k) {
+    constexpr int R = 2 * MOE_ROWS;
+    int entry = blockIdx.y, e = ids[entry], o0 = blockIdx.x * MOE_ROWS;
+    const T* w[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        w[r] = reinterpret_cast<const T*>(r < MOE_ROWS ? gate[e] : up[e]) +
+               (size_t)min(o0 + r % MOE_ROWS, width - 1) * in_dim;
+    const float* xr = x + (size_t)(entry / top_k) * in_dim;
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = 0.0f;
+    for (int i = threadIdx.x; i < in_dim / VEC; i += blockDim.x) moe_float_chunk<T, VEC, R>(w, xr, i, in_dim, acc);
+    gemv_store<R, 1, true>(acc, nullptr, y + (size_t)entry * width, o0, width, 1);
+}
+
+template <typename T, int VEC>
+__device__ void moe_down_float(const unsigned long long* table, const int* ids, const float* weights, const float* h,
+                               float* out, int out_dim, int in_dim, int top_k) {
+    constexpr int R = MOE_ROWS;
+    int t = blockIdx.y, o0 = blockIdx.x * R, chunks = in_dim / VEC;
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = 0.0f;
+    for (int item = threadIdx.x; item < top_k * chunks; item += blockDim.x) {
+        int entry = t * top_k + item / chunks, i = item % chunks;
+        const T* w[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            w[r] = reinterpret_cast<const T*>(table[ids[entry]]) + (size_t)min(o0 + r, out_dim - 1) * in_dim;
+        float d[R][1];
+#pragma unroll
+        for (int r = 0; r < R; r++) d[r][0] = 0.0f;
+        moe_float_chunk<T, VEC, R>(w, h + (size_t)entry * in_dim, i, in_dim, d);
+        float wt = weights[entry];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r][0] += wt * d[r][0];
+    }
+    gemv_store<R, 1>(acc, nullptr, out + (size_t)t * out_dim, o0, out_dim, 1);
+}
+
+#define MOE_FLOAT_FUSED(F, T, VEC)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) moe_swiglu_##F(const unsigned long long* gate,               \
+                                                                     const unsigned long long* up, const int* ids, \
+                                                                     const float* x, float* y, int width,          \
+                                                                     int in_dim, int top_k) {                      \
+        grid_dependency_wait();                                                                                    \
+        moe_swiglu_float<T, VEC>(gate, up, ids, x, y, width, in_dim, top_k);                                       \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_##F(const unsigned long long* table, const int* ids, \
+                                                                   const float* wts, const float* h, float* out,   \
+                                                                   int out_dim, int in_dim, int top_k) {           \
+        grid_dependency_wait();                                                                                    \
+        moe_down_float<T, VEC>(table, ids, wts, h, out, out_dim, in_dim, top_k);                                   \
+    }
+MOE_FLOAT_FUSED(bf16, __nv_bfloat16, 8)
+MOE_FLOAT_FUSED(f16, __half, 8)
+MOE_FLOAT_FUSED(f32, float, 4)
