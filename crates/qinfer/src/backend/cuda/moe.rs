@@ -222,78 +222,35 @@ impl CudaBackend {
     fn moe_fused(&self, x: &CudaAct, t: &ExpertTables, ids: &CudaAct, weights: &CudaAct, k: usize) -> CudaAct {
         let (rows, width, hidden) = (x.rows, t.gate.rows, t.down.rows);
         let threads = |items: usize| items.next_multiple_of(32).clamp(32, 256) as u32;
+        // A table's pointers as kernel arguments: the weights, and for affine
+        // storage the scales and biases.
+        let tables = |p: &ProjectionTable| {
+            let mut args = vec![Arg::from(self.p(&p.weights))];
+            if let Some((scales, biases, _)) = &p.affine {
+                args.extend([self.p(scales), self.p(biases)].map(Arg::from));
+            }
+            args
+        };
+        // Affine kernels take the group size before the choices per token.
+        let tail = |p: &ProjectionTable| {
+            let group = p.affine.as_ref().map(|a| Arg::from(a.2 as i32));
+            group.into_iter().chain([Arg::from(k as i32)])
+        };
         let act = self.act(rows * k, width);
+        let mut args = tables(&t.gate);
+        args.extend(tables(&t.up));
+        args.extend([self.p(&ids.buf), self.p(&x.buf), self.p(&act.buf)].map(Arg::from));
+        args.extend([width as i32, x.cols as i32].map(Arg::from));
+        args.extend(tail(&t.gate));
         let c = cfg((width.div_ceil(MOE_ROWS) as u32, (rows * k) as u32, 1), threads(x.cols / t.gate.chunk()), 0);
-        let kernel = format!("moe_swiglu_{}", t.gate.format);
-        let (ids_p, x_p, act_p) = (self.p(&ids.buf), self.p(&x.buf), self.p(&act.buf));
-        match (&t.gate.affine, &t.up.affine) {
-            (Some((gs, gb, group)), Some((us, ub, _))) => launch!(
-                self,
-                &kernel,
-                c,
-                self.p(&t.gate.weights),
-                self.p(gs),
-                self.p(gb),
-                self.p(&t.up.weights),
-                self.p(us),
-                self.p(ub),
-                ids_p,
-                x_p,
-                act_p,
-                width as i32,
-                x.cols as i32,
-                *group as i32,
-                k as i32
-            ),
-            _ => launch!(
-                self,
-                &kernel,
-                c,
-                self.p(&t.gate.weights),
-                self.p(&t.up.weights),
-                ids_p,
-                x_p,
-                act_p,
-                width as i32,
-                x.cols as i32,
-                k as i32
-            ),
-        }
+        self.launch_args(&format!("moe_swiglu_{}", t.gate.format), c, &args);
         let out = self.act(rows, hidden);
+        let mut args = tables(&t.down);
+        args.extend([self.p(&ids.buf), self.p(&weights.buf), self.p(&act.buf), self.p(&out.buf)].map(Arg::from));
+        args.extend([hidden as i32, width as i32].map(Arg::from));
+        args.extend(tail(&t.down));
         let c = cfg((hidden.div_ceil(MOE_ROWS) as u32, rows as u32, 1), threads(k * width / t.down.chunk()), 0);
-        let kernel = format!("moe_down_{}", t.down.format);
-        let (w_p, out_p) = (self.p(&weights.buf), self.p(&out.buf));
-        match &t.down.affine {
-            Some((scales, biases, group)) => launch!(
-                self,
-                &kernel,
-                c,
-                self.p(&t.down.weights),
-                self.p(scales),
-                self.p(biases),
-                ids_p,
-                w_p,
-                act_p,
-                out_p,
-                hidden as i32,
-                width as i32,
-                *group as i32,
-                k as i32
-            ),
-            None => launch!(
-                self,
-                &kernel,
-                c,
-                self.p(&t.down.weights),
-                ids_p,
-                w_p,
-                act_p,
-                out_p,
-                hidden as i32,
-                width as i32,
-                k as i32
-            ),
-        }
+        self.launch_args(&format!("moe_down_{}", t.down.format), c, &args);
         out
     }
 
