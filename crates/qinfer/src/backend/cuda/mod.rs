@@ -539,8 +539,6 @@ pub struct CudaBackend {
     flash: [bool; 3],
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
-    /// The device's shared memory per block (opt-in maximum).
-    max_shared: usize,
     /// Dynamic shared memory any block may opt into on this device.
     max_block_shared: usize,
     /// Streaming multiprocessors: grid size of the kernels that loop over
@@ -791,7 +789,6 @@ impl CudaBackend {
             decode_whole,
             flash,
             affine_mma_max_shared,
-            max_shared: max_shared as usize,
             max_block_shared: block_shared,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),
@@ -1263,7 +1260,9 @@ impl CudaBackend {
             args.extend_from_slice(prologue.unwrap_or(&[]));
             // One block a head (splits == 1: `chunk` is the whole-cache block's keys).
             let shared = if splits == 1 {
-                decode_whole_shared(chunk, s.head_dim, kv.precision, self.max_shared)
+                // The device's opt-in maximum, as at the kernel's attribute.
+                let max_shared = self.max_block_shared + STATIC_SHARED_ROOM;
+                decode_whole_shared(chunk, s.head_dim, kv.precision, max_shared)
             } else {
                 decode_shared(chunk, s.head_dim, kv.precision)
             };
