@@ -9,7 +9,9 @@ time per token against dense models' of the same dtype, per byte read
 Bytes per token count every matrix a decode step reads, as qinfer stores it on
 the GPU: bf16 2 bytes per value; affine q<b>g<G> b/8 bytes per value plus a bf16
 scale and bias per group (matrices whose rows do not split into groups stay
-bf16); the embedding table is read one row per token unless it is also the
+bf16); ggml types (q4_k, q6_k, …, and llama.cpp's q4_k_m/q5_k_m mixes) as the
+GGUF file stores them, which is less than qinfer's GPU copy reads (it holds
+them as affine groups with f32 scales and biases); the embedding table is read one row per token unless it is also the
 lm_head (tied). MoE layers count the shared weights and top-k experts only.
 The KV cache is not counted (tg128 reads 64 positions on average: 19 MB a
 token at Qwen3-8B's shape in qinfer's f32 cache, 0.4% of its 4.26 GB).
@@ -23,7 +25,28 @@ import sys
 from pathlib import Path
 
 
+# ggml block types: (values, bytes) per block, as the GGUF file stores them.
+GGML_BLOCKS = {
+    "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+    "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+}
+# llama.cpp's _M mixes: (type, type of the matrices given more bits).
+GGUF_MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
+
+
+def matrix_dtype(dtype: str, more: bool) -> str:
+    """The storage of a matrix: a mix's high type where llama.cpp gives more bits."""
+    if dtype in GGUF_MIXES:
+        return GGUF_MIXES[dtype][1 if more else 0]
+    return dtype
+
+
 def bytes_per_value(dtype: str, cols: int) -> float:
+    if dtype in GGML_BLOCKS:
+        # What the file holds: the minimum a decode step must read (rows that
+        # do not split into blocks are f32 in qinfer's random weights).
+        values, nbytes = GGML_BLOCKS[dtype]
+        return nbytes / values if cols % values == 0 else 4
     m = re.fullmatch(r"q(\d)g(\d+)", dtype)
     if m and cols % int(m.group(2)) == 0:
         bits, group = int(m.group(1)), int(m.group(2))
@@ -40,39 +63,49 @@ def layer_kinds(cfg: dict) -> list:
     ]
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's rule for the layers whose v and down projections a _M mix
+    stores at the higher width."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
 def layer_matrices(cfg: dict) -> list:
-    """(rows, cols, count) of every matrix the layers apply to a token."""
+    """(rows, cols, count, more) of every matrix the layers apply to a token;
+    `more`: a v or down projection on a layer where _M mixes use more bits."""
     h = cfg["hidden_size"]
     hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
     nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     gated = cfg["model_type"].startswith("qwen3_5") or cfg["model_type"] == "qwen3_next"
     mats = []
-    for kind in layer_kinds(cfg):
+    kinds = layer_kinds(cfg)
+    for layer, kind in enumerate(kinds):
+        more = use_more_bits(layer, len(kinds))
         if kind == "full_attention":
-            mats += [(nq * hd * (2 if gated else 1), h, 1), (nkv * hd, h, 2), (h, nq * hd, 1)]
+            mats += [(nq * hd * (2 if gated else 1), h, 1, False), (nkv * hd, h, 1, False), (nkv * hd, h, 1, more),
+                     (h, nq * hd, 1, False)]
         else:
             nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
             dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
             key, value = nk * dk, nv * dv
-            mats += [(2 * key + value, h, 1), (value, h, 1), (nv, h, 2), (h, value, 1)]
+            mats += [(2 * key + value, h, 1, False), (value, h, 1, False), (nv, h, 2, False), (h, value, 1, False)]
         if cfg.get("num_experts"):
             e, k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
-            mats += [(e, h, 1), (inter, h, 2 * k), (h, inter, k)]
+            mats += [(e, h, 1, False), (inter, h, 2 * k, False), (h, inter, k, more)]
             if cfg.get("shared_expert_intermediate_size"):
                 s = cfg["shared_expert_intermediate_size"]
-                mats += [(s, h, 2), (h, s, 1), (1, h, 1)]
+                mats += [(s, h, 2, False), (h, s, 1, more), (1, h, 1, False)]
         else:
             i = cfg["intermediate_size"]
-            mats += [(i, h, 2), (h, i, 1)]
+            mats += [(i, h, 2, False), (h, i, 1, more)]
     return mats
 
 
 def decode_bytes(cfg: dict, dtype: str) -> int:
     h, v = cfg["hidden_size"], cfg["vocab_size"]
-    mats = layer_matrices(cfg) + [(v, h, 1)]  # lm_head (or the tied embedding table)
-    total = sum(r * c * n * bytes_per_value(dtype, c) for r, c, n in mats)
+    mats = layer_matrices(cfg) + [(v, h, 1, True)]  # lm_head (or the tied embedding table)
+    total = sum(r * c * n * bytes_per_value(matrix_dtype(dtype, more), c) for r, c, n, more in mats)
     if not cfg.get("tie_word_embeddings", False):
-        total += h * bytes_per_value(dtype, h)  # one embedding row
+        total += h * bytes_per_value(matrix_dtype(dtype, False), h)  # one embedding row
     return int(total)
 
 
@@ -86,7 +119,7 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
     nq = cfg["num_attention_heads"]
     mats = layer_matrices(cfg)
-    flops = 2 * sum(r * c * n for r, c, n in mats)
+    flops = 2 * sum(r * c * n for r, c, n, _ in mats)
     ctx = (tokens + 1) / 2
     for kind in layer_kinds(cfg):
         if kind == "full_attention":

@@ -212,7 +212,7 @@ pub fn random_model(
 ) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
     let json = read_json(config_path)?;
     let cfg = ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))?;
-    let model = place(cfg.clone(), Weights::Random(RandomWeights::new(storage, 0)), device)?;
+    let model = place(cfg.clone(), Weights::Random(RandomWeights::new(storage, cfg.num_layers, 0)), device)?;
     Ok((cfg, model))
 }
 

@@ -25,8 +25,9 @@ pub struct Args {
     /// Make the weights up (with --config).
     #[arg(long, requires = "config")]
     random_weights: bool,
-    /// Storage of the random weights' matrices: f32, f16, bf16, q8_0, q4_0,
-    /// q4_1, or MLX affine groups q<bits>g<group> (q4g64, q8g64, q3g32, …).
+    /// Storage of the random weights' matrices: f32, f16, bf16, a ggml type
+    /// (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k … q6_k), llama.cpp's q4_k_m or
+    /// q5_k_m mix, or MLX affine groups q<bits>g<group> (q4g64, q8g64, …).
     #[arg(long, default_value = "bf16")]
     dtype: WeightStorage,
     /// Prompt lengths for the pp tests, comma-separated (0 skips it).

@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use crate::affine::{AffineParams, AffineTensor};
 use crate::backend::cpu::kquants;
+use crate::quantize::Recipe;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -19,6 +20,10 @@ pub struct RandomWeights {
     /// Affine-quantize every matrix whose rows split into whole groups (as
     /// mlx-lm's conversion does) instead of storing it as `dtype`.
     pub affine: Option<AffineParams>,
+    /// llama.cpp's `_M` mixes: the matrices it gives more bits (`lm_head`
+    /// always; `v_proj` and `down_proj` on the layers `use_more_bits`
+    /// picks) are stored as this type, of a model of `layers` layers.
+    pub more_bits: Option<(DType, usize)>,
     pub seed: u64,
 }
 
@@ -48,6 +53,12 @@ impl Rng {
 pub enum WeightStorage {
     Plain(DType),
     Affine(AffineParams),
+    /// A GGUF `_M` file's mix (`q4_k_m`: Q4_K, Q6_K where llama.cpp's
+    /// Q4_K_M gives more bits; `q5_k_m`: Q5_K and Q6_K).
+    GgufMix {
+        low: DType,
+        high: DType,
+    },
 }
 
 impl std::str::FromStr for WeightStorage {
@@ -60,10 +71,22 @@ impl std::str::FromStr for WeightStorage {
             "q8_0" => Some(DType::Q8_0),
             "q4_0" => Some(DType::Q4_0),
             "q4_1" => Some(DType::Q4_1),
+            "q5_0" => Some(DType::Q5_0),
+            "q5_1" => Some(DType::Q5_1),
+            "q2_k" => Some(DType::Q2_K),
+            "q3_k" => Some(DType::Q3_K),
+            "q4_k" => Some(DType::Q4_K),
+            "q5_k" => Some(DType::Q5_K),
+            "q6_k" => Some(DType::Q6_K),
             _ => None,
         };
         if let Some(d) = plain {
             return Ok(WeightStorage::Plain(d));
+        }
+        match s {
+            "q4_k_m" => return Ok(WeightStorage::GgufMix { low: DType::Q4_K, high: DType::Q6_K }),
+            "q5_k_m" => return Ok(WeightStorage::GgufMix { low: DType::Q5_K, high: DType::Q6_K }),
+            _ => {}
         }
         let affine = s
             .strip_prefix('q')
@@ -72,7 +95,8 @@ impl std::str::FromStr for WeightStorage {
         match affine {
             Some((bits, group_size)) => Ok(WeightStorage::Affine(AffineParams::new(bits, group_size, s)?)),
             None => Err(Error::Invalid(format!(
-                "unknown weight storage `{s}`: expected f32, f16, bf16, q8_0, q4_0, q4_1 or q<bits>g<group> (e.g. q4g64)"
+                "unknown weight storage `{s}`: expected f32, f16, bf16, a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, \
+                 q2_k … q6_k), q4_k_m, q5_k_m or q<bits>g<group> (e.g. q4g64)"
             ))),
         }
     }
@@ -83,16 +107,33 @@ impl std::fmt::Display for WeightStorage {
         match self {
             WeightStorage::Plain(d) => write!(f, "{}", d.name()),
             WeightStorage::Affine(p) => write!(f, "q{}g{}", p.bits, p.group_size),
+            WeightStorage::GgufMix { low, .. } => write!(f, "{}_m", low.name().to_lowercase()),
         }
     }
 }
 
 impl RandomWeights {
-    pub fn new(storage: WeightStorage, seed: u64) -> Self {
+    /// Weights of a model of `layers` layers (the `_M` mixes pick by layer).
+    pub fn new(storage: WeightStorage, layers: usize, seed: u64) -> Self {
         match storage {
-            WeightStorage::Plain(dtype) => RandomWeights { dtype, affine: None, seed },
+            WeightStorage::Plain(dtype) => RandomWeights { dtype, affine: None, more_bits: None, seed },
             // Matrices whose rows do not split into groups stay bf16, as mlx leaves them.
-            WeightStorage::Affine(p) => RandomWeights { dtype: DType::BF16, affine: Some(p), seed },
+            WeightStorage::Affine(p) => RandomWeights { dtype: DType::BF16, affine: Some(p), more_bits: None, seed },
+            WeightStorage::GgufMix { low, high } => {
+                RandomWeights { dtype: low, affine: None, more_bits: Some((high, layers)), seed }
+            }
+        }
+    }
+
+    /// The storage type of the matrix `name`: the mix's (llama.cpp's
+    /// `use_more_bits` rule is mlx-lm's mixed recipes' rule, [`Recipe`]).
+    fn dtype_of(&self, name: &str) -> DType {
+        match self.more_bits {
+            Some((high, layers)) => {
+                let module = name.strip_suffix(".weight").unwrap_or(name);
+                if Recipe::Mixed4_6.bits_for(module, layers) == 6 { high } else { self.dtype }
+            }
+            None => self.dtype,
         }
     }
 
@@ -146,7 +187,8 @@ impl RandomWeights {
             return Tensor::from_f32(name, shape.to_vec(), &v);
         }
         let scale = 1.0 / (fan_in as f32).sqrt();
-        let dtype = if fan_in.is_multiple_of(self.dtype.block_len()) { self.dtype } else { DType::F32 };
+        let dtype = self.dtype_of(name);
+        let dtype = if fan_in.is_multiple_of(dtype.block_len()) { dtype } else { DType::F32 };
         if let DType::F32 | DType::F16 | DType::BF16 = dtype {
             // Rows in parallel, each from its own stream: multi-GB models build in seconds.
             let width = dtype.block_bytes();
@@ -186,9 +228,18 @@ impl RandomWeights {
                 }
             }
             DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
-                // Random bits with every f16 field set to a small step: values of
-                // magnitude about `scale` (K-quant sub-scales multiply by up to 63).
-                let step = if dtype.is_k_quant() { scale / 256.0 } else { scale / 16.0 };
+                // Random bits with every f16 field set to one step: values of
+                // magnitude up to about `scale`. The step is `scale` over the
+                // largest sub-scale × level product of the type.
+                let largest = match dtype {
+                    DType::Q2_K => 45.0,
+                    DType::Q3_K => 128.0,
+                    DType::Q4_K => 945.0,
+                    DType::Q5_K => 1953.0,
+                    DType::Q6_K => 4096.0,
+                    _ => 16.0,
+                };
+                let step = scale / largest;
                 let bb = dtype.block_bytes();
                 for _ in 0..n / dtype.block_len() {
                     let start = bytes.len();
@@ -209,17 +260,40 @@ mod tests {
 
     #[test]
     fn every_type_makes_a_valid_tensor_of_the_shape() {
-        for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let r = RandomWeights { dtype, affine: None, seed: 1 };
-            let t = r.tensor("w", &[3, 64]).unwrap();
-            assert_eq!(t.shape, vec![3, 64]);
+        for dtype in
+            [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K]
+        {
+            let r = RandomWeights { dtype, affine: None, more_bits: None, seed: 1 };
+            let cols = dtype.block_len().max(64);
+            let t = r.tensor("w", &[3, cols]).unwrap();
+            assert_eq!(t.shape, vec![3, cols]);
             assert_eq!(t.dtype, dtype);
             let v = t.to_f32_vec();
             assert!(v.iter().all(|x| x.is_finite() && x.abs() <= 0.2), "{dtype:?}");
             assert!(v.iter().any(|x| *x != 0.0));
             // Same name and seed: same values; another name: different.
-            assert_eq!(r.tensor("w", &[3, 64]).unwrap().to_f32_vec(), v);
-            assert_ne!(r.tensor("w2", &[3, 64]).unwrap().to_f32_vec(), v);
+            assert_eq!(r.tensor("w", &[3, cols]).unwrap().to_f32_vec(), v);
+            assert_ne!(r.tensor("w2", &[3, cols]).unwrap().to_f32_vec(), v);
+        }
+    }
+
+    #[test]
+    fn q4_k_m_gives_more_bits_where_llama_cpp_does() {
+        let storage: WeightStorage = "q4_k_m".parse().unwrap();
+        assert_eq!(storage.to_string(), "q4_k_m");
+        // 36 layers: use_more_bits holds for layers 0-3, 31-35 and (i - 4) % 3 == 2 between.
+        let r = RandomWeights::new(storage, 36, 1);
+        let dtype = |n: &str| r.tensor(n, &[2, 256]).unwrap().dtype;
+        assert_eq!(dtype("lm_head.weight"), DType::Q6_K);
+        assert_eq!(dtype("model.embed_tokens.weight"), DType::Q4_K);
+        for (layer, more) in
+            [(0, true), (3, true), (4, false), (6, true), (7, false), (9, true), (29, false), (30, true), (31, true)]
+        {
+            let want = if more { DType::Q6_K } else { DType::Q4_K };
+            assert_eq!(dtype(&format!("model.layers.{layer}.self_attn.v_proj.weight")), want, "layer {layer}");
+            assert_eq!(dtype(&format!("model.layers.{layer}.mlp.down_proj.weight")), want, "layer {layer}");
+            assert_eq!(dtype(&format!("model.layers.{layer}.self_attn.q_proj.weight")), DType::Q4_K);
+            assert_eq!(dtype(&format!("model.layers.{layer}.mlp.gate_proj.weight")), DType::Q4_K);
         }
     }
 }
