@@ -335,6 +335,65 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     }
 }
 
+/// Random Q4_K or Q5_K blocks for a `rows × cols` matrix: random levels,
+/// scales and mins, d and dmin (f16) near 1/(63·15·√cols), so outputs stay O(1).
+fn kquant_tensor(r: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Tensor {
+    let (bb, n) = (dtype.block_bytes(), rows * cols / 256);
+    let step = 1.0 / (63.0 * 15.0 * (cols as f32).sqrt());
+    let mut bytes = Vec::with_capacity(n * bb);
+    for _ in 0..n {
+        bytes.extend(half::f16::from_f32(step * (1.5 + r.f())).to_le_bytes());
+        bytes.extend(half::f16::from_f32(step * (1.5 + r.f())).to_le_bytes());
+        bytes.extend((4..bb).map(|_| (r.f() * 128.0 + 128.0) as u8));
+    }
+    Tensor::new("w".into(), dtype, vec![rows, cols], Bytes::from_vec(bytes)).unwrap()
+}
+
+/// GGUF's Q4_K and Q5_K on the GPU keep a 16-byte record of scales per 256
+/// values (4.5 bits a value at 4-bit levels, not 6): the tensor-core GEMV (1-2
+/// rows, 4 bits), the CUDA-core GEMVs (3-8 rows), the prefill's bf16 tiles
+/// (more) and the embedding read them. Against the CPU on the same blocks as
+/// exact f32 affine weights (formats/gguf/as_affine.rs), not its Q8_K
+/// integer dots (which round the activations to 8 bits).
+#[test]
+fn gguf_superblock_records_match_cpu() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    for dtype in [DType::Q4_K, DType::Q5_K] {
+        // More tiles of 16 rows than two blocks per SM at 4500 rows.
+        for (out, inp) in [(70, 256), (33, 4096), (40, 2560), (4500, 512), (18, 12288)] {
+            let t = kquant_tensor(&mut r, dtype, out, inp);
+            let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
+            let (wc, wg) = (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap());
+            match &wg {
+                qinfer::backend::cuda::CudaWeight::Affine(a) => {
+                    assert_eq!(a.side, qinfer::backend::cuda::AffineSide::Records, "{dtype:?}")
+                }
+                _ => panic!("{dtype:?} is not an affine weight on the GPU"),
+            }
+            for rows in [1, 2, 3, 4, 8, 9, 33] {
+                let x = r.vec(rows * inp);
+                let (xc, xg) = p.acts(rows, inp, &x);
+                let (yc, yg) = (p.cpu.linear(&xc, &wc, None), p.gpu.linear(&xg, &wg, None));
+                let tol = if rows > 8 { 2e-2 } else { 1e-4 };
+                let what = format!("{dtype:?} records {rows}x{inp}->{out}");
+                p.check(&what, &yc, &yg, tol);
+                if out % 2 == 0 && rows <= 8 {
+                    let (sc, sg) = (p.cpu.linear_swiglu(&xc, &wc), p.gpu.linear_swiglu(&xg, &wg));
+                    let (want, got) = (p.cpu.to_host(&sc), p.gpu.to_host(&sg));
+                    p.gpu.check().unwrap();
+                    let e = rel(&got, &want);
+                    println!("{what} swiglu: rel err {e:.2e}");
+                    assert!(e <= 1e-3, "{what} swiglu: rel err {e}");
+                }
+            }
+            let ids: Vec<u32> = (0..6).map(|i| (i * 7 % out) as u32).collect();
+            let (ec, eg) = (p.cpu.embed(&wc, &ids).unwrap(), p.gpu.embed(&wg, &ids).unwrap());
+            p.check(&format!("{dtype:?} records embedding {inp}"), &ec, &eg, 1e-6);
+        }
+    }
+}
+
 /// Activations up to the largest finite float: the tensor-core GEMV scales
 /// such a unit like any other (its sums stay finite where the product is),
 /// where an inf or a NaN poisons the outputs as it does the CPU's. Weights
@@ -949,6 +1008,33 @@ fn gated_deltanet_and_moe_match_cpu() {
             );
         }
     }
+    // GGUF experts (Q4_K gate/up, Q5_K down) as super-block records, through
+    // the fused kernels, against the CPU on their exact affine form.
+    let (h, i, e) = (256, 512, 6);
+    let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
+        .map(|_| {
+            let mut make = |dtype, rows, cols| {
+                let t = kquant_tensor(&mut r, dtype, rows, cols);
+                let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
+                (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap())
+            };
+            let ((gc, gg), (uc, ug), (dc, dg)) =
+                (make(DType::Q4_K, i, h), make(DType::Q4_K, i, h), make(DType::Q5_K, h, i));
+            (ExpertWeights { gate: gc, up: uc, down: dc }, ExpertWeights { gate: gg, up: ug, down: dg })
+        })
+        .collect();
+    let (ec, eg): (Vec<_>, Vec<_>) = experts.into_iter().unzip();
+    for (rows, top_k) in [(1usize, 3usize), (3, 2), (8, 6)] {
+        let (xc, xg) = p.acts(rows, h, &r.vec(rows * h));
+        let (lc, lg) = p.acts(rows, e, &r.vec(rows * e));
+        let routing = Routing { top_k, renormalize: true };
+        p.check(
+            &format!("moe Q4_K/Q5_K records {rows} rows top {top_k}"),
+            &p.cpu.moe(&xc, &lc, &ec, routing),
+            &p.gpu.moe(&xg, &lg, &eg, routing),
+            1e-4,
+        );
+    }
 }
 
 fn fixtures() -> Vec<PathBuf> {
@@ -1433,9 +1519,9 @@ fn profile_decode_ops_at_8b_shapes() {
             }
         }
     }
-    // ggml's Q4_K (and Q4_0) as an affine weight: 4 bits, groups of 32, f32
-    // scales and biases, on the CUDA-core GEMV (the tensor-core one takes
-    // groups of 64 and 128).
+    // ggml's Q4_0/Q4_1 as an affine weight: 4 bits, groups of 32, f32 scales
+    // and biases, on the CUDA-core GEMV (the tensor-core one takes groups of
+    // 64 and 128; Q4_K's super-block records have their own).
     for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("down", h, inter)] {
         let w = b.upload_affine(&affine_tensor(&mut r, 4, 32, rows, cols, DType::F32)).unwrap();
         let x = b.act_from_host(1, cols, &r.vec(cols));

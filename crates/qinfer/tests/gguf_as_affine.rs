@@ -13,7 +13,9 @@ use common::{DecodedBlocks, kquant_fixture as fixture};
 use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
-use qinfer::formats::gguf::{affine_bits, affine_group_size, as_affine};
+use qinfer::formats::gguf::{
+    SUPERBLOCK_RECORD, affine_bits, affine_group_size, as_affine, record_scale_bias, superblock_records,
+};
 use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
 use qinfer::models::{LanguageModel, Logits};
@@ -49,6 +51,44 @@ fn affine_form_decodes_as_gguf_py() {
                     // Equal as numbers (a zero may differ in sign: d·(q − 8)
                     // against d·q − 8d).
                     assert!(got == w, "{dtype:?} {rows} rows: value ({r}, {c}) {got} vs gguf-py {w}");
+                }
+            }
+        }
+    }
+}
+
+/// The GPU's compact Q4_K/Q5_K scales (16-byte records per super-block)
+/// hold exactly the affine form's scales and biases, so the levels decode
+/// through them to gguf-py's values too.
+#[test]
+fn superblock_records_decode_as_gguf_py() {
+    for dtype in common::BLOCK_TYPES {
+        let (blocks, want) = fixture(dtype);
+        let n_blocks = blocks.len() / dtype.block_bytes();
+        let t = Tensor::new("w".into(), dtype, vec![1, want.len()], Bytes::from_vec(blocks.clone())).unwrap();
+        let Some(records) = superblock_records(&t) else {
+            assert!(!matches!(dtype, DType::Q4_K | DType::Q5_K), "{dtype:?} has records");
+            continue;
+        };
+        let t = Tensor::new("w".into(), dtype, vec![n_blocks, 256], Bytes::from_vec(blocks.clone())).unwrap();
+        let records = records.unwrap();
+        assert_eq!(records.len(), n_blocks * SUPERBLOCK_RECORD);
+        let a = as_affine(&t).unwrap().unwrap();
+        let (scales, biases) = (f32s(&a.scales), f32s(&a.biases));
+        let row_bytes = a.params.row_bytes(256);
+        let mut q = vec![0f32; 256];
+        for b in 0..n_blocks {
+            let record = &records[b * SUPERBLOCK_RECORD..(b + 1) * SUPERBLOCK_RECORD];
+            unpack(a.params.bits, &a.packed.data.as_slice()[b * row_bytes..(b + 1) * row_bytes], &mut q);
+            for j in 0..8 {
+                let (scale, bias) = record_scale_bias(record, j);
+                assert_eq!(
+                    (scale.to_bits(), bias.to_bits()),
+                    (scales[b * 8 + j].to_bits(), biases[b * 8 + j].to_bits())
+                );
+                for c in 32 * j..32 * (j + 1) {
+                    let w = want[b * 256 + c];
+                    assert!(scale * q[c] + bias == w, "{dtype:?} block {b} value {c}");
                 }
             }
         }

@@ -28,7 +28,7 @@ impl Unpacked {
 
 /// The 6-bit scale and min of group `j` (0..8) of Q4_K/Q5_K (`get_scale_min_k4`).
 #[inline(always)]
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

@@ -90,15 +90,44 @@ __device__ __forceinline__ void mma_u8s8(int (&d)[4], unsigned a0, unsigned a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One stage: 16 rows of its units' levels, then their scales and biases
-// (units·64/GROUP values of S per row each).
+// Bytes a stage holds per row of scales and of biases: units·64/GROUP
+// values of S each; with super-block records (KScales: a stage of 4-bit
+// levels is 256 columns, one record) the record alone.
+template <typename S, int GROUP, int BITS>
+struct AmmaSide {
+    static constexpr int SCALES = amma_units<BITS>() * 64 / GROUP * sizeof(S);
+    static constexpr int BIASES = SCALES;
+    static constexpr bool RECORDS = false;
+};
+template <int GROUP, int BITS>
+struct AmmaSide<KScales, GROUP, BITS> {
+    static_assert(BITS == 4 && GROUP == 32, "records are per 256 columns of groups of 32");
+    static constexpr int SCALES = sizeof(KScales);
+    static constexpr int BIASES = 0;
+    static constexpr bool RECORDS = true;
+};
+
+// One stage: 16 rows of its units' levels, then their scales, then their
+// biases (AmmaSide's bytes per row).
 template <typename S, int GROUP, int BITS>
 struct alignas(16) AmmaStage {
-    static constexpr int SIDE = amma_units<BITS>() * 64 / GROUP * sizeof(S);  // bytes per row of scales (or biases)
+    using Side = AmmaSide<S, GROUP, BITS>;
     unsigned char levels[16 * AMMA_PITCH];
-    unsigned char scales[16 * SIDE];
-    unsigned char biases[16 * SIDE];
+    unsigned char side[16 * (Side::SCALES + Side::BIASES)];
+    __device__ const unsigned char* scales(int row) const { return side + row * Side::SCALES; }
+    __device__ const unsigned char* biases(int row) const { return side + 16 * Side::SCALES + row * Side::BIASES; }
 };
+
+// Scale and bias of group j of the stage's row whose scales and biases
+// start at sc and bi.
+template <typename S>
+__device__ __forceinline__ float2 amma_group(const unsigned char* sc, const unsigned char* bi, int j) {
+    return make_float2(to_f32(reinterpret_cast<const S*>(sc)[j]), to_f32(reinterpret_cast<const S*>(bi)[j]));
+}
+template <>
+__device__ __forceinline__ float2 amma_group<KScales>(const unsigned char* sc, const unsigned char*, int j) {
+    return make_float2(kscales_scale(sc, j), kscales_bias(sc, j));
+}
 
 // NaN-propagating max (fmaxf drops a NaN operand): a unit holding a NaN
 // must poison its sums.
@@ -388,7 +417,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                                  int out_dim, int in_dim, int n_act, const unsigned char* __restrict__ row_in,
                                  unsigned char* __restrict__ row_out, const float* __restrict__ out_norm, int lead) {
     using Stage = AmmaStage<S, GROUP, BITS>;
-    constexpr int SIDE = Stage::SIDE;
+    using Side = typename Stage::Side;
+    constexpr int SIDE = Side::SCALES;  // bytes a lane copies a stage (its row's scales, or biases)
     constexpr int UNITS = amma_units<BITS>();      // per stage
     constexpr int UNIT_BYTES = 8 * BITS;           // of a row
     constexpr int PER_STAGE = UNITS * 64 / GROUP;  // scale groups per stage and row
@@ -439,6 +469,11 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     const unsigned char* wbase = reinterpret_cast<const unsigned char*>(w);
     const unsigned long long streamed = l2_evict_first();  // the levels' L2 policy
     const unsigned char* side_base = reinterpret_cast<const unsigned char*>(lane < 16 ? scales : biases);
+    // Bytes of a row's scales (or biases), and of a stage's.
+    const size_t side_row = Side::RECORDS ? (size_t)in_dim / 256 * SIDE : (size_t)groups * sizeof(S);
+    constexpr int side_stage = Side::RECORDS ? SIDE : PER_STAGE * (int)sizeof(S);
+    // Lanes 16-31 copy biases, which records do not have.
+    const bool side_copies = lane < 16 || Side::BIASES > 0;
     // Stage after stage: 16-byte pieces of the levels (4 rows per
     // instruction, 8 lanes a row; first out of L2, see l2_evict_first), and
     // one row's scales (lanes 0-15) or biases (16-31). The copy state
@@ -453,12 +488,13 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         for (int i = 0; i < 4; i++)
             src[i] = wbase + (size_t)tile_row(tile, 4 * i + (lane >> 3)) * row_bytes + (size_t)beg * UNIT_BYTES +
                      (lane & 7) * 16;
-        side_src = side_base + ((size_t)tile_row(tile, lane & 15) * groups + (size_t)beg * 64 / GROUP) * sizeof(S);
+        side_src = side_base + (size_t)tile_row(tile, lane & 15) * side_row + (size_t)(beg / UNITS) * side_stage;
     };
     aim(tile_of(issue_tile));
     // Stage byte offsets of this lane's copies (rows lane/8 + 4i share a swizzle).
     int level_dst = amma_swizzle<BITS>(lane >> 3, (lane & 7) * 16);
     int side_dst = 16 * AMMA_PITCH + (lane < 16 ? 0 : 16 * SIDE) + (lane & 15) * SIDE;  // scales, then biases
+
     auto issue = [&]() {
         if (issued < steps) {
             unsigned char* st = reinterpret_cast<unsigned char*>(ring + issue_slot);
@@ -467,9 +503,11 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                 cp_async_hinted(st + level_dst + 4 * i * AMMA_PITCH, src[i], streamed);
                 src[i] += UNITS * UNIT_BYTES;
             }
+            if (side_copies) {
 #pragma unroll
-            for (int o = 0; o < SIDE; o += SIDE_COPY) cp_async<SIDE_COPY>(st + side_dst + o, side_src + o, true);
-            side_src += PER_STAGE * sizeof(S);
+                for (int o = 0; o < SIDE; o += SIDE_COPY) cp_async<SIDE_COPY>(st + side_dst + o, side_src + o, true);
+            }
+            side_src += side_stage;
             issued++;
             issue_slot = issue_slot == AMMA_STAGES - 1 ? 0 : issue_slot + 1;
             if (++issue_batch == batches) {
@@ -563,10 +601,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
             if constexpr (!HALVES) {
 #pragma unroll
                 for (int k = 0; k < PER_STAGE; k++) {
-                    sc_top[k] = reinterpret_cast<const S*>(st.scales + g * SIDE)[k];
-                    sc_bottom[k] = reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[k];
-                    bi_top[k] = reinterpret_cast<const S*>(st.biases + g * SIDE)[k];
-                    bi_bottom[k] = reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[k];
+                    sc_top[k] = reinterpret_cast<const S*>(st.scales(g))[k];
+                    sc_bottom[k] = reinterpret_cast<const S*>(st.scales(g + 8))[k];
+                    bi_top[k] = reinterpret_cast<const S*>(st.biases(g))[k];
+                    bi_bottom[k] = reinterpret_cast<const S*>(st.biases(g + 8))[k];
                 }
             }
 #pragma unroll
@@ -596,12 +634,10 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
                 if constexpr (HALVES) {
                     // This lane's half: group 2k + c/2 of the stage's row.
                     int gk = 2 * k + (c >> 1);
-                    float st_ = to_f32(reinterpret_cast<const S*>(st.scales + g * SIDE)[gk]);
-                    float sb_ = to_f32(reinterpret_cast<const S*>(st.scales + (g + 8) * SIDE)[gk]);
-                    float bt_ = to_f32(reinterpret_cast<const S*>(st.biases + g * SIDE)[gk]);
-                    float bb_ = to_f32(reinterpret_cast<const S*>(st.biases + (g + 8) * SIDE)[gk]);
-                    acc_top += s.y * (st_ * dot_top + bt_ * s.x);
-                    acc_bottom += s.y * (sb_ * dot_bottom + bb_ * s.x);
+                    float2 top = amma_group<S>(st.scales(g), st.biases(g), gk);
+                    float2 bottom = amma_group<S>(st.scales(g + 8), st.biases(g + 8), gk);
+                    acc_top += s.y * (top.x * dot_top + top.y * s.x);
+                    acc_bottom += s.y * (bottom.x * dot_bottom + bottom.y * s.x);
                 } else {
                     int gk = k * 64 / GROUP;
                     acc_top += s.y * (to_f32(sc_top[gk]) * dot_top + to_f32(bi_top[gk]) * s.x);
@@ -718,3 +754,4 @@ AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 64)
 AFFINE_MMA(affine4_bf16, __nv_bfloat16, 4, 128)
 AFFINE_MMA(affine8, float, 8, 64)
 AFFINE_MMA(affine8_bf16, __nv_bfloat16, 8, 64)
+AFFINE_MMA(affine4_k, KScales, 4, 32)

@@ -29,6 +29,46 @@ __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 
+// The scale and bias of affine group i (row·groups + group) of a weight.
+// f32 and bf16 ones are stored per group (formats `affine{B}`,
+// `affine{B}_bf16`). GGUF's Q4_K and Q5_K (`affine{B}_k`, groups of 32) keep
+// one 16-byte record per 256 values of a row, its 8 groups': f16 d and dmin,
+// then per group j the byte sc_j | (m_j >> 4) << 6 and the low 4 bits of m_j
+// as nibbles (group 2i's low). The scale d·sc_j and the bias −(dmin·m_j) are
+// the f32 products ggml's decoder forms (formats/gguf/as_affine.rs
+// `superblock_records`): 4.5 bits a value with the levels, against 6 with
+// f32 scales and biases. The bias pointer is not read.
+struct alignas(16) KScales {
+    unsigned char b[16];
+};
+// (Read-only loads, as the kernels' __restrict__ pointers made them.)
+__device__ __forceinline__ float affine_scale(const float* s, size_t i) { return __ldg(s + i); }
+__device__ __forceinline__ float affine_scale(const __nv_bfloat16* s, size_t i) { return __bfloat162float(__ldg(s + i)); }
+__device__ __forceinline__ float affine_bias(const float*, const float* b, size_t i) { return __ldg(b + i); }
+__device__ __forceinline__ float affine_bias(const __nv_bfloat16*, const __nv_bfloat16* b, size_t i) {
+    return __bfloat162float(__ldg(b + i));
+}
+// Group j (0-7) of one record (in global or shared memory).
+__device__ __forceinline__ float kscales_scale(const unsigned char* r, int j) {
+    return __half2float(*reinterpret_cast<const __half*>(r)) * (float)(r[4 + j] & 63);
+}
+__device__ __forceinline__ float kscales_bias(const unsigned char* r, int j) {
+    int m = ((r[4 + j] >> 6) << 4) | ((r[12 + (j >> 1)] >> (4 * (j & 1))) & 15);
+    return -(__half2float(*reinterpret_cast<const __half*>(r + 2)) * (float)m);
+}
+__device__ __forceinline__ float affine_scale(const KScales* s, size_t i) { return kscales_scale(s[i >> 3].b, i & 7); }
+__device__ __forceinline__ float affine_bias(const KScales* s, const KScales*, size_t i) {
+    return kscales_bias(s[i >> 3].b, i & 7);
+}
+// The start of row `row`'s scales (or biases) among `groups` a row.
+template <typename S>
+__device__ __forceinline__ const S* affine_row_side(const S* base, size_t row, size_t groups) {
+    return base + row * groups;
+}
+__device__ __forceinline__ const KScales* affine_row_side(const KScales* base, size_t row, size_t groups) {
+    return base + row * (groups / 8);
+}
+
 // A shared-memory pointer as the 32-bit address PTX's shared-space
 // instructions (ldmatrix, cp.async) take.
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -434,11 +474,11 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict_
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 affine_chunk<BITS>(w + (size_t)rows[r] * chunks * BITS, i, words[u][r]);
-                sc[u][r] = to_f32(scales[(size_t)rows[r] * groups + g]);
-                bi[u][r] = to_f32(biases[(size_t)rows[r] * groups + g]);
+                sc[u][r] = affine_scale(scales, (size_t)rows[r] * groups + g);
+                bi[u][r] = affine_bias(scales, biases, (size_t)rows[r] * groups + g);
                 if constexpr (HALVES) {
-                    sc2[u][r] = to_f32(scales[(size_t)rows[r] * groups + g + 1]);
-                    bi2[u][r] = to_f32(biases[(size_t)rows[r] * groups + g + 1]);
+                    sc2[u][r] = affine_scale(scales, (size_t)rows[r] * groups + g + 1);
+                    bi2[u][r] = affine_bias(scales, biases, (size_t)rows[r] * groups + g + 1);
                 }
             }
         }
@@ -469,8 +509,8 @@ __device__ __forceinline__ void affine_load_row(const unsigned* __restrict__ w, 
     for (int j = 0; j < 2; j++) {
         int i = min((int)threadIdx.x + j * (int)blockDim.x, chunks - 1), g = i * 32 / group;
         affine_chunk<BITS>(w + (size_t)row * chunks * BITS, i, words[j]);
-        sc[j] = to_f32(scales[(size_t)row * groups + g]);
-        bi[j] = to_f32(biases[(size_t)row * groups + g]);
+        sc[j] = affine_scale(scales, (size_t)row * groups + g);
+        bi[j] = affine_bias(scales, biases, (size_t)row * groups + g);
     }
 }
 
@@ -572,8 +612,8 @@ __device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restri
     unsigned words[BITS];
     affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
     int groups = in_dim / group, g = chunk * 32 / group, g2 = group == 16 ? g + 1 : g;
-    float s0 = to_f32(scales[r * groups + g]), b0 = to_f32(biases[r * groups + g]);
-    float s1 = to_f32(scales[r * groups + g2]), b1 = to_f32(biases[r * groups + g2]);
+    float s0 = affine_scale(scales, r * groups + g), b0 = affine_bias(scales, biases, r * groups + g);
+    float s1 = affine_scale(scales, r * groups + g2), b1 = affine_bias(scales, biases, r * groups + g2);
     uint4* dst = reinterpret_cast<uint4*>(out + (i / chunks) * in_dim + chunk * 32);
 #pragma unroll
     for (int p = 0; p < 4; p++) {
@@ -599,8 +639,8 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
         unsigned words[BITS];
         affine_chunk<BITS>(w + r * chunks * BITS, chunk, words);
         int g = chunk * 32 / group, g2 = group == 16 ? g + 1 : g;
-        float s0 = to_f32(scales[r * groups + g]), b0 = to_f32(biases[r * groups + g]);
-        float s1 = to_f32(scales[r * groups + g2]), b1 = to_f32(biases[r * groups + g2]);
+        float s0 = affine_scale(scales, r * groups + g), b0 = affine_bias(scales, biases, r * groups + g);
+        float s1 = affine_scale(scales, r * groups + g2), b1 = affine_bias(scales, biases, r * groups + g2);
         float* dst = out + (size_t)blockIdx.x * cols + chunk * 32;
 #pragma unroll
         for (int k = 0; k < 32; k++) dst[k] = (k < 16 ? s0 : s1) * affine_level<BITS>(words, k) + (k < 16 ? b0 : b1);
@@ -653,6 +693,9 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
 // Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
 #define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)
 FOR_AFFINE_BITS(AFFINE_FORMATS)
+// Q4_K and Q5_K's super-block records (groups of 32 only).
+AFFINE_KERNELS(affine4_k, KScales, 4)
+AFFINE_KERNELS(affine5_k, KScales, 5)
 #define GEMV_AFFINE_ROWS(F, S, B)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
                                                                       const float* x, const float* b, float* y,    \
@@ -666,6 +709,7 @@ GEMV_AFFINE_ROWS(affine8, float, 8)
 GEMV_AFFINE_ROWS(affine2_bf16, __nv_bfloat16, 2)
 GEMV_AFFINE_ROWS(affine4_bf16, __nv_bfloat16, 4)
 GEMV_AFFINE_ROWS(affine8_bf16, __nv_bfloat16, 8)
+GEMV_AFFINE_ROWS(affine4_k, KScales, 4)
 
 // Activations to the weight's type for a cuBLAS GEMM.
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
@@ -1620,6 +1664,8 @@ __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned
     MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B, false)                                                     \
     MOE_GEMV_AFFINE(affine##B##_g16, float, B, true)
 FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
+MOE_GEMV_AFFINE(affine4_k, KScales, 4, false)
+MOE_GEMV_AFFINE(affine5_k, KScales, 5, false)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {

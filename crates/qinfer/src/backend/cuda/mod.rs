@@ -37,7 +37,7 @@ use crate::models::rope::Rope;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 pub use compile::prebuild as prebuild_kernels;
-pub use types::{AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, QuantizedRow};
+pub use types::{AffineSide, AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, QuantizedRow};
 
 const KERNEL_NAMES: &[&str] = &[
     "embed_bf16",
@@ -338,6 +338,8 @@ const GEMV_WEIGHTS: &[&str] = &[
     "affine5_bf16",
     "affine6_bf16",
     "affine8_bf16",
+    "affine4_k",
+    "affine5_k",
 ];
 
 /// Every affine format's kernels besides its GEMVs, and the GEMVs of
@@ -355,7 +357,7 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
                 format!("moe_down_{f}"),
             ]
         })
-        .chain(GEMV_WEIGHTS.iter().filter(|f| f.starts_with("affine") && !f.ends_with("_bf16")).flat_map(|f| {
+        .chain(GEMV_WEIGHTS.iter().filter(|f| f.starts_with("affine") && !f.contains('_')).flat_map(|f| {
             GEMV_SHAPES
                 .iter()
                 .map(move |(r, a)| gemv_kernel(&format!("{f}_g16"), *r, *a))
@@ -377,6 +379,7 @@ const AFFINE_MMA_KERNELS: &[(&str, usize, &[usize])] = &[
     ("affine4_bf16", 4, &[32, 64, 128]),
     ("affine8", 8, &[32, 64]),
     ("affine8_bf16", 8, &[32, 64]),
+    ("affine4_k", 4, &[32]),
 ];
 
 fn affine_mma_kernels() -> impl Iterator<Item = String> {
@@ -419,8 +422,8 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
         return None;
     }
     let units = if bits == 4 { 4 } else { 2 };
-    let side = if w.bf16_scales { 2 } else { 4 } * units * 64 / group;
-    let stage = 16 * 128 + 2 * 16 * side;
+    let (scales, biases) = w.side_bytes(units * 64);
+    let stage = 16 * 128 + 16 * (scales + biases);
     let unit_stats = if group == 32 { 20 } else { 12 };
     // One row may come quantized by slices of 16 ([`QuantizedRow`]): 12 bytes each.
     let stats = if act_rows == 1 { w.cols / 16 * 12 } else { act_rows * (w.cols / 64 * unit_stats) };
@@ -632,6 +635,29 @@ impl From<f32> for Arg {
 }
 
 impl CudaBackend {
+    /// A Q4_K/Q5_K matrix: `t`'s levels, and `records` (one per 256 values
+    /// of a row, formats/gguf/as_affine.rs `superblock_records`) for its
+    /// scales and biases where the kernels take records: rows whole
+    /// super-blocks, 4 or 5 bits in groups of 32.
+    fn upload_affine_records(&self, t: &crate::affine::AffineTensor, records: &[u8]) -> Result<CudaWeight> {
+        let &[rows, cols] = t.shape.as_slice() else {
+            return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
+        };
+        if !matches!(t.params.bits, 4 | 5) || t.params.group_size != 32 || !cols.is_multiple_of(256) {
+            return self.upload_affine(t);
+        }
+        Ok(CudaWeight::Affine(AffineWeight {
+            params: t.params,
+            rows,
+            cols,
+            packed: self.upload_slice(t.packed.data.as_slice()),
+            scales: self.upload_slice(records),
+            // Not read (records hold the biases too); one word so the pointer is a real one.
+            biases: self.upload_slice(&[0u8; 4]),
+            side: AffineSide::Records,
+        }))
+    }
+
     /// True when the CUDA libraries load and at least one device is visible:
     /// callers that may skip GPU work (tests) ask this, then treat any
     /// failure of [`CudaBackend::new`] as an error.
@@ -1647,7 +1673,8 @@ impl Backend for CudaBackend {
                 buf: self.upload_slice(t.data.as_slice()),
             }),
             // ggml blocks become affine weights, with groups of 32 or (Q2_K,
-            // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs.
+            // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs;
+            // Q4_K and Q5_K keep their super-blocks' scales as records.
             (
                 2,
                 DType::Q4_0
@@ -1661,7 +1688,10 @@ impl Backend for CudaBackend {
                 | DType::Q3_K
                 | DType::Q6_K,
             ) => match crate::formats::gguf::as_affine(t) {
-                Some(affine) => affine.and_then(|a| self.upload_affine(&a)),
+                Some(affine) => affine.and_then(|a| match crate::formats::gguf::superblock_records(t) {
+                    Some(records) => records.and_then(|r| self.upload_affine_records(&a, &r)),
+                    None => self.upload_affine(&a),
+                }),
                 None => Err(Error::tensor(&t.name, format!("{} has no affine form", t.dtype.name()))),
             },
             (2, DType::U32) => Err(Error::tensor(
@@ -1692,7 +1722,7 @@ impl Backend for CudaBackend {
             packed: self.upload_slice(t.packed.data.as_slice()),
             scales: side(&t.scales),
             biases: side(&t.biases),
-            bf16_scales,
+            side: if bf16_scales { AffineSide::Bf16 } else { AffineSide::F32 },
         }))
     }
 

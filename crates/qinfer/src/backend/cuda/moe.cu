@@ -30,10 +30,10 @@ __device__ __forceinline__ void moe_affine_chunk(const unsigned* const (&w)[R], 
 #pragma unroll
     for (int r = 0; r < R; r++) {
         affine_chunk<BITS>(w[r], i, words[r]);
-        sc[r] = to_f32(s[r][g]);
-        bi[r] = to_f32(b[r][g]);
-        sc2[r] = HALVES ? to_f32(s[r][g + 1]) : 0.0f;
-        bi2[r] = HALVES ? to_f32(b[r][g + 1]) : 0.0f;
+        sc[r] = affine_scale(s[r], g);
+        bi[r] = affine_bias(s[r], b[r], g);
+        sc2[r] = HALVES ? affine_scale(s[r], g + 1) : 0.0f;
+        bi2[r] = HALVES ? affine_bias(s[r], b[r], g + 1) : 0.0f;
     }
     affine_chunk_dot<BITS, R, 1, HALVES>(words, sc, bi, sc2, bi2, x, i * 32, in_dim, 1, acc);
 }
@@ -49,8 +49,8 @@ __device__ __forceinline__ void moe_affine_rows(const unsigned long long* packed
 #pragma unroll
     for (int r = FROM; r < FROM + N; r++) {
         w[r] = reinterpret_cast<const unsigned*>(packed[e]) + rows[r] * words;
-        s[r] = reinterpret_cast<const S*>(scales[e]) + rows[r] * groups;
-        b[r] = reinterpret_cast<const S*>(biases[e]) + rows[r] * groups;
+        s[r] = affine_row_side(reinterpret_cast<const S*>(scales[e]), rows[r], groups);
+        b[r] = affine_row_side(reinterpret_cast<const S*>(biases[e]), rows[r], groups);
     }
 }
 
@@ -126,6 +126,8 @@ __device__ void moe_down_affine(const unsigned long long* packed, const unsigned
     MOE_AFFINE_FUSED(affine##B##_bf16, __nv_bfloat16, B, false)                                                    \
     MOE_AFFINE_FUSED(affine##B##_g16, float, B, true)
 FOR_AFFINE_BITS(MOE_FUSED_FORMATS)
+MOE_AFFINE_FUSED(affine4_k, KScales, 4, false)
+MOE_AFFINE_FUSED(affine5_k, KScales, 5, false)
 
 // Float experts (bf16, f16, f32 matrices from a table of pointers): the same
 // two kernels over 16-byte chunks of VEC values (rows a whole number of them).

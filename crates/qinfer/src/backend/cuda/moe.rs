@@ -110,7 +110,7 @@ impl CudaBackend {
             key.extend(match w {
                 CudaWeight::Matrix { dtype, rows, cols, .. } => [0, *dtype as u64, *rows as u64, *cols as u64],
                 CudaWeight::Affine(a) => [
-                    1 + a.bf16_scales as u64,
+                    1 + a.side as u64,
                     (a.params.bits as u64) << 32 | a.params.group_size as u64,
                     a.rows as u64,
                     a.cols as u64,
@@ -153,10 +153,7 @@ impl CudaBackend {
                 let mut tables = (Vec::new(), Vec::new(), Vec::new());
                 for e in experts {
                     let CudaWeight::Affine(a) = pick(e) else { return None };
-                    if a.params != first.params
-                        || a.rows != first.rows
-                        || a.cols != first.cols
-                        || a.bf16_scales != first.bf16_scales
+                    if a.params != first.params || a.rows != first.rows || a.cols != first.cols || a.side != first.side
                     {
                         return None;
                     }

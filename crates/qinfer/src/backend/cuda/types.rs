@@ -118,18 +118,35 @@ pub struct AffineWeight {
     pub cols: usize,
     /// `rows × cols·bits/8` bytes of u32 words.
     pub packed: CudaSlice<u8>,
-    /// `rows × cols/group_size` each, as bf16 when `bf16_scales` (the
-    /// checkpoint stores both so), else as f32.
+    /// As [`AffineSide`] says.
     pub scales: CudaSlice<u8>,
     pub biases: CudaSlice<u8>,
-    pub bf16_scales: bool,
+    pub side: AffineSide,
+}
+
+/// How an [`AffineWeight`] stores its scales and biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AffineSide {
+    /// `rows × cols/group_size` f32 values each.
+    F32,
+    /// The same as bf16 (the checkpoint stores both so).
+    Bf16,
+    /// GGUF Q4_K/Q5_K: one 16-byte record per 256 values of a row in
+    /// `scales` (formats/gguf/as_affine.rs `superblock_records`, groups of
+    /// 32); `biases` is not read.
+    Records,
 }
 
 impl AffineWeight {
     /// The kernels' name for this storage: `affine{bits}`, with `_bf16` for
-    /// bf16 scales and biases.
+    /// bf16 scales and biases and `_k` for super-block records.
     pub fn format(&self) -> String {
-        format!("affine{}{}", self.params.bits, if self.bf16_scales { "_bf16" } else { "" })
+        let suffix = match self.side {
+            AffineSide::F32 => "",
+            AffineSide::Bf16 => "_bf16",
+            AffineSide::Records => "_k",
+        };
+        format!("affine{}{suffix}", self.params.bits)
     }
 
     /// The CUDA-core GEMVs' name for it: groups of 16 have kernels of their
@@ -139,6 +156,17 @@ impl AffineWeight {
         match self.params.group_size {
             16 => format!("{}_g16", self.format()),
             _ => self.format(),
+        }
+    }
+
+    /// Bytes of scales and of biases per row, per `cols` values of it (a
+    /// multiple of 256 with records).
+    pub fn side_bytes(&self, cols: usize) -> (usize, usize) {
+        let groups = cols / self.params.group_size;
+        match self.side {
+            AffineSide::F32 => (4 * groups, 4 * groups),
+            AffineSide::Bf16 => (2 * groups, 2 * groups),
+            AffineSide::Records => (cols / 256 * crate::formats::gguf::SUPERBLOCK_RECORD, 0),
         }
     }
 }

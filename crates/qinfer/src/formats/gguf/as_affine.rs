@@ -128,6 +128,49 @@ fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
     }
 }
 
+/// Bytes of one super-block record ([`superblock_records`]).
+pub const SUPERBLOCK_RECORD: usize = 16;
+
+/// The scales and biases of a Q4_K or Q5_K matrix `t` as one 16-byte record
+/// per 256 values of a row (rows in order), for a GPU copy that reads 4.5
+/// bits a value at 4-bit levels where f32 scales and biases take 6: f16 `d`
+/// and `dmin` as stored, then per group j of 32 the byte `sc_j | (m_j >> 4)
+/// << 6` (8 bytes) and `m_j & 15` as nibbles, group 2i's low (4 bytes).
+/// Group j's scale is `d·sc_j` and its bias `−(dmin·m_j)`, in f32: exactly
+/// [`as_affine`]'s. None for the other types.
+pub fn superblock_records(t: &Tensor) -> Option<Result<Vec<u8>>> {
+    if !matches!(t.dtype, DType::Q4_K | DType::Q5_K) {
+        return None;
+    }
+    let bb = t.dtype.block_bytes();
+    let src = t.data.as_slice();
+    if !src.len().is_multiple_of(bb) || t.dtype.bytes_for(t.shape.iter().product()) != Some(src.len()) {
+        return Some(Err(Error::tensor(
+            &t.name,
+            format!("{} bytes are not whole {} blocks", src.len(), t.dtype.name()),
+        )));
+    }
+    let mut out = vec![0u8; src.len() / bb * SUPERBLOCK_RECORD];
+    out.par_chunks_exact_mut(SUPERBLOCK_RECORD).zip(src.par_chunks_exact(bb)).for_each(|(r, b)| {
+        r[..4].copy_from_slice(&b[..4]);
+        for j in 0..8 {
+            let (sc, m) = kquants::scale_min_k4(j, &b[4..16]);
+            r[4 + j] = sc | ((m >> 4) << 6);
+            r[12 + j / 2] |= (m & 15) << (4 * (j % 2));
+        }
+    });
+    Some(Ok(out))
+}
+
+/// Group `j`'s (scale, bias) of a record of [`superblock_records`], as the
+/// GPU kernels decode it.
+pub fn record_scale_bias(r: &[u8], j: usize) -> (f32, f32) {
+    let (d, dmin) = (f16_at(r, 0), f16_at(r, 2));
+    let sc = r[4 + j] & 63;
+    let m = ((r[4 + j] >> 6) << 4) | ((r[12 + j / 2] >> (4 * (j % 2))) & 15);
+    (d * sc as f32, -(dmin * m as f32))
+}
+
 /// `t` (a matrix of a ggml block type) as an affine weight with groups of
 /// [`affine_group_size`]; None for the float types.
 pub fn as_affine(t: &Tensor) -> Option<Result<AffineTensor>> {

@@ -22,7 +22,9 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-pub use as_affine::{affine_bits, affine_group_size, as_affine};
+pub use as_affine::{
+    SUPERBLOCK_RECORD, affine_bits, affine_group_size, as_affine, record_scale_bias, superblock_records,
+};
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};
 pub use reader::GgufTensorInfo;
