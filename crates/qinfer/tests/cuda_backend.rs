@@ -335,31 +335,42 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
     }
 }
 
-/// Random Q4_K or Q5_K blocks for a `rows × cols` matrix: random levels,
-/// scales and mins, d and dmin (f16) near 1/(63·15·√cols), so outputs stay O(1).
+/// Random Q4_K, Q5_K or Q6_K blocks for a `rows × cols` matrix: random
+/// levels, scales and mins, with d and dmin (f16) near 1/(63·15·√cols)
+/// (Q6_K: d near 1/(128·32·√cols)), so outputs stay O(1).
 fn kquant_tensor(r: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Tensor {
     let (bb, n) = (dtype.block_bytes(), rows * cols / 256);
-    let step = 1.0 / (63.0 * 15.0 * (cols as f32).sqrt());
+    let random_bytes =
+        |r: &mut Rng, count: usize| (0..count).map(|_| (r.f() * 128.0 + 128.0) as u8).collect::<Vec<_>>();
     let mut bytes = Vec::with_capacity(n * bb);
     for _ in 0..n {
+        if dtype == DType::Q6_K {
+            // ql, qh and the signed scales, then d.
+            let step = 1.0 / (128.0 * 32.0 * (cols as f32).sqrt());
+            bytes.extend(random_bytes(r, bb - 2));
+            bytes.extend(half::f16::from_f32(step * (1.5 + r.f())).to_le_bytes());
+            continue;
+        }
+        let step = 1.0 / (63.0 * 15.0 * (cols as f32).sqrt());
         bytes.extend(half::f16::from_f32(step * (1.5 + r.f())).to_le_bytes());
         bytes.extend(half::f16::from_f32(step * (1.5 + r.f())).to_le_bytes());
-        bytes.extend((4..bb).map(|_| (r.f() * 128.0 + 128.0) as u8));
+        bytes.extend(random_bytes(r, bb - 4));
     }
     Tensor::new("w".into(), dtype, vec![rows, cols], Bytes::from_vec(bytes)).unwrap()
 }
 
 /// GGUF's Q4_K and Q5_K on the GPU keep a 16-byte record of scales per 256
-/// values (4.5 bits a value at 4-bit levels, not 6): the tensor-core GEMV (1-2
-/// rows, 4 bits), the CUDA-core GEMVs (3-8 rows), the prefill's bf16 tiles
-/// (more) and the embedding read them. Against the CPU on the same blocks as
+/// values (4.5 bits a value at 4-bit levels, not 6), Q6_K an 18-byte one (6.56
+/// bits, not 10): the tensor-core GEMV (1-2 rows, 4 bits), the CUDA-core
+/// GEMVs (3-8 rows; all rows at 6 bits), the prefill's bf16 tiles (more) and
+/// the embedding read them. Against the CPU on the same blocks as
 /// exact f32 affine weights (formats/gguf/as_affine.rs), not its Q8_K
 /// integer dots (which round the activations to 8 bits).
 #[test]
 fn gguf_superblock_records_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    for dtype in [DType::Q4_K, DType::Q5_K] {
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
         // More tiles of 16 rows than two blocks per SM at 4500 rows.
         for (out, inp) in [(70, 256), (33, 4096), (40, 2560), (4500, 512), (18, 12288)] {
             let t = kquant_tensor(&mut r, dtype, out, inp);
@@ -1008,32 +1019,34 @@ fn gated_deltanet_and_moe_match_cpu() {
             );
         }
     }
-    // GGUF experts (Q4_K gate/up, Q5_K down) as super-block records, through
-    // the fused kernels, against the CPU on their exact affine form.
+    // GGUF experts (Q4_K gate/up, Q5_K or Q6_K down) as super-block records,
+    // through the fused kernels, against the CPU on their exact affine form.
     let (h, i, e) = (256, 512, 6);
-    let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
-        .map(|_| {
-            let mut make = |dtype, rows, cols| {
-                let t = kquant_tensor(&mut r, dtype, rows, cols);
-                let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
-                (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap())
-            };
-            let ((gc, gg), (uc, ug), (dc, dg)) =
-                (make(DType::Q4_K, i, h), make(DType::Q4_K, i, h), make(DType::Q5_K, h, i));
-            (ExpertWeights { gate: gc, up: uc, down: dc }, ExpertWeights { gate: gg, up: ug, down: dg })
-        })
-        .collect();
-    let (ec, eg): (Vec<_>, Vec<_>) = experts.into_iter().unzip();
-    for (rows, top_k) in [(1usize, 3usize), (3, 2), (8, 6)] {
-        let (xc, xg) = p.acts(rows, h, &r.vec(rows * h));
-        let (lc, lg) = p.acts(rows, e, &r.vec(rows * e));
-        let routing = Routing { top_k, renormalize: true };
-        p.check(
-            &format!("moe Q4_K/Q5_K records {rows} rows top {top_k}"),
-            &p.cpu.moe(&xc, &lc, &ec, routing),
-            &p.gpu.moe(&xg, &lg, &eg, routing),
-            1e-4,
-        );
+    for down in [DType::Q5_K, DType::Q6_K] {
+        let experts: Vec<(ExpertWeights<_>, ExpertWeights<_>)> = (0..e)
+            .map(|_| {
+                let mut make = |dtype, rows, cols| {
+                    let t = kquant_tensor(&mut r, dtype, rows, cols);
+                    let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
+                    (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap())
+                };
+                let ((gc, gg), (uc, ug), (dc, dg)) =
+                    (make(DType::Q4_K, i, h), make(DType::Q4_K, i, h), make(down, h, i));
+                (ExpertWeights { gate: gc, up: uc, down: dc }, ExpertWeights { gate: gg, up: ug, down: dg })
+            })
+            .collect();
+        let (ec, eg): (Vec<_>, Vec<_>) = experts.into_iter().unzip();
+        for (rows, top_k) in [(1usize, 3usize), (3, 2), (8, 6)] {
+            let (xc, xg) = p.acts(rows, h, &r.vec(rows * h));
+            let (lc, lg) = p.acts(rows, e, &r.vec(rows * e));
+            let routing = Routing { top_k, renormalize: true };
+            p.check(
+                &format!("moe Q4_K/{down:?} records {rows} rows top {top_k}"),
+                &p.cpu.moe(&xc, &lc, &ec, routing),
+                &p.gpu.moe(&xg, &lg, &eg, routing),
+                1e-4,
+            );
+        }
     }
 }
 

@@ -14,7 +14,8 @@ use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
 use qinfer::formats::gguf::{
-    SUPERBLOCK_RECORD, affine_bits, affine_group_size, as_affine, record_scale_bias, superblock_records,
+    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, as_affine, record_scale_bias,
+    superblock_record_bytes, superblock_records,
 };
 use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
@@ -57,9 +58,9 @@ fn affine_form_decodes_as_gguf_py() {
     }
 }
 
-/// The GPU's compact Q4_K/Q5_K scales (16-byte records per super-block)
-/// hold exactly the affine form's scales and biases, so the levels decode
-/// through them to gguf-py's values too.
+/// The GPU's compact Q4_K/Q5_K/Q6_K scales (16- and 18-byte records per
+/// super-block) hold exactly the affine form's scales and biases, so the
+/// levels decode through them to gguf-py's values too.
 #[test]
 fn superblock_records_decode_as_gguf_py() {
     for dtype in common::BLOCK_TYPES {
@@ -67,26 +68,30 @@ fn superblock_records_decode_as_gguf_py() {
         let n_blocks = blocks.len() / dtype.block_bytes();
         let t = Tensor::new("w".into(), dtype, vec![1, want.len()], Bytes::from_vec(blocks.clone())).unwrap();
         let Some(records) = superblock_records(&t) else {
-            assert!(!matches!(dtype, DType::Q4_K | DType::Q5_K), "{dtype:?} has records");
+            assert!(!matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K), "{dtype:?} has records");
             continue;
         };
         let t = Tensor::new("w".into(), dtype, vec![n_blocks, 256], Bytes::from_vec(blocks.clone())).unwrap();
         let records = records.unwrap();
-        assert_eq!(records.len(), n_blocks * SUPERBLOCK_RECORD);
+        let size = superblock_record_bytes(affine_bits(dtype).unwrap()).unwrap();
+        assert_eq!(size, if dtype == DType::Q6_K { SUPERBLOCK_RECORD_Q6K } else { SUPERBLOCK_RECORD });
+        assert_eq!(records.len(), n_blocks * size);
         let a = as_affine(&t).unwrap().unwrap();
         let (scales, biases) = (f32s(&a.scales), f32s(&a.biases));
         let row_bytes = a.params.row_bytes(256);
         let mut q = vec![0f32; 256];
+        let group = affine_group_size(dtype);
+        let groups = 256 / group;
         for b in 0..n_blocks {
-            let record = &records[b * SUPERBLOCK_RECORD..(b + 1) * SUPERBLOCK_RECORD];
+            let record = &records[b * size..(b + 1) * size];
             unpack(a.params.bits, &a.packed.data.as_slice()[b * row_bytes..(b + 1) * row_bytes], &mut q);
-            for j in 0..8 {
-                let (scale, bias) = record_scale_bias(record, j);
+            for j in 0..groups {
+                let (scale, bias) = record_scale_bias(dtype, record, j);
                 assert_eq!(
                     (scale.to_bits(), bias.to_bits()),
-                    (scales[b * 8 + j].to_bits(), biases[b * 8 + j].to_bits())
+                    (scales[b * groups + j].to_bits(), biases[b * groups + j].to_bits())
                 );
-                for c in 32 * j..32 * (j + 1) {
+                for c in group * j..group * (j + 1) {
                     let w = want[b * 256 + c];
                     assert!(scale * q[c] + bias == w, "{dtype:?} block {b} value {c}");
                 }

@@ -37,9 +37,15 @@ __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 // as nibbles (group 2i's low). The scale d·sc_j and the bias −(dmin·m_j) are
 // the f32 products ggml's decoder forms (formats/gguf/as_affine.rs
 // `superblock_records`): 4.5 bits a value with the levels, against 6 with
-// f32 scales and biases. The bias pointer is not read.
+// f32 scales and biases. Q6_K (`affine6_k`, groups of 16) keeps 18 bytes
+// per 256 values, as its file does: f16 d, then the 16 groups' signed
+// scales; group j's scale is d·sc_j and its bias −32·d·sc_j (6.56 bits a
+// value, against 10). The bias pointer is not read.
 struct alignas(16) KScales {
     unsigned char b[16];
+};
+struct alignas(2) K6Scales {
+    unsigned char b[18];
 };
 // (Read-only loads, as the kernels' __restrict__ pointers made them.)
 __device__ __forceinline__ float affine_scale(const float* s, size_t i) { return __ldg(s + i); }
@@ -60,6 +66,14 @@ __device__ __forceinline__ float affine_scale(const KScales* s, size_t i) { retu
 __device__ __forceinline__ float affine_bias(const KScales* s, const KScales*, size_t i) {
     return kscales_bias(s[i >> 3].b, i & 7);
 }
+__device__ __forceinline__ float affine_scale(const K6Scales* s, size_t i) {
+    const unsigned char* r = s[i >> 4].b;
+    float d = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(r))));
+    return d * (float)(signed char)__ldg(r + 2 + (i & 15));
+}
+__device__ __forceinline__ float affine_bias(const K6Scales* s, const K6Scales*, size_t i) {
+    return -32.0f * affine_scale(s, i);
+}
 // The start of row `row`'s scales (or biases) among `groups` a row.
 template <typename S>
 __device__ __forceinline__ const S* affine_row_side(const S* base, size_t row, size_t groups) {
@@ -67,6 +81,9 @@ __device__ __forceinline__ const S* affine_row_side(const S* base, size_t row, s
 }
 __device__ __forceinline__ const KScales* affine_row_side(const KScales* base, size_t row, size_t groups) {
     return base + row * (groups / 8);
+}
+__device__ __forceinline__ const K6Scales* affine_row_side(const K6Scales* base, size_t row, size_t groups) {
+    return base + row * (groups / 16);
 }
 
 // A shared-memory pointer as the 32-bit address PTX's shared-space
@@ -657,8 +674,8 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
         grid_dependency_wait();                                                                                    \
         gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1)>(w, s, bi, x, b, y, o, i, g, n);                         \
     }
-// Groups of 16 (`gemv_{format}_g16_r{R}a{A}`): f32 scales only (the backend
-// widens bf16 ones at upload; ggml's blocks have f32 ones).
+// Groups of 16 (`gemv_{format}_g16_r{R}a{A}`): f32 scales or Q6_K's records
+// (the backend widens bf16 ones at upload).
 #define GEMV_AFFINE16(F, S, B, R, A)                                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                                              \
         gemv_##F##_g16_r##R##a##A(const unsigned* w, const S* s, const S* bi, const float* x, const float* b,      \
@@ -666,12 +683,8 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
         grid_dependency_wait();                                                                                    \
         gemv_affine<S, B, R, (A == 8 ? GEMV_MAX_ROWS : 1), true>(w, s, bi, x, b, y, o, i, g, n);                   \
     }
-#define AFFINE_KERNELS(F, S, B)                                                                                    \
-    GEMV_AFFINE(F, S, B, 1, 1)                                                                                     \
-    GEMV_AFFINE(F, S, B, 2, 1)                                                                                     \
-    GEMV_AFFINE(F, S, B, 4, 1)                                                                                     \
-    GEMV_AFFINE(F, S, B, 1, 8)                                                                                     \
-    GEMV_AFFINE(F, S, B, 2, 8)                                                                                     \
+// The prefill's bf16 tiles and the embedding rows of a format.
+#define AFFINE_DEQUANT(F, S, B)                                                                                    \
     extern "C" __global__ void F##_to_bf16(const unsigned* w, const S* s, const S* bi, __nv_bfloat16* out,         \
                                            int r0, int rows, int i, int g) {                                       \
         grid_dependency_wait();                                                                                    \
@@ -682,20 +695,32 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
         grid_dependency_wait();                                                                                    \
         embed_affine<S, B>(w, s, bi, ids, out, cols, g);                                                           \
     }
+#define AFFINE_KERNELS(F, S, B)                                                                                    \
+    GEMV_AFFINE(F, S, B, 1, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 2, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 4, 1)                                                                                     \
+    GEMV_AFFINE(F, S, B, 1, 8)                                                                                     \
+    GEMV_AFFINE(F, S, B, 2, 8)                                                                                     \
+    AFFINE_DEQUANT(F, S, B)
+#define AFFINE16_KERNELS(F, S, B)                                                                                  \
+    GEMV_AFFINE16(F, S, B, 1, 1)                                                                                   \
+    GEMV_AFFINE16(F, S, B, 2, 1)                                                                                   \
+    GEMV_AFFINE16(F, S, B, 4, 1)                                                                                   \
+    GEMV_AFFINE16(F, S, B, 1, 8)                                                                                   \
+    GEMV_AFFINE16(F, S, B, 2, 8)
 #define AFFINE_FORMATS(B)                                                                                          \
     AFFINE_KERNELS(affine##B, float, B)                                                                            \
     AFFINE_KERNELS(affine##B##_bf16, __nv_bfloat16, B)                                                             \
-    GEMV_AFFINE16(affine##B, float, B, 1, 1)                                                                       \
-    GEMV_AFFINE16(affine##B, float, B, 2, 1)                                                                       \
-    GEMV_AFFINE16(affine##B, float, B, 4, 1)                                                                       \
-    GEMV_AFFINE16(affine##B, float, B, 1, 8)                                                                       \
-    GEMV_AFFINE16(affine##B, float, B, 2, 8)
+    AFFINE16_KERNELS(affine##B, float, B)
 // Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
 #define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)
 FOR_AFFINE_BITS(AFFINE_FORMATS)
-// Q4_K and Q5_K's super-block records (groups of 32 only).
+// Q4_K and Q5_K's super-block records (groups of 32 only), Q6_K's (groups
+// of 16 only).
 AFFINE_KERNELS(affine4_k, KScales, 4)
 AFFINE_KERNELS(affine5_k, KScales, 5)
+AFFINE16_KERNELS(affine6_k, K6Scales, 6)
+AFFINE_DEQUANT(affine6_k, K6Scales, 6)
 #define GEMV_AFFINE_ROWS(F, S, B)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
                                                                       const float* x, const float* b, float* y,    \
@@ -1666,6 +1691,7 @@ __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned
 FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
 MOE_GEMV_AFFINE(affine4_k, KScales, 4, false)
 MOE_GEMV_AFFINE(affine5_k, KScales, 5, false)
+MOE_GEMV_AFFINE(affine6_k_g16, K6Scales, 6, true)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
 extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {

@@ -342,22 +342,18 @@ const GEMV_WEIGHTS: &[&str] = &[
     "affine5_k",
 ];
 
+/// Affine formats of groups of 16 only: Q6_K's super-block records.
+const G16_ONLY_WEIGHTS: &[&str] = &["affine6_k"];
+
 /// Every affine format's kernels besides its GEMVs, and the GEMVs of
-/// groups of 16 (f32 scales only: `gemv_{format}_g16_r{R}a{A}`).
+/// groups of 16 (`gemv_{format}_g16_r{R}a{A}`: f32 scales, or records).
 fn affine_kernel_names() -> impl Iterator<Item = String> {
-    GEMV_WEIGHTS
-        .iter()
-        .filter(|f| f.starts_with("affine"))
-        .flat_map(|f| {
-            [
-                format!("{f}_to_bf16"),
-                format!("embed_{f}"),
-                format!("moe_gemv_{f}"),
-                format!("moe_swiglu_{f}"),
-                format!("moe_down_{f}"),
-            ]
-        })
-        .chain(GEMV_WEIGHTS.iter().filter(|f| f.starts_with("affine") && !f.contains('_')).flat_map(|f| {
+    let affine = GEMV_WEIGHTS.iter().filter(|f| f.starts_with("affine"));
+    affine
+        .clone()
+        .flat_map(|f| [format!("moe_gemv_{f}"), format!("moe_swiglu_{f}"), format!("moe_down_{f}")])
+        .chain(affine.clone().chain(G16_ONLY_WEIGHTS).flat_map(|f| [format!("{f}_to_bf16"), format!("embed_{f}")]))
+        .chain(affine.filter(|f| !f.contains('_')).chain(G16_ONLY_WEIGHTS).flat_map(|f| {
             GEMV_SHAPES
                 .iter()
                 .map(move |(r, a)| gemv_kernel(&format!("{f}_g16"), *r, *a))
@@ -635,15 +631,16 @@ impl From<f32> for Arg {
 }
 
 impl CudaBackend {
-    /// A Q4_K/Q5_K matrix: `t`'s levels, and `records` (one per 256 values
-    /// of a row, formats/gguf/as_affine.rs `superblock_records`) for its
-    /// scales and biases where the kernels take records: rows whole
-    /// super-blocks, 4 or 5 bits in groups of 32.
+    /// A Q4_K/Q5_K/Q6_K matrix: `t`'s levels, and `records` (one per 256
+    /// values of a row, formats/gguf/as_affine.rs `superblock_records`) for
+    /// its scales and biases where the kernels take records: rows whole
+    /// super-blocks, 4 or 5 bits in groups of 32 or 6 in groups of 16.
     fn upload_affine_records(&self, t: &crate::affine::AffineTensor, records: &[u8]) -> Result<CudaWeight> {
         let &[rows, cols] = t.shape.as_slice() else {
             return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
         };
-        if !matches!(t.params.bits, 4 | 5) || t.params.group_size != 32 || !cols.is_multiple_of(256) {
+        let takes_records = matches!((t.params.bits, t.params.group_size), (4 | 5, 32) | (6, 16));
+        if !takes_records || !cols.is_multiple_of(256) {
             return self.upload_affine(t);
         }
         Ok(CudaWeight::Affine(AffineWeight {
@@ -1674,7 +1671,7 @@ impl Backend for CudaBackend {
             }),
             // ggml blocks become affine weights, with groups of 32 or (Q2_K,
             // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs;
-            // Q4_K and Q5_K keep their super-blocks' scales as records.
+            // Q4_K, Q5_K and Q6_K keep their super-blocks' scales as records.
             (
                 2,
                 DType::Q4_0

@@ -128,6 +128,7 @@ __device__ void moe_down_affine(const unsigned long long* packed, const unsigned
 FOR_AFFINE_BITS(MOE_FUSED_FORMATS)
 MOE_AFFINE_FUSED(affine4_k, KScales, 4, false)
 MOE_AFFINE_FUSED(affine5_k, KScales, 5, false)
+MOE_AFFINE_FUSED(affine6_k_g16, K6Scales, 6, true)
 
 // Float experts (bf16, f16, f32 matrices from a table of pointers): the same
 // two kernels over 16-byte chunks of VEC values (rows a whole number of them).

@@ -131,9 +131,9 @@ pub enum AffineSide {
     F32,
     /// The same as bf16 (the checkpoint stores both so).
     Bf16,
-    /// GGUF Q4_K/Q5_K: one 16-byte record per 256 values of a row in
-    /// `scales` (formats/gguf/as_affine.rs `superblock_records`, groups of
-    /// 32); `biases` is not read.
+    /// GGUF Q4_K/Q5_K (groups of 32) and Q6_K (groups of 16): one record
+    /// per 256 values of a row in `scales` (formats/gguf/as_affine.rs
+    /// `superblock_records`: 16 bytes, 18 for Q6_K); `biases` is not read.
     Records,
 }
 
@@ -150,7 +150,7 @@ impl AffineWeight {
     }
 
     /// The CUDA-core GEMVs' name for it: groups of 16 have kernels of their
-    /// own (`{format}_g16`, f32 scales only); the dequant and embedding
+    /// own (`{format}_g16`: f32 scales, or Q6_K's records); the dequant and embedding
     /// kernels take every group size under [`AffineWeight::format`].
     pub fn gemv_format(&self) -> String {
         match self.params.group_size {
@@ -166,7 +166,11 @@ impl AffineWeight {
         match self.side {
             AffineSide::F32 => (4 * groups, 4 * groups),
             AffineSide::Bf16 => (2 * groups, 2 * groups),
-            AffineSide::Records => (cols / 256 * crate::formats::gguf::SUPERBLOCK_RECORD, 0),
+            AffineSide::Records => {
+                let record = crate::formats::gguf::superblock_record_bytes(self.params.bits)
+                    .expect("records are made for Q4_K, Q5_K and Q6_K only");
+                (cols / 256 * record, 0)
+            }
         }
     }
 }

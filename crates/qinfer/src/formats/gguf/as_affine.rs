@@ -128,20 +128,41 @@ fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
     }
 }
 
-/// Bytes of one super-block record ([`superblock_records`]).
+/// Bytes of one Q4_K/Q5_K super-block record ([`superblock_records`]).
 pub const SUPERBLOCK_RECORD: usize = 16;
 
-/// The scales and biases of a Q4_K or Q5_K matrix `t` as one 16-byte record
-/// per 256 values of a row (rows in order), for a GPU copy that reads 4.5
-/// bits a value at 4-bit levels where f32 scales and biases take 6: f16 `d`
-/// and `dmin` as stored, then per group j of 32 the byte `sc_j | (m_j >> 4)
-/// << 6` (8 bytes) and `m_j & 15` as nibbles, group 2i's low (4 bytes).
-/// Group j's scale is `d·sc_j` and its bias `−(dmin·m_j)`, in f32: exactly
-/// [`as_affine`]'s. None for the other types.
-pub fn superblock_records(t: &Tensor) -> Option<Result<Vec<u8>>> {
-    if !matches!(t.dtype, DType::Q4_K | DType::Q5_K) {
-        return None;
+/// Bytes of one Q6_K super-block record ([`superblock_records`]): as many as
+/// the file spends on its scales.
+pub const SUPERBLOCK_RECORD_Q6K: usize = 18;
+
+/// Bytes of the super-block record of the type whose affine form has
+/// `bits`-bit levels: 16 for Q4_K and Q5_K, 18 for Q6_K; None where no
+/// type has records.
+pub fn superblock_record_bytes(bits: u32) -> Option<usize> {
+    match bits {
+        4 | 5 => Some(SUPERBLOCK_RECORD),
+        6 => Some(SUPERBLOCK_RECORD_Q6K),
+        _ => None,
     }
+}
+
+/// The scales and biases of a Q4_K, Q5_K or Q6_K matrix `t` as one record
+/// per 256 values of a row (rows in order), for a GPU copy that reads as
+/// many bits a value as the file where f32 scales and biases would take 2
+/// (groups of 32) or 4 (groups of 16) more:
+/// - Q4_K, Q5_K (16 bytes): f16 `d` and `dmin` as stored, then per group j
+///   of 32 the byte `sc_j | (m_j >> 4) << 6` (8 bytes) and `m_j & 15` as
+///   nibbles, group 2i's low (4 bytes). Group j's scale is `d·sc_j`, its
+///   bias `−(dmin·m_j)`.
+/// - Q6_K (18 bytes): f16 `d`, then the sixteen signed scales of its groups
+///   of 16 as stored. Group j's scale is `d·sc_j`, its bias `−32·d·sc_j`.
+///
+/// Scales and biases in f32 are exactly [`as_affine`]'s. None for the other
+/// types.
+pub fn superblock_records(t: &Tensor) -> Option<Result<Vec<u8>>> {
+    let bits = affine_bits(t.dtype)?;
+    let record =
+        superblock_record_bytes(bits).filter(|_| matches!(t.dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K))?;
     let bb = t.dtype.block_bytes();
     let src = t.data.as_slice();
     if !src.len().is_multiple_of(bb) || t.dtype.bytes_for(t.shape.iter().product()) != Some(src.len()) {
@@ -150,8 +171,15 @@ pub fn superblock_records(t: &Tensor) -> Option<Result<Vec<u8>>> {
             format!("{} bytes are not whole {} blocks", src.len(), t.dtype.name()),
         )));
     }
-    let mut out = vec![0u8; src.len() / bb * SUPERBLOCK_RECORD];
-    out.par_chunks_exact_mut(SUPERBLOCK_RECORD).zip(src.par_chunks_exact(bb)).for_each(|(r, b)| {
+    let mut out = vec![0u8; src.len() / bb * record];
+    let q6k = t.dtype == DType::Q6_K;
+    out.par_chunks_exact_mut(record).zip(src.par_chunks_exact(bb)).for_each(|(r, b)| {
+        if q6k {
+            // Q6_K: ql (128 bytes), qh (64), scales (16), d (2).
+            r[..2].copy_from_slice(&b[208..210]);
+            r[2..].copy_from_slice(&b[192..208]);
+            return;
+        }
         r[..4].copy_from_slice(&b[..4]);
         for j in 0..8 {
             let (sc, m) = kquants::scale_min_k4(j, &b[4..16]);
@@ -162,9 +190,14 @@ pub fn superblock_records(t: &Tensor) -> Option<Result<Vec<u8>>> {
     Some(Ok(out))
 }
 
-/// Group `j`'s (scale, bias) of a record of [`superblock_records`], as the
-/// GPU kernels decode it.
-pub fn record_scale_bias(r: &[u8], j: usize) -> (f32, f32) {
+/// Group `j`'s (scale, bias) of a record of [`superblock_records`] of a
+/// `dtype` matrix, as the GPU kernels decode it (groups of 32 for Q4_K and
+/// Q5_K, of 16 for Q6_K).
+pub fn record_scale_bias(dtype: DType, r: &[u8], j: usize) -> (f32, f32) {
+    if dtype == DType::Q6_K {
+        let scale = f16_at(r, 0) * r[2 + j] as i8 as f32;
+        return (scale, -32.0 * scale);
+    }
     let (d, dmin) = (f16_at(r, 0), f16_at(r, 2));
     let sc = r[4 + j] & 63;
     let m = ((r[4 + j] >> 6) << 4) | ((r[12 + j / 2] >> (4 * (j % 2))) & 15);

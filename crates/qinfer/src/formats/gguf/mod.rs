@@ -23,7 +23,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 pub use as_affine::{
-    SUPERBLOCK_RECORD, affine_bits, affine_group_size, as_affine, record_scale_bias, superblock_records,
+    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, as_affine, record_scale_bias,
+    superblock_record_bytes, superblock_records,
 };
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};
