@@ -366,6 +366,14 @@ __device__ __forceinline__ void affine_chunk(const unsigned* __restrict__ row, i
             uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + i);
             words[4 * i] = v.x; words[4 * i + 1] = v.y; words[4 * i + 2] = v.z; words[4 * i + 3] = v.w;
         }
+    } else if (BITS % 2 == 0) {
+        // 2 and 6 bits: 8-byte loads (a chunk starts at an even word), half
+        // the load instructions of word loads.
+#pragma unroll
+        for (int i = 0; i < BITS / 2; i++) {
+            uint2 v = __ldcs(reinterpret_cast<const uint2*>(p) + i);
+            words[2 * i] = v.x; words[2 * i + 1] = v.y;
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < BITS; i++) words[i] = __ldcs(p + i);
