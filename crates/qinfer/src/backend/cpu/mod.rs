@@ -12,6 +12,7 @@ pub mod moe;
 pub mod q8;
 pub mod q8_avx2;
 pub mod q8k;
+mod q8k_avx2;
 pub mod quant;
 pub mod simd;
 

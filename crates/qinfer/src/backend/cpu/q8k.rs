@@ -49,7 +49,31 @@ pub fn quantize_row(x: &[f32], out: &mut [Q8KBlock]) {
 }
 
 /// Σ over super-blocks of weight row `w` (a K-quant `dtype`) times activations `x`.
+/// The AVX2 kernels return [`dot_scalar`]'s value bit for bit.
 pub fn dot(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
+    debug_assert_eq!(w.len(), x.len() * dtype.block_bytes());
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        use super::q8k_avx2 as k;
+        // SAFETY: avx2, fma and f16c are present (checked above); the kernels
+        // read whole blocks only, as `dtype`'s block size splits `w`.
+        unsafe {
+            match dtype {
+                DType::Q2_K => return k::dot_q2_k(w, x),
+                DType::Q3_K => return k::dot_q3_k(w, x),
+                DType::Q4_K => return k::dot_q4_k(w, x),
+                DType::Q5_K => return k::dot_q5_k(w, x),
+                DType::Q6_K => return k::dot_q6_k(w, x),
+                _ => {}
+            }
+        }
+    }
+    dot_scalar(dtype, w, x)
+}
+
+/// The reference: each super-block unpacked to integers, then summed exactly
+/// in i32 (and the fallback without AVX2).
+pub fn dot_scalar(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
     debug_assert_eq!(w.len(), x.len() * dtype.block_bytes());
     let mut acc = 0f32;
     for (b, y) in w.chunks_exact(dtype.block_bytes()).zip(x) {
