@@ -160,14 +160,14 @@ fn run<const MR: usize, const NR: usize>(dtype: DType) {
 #[test]
 #[ignore]
 fn kernel_ns_per_block() {
-    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::Q5_1] {
         run::<4, 2>(dtype);
         run::<1, 4>(dtype);
     }
     if std::env::var("ALL_TILES").is_err() {
         return;
     }
-    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::Q5_1] {
         run::<1, 1>(dtype);
         run::<1, 4>(dtype);
         run::<2, 2>(dtype);

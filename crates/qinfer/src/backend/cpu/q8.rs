@@ -83,8 +83,8 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
             DType::Q4_0 => return unsafe { k::tile_q4_0(wp, xp, blocks) },
             DType::Q4_1 => return unsafe { k::tile_q4_1(wp, xp, blocks) },
             DType::Q8_0 => return unsafe { k::tile_q8_0(wp, xp, blocks) },
-            // Q5_0 and Q5_1 take the scalar loop below.
-            DType::Q5_0 | DType::Q5_1 => {}
+            DType::Q5_0 => return unsafe { k::tile_q5_0(wp, xp, blocks) },
+            DType::Q5_1 => return unsafe { k::tile_q5_1(wp, xp, blocks) },
             DType::F32
             | DType::F16
             | DType::BF16

@@ -17,6 +17,11 @@
 //! weight sign onto x as ggml does. Tiles of `MR` activation rows × `NR` weight
 //! rows unpack each weight block once per tile and keep `MR·NR` accumulators in
 //! registers; the tile shape does not change any output's arithmetic.
+//!
+//! Q5_0 and Q5_1 are the exception ([`tile_q5_0`], [`tile_q5_1`]): they return
+//! the scalar [`super::q8::dot`]'s value bit for bit (each block's exact i32 sum,
+//! then the scalar's float step in its order, with no FMA), so taking the AVX2
+//! path never changes a token for these types.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -96,6 +101,19 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     let q = unsafe { _mm_loadu_si128(p.cast()) };
     let low = _mm_set1_epi8(0x0f);
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low))
+}
+
+/// As [`nibbles`], without a cross-lane shuffle: the 16 bytes loaded into both
+/// halves, the upper half shifted right by 4 (per 64-bit lane: the bits shifted
+/// in from the next byte land in the high nibble, which the mask clears).
+///
+/// # Safety
+/// `p` points at 16 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles_srlv(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let q = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) };
+    _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0f))
 }
 
 /// Decode (one activation row) streams each weight once and waits on memory:
@@ -262,6 +280,189 @@ pub unsafe fn tile_q8_0<const MR: usize, const NR: usize>(
         }
     }
     reduce(acc)
+}
+
+/// Bit `k` of `qh` as byte `k`: 0xff where set, 0 where clear (ggml's
+/// `bytes_from_bits_32`: byte `k` takes byte `k/8` of `qh`, ORed with a mask
+/// of every bit but `k % 8`, and is all ones exactly when that bit is set).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bytes_from_bits(qh: u32) -> __m256i {
+    let shuf = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1))
+}
+
+/// The exact i32 sums of four 8-lane vectors, in that order.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum4_i32(v: [__m256i; 4]) -> __m128i {
+    // Within each 128-bit half: [Σa, Σb, Σc, Σd] of that half's lanes.
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+}
+
+/// `f(i, j)` for the 4 pairs of lane group `g` (pair k = 4g + lane: activation
+/// row k / NR, weight row k % NR); 0 in lanes past the last pair.
+#[inline(always)]
+fn group_lanes<const MR: usize, const NR: usize>(g: usize, f: impl Fn(usize, usize) -> f32) -> __m128 {
+    let v: [f32; 4] = std::array::from_fn(|l| {
+        let k = 4 * g + l;
+        if k < MR * NR { f(k / NR, k % NR) } else { 0.0 }
+    });
+    // SAFETY: `v` holds 4 floats; SSE is part of x86_64.
+    unsafe { _mm_loadu_ps(v.as_ptr()) }
+}
+
+/// Per-weight-row lanes `v` (lane j = row j) spread over lane group `g` as
+/// [`group_lanes`] lays the pairs out.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn weight_lanes<const MR: usize, const NR: usize>(g: usize, v: __m128) -> __m128 {
+    match NR {
+        4 => v,
+        2 => _mm_movelh_ps(v, v),
+        1 => _mm_shuffle_ps::<0>(v, v),
+        _ => {
+            let mut a = [0f32; 4];
+            // SAFETY: `a` holds 4 floats.
+            unsafe { _mm_storeu_ps(a.as_mut_ptr(), v) };
+            group_lanes::<MR, NR>(g, |_, j| a[j])
+        }
+    }
+}
+
+/// The f16 `d` (and for `AFFINE`, the `m` after it) at byte `at` of each
+/// weight row, widened: lane j = row j (lanes past `NR` hold 0).
+///
+/// # Safety
+/// Each `w[j]` has 4 readable bytes at `at`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_scales<const AFFINE: bool, const NR: usize>(w: &[*const u8; NR], at: usize) -> (__m128, __m128) {
+    const { assert!(NR <= 4, "row_scales: at most 4 rows") };
+    let r: [__m128i; 4] = std::array::from_fn(|j| {
+        if j < NR {
+            // SAFETY: the caller guarantees 4 readable bytes.
+            _mm_cvtsi32_si128(unsafe { w[j].add(at).cast::<i32>().read_unaligned() })
+        } else {
+            _mm_setzero_si128()
+        }
+    });
+    if AFFINE {
+        // [d0 m0 d1 m1 d2 m2 d3 m3] → [d0 d1 d2 d3 m0 m1 m2 m3].
+        let dm = _mm_unpacklo_epi64(_mm_unpacklo_epi32(r[0], r[1]), _mm_unpacklo_epi32(r[2], r[3]));
+        let dm = _mm_shuffle_epi8(dm, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+        let f = _mm256_cvtph_ps(dm);
+        (_mm256_castps256_ps128(f), _mm256_extractf128_ps::<1>(f))
+    } else {
+        // Only the low f16 of each word is `d`.
+        let d = _mm_unpacklo_epi32(_mm_unpacklo_epi16(r[0], r[1]), _mm_unpacklo_epi16(r[2], r[3]));
+        (_mm_cvtph_ps(d), _mm_setzero_ps())
+    }
+}
+
+/// Q5_0 weights (`d`, 4 bytes `qh`, 16 nibble bytes; w = d·(q − 16)) against `Q8Block`s.
+///
+/// Unlike the kernels above, this returns [`super::q8::dot`]'s value bit for
+/// bit: see [`tile_q5`].
+///
+/// # Safety
+/// As [`tile_q4_0`], with Q5_0 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_q5_0<const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    // SAFETY: the caller's contract is `tile_q5`'s.
+    unsafe { tile_q5::<false, MR, NR>(w, x, blocks) }
+}
+
+/// Q5_1 weights (`d`, `m`, 4 bytes `qh`, 16 nibble bytes; w = d·q + m) against
+/// `Q8Block`s, equal to [`super::q8::dot`] bit for bit as [`tile_q5_0`].
+///
+/// # Safety
+/// As [`tile_q4_0`], with Q5_1 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_q5_1<const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    // SAFETY: the caller's contract is `tile_q5`'s.
+    unsafe { tile_q5::<true, MR, NR>(w, x, blocks) }
+}
+
+/// Q5_0 (`AFFINE` false) or Q5_1 weights: per block, the 5-bit levels (low
+/// nibbles first, bit `k` of `qh` as bit 4 of value `k`) times the activations
+/// summed exactly in i32, then the scalar [`super::q8::dot`]'s float step in its
+/// order, `acc + ((d_w·d_x)·s + m_w·s_x)` (`+ 0.0` for Q5_0), with no fused
+/// multiply-add. The float step runs 4 (activation row, weight row) pairs at a
+/// time in the lanes of an `__m128`: each lane rounds exactly as the scalar does.
+///
+/// # Safety
+/// As [`tile_q4_0`], with Q5_0 or Q5_1 blocks. (`NR ≤ 4` and `MR·NR ≤ 16` are
+/// checked at compile time.)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q5<const AFFINE: bool, const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const Q8Block; MR],
+    blocks: usize,
+) -> [[f32; NR]; MR] {
+    const { assert!(MR * NR <= 16, "tile_q5: at most 16 pairs (4 lane groups)") };
+    let (bb, qh_at, qs_at) = if AFFINE { (24, 4, 8) } else { (22, 2, 6) };
+    let groups = (MR * NR).div_ceil(4);
+    // Lane `l` of group `g` holds pair k = 4g + l: activation row k / NR, weight row k % NR.
+    let mut acc = [_mm_setzero_ps(); 4];
+    let sixteen = _mm256_set1_epi8(16);
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..blocks {
+        let mut wq = [_mm256_setzero_si256(); NR];
+        prefetch_ahead::<MR, NR>(&w, b * bb, blocks * bb);
+        // SAFETY: block `b` of every row is in bounds (caller's contract) and
+        // starts with 4 bytes: `d` and `m` (Q5_1) or `d` and half of `qh` (Q5_0).
+        let (dw, mw) = unsafe { row_scales::<AFFINE, NR>(&w, b * bb) };
+        for j in 0..NR {
+            // SAFETY: block `b` of row `j` is in bounds (caller's contract):
+            // `qh` at `qh_at`, nibbles at `qs_at..qs_at + 16`.
+            unsafe {
+                let p = w[j].add(b * bb);
+                let qh = p.add(qh_at).cast::<u32>().read_unaligned();
+                // Levels 0..32 as unsigned bytes.
+                wq[j] = _mm256_or_si256(nibbles_srlv(p.add(qs_at)), _mm256_and_si256(bytes_from_bits(qh), sixteen));
+            }
+        }
+        let mut sums = [_mm256_setzero_si256(); 16];
+        let mut dx = [0f32; MR];
+        let mut sx = [0f32; MR];
+        for i in 0..MR {
+            // SAFETY: block `b` of activation row `i` is in bounds.
+            let y = unsafe { &*x[i].add(b) };
+            (dx[i], sx[i]) = (y.d, y.s);
+            // SAFETY: `qs` is 32 bytes.
+            let xq = unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) };
+            // Σ(q − 16)·x = Σq·x − 16·Σx per pair of bytes, exact in i16 (|x| ≤ 127).
+            let x16 = if AFFINE { _mm256_setzero_si256() } else { _mm256_maddubs_epi16(sixteen, xq) };
+            for j in 0..NR {
+                let p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[j], xq), x16);
+                sums[i * NR + j] = _mm256_madd_epi16(p16, ones);
+            }
+        }
+        for g in 0..groups {
+            let s = _mm_cvtepi32_ps(hsum4_i32([sums[4 * g], sums[4 * g + 1], sums[4 * g + 2], sums[4 * g + 3]]));
+            let d = _mm_mul_ps(weight_lanes::<MR, NR>(g, dw), group_lanes::<MR, NR>(g, |i, _| dx[i]));
+            let min = if AFFINE {
+                _mm_mul_ps(weight_lanes::<MR, NR>(g, mw), group_lanes::<MR, NR>(g, |i, _| sx[i]))
+            } else {
+                _mm_setzero_ps()
+            };
+            acc[g] = _mm_add_ps(acc[g], _mm_add_ps(_mm_mul_ps(d, s), min));
+        }
+    }
+    let mut flat = [0f32; 16];
+    for (f, a) in flat.chunks_exact_mut(4).zip(&acc) {
+        // SAFETY: `f` holds 4 floats.
+        unsafe { _mm_storeu_ps(f.as_mut_ptr(), *a) };
+    }
+    std::array::from_fn(|i| std::array::from_fn(|j| flat[i * NR + j]))
 }
 
 #[cfg(test)]
@@ -438,6 +639,132 @@ mod tests {
                 check_tile::<2, 2>(&mut seed, dtype, blocks);
                 check_tile::<3, 1>(&mut seed, dtype, blocks);
                 check_tile::<4, 2>(&mut seed, dtype, blocks);
+            }
+        }
+    }
+    /// Any finite f16 of either sign, subnormals included.
+    fn finite_f16(seed: &mut u64) -> half::f16 {
+        loop {
+            let v = half::f16::from_bits(next(seed) as u16);
+            if v.is_finite() {
+                return v;
+            }
+        }
+    }
+
+    /// Random Q5_0/Q5_1 blocks: random `qh` and nibble bytes, random finite `d` (and `m`).
+    fn random_q5(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..blocks * dtype.block_bytes()).map(|_| next(seed) as u8).collect();
+        let scales = if dtype == DType::Q5_1 { 2 } else { 1 };
+        for blk in w.chunks_exact_mut(dtype.block_bytes()) {
+            for k in 0..scales {
+                blk[2 * k..2 * k + 2].copy_from_slice(&finite_f16(seed).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// The Q5 kernel for `dtype` on rows `ws` × `xs`.
+    fn q5_tile<const MR: usize, const NR: usize>(dtype: DType, ws: &[Vec<u8>], xs: &[Vec<Q8Block>]) -> [[f32; NR]; MR] {
+        let blocks = xs[0].len();
+        assert!(ws.len() >= NR && xs.len() >= MR && ws.iter().all(|w| w.len() == blocks * dtype.block_bytes()));
+        let (wp, xp) = (std::array::from_fn(|j| ws[j].as_ptr()), std::array::from_fn(|i| xs[i].as_ptr()));
+        // SAFETY: the callers check avx2, fma and f16c; every row holds `blocks` blocks (asserted).
+        unsafe {
+            match dtype {
+                DType::Q5_0 => tile_q5_0::<MR, NR>(wp, xp, blocks),
+                DType::Q5_1 => tile_q5_1::<MR, NR>(wp, xp, blocks),
+                _ => unreachable!("{} is not Q5_0/Q5_1", dtype.name()),
+            }
+        }
+    }
+
+    /// Every output of the `MR`×`NR` Q5 tile equals the scalar `dot`'s bits.
+    fn assert_q5_bits<const MR: usize, const NR: usize>(what: &str, dtype: DType, ws: &[Vec<u8>], xs: &[Vec<Q8Block>]) {
+        let got = q5_tile::<MR, NR>(dtype, ws, xs);
+        for i in 0..MR {
+            for j in 0..NR {
+                let want = dot(dtype, &ws[j], &xs[i]);
+                assert_eq!(got[i][j].to_bits(), want.to_bits(), "{what} {MR}x{NR} ({i},{j}): {} vs {want}", got[i][j]);
+            }
+        }
+    }
+
+    fn assert_q5_tiles(what: &str, dtype: DType, ws: &[Vec<u8>], xs: &[Vec<Q8Block>]) {
+        assert_q5_bits::<1, 1>(what, dtype, ws, xs);
+        assert_q5_bits::<1, 4>(what, dtype, ws, xs);
+        assert_q5_bits::<2, 2>(what, dtype, ws, xs);
+        assert_q5_bits::<3, 1>(what, dtype, ws, xs);
+        assert_q5_bits::<3, 2>(what, dtype, ws, xs);
+        assert_q5_bits::<4, 2>(what, dtype, ws, xs);
+        assert_q5_bits::<4, 4>(what, dtype, ws, xs);
+    }
+
+    /// Random Q5 rows against activations of several magnitudes quantized by
+    /// `q8::quantize_row`: the AVX2 tiles return the scalar `dot` bit for bit.
+    #[test]
+    fn q5_tiles_match_scalar_bit_for_bit() {
+        if !has_avx2() {
+            eprintln!("skipped: no avx2/fma/f16c on this CPU");
+            return;
+        }
+        let mut seed = fresh_seed();
+        let start = seed;
+        eprintln!("q5 seed {start}");
+        for dtype in [DType::Q5_0, DType::Q5_1] {
+            for n in [32usize, 256, 4096, 12288] {
+                let blocks = n / 32;
+                let ws: Vec<Vec<u8>> = (0..4).map(|_| random_q5(&mut seed, dtype, blocks)).collect();
+                let xs: Vec<Vec<Q8Block>> = [1.0f32, 1e-3, 300.0, 1.0]
+                    .iter()
+                    .map(|scale| {
+                        let x: Vec<f32> = random_activations(&mut seed, n).iter().map(|v| v * scale).collect();
+                        let mut q = vec![Q8Block::ZERO; blocks];
+                        q8::quantize_row(&x, &mut q);
+                        q
+                    })
+                    .collect();
+                assert_q5_tiles(&format!("{dtype:?} n {n} seed {start}"), dtype, &ws, &xs);
+            }
+        }
+    }
+
+    /// Saturated and patterned bytes (levels 0 and 31, alternating `qh` bits)
+    /// against ±1 activations (every value quantizing to ±127).
+    #[test]
+    fn q5_extreme_blocks_match_scalar_bit_for_bit() {
+        if !has_avx2() {
+            eprintln!("skipped: no avx2/fma/f16c on this CPU");
+            return;
+        }
+        let blocks = 3;
+        for dtype in [DType::Q5_0, DType::Q5_1] {
+            for byte in [0x00u8, 0xff, 0x80, 0x7f, 0x55, 0xaa] {
+                for sign in [1.0f32, -1.0] {
+                    let ws: Vec<Vec<u8>> = (0..4)
+                        .map(|j| {
+                            let mut w = vec![if j == 3 { !byte } else { byte }; blocks * dtype.block_bytes()];
+                            for blk in w.chunks_exact_mut(dtype.block_bytes()) {
+                                blk[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                                if dtype == DType::Q5_1 {
+                                    blk[2..4].copy_from_slice(&half::f16::from_f32(-0.25).to_le_bytes());
+                                }
+                            }
+                            w
+                        })
+                        .collect();
+                    let xs: Vec<Vec<Q8Block>> = (0..4)
+                        .map(|i| {
+                            let x: Vec<f32> = (0..blocks * 32)
+                                .map(|k| if (i == 3 && k % 2 == 1) || (i == 2 && k % 3 == 2) { -sign } else { sign })
+                                .collect();
+                            let mut q = vec![Q8Block::ZERO; blocks];
+                            q8::quantize_row(&x, &mut q);
+                            q
+                        })
+                        .collect();
+                    assert_q5_tiles(&format!("{dtype:?} byte {byte:#x} sign {sign}"), dtype, &ws, &xs);
+                }
             }
         }
     }
