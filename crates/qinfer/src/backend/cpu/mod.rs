@@ -15,6 +15,8 @@ pub mod q8k;
 mod q8k_avx2;
 pub mod quant;
 pub mod simd;
+#[cfg(test)]
+mod test_rng;
 
 use rayon::prelude::*;
 

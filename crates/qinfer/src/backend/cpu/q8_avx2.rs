@@ -469,24 +469,12 @@ unsafe fn tile_q5<const AFFINE: bool, const MR: usize, const NR: usize>(
 mod tests {
     use super::super::q8::{self, dot, dot_tile, quantize_row_scalar};
     use super::super::quant::dequantize_into;
+    use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
     use crate::tensor::DType;
 
     fn has_avx2() -> bool {
         super::super::simd::has_avx2()
-    }
-
-    /// A fresh seed per run (printed on failure), so repeated runs cover new inputs.
-    fn fresh_seed() -> u64 {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-        t.as_nanos() as u64 | 1
-    }
-
-    fn next(seed: &mut u64) -> u64 {
-        *seed ^= *seed << 13;
-        *seed ^= *seed >> 7;
-        *seed ^= *seed << 17;
-        *seed
     }
 
     fn uniform(seed: &mut u64) -> f32 {
@@ -531,7 +519,7 @@ mod tests {
         if !has_avx2() {
             return;
         }
-        let mut seed = fresh_seed();
+        let mut seed = fresh_seed("q8_avx2");
         let start = seed;
         for blocks in [1usize, 7, 18, 49] {
             let x = random_activations(&mut seed, blocks * 32);
@@ -631,7 +619,7 @@ mod tests {
         if !has_avx2() {
             return;
         }
-        let mut seed = fresh_seed();
+        let mut seed = fresh_seed("q8_avx2");
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             for blocks in [1usize, 3, 17, 49] {
                 check_tile::<1, 1>(&mut seed, dtype, blocks);
@@ -642,16 +630,6 @@ mod tests {
             }
         }
     }
-    /// Any finite f16 of either sign, subnormals included.
-    fn finite_f16(seed: &mut u64) -> half::f16 {
-        loop {
-            let v = half::f16::from_bits(next(seed) as u16);
-            if v.is_finite() {
-                return v;
-            }
-        }
-    }
-
     /// Random Q5_0/Q5_1 blocks: random `qh` and nibble bytes, random finite `d` (and `m`).
     fn random_q5(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
         let mut w: Vec<u8> = (0..blocks * dtype.block_bytes()).map(|_| next(seed) as u8).collect();
@@ -664,24 +642,11 @@ mod tests {
         w
     }
 
-    /// The Q5 kernel for `dtype` on rows `ws` × `xs`.
-    fn q5_tile<const MR: usize, const NR: usize>(dtype: DType, ws: &[Vec<u8>], xs: &[Vec<Q8Block>]) -> [[f32; NR]; MR] {
-        let blocks = xs[0].len();
-        assert!(ws.len() >= NR && xs.len() >= MR && ws.iter().all(|w| w.len() == blocks * dtype.block_bytes()));
-        let (wp, xp) = (std::array::from_fn(|j| ws[j].as_ptr()), std::array::from_fn(|i| xs[i].as_ptr()));
-        // SAFETY: the callers check avx2, fma and f16c; every row holds `blocks` blocks (asserted).
-        unsafe {
-            match dtype {
-                DType::Q5_0 => tile_q5_0::<MR, NR>(wp, xp, blocks),
-                DType::Q5_1 => tile_q5_1::<MR, NR>(wp, xp, blocks),
-                _ => unreachable!("{} is not Q5_0/Q5_1", dtype.name()),
-            }
-        }
-    }
-
-    /// Every output of the `MR`×`NR` Q5 tile equals the scalar `dot`'s bits.
+    /// Every output of the `MR`×`NR` Q5 tile (`dot_tile`, which takes the
+    /// AVX2 kernel where the callers checked it present) equals the scalar
+    /// `dot`'s bits.
     fn assert_q5_bits<const MR: usize, const NR: usize>(what: &str, dtype: DType, ws: &[Vec<u8>], xs: &[Vec<Q8Block>]) {
-        let got = q5_tile::<MR, NR>(dtype, ws, xs);
+        let got = dot_tile::<MR, NR>(dtype, std::array::from_fn(|j| &ws[j][..]), std::array::from_fn(|i| &xs[i][..]));
         for i in 0..MR {
             for j in 0..NR {
                 let want = dot(dtype, &ws[j], &xs[i]);
@@ -708,9 +673,8 @@ mod tests {
             eprintln!("skipped: no avx2/fma/f16c on this CPU");
             return;
         }
-        let mut seed = fresh_seed();
+        let mut seed = fresh_seed("q5");
         let start = seed;
-        eprintln!("q5 seed {start}");
         for dtype in [DType::Q5_0, DType::Q5_1] {
             for n in [32usize, 256, 4096, 12288] {
                 let blocks = n / 32;

@@ -357,7 +357,8 @@ pub unsafe fn dot_q3_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::super::kquants::{QK_K, f16_field_offsets};
-    use super::super::q8k::{dot_scalar, quantize_row};
+    use super::super::q8k::{dot, dot_scalar, quantize_row};
+    use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
     use crate::tensor::DType;
 
@@ -369,31 +370,6 @@ mod tests {
             eprintln!("skipped: no avx2/fma/f16c on this CPU");
         }
         has
-    }
-
-    /// A fresh seed per run (printed), so repeated runs cover new inputs.
-    fn fresh_seed() -> u64 {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-        let seed = t.as_nanos() as u64 | 1;
-        eprintln!("q8k_avx2 seed {seed}");
-        seed
-    }
-
-    fn next(seed: &mut u64) -> u64 {
-        *seed ^= *seed << 13;
-        *seed ^= *seed >> 7;
-        *seed ^= *seed << 17;
-        *seed
-    }
-
-    /// Any finite f16 of either sign, subnormals included.
-    fn finite_f16(seed: &mut u64) -> half::f16 {
-        loop {
-            let v = half::f16::from_bits(next(seed) as u16);
-            if v.is_finite() {
-                return v;
-            }
-        }
     }
 
     /// Random bytes for levels and packed scales, finite random f16 `d`/`dmin`.
@@ -423,33 +399,19 @@ mod tests {
         q
     }
 
-    fn avx2_dot(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
-        // SAFETY: callers check avx2, fma and f16c first.
-        unsafe {
-            match dtype {
-                DType::Q2_K => dot_q2_k(w, x),
-                DType::Q3_K => dot_q3_k(w, x),
-                DType::Q4_K => dot_q4_k(w, x),
-                DType::Q5_K => dot_q5_k(w, x),
-                DType::Q6_K => dot_q6_k(w, x),
-                _ => unreachable!("{} has no AVX2 Q8_K dot", dtype.name()),
-            }
-        }
-    }
-
     #[test]
     fn random_rows_match_scalar_bit_for_bit() {
         if !has_avx2() {
             return;
         }
-        let mut seed = fresh_seed();
+        let mut seed = fresh_seed("q8k_avx2");
         let start = seed;
         for dtype in TYPES {
             for n in [256usize, 512, 4096, 12288] {
                 for rep in 0..4 {
                     let w = random_weights(&mut seed, dtype, n / QK_K);
                     let x = random_activations(&mut seed, n);
-                    let (got, want) = (avx2_dot(dtype, &w, &x), dot_scalar(dtype, &w, &x));
+                    let (got, want) = (dot(dtype, &w, &x), dot_scalar(dtype, &w, &x));
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
@@ -480,7 +442,7 @@ mod tests {
                     let xf: Vec<f32> = (0..blocks * QK_K).map(|i| if i % 3 == 2 { -sign } else { sign }).collect();
                     let mut x = vec![Q8KBlock::ZERO; blocks];
                     quantize_row(&xf, &mut x);
-                    let (got, want) = (avx2_dot(dtype, &w, &x), dot_scalar(dtype, &w, &x));
+                    let (got, want) = (dot(dtype, &w, &x), dot_scalar(dtype, &w, &x));
                     assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} byte {byte:#x} sign {sign}: {got} vs {want}");
                 }
             }
