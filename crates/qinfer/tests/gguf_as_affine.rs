@@ -14,8 +14,8 @@ use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
 use qinfer::formats::gguf::{
-    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, as_affine, record_scale_bias,
-    superblock_record_bytes, superblock_records,
+    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q2K, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, affine_levels,
+    as_affine, record_scale_bias, superblock_record_bytes, superblock_records,
 };
 use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
@@ -58,7 +58,7 @@ fn affine_form_decodes_as_gguf_py() {
     }
 }
 
-/// The GPU's compact Q4_K/Q5_K/Q6_K scales (16- and 18-byte records per
+/// The GPU's compact K-quant scales (16-, 18- and 20-byte records per
 /// super-block) hold exactly the affine form's scales and biases, so the
 /// levels decode through them to gguf-py's values too.
 #[test]
@@ -68,15 +68,24 @@ fn superblock_records_decode_as_gguf_py() {
         let n_blocks = blocks.len() / dtype.block_bytes();
         let t = Tensor::new("w".into(), dtype, vec![1, want.len()], Bytes::from_vec(blocks.clone())).unwrap();
         let Some(records) = superblock_records(&t) else {
-            assert!(!matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K), "{dtype:?} has records");
+            assert!(!dtype.name().ends_with("_K"), "{dtype:?} has records");
             continue;
         };
         let t = Tensor::new("w".into(), dtype, vec![n_blocks, 256], Bytes::from_vec(blocks.clone())).unwrap();
         let records = records.unwrap();
         let size = superblock_record_bytes(affine_bits(dtype).unwrap()).unwrap();
-        assert_eq!(size, if dtype == DType::Q6_K { SUPERBLOCK_RECORD_Q6K } else { SUPERBLOCK_RECORD });
+        let expected = match dtype {
+            DType::Q2_K => SUPERBLOCK_RECORD_Q2K,
+            DType::Q3_K | DType::Q6_K => SUPERBLOCK_RECORD_Q6K,
+            _ => SUPERBLOCK_RECORD,
+        };
+        assert_eq!(size, expected, "{dtype:?}");
         assert_eq!(records.len(), n_blocks * size);
         let a = as_affine(&t).unwrap().unwrap();
+        // The GPU copy's levels come without the f32 sides: the same bytes.
+        let levels = affine_levels(&t).unwrap().unwrap();
+        assert_eq!((levels.params, levels.rows, levels.cols), (a.params, n_blocks, 256), "{dtype:?}");
+        assert!(levels.packed == a.packed.data.as_slice(), "{dtype:?} levels differ from the affine form's");
         let (scales, biases) = (f32s(&a.scales), f32s(&a.biases));
         let row_bytes = a.params.row_bytes(256);
         let mut q = vec![0f32; 256];
@@ -84,7 +93,7 @@ fn superblock_records_decode_as_gguf_py() {
         let groups = 256 / group;
         for b in 0..n_blocks {
             let record = &records[b * size..(b + 1) * size];
-            unpack(a.params.bits, &a.packed.data.as_slice()[b * row_bytes..(b + 1) * row_bytes], &mut q);
+            unpack(a.params.bits, &levels.packed[b * row_bytes..(b + 1) * row_bytes], &mut q);
             for j in 0..groups {
                 let (scale, bias) = record_scale_bias(dtype, record, j);
                 assert_eq!(

@@ -37,7 +37,7 @@ pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 }
 
 /// The 16 6-bit scales of Q3_K, unbiased (−32..31).
-fn q3_k_scales(s: &[u8]) -> [i32; 16] {
+pub fn q3_k_scales(s: &[u8]) -> [i32; 16] {
     let mut out = [0i32; 16];
     for (j, o) in out.iter_mut().enumerate() {
         // Low 4 bits: nibble j%8 of bytes 0..8; high 2 bits: 2-bit field j/8 of bytes 8..12.

@@ -37,15 +37,23 @@ __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 // as nibbles (group 2i's low). The scale d·sc_j and the bias −(dmin·m_j) are
 // the f32 products ggml's decoder forms (formats/gguf/as_affine.rs
 // `superblock_records`): 4.5 bits a value with the levels, against 6 with
-// f32 scales and biases. Q6_K (`affine6_k`, groups of 16) keeps 18 bytes
-// per 256 values, as its file does: f16 d, then the 16 groups' signed
-// scales; group j's scale is d·sc_j and its bias −32·d·sc_j (6.56 bits a
-// value, against 10). The bias pointer is not read.
+// f32 scales and biases. Q6_K and Q3_K (`affine6_k`, `affine3_k`, groups of
+// 16) keep 18 bytes per 256 values, as a Q6_K file does: f16 d, then the 16
+// groups' signed scales; group j's scale is d·sc_j and its bias −K·d·sc_j
+// (K = 32, 4; 6.56 bits a Q6_K value, against 10). Q2_K (`affine2_k`) keeps
+// 20, as its file: f16 d and dmin, then the bytes sc_j | m_j << 4; scale
+// d·sc_j, bias −(dmin·m_j). The bias pointer is not read.
 struct alignas(16) KScales {
     unsigned char b[16];
 };
-struct alignas(2) K6Scales {
+template <int K>
+struct alignas(2) SignedScales {
     unsigned char b[18];
+};
+using K6Scales = SignedScales<32>;
+using K3Scales = SignedScales<4>;
+struct alignas(4) K2Scales {
+    unsigned char b[20];
 };
 // (Read-only loads, as the kernels' __restrict__ pointers made them.)
 __device__ __forceinline__ float affine_scale(const float* s, size_t i) { return __ldg(s + i); }
@@ -66,13 +74,26 @@ __device__ __forceinline__ float affine_scale(const KScales* s, size_t i) { retu
 __device__ __forceinline__ float affine_bias(const KScales* s, const KScales*, size_t i) {
     return kscales_bias(s[i >> 3].b, i & 7);
 }
-__device__ __forceinline__ float affine_scale(const K6Scales* s, size_t i) {
-    const unsigned char* r = s[i >> 4].b;
-    float d = __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(r))));
-    return d * (float)(signed char)__ldg(r + 2 + (i & 15));
+// An f16 at byte `at` of a record (2-byte aligned).
+__device__ __forceinline__ float record_half(const unsigned char* r, int at) {
+    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(r + at))));
 }
-__device__ __forceinline__ float affine_bias(const K6Scales* s, const K6Scales*, size_t i) {
-    return -32.0f * affine_scale(s, i);
+template <int K>
+__device__ __forceinline__ float affine_scale(const SignedScales<K>* s, size_t i) {
+    const unsigned char* r = s[i >> 4].b;
+    return record_half(r, 0) * (float)(signed char)__ldg(r + 2 + (i & 15));
+}
+template <int K>
+__device__ __forceinline__ float affine_bias(const SignedScales<K>* s, const SignedScales<K>*, size_t i) {
+    return -(float)K * affine_scale(s, i);
+}
+__device__ __forceinline__ float affine_scale(const K2Scales* s, size_t i) {
+    const unsigned char* r = s[i >> 4].b;
+    return record_half(r, 0) * (float)(__ldg(r + 4 + (i & 15)) & 15);
+}
+__device__ __forceinline__ float affine_bias(const K2Scales* s, const K2Scales*, size_t i) {
+    const unsigned char* r = s[i >> 4].b;
+    return -(record_half(r, 2) * (float)(__ldg(r + 4 + (i & 15)) >> 4));
 }
 // The start of row `row`'s scales (or biases) among `groups` a row.
 template <typename S>
@@ -82,7 +103,12 @@ __device__ __forceinline__ const S* affine_row_side(const S* base, size_t row, s
 __device__ __forceinline__ const KScales* affine_row_side(const KScales* base, size_t row, size_t groups) {
     return base + row * (groups / 8);
 }
-__device__ __forceinline__ const K6Scales* affine_row_side(const K6Scales* base, size_t row, size_t groups) {
+template <int K>
+__device__ __forceinline__ const SignedScales<K>* affine_row_side(const SignedScales<K>* base, size_t row,
+                                                                  size_t groups) {
+    return base + row * (groups / 16);
+}
+__device__ __forceinline__ const K2Scales* affine_row_side(const K2Scales* base, size_t row, size_t groups) {
     return base + row * (groups / 16);
 }
 
@@ -654,6 +680,21 @@ __device__ void affine_to_bf16(const unsigned* __restrict__ w, const S* __restri
     }
 }
 
+// Expert e0 + blockIdx.y of a layer's (pointer tables of levels, scales and
+// biases) dequantized to bf16 at out + blockIdx.y·rows·in_dim, for the
+// prefill's per-expert GEMMs (moe_prefill.rs); experts no token chose are
+// skipped (counts[e] = 0).
+template <typename S, int BITS>
+__device__ void moe_affine_to_bf16(const unsigned long long* packed, const unsigned long long* scales,
+                                   const unsigned long long* biases, const int* counts, int e0,
+                                   __nv_bfloat16* out, int rows, int in_dim, int group) {
+    int e = e0 + blockIdx.y;
+    if (counts[e] == 0) return;
+    affine_to_bf16<S, BITS>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const S*>(scales[e]),
+                            reinterpret_cast<const S*>(biases[e]), out + (size_t)blockIdx.y * rows * in_dim, 0,
+                            rows, in_dim, group);
+}
+
 // Embedding rows from an affine table, in f32.
 template <typename S, int BITS>
 __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict__ scales,
@@ -698,6 +739,12 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
         grid_dependency_wait();                                                                                    \
         affine_to_bf16<S, B>(w, s, bi, out, r0, rows, i, g);                                                       \
     }                                                                                                              \
+    extern "C" __global__ void moe_##F##_to_bf16(const unsigned long long* w, const unsigned long long* s,         \
+                                                 const unsigned long long* bi, const int* counts, int e0,          \
+                                                 __nv_bfloat16* out, int rows, int i, int g) {                     \
+        grid_dependency_wait();                                                                                    \
+        moe_affine_to_bf16<S, B>(w, s, bi, counts, e0, out, rows, i, g);                                           \
+    }                                                                                                              \
     extern "C" __global__ void embed_##F(const unsigned* w, const S* s, const S* bi, const unsigned* ids,          \
                                          float* out, int cols, int g) {                                            \
         grid_dependency_wait();                                                                                    \
@@ -723,12 +770,14 @@ __device__ void embed_affine(const unsigned* __restrict__ w, const S* __restrict
 // Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
 #define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)
 FOR_AFFINE_BITS(AFFINE_FORMATS)
-// Q4_K and Q5_K's super-block records (groups of 32 only), Q6_K's (groups
-// of 16 only).
+// Q4_K and Q5_K's super-block records (groups of 32 only), Q2_K, Q3_K and
+// Q6_K's (groups of 16 only).
 AFFINE_KERNELS(affine4_k, KScales, 4)
 AFFINE_KERNELS(affine5_k, KScales, 5)
-AFFINE16_KERNELS(affine6_k, K6Scales, 6)
-AFFINE_DEQUANT(affine6_k, K6Scales, 6)
+#define AFFINE16_RECORDS(F, S, B) AFFINE16_KERNELS(F, S, B) AFFINE_DEQUANT(F, S, B)
+AFFINE16_RECORDS(affine2_k, K2Scales, 2)
+AFFINE16_RECORDS(affine3_k, K3Scales, 3)
+AFFINE16_RECORDS(affine6_k, K6Scales, 6)
 #define GEMV_AFFINE_ROWS(F, S, B)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gemv_##F##_rows(const unsigned* w, const S* s, const S* bi,  \
                                                                       const float* x, const float* b, float* y,    \
@@ -1699,6 +1748,8 @@ __device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned
 FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
 MOE_GEMV_AFFINE(affine4_k, KScales, 4, false)
 MOE_GEMV_AFFINE(affine5_k, KScales, 5, false)
+MOE_GEMV_AFFINE(affine2_k_g16, K2Scales, 2, true)
+MOE_GEMV_AFFINE(affine3_k_g16, K3Scales, 3, true)
 MOE_GEMV_AFFINE(affine6_k_g16, K6Scales, 6, true)
 
 // out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).

@@ -18,6 +18,7 @@ macro_rules! launch {
 
 mod compile;
 mod moe;
+mod moe_prefill;
 mod sampling;
 mod types;
 
@@ -97,6 +98,11 @@ const KERNEL_NAMES: &[&str] = &[
     "gdn_chunk_prep",
     "gdn_chunk_state",
     "moe_route",
+    "moe_count",
+    "moe_offsets",
+    "moe_scatter_bf16",
+    "moe_scatter_f16",
+    "moe_gather_combine",
     "moe_gemv_bf16",
     "moe_gemv_f16",
     "moe_gemv_f32",
@@ -342,8 +348,9 @@ const GEMV_WEIGHTS: &[&str] = &[
     "affine5_k",
 ];
 
-/// Affine formats of groups of 16 only: Q6_K's super-block records.
-const G16_ONLY_WEIGHTS: &[&str] = &["affine6_k"];
+/// Affine formats of groups of 16 only: Q2_K, Q3_K and Q6_K's super-block
+/// records.
+const G16_ONLY_WEIGHTS: &[&str] = &["affine2_k", "affine3_k", "affine6_k"];
 
 /// Every affine format's kernels besides its GEMVs, and the GEMVs of
 /// groups of 16 (`gemv_{format}_g16_r{R}a{A}`: f32 scales, or records).
@@ -352,7 +359,12 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
     affine
         .clone()
         .flat_map(|f| [format!("moe_gemv_{f}"), format!("moe_swiglu_{f}"), format!("moe_down_{f}")])
-        .chain(affine.clone().chain(G16_ONLY_WEIGHTS).flat_map(|f| [format!("{f}_to_bf16"), format!("embed_{f}")]))
+        .chain(
+            affine
+                .clone()
+                .chain(G16_ONLY_WEIGHTS)
+                .flat_map(|f| [format!("{f}_to_bf16"), format!("moe_{f}_to_bf16"), format!("embed_{f}")]),
+        )
         .chain(affine.filter(|f| !f.contains('_')).chain(G16_ONLY_WEIGHTS).flat_map(|f| {
             GEMV_SHAPES
                 .iter()
@@ -568,6 +580,9 @@ pub struct CudaBackend {
     sampling: Mutex<sampling::SampleScratch>,
     /// Device pointer tables of MoE layers' experts (see moe.rs).
     moe_tables: Mutex<HashMap<Vec<u64>, Arc<moe::ExpertTables>>>,
+    /// Set once cuBLAS refuses a grouped GEMM (moe_prefill.rs): the MoE
+    /// prefill then runs one GEMM per expert.
+    grouped_gemm_refused: std::sync::atomic::AtomicBool,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -631,24 +646,29 @@ impl From<f32> for Arg {
 }
 
 impl CudaBackend {
-    /// A Q4_K/Q5_K/Q6_K matrix: `t`'s levels, and `records` (one per 256
-    /// values of a row, formats/gguf/as_affine.rs `superblock_records`) for
-    /// its scales and biases where the kernels take records: rows whole
-    /// super-blocks, 4 or 5 bits in groups of 32 or 6 in groups of 16.
-    fn upload_affine_records(&self, t: &crate::affine::AffineTensor, records: &[u8]) -> Result<CudaWeight> {
-        let &[rows, cols] = t.shape.as_slice() else {
-            return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
-        };
-        let takes_records = matches!((t.params.bits, t.params.group_size), (4 | 5, 32) | (6, 16));
-        if !takes_records || !cols.is_multiple_of(256) {
-            return self.upload_affine(t);
+    /// A K-quant matrix `t` (Q2_K … Q6_K): its affine levels, and one
+    /// record per 256 values of a row (formats/gguf/as_affine.rs
+    /// `superblock_records`) for its scales and biases. The f32 scales and
+    /// biases of the full affine form are never built.
+    fn upload_superblocks(&self, t: &Tensor) -> Result<CudaWeight> {
+        use crate::formats::gguf::{affine_levels, superblock_records};
+        let no_form = || Error::tensor(&t.name, format!("{} has no super-block records", t.dtype.name()));
+        let levels = affine_levels(t).ok_or_else(no_form)??;
+        let records = superblock_records(t).ok_or_else(no_form)??;
+        // Every K-quant is one of these, with rows of whole 256-value blocks.
+        let takes_records = matches!((levels.params.bits, levels.params.group_size), (4 | 5, 32) | (2 | 3 | 6, 16));
+        if !takes_records || !levels.cols.is_multiple_of(256) {
+            return Err(Error::tensor(
+                &t.name,
+                format!("{} bits in groups of {}: no record kernels", levels.params.bits, levels.params.group_size),
+            ));
         }
         Ok(CudaWeight::Affine(AffineWeight {
-            params: t.params,
-            rows,
-            cols,
-            packed: self.upload_slice(t.packed.data.as_slice()),
-            scales: self.upload_slice(records),
+            params: levels.params,
+            rows: levels.rows,
+            cols: levels.cols,
+            packed: self.upload_slice(&levels.packed),
+            scales: self.upload_slice(&records),
             // Not read (records hold the biases too); one word so the pointer is a real one.
             biases: self.upload_slice(&[0u8; 4]),
             side: AffineSide::Records,
@@ -824,6 +844,7 @@ impl CudaBackend {
             pass: Mutex::new(()),
             sampling,
             moe_tables: Mutex::new(HashMap::new()),
+            grouped_gemm_refused: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -965,6 +986,13 @@ impl CudaBackend {
     /// New KV caches store keys and values as `kv` (f16 unless set).
     pub fn with_kv_precision(mut self, kv: KvPrecision) -> Self {
         self.kv_precision = kv;
+        self
+    }
+
+    /// The MoE prefill runs one cuBLAS GEMM per expert, as where cuBLAS
+    /// refuses the grouped form (tests reach that path through this).
+    pub fn without_grouped_gemms(self) -> Self {
+        self.grouped_gemm_refused.store(true, Ordering::Relaxed);
         self
     }
 
@@ -1118,14 +1146,34 @@ impl CudaBackend {
         ldy: usize,
         accumulate: bool,
     ) {
+        let x_ptrs: Vec<u64> =
+            if inputs.is_empty() { vec![self.p(&x.buf)] } else { inputs.iter().map(|p| self.p(p)).collect() };
+        self.gemm_ptrs(dtype, w_ptr, rows, in_dim, &x_ptrs, x.rows, y_ptr, ldy, accumulate);
+    }
+
+    /// `y[n, rows] (+)= x[n, in_dim] · Wᵀ` with W `rows × in_dim` values of
+    /// `dtype` at `w_ptr` and x at each of `x_ptrs` in turn (one, or the
+    /// high and low halves of split activations, summed), f32 out with row
+    /// stride `ldy`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_ptrs(
+        &self,
+        dtype: DType,
+        w_ptr: u64,
+        rows: usize,
+        in_dim: usize,
+        x_ptrs: &[u64],
+        n: usize,
+        y_ptr: u64,
+        ldy: usize,
+        accumulate: bool,
+    ) {
         let ty = match dtype {
             DType::BF16 => cudaDataType::CUDA_R_16BF,
             DType::F16 => cudaDataType::CUDA_R_16F,
             _ => cudaDataType::CUDA_R_32F,
         };
-        let x_ptrs: Vec<u64> =
-            if inputs.is_empty() { vec![self.p(&x.buf)] } else { inputs.iter().map(|p| self.p(p)).collect() };
-        let (m, n, k) = (rows as i32, x.rows as i32, in_dim as i32);
+        let (m, n, k) = (rows as i32, n as i32, in_dim as i32);
         for (i, x_ptr) in x_ptrs.iter().enumerate() {
             if self.failed() {
                 return;
@@ -1670,27 +1718,15 @@ impl Backend for CudaBackend {
                 buf: self.upload_slice(t.data.as_slice()),
             }),
             // ggml blocks become affine weights, with groups of 32 or (Q2_K,
-            // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs;
-            // Q4_K, Q5_K and Q6_K keep their super-blocks' scales as records.
-            (
-                2,
-                DType::Q4_0
-                | DType::Q4_1
-                | DType::Q5_0
-                | DType::Q5_1
-                | DType::Q8_0
-                | DType::Q4_K
-                | DType::Q5_K
-                | DType::Q2_K
-                | DType::Q3_K
-                | DType::Q6_K,
-            ) => match crate::formats::gguf::as_affine(t) {
-                Some(affine) => affine.and_then(|a| match crate::formats::gguf::superblock_records(t) {
-                    Some(records) => records.and_then(|r| self.upload_affine_records(&a, &r)),
-                    None => self.upload_affine(&a),
-                }),
-                None => Err(Error::tensor(&t.name, format!("{} has no affine form", t.dtype.name()))),
-            },
+            // Q3_K, Q6_K) 16 values: exact, see formats/gguf/as_affine.rs.
+            // The K-quants keep their super-blocks' scales as records.
+            (2, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) => self.upload_superblocks(t),
+            (2, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
+                match crate::formats::gguf::as_affine(t) {
+                    Some(affine) => affine.and_then(|a| self.upload_affine(&a)),
+                    None => Err(Error::tensor(&t.name, format!("{} has no affine form", t.dtype.name()))),
+                }
+            }
             (2, DType::U32) => Err(Error::tensor(
                 &t.name,
                 "u32 words are quantized weights only with their scales and biases (an affine weight)",
@@ -2390,6 +2426,12 @@ impl Backend for CudaBackend {
         }
         if self.capturing() {
             self.record(Err("experts that cannot be routed on the device"), "recording a decode step");
+        } else if experts.len() <= moe::MAX_DEVICE_EXPERTS
+            && routing.top_k <= experts.len()
+            && let Some(tables) = self.expert_tables(experts)
+            && let Some(out) = self.moe_prefill(x, router_logits, experts, &tables, routing)
+        {
+            return out;
         }
         // Otherwise routing is decided on the host (T×E floats cross the bus, one
         // sync per MoE layer); each routed expert then runs once over all its tokens.

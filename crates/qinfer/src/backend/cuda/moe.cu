@@ -128,6 +128,8 @@ __device__ void moe_down_affine(const unsigned long long* packed, const unsigned
 FOR_AFFINE_BITS(MOE_FUSED_FORMATS)
 MOE_AFFINE_FUSED(affine4_k, KScales, 4, false)
 MOE_AFFINE_FUSED(affine5_k, KScales, 5, false)
+MOE_AFFINE_FUSED(affine2_k_g16, K2Scales, 2, true)
+MOE_AFFINE_FUSED(affine3_k_g16, K3Scales, 3, true)
 MOE_AFFINE_FUSED(affine6_k_g16, K6Scales, 6, true)
 
 // Float experts (bf16, f16, f32 matrices from a table of pointers): the same
@@ -201,3 +203,101 @@ __device__ void moe_down_float(const unsigned long long* table, const int* ids, 
 MOE_FLOAT_FUSED(bf16, __nv_bfloat16, 8)
 MOE_FLOAT_FUSED(f16, __half, 8)
 MOE_FLOAT_FUSED(f32, float, 4)
+
+// ---------------------------------------------------------------------------
+// Routed experts of a prefill on the device (moe_prefill.rs), after
+// moe_route: the (token, choice) entries sorted by expert, each expert's rows
+// through cuBLAS as one GEMM, and the outputs summed back per token.
+//
+// moe_count: counts[e] = entries routed to e (counts zeroed before).
+extern "C" __global__ void moe_count(const int* ids, int entries, int* counts) {
+    grid_dependency_wait();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < entries) atomicAdd(&counts[ids[i]], 1);
+}
+
+// moe_offsets (one warp): offsets[e] = Σ counts[e' < e], offsets[experts] =
+// the entries; cursors start at the offsets.
+extern "C" __global__ void moe_offsets(const int* counts, int experts, int* offsets, int* cursors) {
+    grid_dependency_wait();
+    int lane = threadIdx.x & 31, per = (experts + 31) / 32;
+    int beg = min(lane * per, experts), end = min(beg + per, experts), local = 0;
+    for (int e = beg; e < end; e++) local += counts[e];
+    int incl = local;
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    int run = incl - local;
+    for (int e = beg; e < end; e++) {
+        offsets[e] = run;
+        cursors[e] = run;
+        run += counts[e];
+    }
+    if (lane == 31) offsets[experts] = incl;
+}
+
+// moe_scatter_{bf16,f16}: block b = entry (token b / top_k) takes the next
+// row of its expert's segment (pos[b]) and writes the token's x there in the
+// GEMM's input type (hi), and with lo the remainder x − hi too (as
+// f32_split_*). Rows within a segment land in whatever order the atomics
+// give; each GEMM output row depends on its own input row only, and the
+// combine reads them back by pos, so the result does not depend on it.
+__device__ __forceinline__ __nv_bfloat16 moe_narrow(float v, __nv_bfloat16*) { return __float2bfloat16(v); }
+__device__ __forceinline__ __half moe_narrow(float v, __half*) { return __float2half(v); }
+template <typename T>
+__device__ void moe_scatter(const int* ids, const float* x, int cols, int top_k, int* cursors, int* pos, T* hi,
+                            T* lo) {
+    __shared__ int slot;
+    int entry = blockIdx.x;
+    if (threadIdx.x == 0) {
+        slot = atomicAdd(&cursors[ids[entry]], 1);
+        pos[entry] = slot;
+    }
+    __syncthreads();
+    const float* xr = x + (size_t)(entry / top_k) * cols;
+    T* h = hi + (size_t)slot * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c];
+        T a = moe_narrow(v, h);
+        h[c] = a;
+        if (lo) lo[(size_t)slot * cols + c] = moe_narrow(v - to_f32(a), h);
+    }
+}
+extern "C" __global__ void moe_scatter_bf16(const int* ids, const float* x, int cols, int top_k, int* cursors,
+                                            int* pos, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+    grid_dependency_wait();
+    moe_scatter(ids, x, cols, top_k, cursors, pos, hi, lo);
+}
+extern "C" __global__ void moe_scatter_f16(const int* ids, const float* x, int cols, int top_k, int* cursors,
+                                           int* pos, __half* hi, __half* lo) {
+    grid_dependency_wait();
+    moe_scatter(ids, x, cols, top_k, cursors, pos, hi, lo);
+}
+
+// moe_gather_combine: block t writes out[t] = Σ weights[t·k + s]·y[pos[t·k +
+// s]] over the token's choices in ascending expert order (the order in which
+// the CPU backend, and the reference's index_add_, add the experts in).
+#define MOE_MAX_TOP_K 64
+extern "C" __global__ void moe_gather_combine(const float* y, const int* ids, const int* pos, const float* weights,
+                                              float* out, int top_k, int cols) {
+    grid_dependency_wait();
+    __shared__ int order[MOE_MAX_TOP_K];
+    int t = blockIdx.x;
+    const int* id = ids + (size_t)t * top_k;
+    if (threadIdx.x < top_k) {
+        // Rank of choice s by (expert, s): the experts of a token differ.
+        int s = threadIdx.x, rank = 0;
+        for (int j = 0; j < top_k; j++) rank += id[j] < id[s] || (id[j] == id[s] && j < s);
+        order[rank] = s;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int r = 0; r < top_k; r++) {
+            int entry = t * top_k + order[r];
+            sum += weights[entry] * y[(size_t)pos[entry] * cols + c];
+        }
+        out[(size_t)t * cols + c] = sum;
+    }
+}

@@ -23,13 +23,16 @@ pub(super) struct ProjectionTable {
     /// The kernels' format suffix: `bf16`, `f16`, `f32` or
     /// `affine{bits}[_bf16|_g16]` (`moe_gemv_{format}` and the fused
     /// `moe_swiglu_{format}`, `moe_down_{format}`).
-    format: String,
-    rows: usize,
-    cols: usize,
+    pub(super) format: String,
+    /// The storage's own format (`AffineWeight::format`, without `_g16`):
+    /// the dequantization kernels' suffix, which take every group size.
+    pub(super) storage: String,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
     /// Matrices, or the packed levels of affine weights.
-    weights: CudaSlice<u64>,
+    pub(super) weights: CudaSlice<u64>,
     /// Affine scales and biases, and the group size.
-    affine: Option<(CudaSlice<u64>, CudaSlice<u64>, usize)>,
+    pub(super) affine: Option<(CudaSlice<u64>, CudaSlice<u64>, usize)>,
     /// Values per 16-byte chunk (GEMV launch shape).
     vec: usize,
 }
@@ -44,9 +47,9 @@ impl ProjectionTable {
 
 /// A layer's gate, up and down tables.
 pub(super) struct ExpertTables {
-    gate: ProjectionTable,
-    up: ProjectionTable,
-    down: ProjectionTable,
+    pub(super) gate: ProjectionTable,
+    pub(super) up: ProjectionTable,
+    pub(super) down: ProjectionTable,
 }
 
 /// An expert's projections: gate, up, down.
@@ -142,6 +145,7 @@ impl CudaBackend {
                     .collect::<Option<Vec<u64>>>()?;
                 Some(ProjectionTable {
                     format: name.to_string(),
+                    storage: name.to_string(),
                     rows: *rows,
                     cols: *cols,
                     weights: self.upload_slice(&ptrs),
@@ -163,6 +167,7 @@ impl CudaBackend {
                 }
                 Some(ProjectionTable {
                     format: first.gemv_format(),
+                    storage: first.format(),
                     rows: first.rows,
                     cols: first.cols,
                     weights: self.upload_slice(&tables.0),
@@ -179,19 +184,7 @@ impl CudaBackend {
         let (rows, k) = (x.rows, routing.top_k);
         let entries = rows * k;
         // Expert ids as i32 in an activation-sized buffer (4 bytes each).
-        let ids = self.act(rows, k);
-        let weights = self.act(rows, k);
-        launch!(
-            self,
-            "moe_route",
-            cfg((rows as u32, 1, 1), 128, 0),
-            self.p(&logits.buf),
-            self.p(&ids.buf),
-            self.p(&weights.buf),
-            logits.cols as i32,
-            k as i32,
-            routing.renormalize as i32
-        );
+        let (ids, weights) = self.route_on_device(logits, routing);
         if t.fused(x.cols) {
             return self.moe_fused(x, t, &ids, &weights, k);
         }

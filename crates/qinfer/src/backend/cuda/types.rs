@@ -131,9 +131,10 @@ pub enum AffineSide {
     F32,
     /// The same as bf16 (the checkpoint stores both so).
     Bf16,
-    /// GGUF Q4_K/Q5_K (groups of 32) and Q6_K (groups of 16): one record
-    /// per 256 values of a row in `scales` (formats/gguf/as_affine.rs
-    /// `superblock_records`: 16 bytes, 18 for Q6_K); `biases` is not read.
+    /// GGUF K-quants, Q4_K/Q5_K (groups of 32) and Q2_K/Q3_K/Q6_K (groups
+    /// of 16): one record per 256 values of a row in `scales`
+    /// (formats/gguf/as_affine.rs `superblock_records`: 16, 18 or 20 bytes);
+    /// `biases` is not read.
     Records,
 }
 
@@ -168,7 +169,7 @@ impl AffineWeight {
             AffineSide::Bf16 => (2 * groups, 2 * groups),
             AffineSide::Records => {
                 let record = crate::formats::gguf::superblock_record_bytes(self.params.bits)
-                    .expect("records are made for Q4_K, Q5_K and Q6_K only");
+                    .expect("records are made for the K-quants only");
                 (cols / 256 * record, 0)
             }
         }

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 pub use as_affine::{
-    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, as_affine, record_scale_bias,
-    superblock_record_bytes, superblock_records,
+    AffineLevels, SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q2K, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size,
+    affine_levels, as_affine, record_scale_bias, superblock_record_bytes, superblock_records,
 };
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};

@@ -1,0 +1,369 @@
+//! Routed experts of a prefill on the device. The router's top-k runs on the
+//! device (`moe_route`, as for decode); the (token, choice) entries are
+//! sorted by expert into contiguous segments (`moe_count`, `moe_offsets`,
+//! `moe_scatter_*`, which also narrow x to the GEMM's input type); only the
+//! per-expert counts cross to the host (one small copy a layer), which the
+//! per-expert cuBLAS GEMMs need as their sizes. Affine experts are
+//! dequantized to bf16 a chunk of experts at a time by one launch
+//! (`moe_{format}_to_bf16`), skipping experts no token chose; float experts
+//! are read where they lie. `moe_gather_combine` sums each token's experts.
+//!
+//! Before, the router logits went to the host, which routed and sorted the
+//! tokens (single-threaded: a few ms a layer at 8k tokens), and each expert
+//! uploaded its token lists (a stream sync each) and launched its own
+//! gathers and dequantizations.
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::CudaSlice;
+
+use super::moe::{ExpertTables, ProjectionTable};
+use super::{Arg, CudaAct, CudaBackend, CudaWeight, blocks, cfg};
+use crate::backend::{Backend, ExpertWeights, Routing};
+use crate::tensor::DType;
+
+/// Dequantized expert values held at once (bf16: 512 MiB): a layer's
+/// experts of one projection in a chunk or a few.
+const DEQUANT_VALUES: usize = 1 << 28;
+
+/// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`, moe.cu).
+const MAX_TOP_K: usize = 64;
+
+impl ProjectionTable {
+    /// The type the GEMMs read this projection's experts in: bf16 or f16
+    /// as stored, bf16 for affine experts (dequantized); None for f32
+    /// experts (the host-routed path keeps them in f32).
+    fn gemm_dtype(&self) -> Option<DType> {
+        match (&self.affine, self.format.as_str()) {
+            (Some(_), _) => Some(DType::BF16),
+            (None, "bf16") => Some(DType::BF16),
+            (None, "f16") => Some(DType::F16),
+            _ => None,
+        }
+    }
+}
+
+/// Where each expert's rows of the sorted entries lie.
+struct Segments {
+    /// Entries routed to each expert (on the device too, for the dequantization
+    /// launches to skip unchosen experts).
+    counts: Vec<usize>,
+    counts_dev: CudaSlice<i32>,
+    /// First sorted row of each expert.
+    offsets: Vec<usize>,
+    /// Next free row of each expert's segment, advanced by the scatter.
+    cursors: CudaSlice<i32>,
+}
+
+impl CudaBackend {
+    /// `x` `[rows, hidden]` through the experts the router picks per token,
+    /// for prefill-sized batches; None where the experts' storage or shapes
+    /// have no such path (f32 experts), for the caller's host-routed one.
+    /// Synchronizes with the host once (the counts), so never recorded.
+    pub(super) fn moe_prefill(
+        &self,
+        x: &CudaAct,
+        logits: &CudaAct,
+        experts: &[ExpertWeights<CudaWeight>],
+        t: &ExpertTables,
+        routing: Routing,
+    ) -> Option<CudaAct> {
+        let (gate_ty, down_ty) = (t.gate.gemm_dtype()?, t.down.gemm_dtype()?);
+        let (width, hidden) = (t.gate.rows, x.cols);
+        let shapes = t.up.gemm_dtype() == Some(gate_ty)
+            && (t.gate.cols, t.up.rows, t.up.cols) == (hidden, width, hidden)
+            && (t.down.rows, t.down.cols) == (hidden, width);
+        if !shapes || routing.top_k > MAX_TOP_K || experts.is_empty() {
+            return None;
+        }
+        let (tokens, k) = (x.rows, routing.top_k);
+        let entries = tokens * k;
+        let (ids, weights) = self.route_on_device(logits, routing);
+        let (segments, pos) = self.sort_entries(&ids, entries, experts.len())?;
+
+        // x's row of each entry, in the sorted order, as the gate/up GEMMs read it.
+        let split = self.split_activations;
+        let (hi, lo) = (self.uninit::<u16>(entries * hidden), split.then(|| self.uninit::<u16>(entries * hidden)));
+        let scatter = if gate_ty == DType::F16 { "moe_scatter_f16" } else { "moe_scatter_bf16" };
+        let lo_ptr = lo.as_ref().map_or(0, |l| self.p(l));
+        launch!(
+            self,
+            scatter,
+            cfg((entries as u32, 1, 1), 256, 0),
+            self.p(&ids.buf),
+            self.p(&x.buf),
+            hidden as i32,
+            k as i32,
+            self.p(&segments.cursors),
+            self.p(&pos),
+            self.p(&hi),
+            lo_ptr
+        );
+        let inputs: Vec<u64> = [Some(self.p(&hi)), lo.as_ref().map(|l| self.p(l))].into_iter().flatten().collect();
+        let gate = self.act(entries, width);
+        let up = self.act(entries, width);
+        self.expert_gemms(&t.gate, experts, |e| &e.gate, &segments, &inputs, &gate);
+        self.expert_gemms(&t.up, experts, |e| &e.up, &segments, &inputs, &up);
+        let h = self.silu_mul(&gate, &up);
+        drop((gate, up, hi, lo));
+        let h_inputs = self.gemm_inputs(&h, down_ty);
+        let h_ptrs: Vec<u64> = h_inputs.iter().map(|p| self.p(p)).collect();
+        let y = self.act(entries, hidden);
+        self.expert_gemms(&t.down, experts, |e| &e.down, &segments, &h_ptrs, &y);
+
+        let out = self.act(tokens, hidden);
+        launch!(
+            self,
+            "moe_gather_combine",
+            cfg((tokens as u32, 1, 1), 256, 0),
+            self.p(&y.buf),
+            self.p(&ids.buf),
+            self.p(&pos),
+            self.p(&weights.buf),
+            self.p(&out.buf),
+            k as i32,
+            hidden as i32
+        );
+        Some(out)
+    }
+
+    /// Each token's top-k experts and their weights ([rows, top_k] each; the
+    /// ids as i32 in an activation-sized buffer).
+    pub(super) fn route_on_device(&self, logits: &CudaAct, routing: Routing) -> (CudaAct, CudaAct) {
+        let (rows, k) = (logits.rows, routing.top_k);
+        let ids = self.act(rows, k);
+        let weights = self.act(rows, k);
+        launch!(
+            self,
+            "moe_route",
+            cfg((rows as u32, 1, 1), 128, 0),
+            self.p(&logits.buf),
+            self.p(&ids.buf),
+            self.p(&weights.buf),
+            logits.cols as i32,
+            k as i32,
+            routing.renormalize as i32
+        );
+        (ids, weights)
+    }
+
+    /// Counts the entries per expert and lays out their segments; the
+    /// segments' cursors and `pos` (each entry's sorted row) are the
+    /// scatter's to fill. None after a device error.
+    fn sort_entries(&self, ids: &CudaAct, entries: usize, experts: usize) -> Option<(Segments, CudaSlice<i32>)> {
+        let counts_dev = self.zeros::<i32>(experts);
+        let (offsets_dev, cursors) = (self.uninit::<i32>(experts + 1), self.uninit::<i32>(experts));
+        launch!(
+            self,
+            "moe_count",
+            cfg(blocks(entries, 256), 256, 0),
+            self.p(&ids.buf),
+            entries as i32,
+            self.p(&counts_dev)
+        );
+        launch!(
+            self,
+            "moe_offsets",
+            cfg((1, 1, 1), 32, 0),
+            self.p(&counts_dev),
+            experts as i32,
+            self.p(&offsets_dev),
+            self.p(&cursors)
+        );
+        let counts: Vec<usize> = match self.stream.clone_dtoh(&counts_dev) {
+            Ok(c) => c.iter().map(|&n| n.max(0) as usize).collect(),
+            Err(e) => {
+                self.record(Err(e), "copying the experts' token counts");
+                return None;
+            }
+        };
+        if self.failed() || counts.iter().sum::<usize>() != entries {
+            self.record(Err("the routed entries do not add up"), "sorting tokens by expert");
+            return None;
+        }
+        let offsets = counts
+            .iter()
+            .scan(0, |at, &n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect();
+        let pos = self.uninit::<i32>(entries);
+        Some((Segments { counts, counts_dev, offsets, cursors }, pos))
+    }
+
+    /// `y[seg_e] = x[seg_e] · W_eᵀ` for each expert e with entries, its
+    /// segment of the sorted rows; `inputs` are the rows' base pointers
+    /// (one, or split activations' two halves), in the table's GEMM type.
+    fn expert_gemms(
+        &self,
+        table: &ProjectionTable,
+        experts: &[ExpertWeights<CudaWeight>],
+        pick: fn(&ExpertWeights<CudaWeight>) -> &CudaWeight,
+        segments: &Segments,
+        inputs: &[u64],
+        y: &CudaAct,
+    ) {
+        let (rows, cols) = (table.rows, table.cols);
+        let Some(dtype) = table.gemm_dtype() else { return };
+        // (weights, expert) of each GEMM of a batch.
+        let run = |batch: &[(u64, usize)]| {
+            let problems: Vec<GemmProblem> = batch
+                .iter()
+                .map(|&(w, e)| GemmProblem { w, first_row: segments.offsets[e], n: segments.counts[e] })
+                .collect();
+            self.expert_gemm_batch(dtype, rows, cols, &problems, inputs, self.p(&y.buf));
+        };
+        let Some((scales, biases, group)) = &table.affine else {
+            let mut batch = Vec::new();
+            for (e, ex) in experts.iter().enumerate().filter(|(e, _)| segments.counts[*e] > 0) {
+                match pick(ex) {
+                    CudaWeight::Matrix { buf, .. } => batch.push((self.p(buf), e)),
+                    _ => return self.record(Err("an expert stored unlike the first"), "MoE prefill"),
+                }
+            }
+            return run(&batch);
+        };
+        let per_chunk = (DEQUANT_VALUES / (rows * cols)).clamp(1, experts.len());
+        let scratch = self.uninit::<u16>(per_chunk * rows * cols);
+        let kernel = format!("moe_{}_to_bf16", table.storage);
+        for e0 in (0..experts.len()).step_by(per_chunk) {
+            let span = per_chunk.min(experts.len() - e0);
+            if segments.counts[e0..e0 + span].iter().all(|&n| n == 0) {
+                continue;
+            }
+            let grid = (blocks(rows * cols / 32, 256).0, span as u32, 1);
+            launch!(
+                self,
+                &kernel,
+                cfg(grid, 256, 0),
+                self.p(&table.weights),
+                self.p(scales),
+                self.p(biases),
+                self.p(&segments.counts_dev),
+                e0 as i32,
+                self.p(&scratch),
+                rows as i32,
+                cols as i32,
+                *group as i32
+            );
+            let batch: Vec<(u64, usize)> = (e0..e0 + span)
+                .filter(|&e| segments.counts[e] > 0)
+                .map(|e| (self.p(&scratch) + ((e - e0) * rows * cols * 2) as u64, e))
+                .collect();
+            run(&batch);
+        }
+    }
+}
+
+/// One expert's GEMM: weights at `w`, its `n` rows of the sorted entries
+/// from `first_row`.
+struct GemmProblem {
+    w: u64,
+    first_row: usize,
+    n: usize,
+}
+
+impl CudaBackend {
+    /// The experts' GEMMs of one projection (`rows × cols` weights of
+    /// `dtype`; x rows of `cols` values at each of `inputs`, summed; y rows
+    /// of `rows` f32 at `y`) as one grouped cuBLAS call per input, each
+    /// expert a group of one; one GEMM per expert where cuBLAS refuses the
+    /// grouped form.
+    fn expert_gemm_batch(
+        &self,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        problems: &[GemmProblem],
+        inputs: &[u64],
+        y: u64,
+    ) {
+        if problems.is_empty() || self.failed() {
+            return;
+        }
+        let x_at = |input: u64, p: &GemmProblem| input + (p.first_row * cols * 2) as u64;
+        let y_at = |p: &GemmProblem| y + (p.first_row * rows * 4) as u64;
+        let grouped = !self.grouped_gemm_refused.load(Ordering::Relaxed)
+            && inputs.iter().enumerate().all(|(i, &input)| {
+                let ptrs: Vec<u64> = [
+                    problems.iter().map(|p| p.w).collect::<Vec<_>>(),
+                    problems.iter().map(|p| x_at(input, p)).collect(),
+                    problems.iter().map(y_at).collect(),
+                ]
+                .concat();
+                self.grouped_gemm(dtype, rows, cols, problems, &ptrs, i > 0)
+            });
+        if grouped {
+            return;
+        }
+        for p in problems {
+            let x_ptrs: Vec<u64> = inputs.iter().map(|&input| x_at(input, p)).collect();
+            self.gemm_ptrs(dtype, p.w, rows, cols, &x_ptrs, p.n, y_at(p), rows, false);
+        }
+    }
+
+    /// `cublasGemmGroupedBatchedEx` over `problems` with `ptrs` the weights',
+    /// inputs' and outputs' device pointers (all of one kind, then the
+    /// next); false, remembered, where cuBLAS refuses it (then nothing ran).
+    fn grouped_gemm(
+        &self,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        problems: &[GemmProblem],
+        ptrs: &[u64],
+        accumulate: bool,
+    ) -> bool {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cublasStatus_t, cudaDataType};
+        let ty = if dtype == DType::F16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
+        let g = problems.len();
+        let dev = self.upload_slice(ptrs);
+        let base = self.p(&dev);
+        let (a, b, c) = (base, base + 8 * g as u64, base + 16 * g as u64);
+        let (m, k) = (vec![rows as i32; g], vec![cols as i32; g]);
+        let n: Vec<i32> = problems.iter().map(|p| p.n as i32).collect();
+        let (ta, tb) = (vec![cublasOperation_t::CUBLAS_OP_T; g], vec![cublasOperation_t::CUBLAS_OP_N; g]);
+        let (alpha, beta) = (vec![1.0f32; g], vec![if accumulate { 1.0f32 } else { 0.0 }; g]);
+        let (lda, ldc, sizes) = (vec![cols as i32; g], vec![rows as i32; g], vec![1i32; g]);
+        // SAFETY: the host arrays hold one entry per group (`g`), the device
+        // array `dev` holds g pointers each to the weights, inputs and
+        // outputs, which point into live buffers of the sizes the problems
+        // name; `dev` is freed in stream order after the GEMMs.
+        let status = unsafe {
+            cudarc::cublas::sys::cublasGemmGroupedBatchedEx(
+                *self.blas.handle(),
+                ta.as_ptr(),
+                tb.as_ptr(),
+                m.as_ptr(),
+                n.as_ptr(),
+                k.as_ptr(),
+                alpha.as_ptr().cast(),
+                a as *const *const _,
+                ty,
+                lda.as_ptr(),
+                b as *const *const _,
+                ty,
+                lda.as_ptr(),
+                beta.as_ptr().cast(),
+                c as *const *mut _,
+                cudaDataType::CUDA_R_32F,
+                ldc.as_ptr(),
+                g as i32,
+                sizes.as_ptr(),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return true;
+        }
+        if !accumulate {
+            tracing::warn!("cuBLAS refused a grouped GEMM ({status:?}): MoE prefill runs one GEMM per expert");
+            self.grouped_gemm_refused.store(true, Ordering::Relaxed);
+        } else {
+            self.record(Err(format!("{status:?}")), "cuBLAS grouped GEMM");
+        }
+        false
+    }
+}
