@@ -580,9 +580,6 @@ pub struct CudaBackend {
     sampling: Mutex<sampling::SampleScratch>,
     /// Device pointer tables of MoE layers' experts (see moe.rs).
     moe_tables: Mutex<HashMap<Vec<u64>, Arc<moe::ExpertTables>>>,
-    /// Set once cuBLAS refuses a grouped GEMM (moe_prefill.rs): the MoE
-    /// prefill then runs one GEMM per expert.
-    grouped_gemm_refused: std::sync::atomic::AtomicBool,
 }
 
 /// A raw device pointer for a kernel argument (one stream, no event tracking).
@@ -844,7 +841,6 @@ impl CudaBackend {
             pass: Mutex::new(()),
             sampling,
             moe_tables: Mutex::new(HashMap::new()),
-            grouped_gemm_refused: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -986,13 +982,6 @@ impl CudaBackend {
     /// New KV caches store keys and values as `kv` (f16 unless set).
     pub fn with_kv_precision(mut self, kv: KvPrecision) -> Self {
         self.kv_precision = kv;
-        self
-    }
-
-    /// The MoE prefill runs one cuBLAS GEMM per expert, as where cuBLAS
-    /// refuses the grouped form (tests reach that path through this).
-    pub fn without_grouped_gemms(self) -> Self {
-        self.grouped_gemm_refused.store(true, Ordering::Relaxed);
         self
     }
 

@@ -13,8 +13,6 @@
 //! uploaded its token lists (a stream sync each) and launched its own
 //! gathers and dequantizations.
 
-use std::sync::atomic::Ordering;
-
 use cudarc::driver::CudaSlice;
 
 use super::moe::{ExpertTables, ProjectionTable};
@@ -268,9 +266,11 @@ struct GemmProblem {
 impl CudaBackend {
     /// The experts' GEMMs of one projection (`rows × cols` weights of
     /// `dtype`; x rows of `cols` values at each of `inputs`, summed; y rows
-    /// of `rows` f32 at `y`) as one grouped cuBLAS call per input, each
-    /// expert a group of one; one GEMM per expert where cuBLAS refuses the
-    /// grouped form.
+    /// of `rows` f32 at `y`), one cuBLAS GEMM per expert. Not one grouped
+    /// call (`cublasGemmGroupedBatchedEx`): CUDA 13.0's cuBLAS answers
+    /// CUBLAS_STATUS_NOT_SUPPORTED for bf16 inputs with f32 outputs (run 95,
+    /// bench/results/cuda-h200-session-ab.txt), and bf16 outputs would round
+    /// the split activations' two products apart.
     fn expert_gemm_batch(
         &self,
         dtype: DType,
@@ -280,90 +280,9 @@ impl CudaBackend {
         inputs: &[u64],
         y: u64,
     ) {
-        if problems.is_empty() || self.failed() {
-            return;
-        }
-        let x_at = |input: u64, p: &GemmProblem| input + (p.first_row * cols * 2) as u64;
-        let y_at = |p: &GemmProblem| y + (p.first_row * rows * 4) as u64;
-        let grouped = !self.grouped_gemm_refused.load(Ordering::Relaxed)
-            && inputs.iter().enumerate().all(|(i, &input)| {
-                let ptrs: Vec<u64> = [
-                    problems.iter().map(|p| p.w).collect::<Vec<_>>(),
-                    problems.iter().map(|p| x_at(input, p)).collect(),
-                    problems.iter().map(y_at).collect(),
-                ]
-                .concat();
-                self.grouped_gemm(dtype, rows, cols, problems, &ptrs, i > 0)
-            });
-        if grouped {
-            return;
-        }
         for p in problems {
-            let x_ptrs: Vec<u64> = inputs.iter().map(|&input| x_at(input, p)).collect();
-            self.gemm_ptrs(dtype, p.w, rows, cols, &x_ptrs, p.n, y_at(p), rows, false);
+            let x_ptrs: Vec<u64> = inputs.iter().map(|&input| input + (p.first_row * cols * 2) as u64).collect();
+            self.gemm_ptrs(dtype, p.w, rows, cols, &x_ptrs, p.n, y + (p.first_row * rows * 4) as u64, rows, false);
         }
-    }
-
-    /// `cublasGemmGroupedBatchedEx` over `problems` with `ptrs` the weights',
-    /// inputs' and outputs' device pointers (all of one kind, then the
-    /// next); false, remembered, where cuBLAS refuses it (then nothing ran).
-    fn grouped_gemm(
-        &self,
-        dtype: DType,
-        rows: usize,
-        cols: usize,
-        problems: &[GemmProblem],
-        ptrs: &[u64],
-        accumulate: bool,
-    ) -> bool {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasOperation_t, cublasStatus_t, cudaDataType};
-        let ty = if dtype == DType::F16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
-        let g = problems.len();
-        let dev = self.upload_slice(ptrs);
-        let base = self.p(&dev);
-        let (a, b, c) = (base, base + 8 * g as u64, base + 16 * g as u64);
-        let (m, k) = (vec![rows as i32; g], vec![cols as i32; g]);
-        let n: Vec<i32> = problems.iter().map(|p| p.n as i32).collect();
-        let (ta, tb) = (vec![cublasOperation_t::CUBLAS_OP_T; g], vec![cublasOperation_t::CUBLAS_OP_N; g]);
-        let (alpha, beta) = (vec![1.0f32; g], vec![if accumulate { 1.0f32 } else { 0.0 }; g]);
-        let (lda, ldc, sizes) = (vec![cols as i32; g], vec![rows as i32; g], vec![1i32; g]);
-        // SAFETY: the host arrays hold one entry per group (`g`), the device
-        // array `dev` holds g pointers each to the weights, inputs and
-        // outputs, which point into live buffers of the sizes the problems
-        // name; `dev` is freed in stream order after the GEMMs.
-        let status = unsafe {
-            cudarc::cublas::sys::cublasGemmGroupedBatchedEx(
-                *self.blas.handle(),
-                ta.as_ptr(),
-                tb.as_ptr(),
-                m.as_ptr(),
-                n.as_ptr(),
-                k.as_ptr(),
-                alpha.as_ptr().cast(),
-                a as *const *const _,
-                ty,
-                lda.as_ptr(),
-                b as *const *const _,
-                ty,
-                lda.as_ptr(),
-                beta.as_ptr().cast(),
-                c as *const *mut _,
-                cudaDataType::CUDA_R_32F,
-                ldc.as_ptr(),
-                g as i32,
-                sizes.as_ptr(),
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            )
-        };
-        if status == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return true;
-        }
-        if !accumulate {
-            tracing::warn!("cuBLAS refused a grouped GEMM ({status:?}): MoE prefill runs one GEMM per expert");
-            self.grouped_gemm_refused.store(true, Ordering::Relaxed);
-        } else {
-            self.record(Err(format!("{status:?}")), "cuBLAS grouped GEMM");
-        }
-        false
     }
 }
