@@ -1060,81 +1060,112 @@ fn gated_deltanet_and_moe_match_cpu() {
     }
 }
 
-/// Prefill-sized batches of routed experts (sorted by expert on the device,
-/// one cuBLAS GEMM per chosen expert) against the CPU, for float and affine
-/// experts (dequantized to bf16 a chunk of experts at a time) and GGUF
-/// super-block records; with bf16 activations, and with split (hi + lo)
-/// activations, where only the dequantized weights' bf16 rounding is left.
+/// An expert's matrix: a tensor as stored (floats, GGUF blocks) or MLX-style affine.
+enum Stored {
+    Tensor(Tensor),
+    Affine(Box<qinfer::affine::AffineTensor>),
+}
+
+/// Prefill-sized batches of routed experts (sorted by expert on the device;
+/// through the grouped GEMM, affine experts dequantized in its shared
+/// memory, and through one cuBLAS GEMM per chosen expert, affine experts
+/// dequantized to bf16 a chunk of experts at a time) against the CPU, for
+/// float and affine experts and GGUF super-block records; with bf16
+/// activations, and with split (hi + lo) activations, where only the
+/// dequantized weights' bf16 rounding is left.
 #[test]
 fn moe_prefill_matches_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    let (h, i, e) = (256, 512, 10);
-    /// An expert's matrix: a tensor as stored (floats, GGUF blocks) or MLX-style affine.
-    enum Stored {
-        Tensor(Tensor),
-        Affine(Box<qinfer::affine::AffineTensor>),
-    }
+    let e = 10;
     type Make = fn(&mut Rng, usize, usize) -> Stored;
 
-    let kinds: [(&str, Make, f32); 6] = [
-        ("bf16", |r, rows, cols| Stored::Tensor(tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))), 1e-4),
-        ("f16", |r, rows, cols| Stored::Tensor(tensor("w", DType::F16, vec![rows, cols], &r.vec(rows * cols))), 1e-4),
+    // (hidden, intermediate): outputs that are not whole 128-output tiles of
+    // the grouped GEMM where the storage allows (K-quant rows are whole
+    // 256-value super-blocks).
+    let odd = (320, 448);
+    let kinds: [(&str, Make, f32, (usize, usize)); 6] = [
+        (
+            "bf16",
+            |r, rows, cols| Stored::Tensor(tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))),
+            1e-4,
+            odd,
+        ),
+        (
+            "f16",
+            |r, rows, cols| Stored::Tensor(tensor("w", DType::F16, vec![rows, cols], &r.vec(rows * cols))),
+            1e-4,
+            odd,
+        ),
         (
             "q4g64 bf16 scales",
             |r, rows, cols| Stored::Affine(Box::new(affine_tensor(r, 4, 64, rows, cols, DType::BF16))),
             1e-2,
+            odd,
         ),
         (
             "q3g16 f32 scales",
             |r, rows, cols| Stored::Affine(Box::new(affine_tensor(r, 3, 16, rows, cols, DType::F32))),
             1e-2,
+            odd,
         ),
-        ("Q4_K records", |r, rows, cols| Stored::Tensor(kquant_tensor(r, DType::Q4_K, rows, cols)), 1e-2),
-        ("Q6_K records", |r, rows, cols| Stored::Tensor(kquant_tensor(r, DType::Q6_K, rows, cols)), 1e-2),
+        ("Q4_K records", |r, rows, cols| Stored::Tensor(kquant_tensor(r, DType::Q4_K, rows, cols)), 1e-2, (256, 512)),
+        ("Q6_K records", |r, rows, cols| Stored::Tensor(kquant_tensor(r, DType::Q6_K, rows, cols)), 1e-2, (256, 512)),
     ];
 
-    for (what, make, split_tol) in kinds {
-        // (cpu, gpu, split gpu) weights of each expert; the CPU takes GGUF
-        // blocks in their exact affine form.
-        let (mut cpu, mut gpu, mut split) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..e {
-            let ts = [make(&mut r, i, h), make(&mut r, i, h), make(&mut r, h, i)];
-            let on_cpu = |w: &Stored| match w {
-                Stored::Tensor(t) => match qinfer::formats::gguf::as_affine(t) {
-                    Some(a) => p.cpu.upload_affine(&a.unwrap()).unwrap(),
-                    None => p.cpu.upload(t).unwrap(),
-                },
-                Stored::Affine(a) => p.cpu.upload_affine(a).unwrap(),
-            };
-            let on = |b: &CudaBackend, w: &Stored| match w {
-                Stored::Tensor(t) => b.upload(t).unwrap(),
-                Stored::Affine(a) => b.upload_affine(a).unwrap(),
-            };
-            let [g, u, d] = ts.each_ref().map(on_cpu);
-            cpu.push(ExpertWeights { gate: g, up: u, down: d });
-            let [g, u, d] = ts.each_ref().map(|w| on(&p.gpu, w));
-            gpu.push(ExpertWeights { gate: g, up: u, down: d });
-            let [g, u, d] = ts.each_ref().map(|w| on(&p.split, w));
-            split.push(ExpertWeights { gate: g, up: u, down: d });
-        }
-        for (rows, top_k, renormalize) in [(9usize, 2usize, true), (40, 8, true), (300, 4, false)] {
+    // Both expert GEMM paths (the grouped GEMM, the default at these sizes,
+    // and one cuBLAS GEMM per expert), each with bf16 activations and with
+    // split ones.
+    let backend = |split: bool, rows: usize| {
+        let b = gpu().unwrap().with_grouped_moe_rows(rows);
+        if split { b.with_split_activations() } else { b }
+    };
+    let backends = [
+        ("grouped", backend(false, usize::MAX), false),
+        ("grouped", backend(true, usize::MAX), true),
+        ("per-expert", backend(false, 0), false),
+        ("per-expert", backend(true, 0), true),
+    ];
+    for (what, make, split_tol, (h, i)) in kinds {
+        let ts: Vec<[Stored; 3]> =
+            (0..e).map(|_| [make(&mut r, i, h), make(&mut r, i, h), make(&mut r, h, i)]).collect();
+        // The CPU takes GGUF blocks in their exact affine form.
+        let on_cpu = |w: &Stored| match w {
+            Stored::Tensor(t) => match qinfer::formats::gguf::as_affine(t) {
+                Some(a) => p.cpu.upload_affine(&a.unwrap()).unwrap(),
+                None => p.cpu.upload(t).unwrap(),
+            },
+            Stored::Affine(a) => p.cpu.upload_affine(a).unwrap(),
+        };
+        let cpu: Vec<_> =
+            ts.iter().map(|[g, u, d]| ExpertWeights { gate: on_cpu(g), up: on_cpu(u), down: on_cpu(d) }).collect();
+        let on = |b: &CudaBackend, w: &Stored| match w {
+            Stored::Tensor(t) => b.upload(t).unwrap(),
+            Stored::Affine(a) => b.upload_affine(a).unwrap(),
+        };
+        let gpu: Vec<Vec<_>> = backends
+            .iter()
+            .map(|(_, b, _)| {
+                ts.iter().map(|[g, u, d]| ExpertWeights { gate: on(b, g), up: on(b, u), down: on(b, d) }).collect()
+            })
+            .collect();
+        for (rows, top_k, renormalize) in [(9usize, 2usize, true), (40, 8, true), (300, 4, false), (700, 4, true)] {
             let routing = Routing { top_k, renormalize };
             let (x, l) = (r.vec(rows * h), r.vec(rows * e));
             let want = p.cpu.moe(&p.cpu.act_from_host(rows, h, &x), &p.cpu.act_from_host(rows, e, &l), &cpu, routing);
             let want = p.cpu.to_host(&want);
-            let got = p.gpu.moe(&p.gpu.act_from_host(rows, h, &x), &p.gpu.act_from_host(rows, e, &l), &gpu, routing);
-            let (got, err) = (p.gpu.to_host(&got), p.gpu.check());
-            err.unwrap();
-            let e1 = rel(&got, &want);
-            let got =
-                p.split.moe(&p.split.act_from_host(rows, h, &x), &p.split.act_from_host(rows, e, &l), &split, routing);
-            let (got, err) = (p.split.to_host(&got), p.split.check());
-            err.unwrap();
-            let e2 = rel(&got, &want);
-            println!("moe prefill {what} {rows} rows top {top_k}: rel err {e1:.2e}, split activations {e2:.2e}");
-            assert!(e1 <= 2e-2, "moe prefill {what} {rows} rows: {e1}");
-            assert!(e2 <= split_tol, "moe prefill {what} {rows} rows, split activations: {e2}");
+            let mut line = format!("moe prefill {what} {rows} rows top {top_k}:");
+            for ((path, b, split), experts) in backends.iter().zip(&gpu) {
+                let got = b.moe(&b.act_from_host(rows, h, &x), &b.act_from_host(rows, e, &l), experts, routing);
+                let (got, err) = (b.to_host(&got), b.check());
+                err.unwrap();
+                let err = rel(&got, &want);
+                let tol = if *split { split_tol } else { 2e-2 };
+                let acts = if *split { "split activations" } else { "bf16 activations" };
+                line += &format!(" {path} {acts} {err:.2e};");
+                assert!(err <= tol, "moe prefill {what} {rows} rows, {path}, {acts}: {err}");
+            }
+            println!("{line}");
         }
     }
 }
@@ -1553,6 +1584,68 @@ fn profile_decode_ops_at_moe_shapes() {
         call += 1;
         b.moe(&x, &logits[call % logits.len()], &experts, Routing { top_k, renormalize: true })
     });
+}
+
+/// Wall time of MoE prefill layers at Qwen3-30B-A3B's shapes (q4g64 and bf16
+/// experts, 8 of 128, hidden 2048, expert width 768) for 512 to 8192 tokens,
+/// through the grouped expert GEMM and through one cuBLAS GEMM per expert:
+/// where the default crossover (`with_grouped_moe_rows`) belongs. Run on the
+/// GPU machine with `--ignored profile`.
+#[test]
+#[ignore]
+fn profile_moe_prefill_at_30b_shapes() {
+    let Some(_) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let (h, inter, n_exp, top_k) = (2048, 768, 128, 8);
+    let routing = Routing { top_k, renormalize: true };
+    let inputs: Vec<(usize, Vec<f32>, Vec<f32>)> =
+        [512, 1024, 2048, 4096, 8192].map(|t| (t, r.vec(t * h), r.vec(t * n_exp))).into();
+    for dtype in [DType::Q4_0, DType::BF16] {
+        // 16 random experts (q4g64 for Q4_0), each uploaded 8 times: 128
+        // experts in distinct memory.
+        let host: Vec<[Stored; 3]> = (0..16)
+            .map(|_| {
+                [(inter, h), (inter, h), (h, inter)].map(|(rows, cols)| match dtype {
+                    DType::BF16 => Stored::Tensor(tensor("w", dtype, vec![rows, cols], &r.vec(rows * cols))),
+                    _ => Stored::Affine(Box::new(affine_tensor_centered(&mut r, 4, 64, rows, cols, DType::BF16, true))),
+                })
+            })
+            .collect();
+        for (path, rows) in [("grouped", usize::MAX), ("per-expert", 0)] {
+            let b = CudaBackend::new(0).unwrap().with_grouped_moe_rows(rows);
+            let up = |w: &Stored| match w {
+                Stored::Tensor(t) => b.upload(t).unwrap(),
+                Stored::Affine(a) => b.upload_affine(a).unwrap(),
+            };
+            let experts: Vec<ExpertWeights<_>> = (0..n_exp)
+                .map(|e| {
+                    let [g, u, d] = &host[e % 16];
+                    ExpertWeights { gate: up(g), up: up(u), down: up(d) }
+                })
+                .collect();
+            for (tokens, x, l) in &inputs {
+                let (x, l) = (b.act_from_host(*tokens, h, x), b.act_from_host(*tokens, n_exp, l));
+                // Synchronized, the output left on the device (MoE prefill
+                // waits for the experts' counts once a layer anyway).
+                let run = || {
+                    drop(b.moe(&x, &l, &experts, routing));
+                    b.check().unwrap();
+                };
+                run();
+                let reps = 10;
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps {
+                    run();
+                }
+                let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+                let what = if dtype == DType::BF16 { "bf16" } else { "q4g64" };
+                println!(
+                    "moe prefill {what} {tokens:>5} tokens {path:<10} {ms:8.3} ms a layer ({:.0} tok/s)",
+                    *tokens as f64 / ms * 1e3
+                );
+            }
+        }
+    }
 }
 
 /// Device time of the decode step's ops at Qwen3-8B's shapes: each op issued

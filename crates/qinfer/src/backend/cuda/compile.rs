@@ -22,6 +22,8 @@ pub const KERNELS: &str = concat!(
     "\n",
     include_str!("moe.cu"),
     "\n",
+    include_str!("moe_gemm.cu"),
+    "\n",
     include_str!("sampling.cu")
 );
 

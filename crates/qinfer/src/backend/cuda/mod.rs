@@ -103,6 +103,8 @@ const KERNEL_NAMES: &[&str] = &[
     "moe_scatter_bf16",
     "moe_scatter_f16",
     "moe_gather_combine",
+    "moe_gemm_bf16",
+    "moe_gemm_f16",
     "moe_gemv_bf16",
     "moe_gemv_f16",
     "moe_gemv_f32",
@@ -359,12 +361,9 @@ fn affine_kernel_names() -> impl Iterator<Item = String> {
     affine
         .clone()
         .flat_map(|f| [format!("moe_gemv_{f}"), format!("moe_swiglu_{f}"), format!("moe_down_{f}")])
-        .chain(
-            affine
-                .clone()
-                .chain(G16_ONLY_WEIGHTS)
-                .flat_map(|f| [format!("{f}_to_bf16"), format!("moe_{f}_to_bf16"), format!("embed_{f}")]),
-        )
+        .chain(affine.clone().chain(G16_ONLY_WEIGHTS).flat_map(|f| {
+            [format!("{f}_to_bf16"), format!("moe_{f}_to_bf16"), format!("moe_gemm_{f}"), format!("embed_{f}")]
+        }))
         .chain(affine.filter(|f| !f.contains('_')).chain(G16_ONLY_WEIGHTS).flat_map(|f| {
             GEMV_SHAPES
                 .iter()
@@ -529,6 +528,10 @@ pub struct CudaBackend {
     /// Multi-row GEMMs see activations as two bf16/f16 halves (two GEMMs)
     /// instead of one rounding: twice the FLOPs, ~16-bit activations.
     split_activations: bool,
+    /// MoE prefill: the most rows a chosen expert may average for the
+    /// grouped expert GEMM, for every storage (moe_prefill.rs); None for the
+    /// measured default (`grouped_rows_default`).
+    grouped_moe_rows: Option<usize>,
     /// How new KV caches store keys and values.
     kv_precision: KvPrecision,
     /// Record decode steps as CUDA graphs and replay them.
@@ -771,6 +774,10 @@ impl CudaBackend {
             allow_shared(&name, affine_mma_max_shared as i32, "affine GEMV shared memory")?;
             prefer_shared(&name)?;
         }
+        for name in kernels.keys().filter(|n| n.starts_with("moe_gemm_")) {
+            allow_shared(name, moe_prefill::GROUPED_SHARED as i32, "grouped MoE GEMM shared memory")?;
+            prefer_shared(name)?;
+        }
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", &e))? as usize;
@@ -820,6 +827,7 @@ impl CudaBackend {
             error: Mutex::new(None),
             poison: false,
             split_activations: false,
+            grouped_moe_rows: None,
             kv_precision: KvPrecision::default(),
             graphs: true,
             overlap_launches: major >= 9,
@@ -988,6 +996,16 @@ impl CudaBackend {
     /// Prefill GEMMs carry activations at about 16 bits (see `split_activations`).
     pub fn with_split_activations(mut self) -> Self {
         self.split_activations = true;
+        self
+    }
+
+    /// MoE prefill takes the grouped expert GEMM where the chosen experts
+    /// would average at most `rows` rows (0: never, `usize::MAX`: always),
+    /// whatever the experts' storage, one cuBLAS GEMM per expert otherwise;
+    /// for tests and for measuring the crossover (the results agree within
+    /// the GEMMs' f32 summation order).
+    pub fn with_grouped_moe_rows(mut self, rows: usize) -> Self {
+        self.grouped_moe_rows = Some(rows);
         self
     }
 
@@ -1475,6 +1493,8 @@ impl CudaBackend {
         let per_sm = if shared <= AFFINE_MMA_TWO_PER_SM { 2 } else { 1 };
         // Every block loops the same number of times: 384 tiles on 264 slots
         // take two rounds either way, and 192 blocks stage x fewer times.
+        // (Filling all 264 slots instead, so that no SM holds more than 3 of
+        // the 8B's q|k|v tiles: 8B q4g64 decode +0.4%, 30B-A3B -1.2%; run 97.)
         let rounds = tiles.div_ceil(per_sm * self.sm_count);
         tiles.div_ceil(rounds) as u32
     }

@@ -207,7 +207,8 @@ MOE_FLOAT_FUSED(f32, float, 4)
 // ---------------------------------------------------------------------------
 // Routed experts of a prefill on the device (moe_prefill.rs), after
 // moe_route: the (token, choice) entries sorted by expert, each expert's rows
-// through cuBLAS as one GEMM, and the outputs summed back per token.
+// through the grouped GEMM (moe_gemm.cu) or one cuBLAS GEMM, and the outputs
+// summed back per token.
 //
 // moe_count: counts[e] = entries routed to e (counts zeroed before).
 extern "C" __global__ void moe_count(const int* ids, int entries, int* counts) {
@@ -217,24 +218,40 @@ extern "C" __global__ void moe_count(const int* ids, int entries, int* counts) {
 }
 
 // moe_offsets (one warp): offsets[e] = Σ counts[e' < e], offsets[experts] =
-// the entries; cursors start at the offsets.
-extern "C" __global__ void moe_offsets(const int* counts, int experts, int* offsets, int* cursors) {
+// the entries; cursors start at the offsets. With tiles, also the grouped
+// GEMM's segment tiles (moe_gemm.cu): each expert's rows in tiles of up to
+// tile_rows, (expert, first row, end row, 0) in expert order, and their
+// number in n_tiles (so the GEMM needs no counts on the host).
+extern "C" __global__ void moe_offsets(const int* counts, int experts, int* offsets, int* cursors, int4* tiles,
+                                       int* n_tiles, int tile_rows) {
     grid_dependency_wait();
     int lane = threadIdx.x & 31, per = (experts + 31) / 32;
-    int beg = min(lane * per, experts), end = min(beg + per, experts), local = 0;
-    for (int e = beg; e < end; e++) local += counts[e];
-    int incl = local;
-    for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
+    int beg = min(lane * per, experts), end = min(beg + per, experts), local = 0, local_tiles = 0;
+    for (int e = beg; e < end; e++) {
+        local += counts[e];
+        local_tiles += (counts[e] + tile_rows - 1) / tile_rows;
     }
-    int run = incl - local;
+    int incl = local, incl_tiles = local_tiles;
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o), vt = __shfl_up_sync(0xffffffffu, incl_tiles, o);
+        if (lane >= o) {
+            incl += v;
+            incl_tiles += vt;
+        }
+    }
+    int run = incl - local, tile = incl_tiles - local_tiles;
     for (int e = beg; e < end; e++) {
         offsets[e] = run;
         cursors[e] = run;
+        if (tiles)
+            for (int r = 0; r < counts[e]; r += tile_rows)
+                tiles[tile++] = make_int4(e, run + r, run + min(r + tile_rows, counts[e]), 0);
         run += counts[e];
     }
-    if (lane == 31) offsets[experts] = incl;
+    if (lane == 31) {
+        offsets[experts] = incl;
+        if (n_tiles) *n_tiles = incl_tiles;
+    }
 }
 
 // moe_scatter_{bf16,f16}: block b = entry (token b / top_k) takes the next

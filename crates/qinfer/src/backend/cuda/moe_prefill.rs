@@ -1,12 +1,18 @@
 //! Routed experts of a prefill on the device. The router's top-k runs on the
 //! device (`moe_route`, as for decode); the (token, choice) entries are
 //! sorted by expert into contiguous segments (`moe_count`, `moe_offsets`,
-//! `moe_scatter_*`, which also narrow x to the GEMM's input type); only the
-//! per-expert counts cross to the host (one small copy a layer), which the
-//! per-expert cuBLAS GEMMs need as their sizes. Affine experts are
-//! dequantized to bf16 a chunk of experts at a time by one launch
-//! (`moe_{format}_to_bf16`), skipping experts no token chose; float experts
-//! are read where they lie. `moe_gather_combine` sums each token's experts.
+//! `moe_scatter_*`, which also narrow x to the GEMM's input type).
+//!
+//! Where the segments are short (up to a few thousand tokens: dozens of rows
+//! an expert), one grouped GEMM launch a projection covers every expert
+//! (`moe_gemm_*`, moe_gemm.cu), affine experts dequantized in its shared
+//! memory, its segment tiles laid out by `moe_offsets`: no host
+//! synchronization. Longer segments take one cuBLAS GEMM per expert, whose
+//! sizes the per-expert counts give (one small copy to the host a layer);
+//! affine experts are then dequantized to bf16 a chunk of experts at a time
+//! by one launch (`moe_{format}_to_bf16`), skipping experts no token chose,
+//! and float experts are read where they lie. `moe_gather_combine` sums each
+//! token's experts.
 //!
 //! Before, the router logits went to the host, which routed and sorted the
 //! tokens (single-threaded: a few ms a layer at 8k tokens), and each expert
@@ -27,6 +33,32 @@ const DEQUANT_VALUES: usize = 1 << 28;
 /// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`, moe.cu).
 const MAX_TOP_K: usize = 64;
 
+/// Rows of a grouped GEMM block's segment tile (`MG_BM`, moe_gemm.cu).
+const GROUPED_TILE_ROWS: usize = 64;
+/// Outputs of a grouped GEMM block (`MG_BN`).
+const GROUPED_TILE_OUTPUTS: usize = 128;
+/// Values of k a grouped GEMM stage takes (`MG_BK`): every GEMM's k is a
+/// multiple.
+const GROUPED_STAGE_K: usize = 64;
+/// Dynamic shared memory of a grouped GEMM block (`MG_SHARED`): two stages
+/// of its bf16/f16 A and B tiles, rows padded by 8 values.
+pub(super) const GROUPED_SHARED: usize = 2 * (GROUPED_TILE_ROWS + GROUPED_TILE_OUTPUTS) * (GROUPED_STAGE_K + 8) * 2;
+
+/// The most rows a chosen expert may average for the grouped GEMM by
+/// default: Qwen3-30B-A3B (8 of 128 experts) up to 1024 tokens. Measured
+/// (random-weight 30B-A3B q4g64, H200, bench/results/cuda-h200-session-ab.txt
+/// runs 98-99): pp512 (32 rows) 1.8-2.0x the per-expert GEMMs, pp2048 (128
+/// rows) even, pp8192 (512 rows) 0.67x.
+const GROUPED_MAX_MEAN_ROWS: usize = 64;
+
+/// The default grouped-GEMM bound for experts stored as `storage`. GGUF
+/// K-quant super-block records stay on the per-expert GEMMs: the grouped
+/// kernel decodes each 32-value chunk's scale and bias from the record with
+/// byte loads, and 30B-A3B Q4_K_M prefill measured 0.79x at pp512 (run 99).
+fn grouped_rows_default(storage: &str) -> usize {
+    if storage.ends_with("_k") { 0 } else { GROUPED_MAX_MEAN_ROWS }
+}
+
 impl ProjectionTable {
     /// The type the GEMMs read this projection's experts in: bf16 or f16
     /// as stored, bf16 for affine experts (dequantized); None for f32
@@ -43,21 +75,30 @@ impl ProjectionTable {
 
 /// Where each expert's rows of the sorted entries lie.
 struct Segments {
-    /// Entries routed to each expert (on the device too, for the dequantization
-    /// launches to skip unchosen experts).
-    counts: Vec<usize>,
+    /// Entries routed to each expert, on the device (the dequantization
+    /// launches skip unchosen experts).
     counts_dev: CudaSlice<i32>,
-    /// First sorted row of each expert.
-    offsets: Vec<usize>,
     /// Next free row of each expert's segment, advanced by the scatter.
     cursors: CudaSlice<i32>,
+    layout: SegmentLayout,
+}
+
+/// How the GEMMs find the segments.
+enum SegmentLayout {
+    /// The grouped GEMM's segment tiles, (expert, first row, end row, 0)
+    /// each, their number (both written by `moe_offsets`), and the most
+    /// there can be (its grid).
+    Tiles { tiles: CudaSlice<i32>, count: CudaSlice<i32>, bound: usize },
+    /// Each expert's entry count and first row, on the host.
+    Host { counts: Vec<usize>, offsets: Vec<usize> },
 }
 
 impl CudaBackend {
     /// `x` `[rows, hidden]` through the experts the router picks per token,
     /// for prefill-sized batches; None where the experts' storage or shapes
     /// have no such path (f32 experts), for the caller's host-routed one.
-    /// Synchronizes with the host once (the counts), so never recorded.
+    /// With per-expert GEMMs it synchronizes with the host once (the
+    /// counts); the grouped GEMMs need no synchronization.
     pub(super) fn moe_prefill(
         &self,
         x: &CudaAct,
@@ -77,7 +118,16 @@ impl CudaBackend {
         let (tokens, k) = (x.rows, routing.top_k);
         let entries = tokens * k;
         let (ids, weights) = self.route_on_device(logits, routing);
-        let (segments, pos) = self.sort_entries(&ids, entries, experts.len())?;
+        // Grouped where the segments would average at most the bound's rows
+        // were every expert chosen (the counts stay on the device), and every
+        // GEMM's k is whole stages.
+        let bound = self.grouped_moe_rows.unwrap_or_else(|| {
+            [&t.gate, &t.up, &t.down].iter().map(|p| grouped_rows_default(&p.storage)).min().unwrap_or(0)
+        });
+        let grouped = entries <= bound.saturating_mul(experts.len().min(entries))
+            && hidden.is_multiple_of(GROUPED_STAGE_K)
+            && width.is_multiple_of(GROUPED_STAGE_K);
+        let (segments, pos) = self.sort_entries(&ids, entries, experts.len(), grouped)?;
 
         // x's row of each entry, in the sorted order, as the gate/up GEMMs read it.
         let split = self.split_activations;
@@ -145,10 +195,17 @@ impl CudaBackend {
         (ids, weights)
     }
 
-    /// Counts the entries per expert and lays out their segments; the
-    /// segments' cursors and `pos` (each entry's sorted row) are the
-    /// scatter's to fill. None after a device error.
-    fn sort_entries(&self, ids: &CudaAct, entries: usize, experts: usize) -> Option<(Segments, CudaSlice<i32>)> {
+    /// Counts the entries per expert and lays out their segments (as the
+    /// grouped GEMM's tiles, or on the host); the segments' cursors and
+    /// `pos` (each entry's sorted row) are the scatter's to fill. None after
+    /// a device error.
+    fn sort_entries(
+        &self,
+        ids: &CudaAct,
+        entries: usize,
+        experts: usize,
+        grouped: bool,
+    ) -> Option<(Segments, CudaSlice<i32>)> {
         let counts_dev = self.zeros::<i32>(experts);
         let (offsets_dev, cursors) = (self.uninit::<i32>(experts + 1), self.uninit::<i32>(experts));
         launch!(
@@ -159,6 +216,10 @@ impl CudaBackend {
             entries as i32,
             self.p(&counts_dev)
         );
+        // Each expert's last tile may be partial: at most one more each.
+        let bound = entries.div_ceil(GROUPED_TILE_ROWS) + experts.min(entries);
+        let tiles = grouped.then(|| (self.uninit::<i32>(4 * bound), self.uninit::<i32>(1)));
+        let (tiles_ptr, count_ptr) = tiles.as_ref().map_or((0, 0), |(t, n)| (self.p(t), self.p(n)));
         launch!(
             self,
             "moe_offsets",
@@ -166,8 +227,16 @@ impl CudaBackend {
             self.p(&counts_dev),
             experts as i32,
             self.p(&offsets_dev),
-            self.p(&cursors)
+            self.p(&cursors),
+            tiles_ptr,
+            count_ptr,
+            GROUPED_TILE_ROWS as i32
         );
+        let pos = self.uninit::<i32>(entries);
+        if let Some((tiles, count)) = tiles {
+            let layout = SegmentLayout::Tiles { tiles, count, bound };
+            return Some((Segments { counts_dev, cursors, layout }, pos));
+        }
         let counts: Vec<usize> = match self.stream.clone_dtoh(&counts_dev) {
             Ok(c) => c.iter().map(|&n| n.max(0) as usize).collect(),
             Err(e) => {
@@ -187,8 +256,7 @@ impl CudaBackend {
                 Some(o)
             })
             .collect();
-        let pos = self.uninit::<i32>(entries);
-        Some((Segments { counts, counts_dev, offsets, cursors }, pos))
+        Some((Segments { counts_dev, cursors, layout: SegmentLayout::Host { counts, offsets } }, pos))
     }
 
     /// `y[seg_e] = x[seg_e] · W_eᵀ` for each expert e with entries, its
@@ -205,17 +273,21 @@ impl CudaBackend {
     ) {
         let (rows, cols) = (table.rows, table.cols);
         let Some(dtype) = table.gemm_dtype() else { return };
+        let (counts, offsets) = match &segments.layout {
+            SegmentLayout::Tiles { tiles, count, bound } => {
+                return self.grouped_gemm(table, dtype, [tiles, count], *bound, inputs, y);
+            }
+            SegmentLayout::Host { counts, offsets } => (counts, offsets),
+        };
         // (weights, expert) of each GEMM of a batch.
         let run = |batch: &[(u64, usize)]| {
-            let problems: Vec<GemmProblem> = batch
-                .iter()
-                .map(|&(w, e)| GemmProblem { w, first_row: segments.offsets[e], n: segments.counts[e] })
-                .collect();
+            let problems: Vec<GemmProblem> =
+                batch.iter().map(|&(w, e)| GemmProblem { w, first_row: offsets[e], n: counts[e] }).collect();
             self.expert_gemm_batch(dtype, rows, cols, &problems, inputs, self.p(&y.buf));
         };
         let Some((scales, biases, group)) = &table.affine else {
             let mut batch = Vec::new();
-            for (e, ex) in experts.iter().enumerate().filter(|(e, _)| segments.counts[*e] > 0) {
+            for (e, ex) in experts.iter().enumerate().filter(|(e, _)| counts[*e] > 0) {
                 match pick(ex) {
                     CudaWeight::Matrix { buf, .. } => batch.push((self.p(buf), e)),
                     _ => return self.record(Err("an expert stored unlike the first"), "MoE prefill"),
@@ -228,7 +300,7 @@ impl CudaBackend {
         let kernel = format!("moe_{}_to_bf16", table.storage);
         for e0 in (0..experts.len()).step_by(per_chunk) {
             let span = per_chunk.min(experts.len() - e0);
-            if segments.counts[e0..e0 + span].iter().all(|&n| n == 0) {
+            if counts[e0..e0 + span].iter().all(|&n| n == 0) {
                 continue;
             }
             let grid = (blocks(rows * cols / 32, 256).0, span as u32, 1);
@@ -247,10 +319,53 @@ impl CudaBackend {
                 *group as i32
             );
             let batch: Vec<(u64, usize)> = (e0..e0 + span)
-                .filter(|&e| segments.counts[e] > 0)
+                .filter(|&e| counts[e] > 0)
                 .map(|e| (self.p(&scratch) + ((e - e0) * rows * cols * 2) as u64, e))
                 .collect();
             run(&batch);
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Every expert's GEMM of one projection in one launch (`moe_gemm_*`):
+    /// a block a (segment tile, 128 outputs); affine experts dequantized
+    /// in its shared memory.
+    fn grouped_gemm(
+        &self,
+        table: &ProjectionTable,
+        dtype: DType,
+        [tiles, count]: [&CudaSlice<i32>; 2],
+        bound: usize,
+        inputs: &[u64],
+        y: &CudaAct,
+    ) {
+        let (rows, cols) = (table.rows, table.cols);
+        let grid = (bound as u32, rows.div_ceil(GROUPED_TILE_OUTPUTS) as u32, 1);
+        let (hi, lo) = (inputs[0], inputs.get(1).copied().unwrap_or(0));
+        let (tiles, count, y, weights) = (self.p(tiles), self.p(count), self.p(&y.buf), self.p(&table.weights));
+        let (n, k) = (rows as i32, cols as i32);
+        match &table.affine {
+            Some((scales, biases, group)) => launch!(
+                self,
+                &format!("moe_gemm_{}", table.storage),
+                cfg(grid, 128, GROUPED_SHARED as u32),
+                weights,
+                self.p(scales),
+                self.p(biases),
+                *group as i32,
+                tiles,
+                count,
+                hi,
+                lo,
+                y,
+                n,
+                k
+            ),
+            None => {
+                let kernel = if dtype == DType::F16 { "moe_gemm_f16" } else { "moe_gemm_bf16" };
+                launch!(self, kernel, cfg(grid, 128, GROUPED_SHARED as u32), weights, tiles, count, hi, lo, y, n, k)
+            }
         }
     }
 }
