@@ -1075,7 +1075,8 @@ enum Stored {
 /// dequantized weights' bf16 rounding is left.
 #[test]
 fn moe_prefill_matches_cpu() {
-    let Some(p) = pair() else { return };
+    let Some(_) = gpu() else { return };
+    let cpu_backend = CpuBackend::new();
     let mut r = Rng::fresh();
     let e = 10;
     type Make = fn(&mut Rng, usize, usize) -> Stored;
@@ -1113,7 +1114,7 @@ fn moe_prefill_matches_cpu() {
         ("Q6_K records", |r, rows, cols| Stored::Tensor(kquant_tensor(r, DType::Q6_K, rows, cols)), 1e-2, (256, 512)),
     ];
 
-    // Both expert GEMM paths (the grouped GEMM, the default at these sizes,
+    // Both expert GEMM paths, forced whatever the storage (the grouped GEMM
     // and one cuBLAS GEMM per expert), each with bf16 activations and with
     // split ones.
     let backend = |split: bool, rows: usize| {
@@ -1132,10 +1133,10 @@ fn moe_prefill_matches_cpu() {
         // The CPU takes GGUF blocks in their exact affine form.
         let on_cpu = |w: &Stored| match w {
             Stored::Tensor(t) => match qinfer::formats::gguf::as_affine(t) {
-                Some(a) => p.cpu.upload_affine(&a.unwrap()).unwrap(),
-                None => p.cpu.upload(t).unwrap(),
+                Some(a) => cpu_backend.upload_affine(&a.unwrap()).unwrap(),
+                None => cpu_backend.upload(t).unwrap(),
             },
-            Stored::Affine(a) => p.cpu.upload_affine(a).unwrap(),
+            Stored::Affine(a) => cpu_backend.upload_affine(a).unwrap(),
         };
         let cpu: Vec<_> =
             ts.iter().map(|[g, u, d]| ExpertWeights { gate: on_cpu(g), up: on_cpu(u), down: on_cpu(d) }).collect();
@@ -1152,8 +1153,8 @@ fn moe_prefill_matches_cpu() {
         for (rows, top_k, renormalize) in [(9usize, 2usize, true), (40, 8, true), (300, 4, false), (700, 4, true)] {
             let routing = Routing { top_k, renormalize };
             let (x, l) = (r.vec(rows * h), r.vec(rows * e));
-            let want = p.cpu.moe(&p.cpu.act_from_host(rows, h, &x), &p.cpu.act_from_host(rows, e, &l), &cpu, routing);
-            let want = p.cpu.to_host(&want);
+            let c = &cpu_backend;
+            let want = c.to_host(&c.moe(&c.act_from_host(rows, h, &x), &c.act_from_host(rows, e, &l), &cpu, routing));
             let mut line = format!("moe prefill {what} {rows} rows top {top_k}:");
             for ((path, b, split), experts) in backends.iter().zip(&gpu) {
                 let got = b.moe(&b.act_from_host(rows, h, &x), &b.act_from_host(rows, e, &l), experts, routing);
@@ -1600,13 +1601,12 @@ fn profile_moe_prefill_at_30b_shapes() {
     let routing = Routing { top_k, renormalize: true };
     let inputs: Vec<(usize, Vec<f32>, Vec<f32>)> =
         [512, 1024, 2048, 4096, 8192].map(|t| (t, r.vec(t * h), r.vec(t * n_exp))).into();
-    for dtype in [DType::Q4_0, DType::BF16] {
-        // 16 random experts (q4g64 for Q4_0), each uploaded 8 times: 128
-        // experts in distinct memory.
+    for what in ["q4g64", "bf16"] {
+        // 16 random experts, each uploaded 8 times: 128 experts in distinct memory.
         let host: Vec<[Stored; 3]> = (0..16)
             .map(|_| {
-                [(inter, h), (inter, h), (h, inter)].map(|(rows, cols)| match dtype {
-                    DType::BF16 => Stored::Tensor(tensor("w", dtype, vec![rows, cols], &r.vec(rows * cols))),
+                [(inter, h), (inter, h), (h, inter)].map(|(rows, cols)| match what {
+                    "bf16" => Stored::Tensor(tensor("w", DType::BF16, vec![rows, cols], &r.vec(rows * cols))),
                     _ => Stored::Affine(Box::new(affine_tensor_centered(&mut r, 4, 64, rows, cols, DType::BF16, true))),
                 })
             })
@@ -1625,8 +1625,9 @@ fn profile_moe_prefill_at_30b_shapes() {
                 .collect();
             for (tokens, x, l) in &inputs {
                 let (x, l) = (b.act_from_host(*tokens, h, x), b.act_from_host(*tokens, n_exp, l));
-                // Synchronized, the output left on the device (MoE prefill
-                // waits for the experts' counts once a layer anyway).
+                // Synchronized after each layer (the per-expert path waits for
+                // the experts' counts once a layer anyway), the output left on
+                // the device.
                 let run = || {
                     drop(b.moe(&x, &l, &experts, routing));
                     b.check().unwrap();
@@ -1638,7 +1639,6 @@ fn profile_moe_prefill_at_30b_shapes() {
                     run();
                 }
                 let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
-                let what = if dtype == DType::BF16 { "bf16" } else { "q4g64" };
                 println!(
                     "moe prefill {what} {tokens:>5} tokens {path:<10} {ms:8.3} ms a layer ({:.0} tok/s)",
                     *tokens as f64 / ms * 1e3
