@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use common::DecodedBlocks;
 use qinfer::backend::cpu::CpuBackend;
-use qinfer::backend::cuda::CudaBackend;
+use qinfer::backend::cuda::{CudaBackend, CudaWeight};
 use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, KvPrecision, QkvShape, Routing};
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
@@ -1838,6 +1838,110 @@ fn profile_decode_ops_at_8b_shapes() {
         time_replayed(&b, &format!("attention 32/8 heads, {keys} keys"), 2 * keys * kv * 4, keys, &mut || {
             b.attention(&qa, &cache, 0, &shape)
         });
+    }
+}
+
+/// Device time of whole decode layers at Qwen3-8B's shapes (q4g64, bf16
+/// scales, f16 cache), as the decode step chains them: one recorded step of
+/// 50 layers cycling over 8 distinct weight sets (870 MB, so no layer's
+/// weights are still in L2), and the same chain with parts left out. The
+/// differences are what each part costs in the chain, with the launches
+/// overlapped as the step overlaps them; the bytes are the weights the
+/// variant reads. At 64 keys one attention block holds a head's whole cache
+/// (the q|k|v prologue folded in); at 512 the cache is split in 4, the
+/// prologue folded too unless the backend runs it apart. Run on the GPU
+/// machine with `--ignored profile`.
+#[test]
+#[ignore]
+fn profile_decode_layer_chain_at_8b_shapes() {
+    let Some(b) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let (h, q, kv, inter) = (4096, 4096, 1024, 12288);
+    let host: Vec<_> = (0..8)
+        .map(|_| {
+            [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+                .map(|(rows, cols)| affine_tensor_centered(&mut r, 4, 64, rows, cols, DType::BF16, true))
+        })
+        .collect();
+    // The decode step as it is, and with the q|k|v prologue of split caches
+    // as its own kernel.
+    for (fold, b) in [("", b), (", prologue apart", gpu().unwrap().without_split_prologue_folding())] {
+        let w: Vec<_> = host.iter().map(|t| t.each_ref().map(|t| b.upload_affine(t).unwrap())).collect();
+        profile_layer_chain(&b, &w, fold, &mut r);
+    }
+}
+
+/// [`profile_decode_layer_chain_at_8b_shapes`] on one backend: its layers'
+/// weights `w` (q|k|v, o, gate|up, down), `fold` naming the backend's
+/// options.
+fn profile_layer_chain(b: &CudaBackend, w: &[[CudaWeight; 4]], fold: &str, r: &mut Rng) {
+    let (h, nh, nkv, hd, inter) = (4096, 32, 8, 128, 12288);
+    let (q, kv) = (nh * hd, nkv * hd);
+    let layers = w.len();
+    let shape = QkvShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, output_gate: false };
+    let attn = AttentionShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, window: None, scale: 0.088 };
+    let rope = Rope::new(&RopeConfig { theta: 1e6, style: RopeStyle::Neox, scaling: None }, hd);
+    let bytes = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
+    let (qkv_b, o_b, gu_b, d_b) = (bytes(q + 2 * kv, h), bytes(h, q), bytes(2 * inter, h), bytes(h, inter));
+    let n1 = b.upload(&tensor("n1", DType::F32, vec![h], &r.vec(h))).unwrap();
+    let n2 = b.upload(&tensor("n2", DType::F32, vec![h], &r.vec(h))).unwrap();
+    let qn = b.upload(&tensor("qn", DType::F32, vec![hd], &r.vec(hd))).unwrap();
+    let kn = b.upload(&tensor("kn", DType::F32, vec![hd], &r.vec(hd))).unwrap();
+    let mut h_act = b.act_from_host(1, h, &r.vec(h));
+    let att_fixed = b.act_from_host(1, q, &r.vec(q));
+    let qkv_fixed = b.act_from_host(1, q + 2 * kv, &r.vec(q + 2 * kv));
+    for keys in [63, 511] {
+        let mut cache = b.new_cache(layers, kv, keys + 1);
+        for l in 0..layers {
+            let kvs = b.act_from_host(keys, kv, &r.vec(keys * kv));
+            b.write_kv(&mut cache, l, &kvs, &kvs);
+        }
+        cache.set_len(keys);
+        let positions = [keys];
+        let mut layer = 0;
+        // Parts: the q|k|v GEMV, the attention (of the GEMV's row, or of a
+        // fixed one), the o projection (of the attention, or of a fixed row),
+        // the MLP.
+        let variants: &[(&str, usize, [bool; 4])] = &[
+            ("layer", qkv_b + o_b + gu_b + d_b, [true, true, true, true]),
+            ("layer without qkv+attention", o_b + gu_b + d_b, [false, false, true, true]),
+            ("gate_up + down", gu_b + d_b, [false, false, false, true]),
+            ("qkv + attention", qkv_b, [true, true, false, false]),
+            ("qkv", qkv_b, [true, false, false, false]),
+            ("attention (fixed q|k|v row)", 0, [false, true, false, false]),
+        ];
+        for &(what, weight_bytes, [qkv_gemv, attention, o, mlp]) in variants {
+            // The attention's own costs alone where the backends differ.
+            if (keys > 64 || !fold.is_empty()) && !attention {
+                continue;
+            }
+            time_replayed(b, &format!("{} keys{fold}: {what}", keys + 1), weight_bytes, keys, &mut || {
+                let l = layer % layers;
+                layer += 1;
+                let [wqkv, wo, wgu, wd] = &w[l];
+                // The op's result: the last activation it made.
+                let mut last = None;
+                if qkv_gemv {
+                    last = Some(b.linear_normed(&h_act, &n1, 1e-6, wqkv, None));
+                }
+                if attention {
+                    let qkv = last.as_ref().unwrap_or(&qkv_fixed);
+                    let rows =
+                        b.qkv_attention(qkv, &shape, Some((&qn, &kn)), 1e-6, &positions, &rope, &mut cache, l, &attn);
+                    last = Some(rows.0);
+                }
+                if o {
+                    let x = if attention { last.as_ref().unwrap() } else { &att_fixed };
+                    b.linear_add_for_norm(&mut h_act, x, wo, None, &n2);
+                }
+                if mlp {
+                    let g = b.linear_swiglu_normed(&h_act, &n2, 1e-6, wgu);
+                    b.linear_add_for_norm(&mut h_act, &g, wd, None, &n1);
+                    last = Some(g);
+                }
+                last.expect("every variant makes an activation")
+            });
+        }
     }
 }
 

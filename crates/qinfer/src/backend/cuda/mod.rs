@@ -532,6 +532,9 @@ pub struct CudaBackend {
     /// grouped expert GEMM, for every storage (moe_prefill.rs); None for the
     /// measured default (`grouped_rows_default`).
     grouped_moe_rows: Option<usize>,
+    /// Whether one-row decode steps over a split cache fold the q|k|v
+    /// prologue into the decode attention where its blocks fit one wave.
+    fold_split_prologue: bool,
     /// How new KV caches store keys and values.
     kv_precision: KvPrecision,
     /// Record decode steps as CUDA graphs and replay them.
@@ -828,6 +831,7 @@ impl CudaBackend {
             poison: false,
             split_activations: false,
             grouped_moe_rows: None,
+            fold_split_prologue: true,
             kv_precision: KvPrecision::default(),
             graphs: true,
             overlap_launches: major >= 9,
@@ -1006,6 +1010,14 @@ impl CudaBackend {
     /// the GEMMs' f32 summation order).
     pub fn with_grouped_moe_rows(mut self, rows: usize) -> Self {
         self.grouped_moe_rows = Some(rows);
+        self
+    }
+
+    /// Decode steps over a split cache run the q|k|v prologue as its own
+    /// kernel, as long caches do (for measuring what folding it gains; the
+    /// results are the same).
+    pub fn without_split_prologue_folding(mut self) -> Self {
+        self.fold_split_prologue = false;
         self
     }
 
@@ -2150,17 +2162,23 @@ impl Backend for CudaBackend {
         let hd = shape.head_dim;
         let same_heads = (attention.num_heads, attention.num_kv_heads, attention.head_dim)
             == (shape.num_heads, shape.num_kv_heads, hd);
-        // One-row steps over a cache one decode block holds (this pass's row
-        // included) fold the prologue into the attention; others compose
-        // the two. Split caches do not fold: each of their many blocks would
-        // norm and rotate its query heads again, in waves that cannot hide
-        // it, and the harness run of the fold everywhere measured tg32 after
-        // 8192 tokens 2-11% below the run before it (see the README).
+        // One-row steps fold the prologue into the attention where its
+        // blocks fit one wave: a cache one decode block holds (this pass's
+        // row included), or one split in few enough chunks that every
+        // (KV head, chunk, query heads) block has an SM. Longer caches
+        // compose the two: each of their many blocks would norm and rotate
+        // its query heads again, in waves that cannot hide it, and the
+        // harness run of the fold everywhere measured tg32 after 8192
+        // tokens 2-11% below the run before it (see the README).
         let n_keys = cache.len() + 1;
-        let one_block = self
-            .decode_whole_keys(hd, cache.precision())
-            .is_some_and(|whole| decode_plan(n_keys, whole, cache.precision()).1 == 1);
-        if qkv.rows != 1 || !same_heads || !one_block {
+        let fold_blocks = |splits: usize| {
+            splits * shape.num_kv_heads * (shape.num_heads / shape.num_kv_heads).div_ceil(DECODE_FUSED_HEADS)
+        };
+        let one_wave = self.decode_whole_keys(hd, cache.precision()).is_some_and(|whole| {
+            let splits = decode_plan(n_keys, whole, cache.precision()).1;
+            splits == 1 || (self.fold_split_prologue && fold_blocks(splits) <= self.sm_count)
+        });
+        if qkv.rows != 1 || !same_heads || !one_wave {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
             return (self.attention(&q, cache, layer, attention), gate);
         }
