@@ -20,7 +20,8 @@
 // memory latency a stage: at 32 deep the 30B-A3B's gate GEMM at 512 tokens
 // took 127 µs for 12.9 GFLOP (ncu, run 98, about 100 TFLOP/s); 64 deep
 // measured the same within noise in the model's prefill (run 99), as did
-// 4 blocks an SM at 128 registers. A deeper cp.async ring is what is left
+// 4 blocks an SM at 128 registers, and asking L2 for the x rows and weights
+// 3 stages ahead lost 9% (run 102). A deeper cp.async ring is what is left
 // to try. Split activations (x = hi + lo, see f32_split_*) run the k loop
 // once per part into the same sums.
 
