@@ -251,6 +251,18 @@ fn decode_plan(n_keys: usize, whole: usize, kv: KvPrecision) -> (usize, usize) {
     (chunk, n_keys.div_ceil(chunk).next_power_of_two())
 }
 
+/// Whether the decode attention that folds the q|k|v prologue in (one row)
+/// fits one wave over `splits` chunks of the cache: every (KV head, chunk,
+/// pair of query heads) block has an SM. A cache one block holds always
+/// folds. A split one folds only so: each of its blocks norms and rotates
+/// its query heads again, which waves of blocks cannot hide (the fold
+/// everywhere measured tg32 after 8192 tokens 2-11% slower; at 512 keys the
+/// fold made an 8B q4g64 layer 3.0% faster, session-ab.txt run 100).
+fn fold_fits_one_wave(splits: usize, shape: &QkvShape, sm_count: usize) -> bool {
+    let pairs = (shape.num_heads / shape.num_kv_heads).div_ceil(DECODE_FUSED_HEADS);
+    splits * shape.num_kv_heads * pairs <= sm_count
+}
+
 /// Bytes of dynamic shared memory of an `attention_decode{head_dim}` block
 /// of `chunk` keys: its key rows, at least as many as the warps' value sums
 /// fill (`decode_red_keys`: 8 warps' f32 sums of `DECODE_HEADS` heads), then
@@ -2163,20 +2175,11 @@ impl Backend for CudaBackend {
         let same_heads = (attention.num_heads, attention.num_kv_heads, attention.head_dim)
             == (shape.num_heads, shape.num_kv_heads, hd);
         // One-row steps fold the prologue into the attention where its
-        // blocks fit one wave: a cache one decode block holds (this pass's
-        // row included), or one split in few enough chunks that every
-        // (KV head, chunk, query heads) block has an SM. Longer caches
-        // compose the two: each of their many blocks would norm and rotate
-        // its query heads again, in waves that cannot hide it, and the
-        // harness run of the fold everywhere measured tg32 after 8192
-        // tokens 2-11% below the run before it (see the README).
+        // blocks fit one wave ([`folds_prologue`]).
         let n_keys = cache.len() + 1;
-        let fold_blocks = |splits: usize| {
-            splits * shape.num_kv_heads * (shape.num_heads / shape.num_kv_heads).div_ceil(DECODE_FUSED_HEADS)
-        };
         let one_wave = self.decode_whole_keys(hd, cache.precision()).is_some_and(|whole| {
-            let splits = decode_plan(n_keys, whole, cache.precision()).1;
-            splits == 1 || (self.fold_split_prologue && fold_blocks(splits) <= self.sm_count)
+            let (_, splits) = decode_plan(n_keys, whole, cache.precision());
+            splits == 1 || (self.fold_split_prologue && fold_fits_one_wave(splits, shape, self.sm_count))
         });
         if qkv.rows != 1 || !same_heads || !one_wave {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
@@ -2910,6 +2913,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn split_caches_fold_the_prologue_while_one_wave_holds_them() {
+        let h200 = 132;
+        let heads = |num_heads, num_kv_heads| QkvShape { num_heads, num_kv_heads, head_dim: 128, output_gate: false };
+        // Qwen3-8B (32 query heads, 8 KV heads, head dim 128, f16 cache): 128
+        // keys a chunk, 16 blocks a chunk: up to 8 chunks (1024 keys).
+        let whole = decode_whole_keys(128, 227 * 1024, KvPrecision::F16).unwrap();
+        let folds = |n_keys, shape: &QkvShape| {
+            let (_, splits) = decode_plan(n_keys, whole, KvPrecision::F16);
+            splits == 1 || fold_fits_one_wave(splits, shape, h200)
+        };
+        assert!(folds(1024, &heads(32, 8)) && !folds(1025, &heads(32, 8)));
+        assert!(!folds(8192, &heads(32, 8)));
+        // 2 KV heads of 8 query heads (4 pairs): 8 blocks a chunk, so 16
+        // chunks; 8 KV heads of one query head each: 8 blocks a chunk too.
+        assert!(folds(2048, &heads(16, 2)) && !folds(2049, &heads(16, 2)));
+        assert!(folds(2048, &heads(8, 8)) && !folds(2049, &heads(8, 8)));
+        // 64 KV heads of 2: 64 blocks a chunk, 2 chunks.
+        assert!(folds(256, &heads(128, 64)) && !folds(257, &heads(128, 64)));
+        // A cache one block holds folds whatever the heads.
+        assert!(folds(128, &heads(256, 256)) && !folds(129, &heads(256, 256)));
     }
 
     #[test]
