@@ -2,10 +2,9 @@
 # One call on the GPU machine: the CUDA kernel/model tests, the device-to-device
 # bandwidth (the roofline's denominator), then qinfer bench on random-weight
 # models of real shape; writes $OUT/cuda-h200.json (and logs).
-# Expects the binaries built on the development machine in .device/:
-#   cargo build --release -p qinfer-cli --features cuda
-#   cargo test --release -p qinfer --features cuda --test cuda_backend --no-run
-#   (copy target/release/qinfer and the cuda_backend test binary to .device/)
+# Expects the binaries built on the development machine in .device/
+# (scripts/cuda_device_bundle.sh: the qinfer CLI and the cuda_backend test
+# binary, and the kernels as PTX in ptx.tar.xz when NVRTC was at hand there).
 # Usage: QINFER_COMMIT=<commit> bench/cuda_h200.sh [config:dtype ...]   (default: qwen3-0.6b:bf16)
 # For each model: decode at context 128 (tg128 from empty) and 8192 (tg32 @ d8192),
 # prefill of 512 and 8192 tokens, and the decode roofline ratio.
@@ -15,6 +14,10 @@ mkdir -p "$OUT/runs"
 # The test binary looks for fixtures under the path it was built in.
 mkdir -p /work && ln -sfn "$PWD" /work/main
 export QINFER_CACHE=/tmp/qinfer-cache
+# Kernels compiled ahead (a cache keyed by their source's hash: stale ones are
+# never loaded).
+mkdir -p "$QINFER_CACHE"
+[ -f .device/ptx.tar.xz ] && tar -C "$QINFER_CACHE" -xJf .device/ptx.tar.xz
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/runs/gpu.txt"
 python3 - <<'PY' > "$OUT/runs/bandwidth.json"
 import json, torch

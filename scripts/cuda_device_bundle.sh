@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds what one call on the GPU machine needs into .device/ (git-ignored):
+# the stripped `qinfer` CLI and CUDA test binaries, built here with the
+# `cuda` feature, and the kernels compiled to PTX for compute_90a (H100/H200)
+# in ptx.tar.xz, so the GPU machine's first launch loads them instead of
+# spending a minute in NVRTC. bench/cuda_h200.sh unpacks it.
+# PTX needs NVRTC here: CUDA_HOME pointing at a CUDA toolkit, or at the pip
+# wheels' root (python -m pip install "nvidia-cuda-nvrtc==13.0.*"
+# "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"; CUDA_HOME is then
+# site-packages/nvidia/cu13). Without it the bundle has no PTX and the GPU
+# machine compiles the kernels at first use.
+# Usage: scripts/cuda_device_bundle.sh [arch]   (default compute_90a)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+arch="${1:-compute_90a}"
+mkdir -p .device
+cargo build --release --features cuda --bin qinfer
+test_bin=$(cargo test --release --features cuda -p qinfer --test cuda_backend --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_backend" and m.get("executable"):
+        print(m["executable"])')
+cp target/release/qinfer .device/qinfer
+cp "$test_bin" .device/cuda_backend
+strip .device/qinfer .device/cuda_backend
+rm -f .device/ptx.tar.xz
+if [ -n "${CUDA_HOME:-}" ] && { [ -d "$CUDA_HOME/lib" ] || [ -d "$CUDA_HOME/lib64" ]; }; then
+  cache=$(mktemp -d)
+  LD_LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}" QINFER_CACHE="$cache" \
+    target/release/qinfer kernels --arch "$arch"
+  tar -C "$cache" -cJf .device/ptx.tar.xz kernels
+  rm -rf "$cache"
+else
+  echo "no CUDA_HOME with NVRTC: the bundle has no PTX (the GPU machine compiles the kernels at first use)" >&2
+fi
+du -sh .device/*
