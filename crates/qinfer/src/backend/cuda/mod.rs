@@ -251,16 +251,25 @@ fn decode_plan(n_keys: usize, whole: usize, kv: KvPrecision) -> (usize, usize) {
     (chunk, n_keys.div_ceil(chunk).next_power_of_two())
 }
 
-/// Whether the decode attention that folds the q|k|v prologue in (one row)
-/// fits one wave over `splits` chunks of the cache: every (KV head, chunk,
-/// pair of query heads) block has an SM. A cache one block holds always
-/// folds. A split one folds only so: each of its blocks norms and rotates
-/// its query heads again, which waves of blocks cannot hide (the fold
-/// everywhere measured tg32 after 8192 tokens 2-11% slower; at 512 keys the
-/// fold made an 8B q4g64 layer 3.0% faster, session-ab.txt run 100).
-fn fold_fits_one_wave(splits: usize, shape: &QkvShape, sm_count: usize) -> bool {
+/// Whether a one-row decode step over `n_keys` keys (one block holding
+/// `whole`) folds the q|k|v prologue into the decode attention: where a
+/// cache one block holds, and with `fold_splits` where the split kernel's
+/// blocks fit one wave (every (KV head, chunk, pair of query heads) block has
+/// an SM). Longer caches do not: each of their blocks norms and rotates its
+/// query heads again, which waves of blocks cannot hide (the fold everywhere
+/// measured tg32 after 8192 tokens 2-11% slower; at 512 keys the fold made an
+/// 8B q4g64 layer 3.0% faster, session-ab.txt run 100).
+fn folds_prologue(
+    n_keys: usize,
+    whole: usize,
+    kv: KvPrecision,
+    shape: &QkvShape,
+    sm_count: usize,
+    fold_splits: bool,
+) -> bool {
+    let (_, splits) = decode_plan(n_keys, whole, kv);
     let pairs = (shape.num_heads / shape.num_kv_heads).div_ceil(DECODE_FUSED_HEADS);
-    splits * shape.num_kv_heads * pairs <= sm_count
+    splits == 1 || (fold_splits && splits * shape.num_kv_heads * pairs <= sm_count)
 }
 
 /// Bytes of dynamic shared memory of an `attention_decode{head_dim}` block
@@ -2174,14 +2183,11 @@ impl Backend for CudaBackend {
         let hd = shape.head_dim;
         let same_heads = (attention.num_heads, attention.num_kv_heads, attention.head_dim)
             == (shape.num_heads, shape.num_kv_heads, hd);
-        // One-row steps fold the prologue into the attention where its
-        // blocks fit one wave ([`folds_prologue`]).
         let n_keys = cache.len() + 1;
-        let one_wave = self.decode_whole_keys(hd, cache.precision()).is_some_and(|whole| {
-            let (_, splits) = decode_plan(n_keys, whole, cache.precision());
-            splits == 1 || (self.fold_split_prologue && fold_fits_one_wave(splits, shape, self.sm_count))
+        let fold = self.decode_whole_keys(hd, cache.precision()).is_some_and(|whole| {
+            folds_prologue(n_keys, whole, cache.precision(), shape, self.sm_count, self.fold_split_prologue)
         });
-        if qkv.rows != 1 || !same_heads || !one_wave {
+        if qkv.rows != 1 || !same_heads || !fold {
             let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
             return (self.attention(&q, cache, layer, attention), gate);
         }
@@ -2922,10 +2928,7 @@ mod tests {
         // Qwen3-8B (32 query heads, 8 KV heads, head dim 128, f16 cache): 128
         // keys a chunk, 16 blocks a chunk: up to 8 chunks (1024 keys).
         let whole = decode_whole_keys(128, 227 * 1024, KvPrecision::F16).unwrap();
-        let folds = |n_keys, shape: &QkvShape| {
-            let (_, splits) = decode_plan(n_keys, whole, KvPrecision::F16);
-            splits == 1 || fold_fits_one_wave(splits, shape, h200)
-        };
+        let folds = |n_keys, shape: &QkvShape| folds_prologue(n_keys, whole, KvPrecision::F16, shape, h200, true);
         assert!(folds(1024, &heads(32, 8)) && !folds(1025, &heads(32, 8)));
         assert!(!folds(8192, &heads(32, 8)));
         // 2 KV heads of 8 query heads (4 pairs): 8 blocks a chunk, so 16
@@ -2936,6 +2939,9 @@ mod tests {
         assert!(folds(256, &heads(128, 64)) && !folds(257, &heads(128, 64)));
         // A cache one block holds folds whatever the heads.
         assert!(folds(128, &heads(256, 256)) && !folds(129, &heads(256, 256)));
+        // Without folding split caches, only a cache one block holds folds.
+        let folds_whole = |n_keys| folds_prologue(n_keys, whole, KvPrecision::F16, &heads(32, 8), h200, false);
+        assert!(folds_whole(128) && !folds_whole(129));
     }
 
     #[test]
