@@ -366,25 +366,47 @@ __device__ __forceinline__ void amma_quantize_slice(float v, float nw, int o0, i
     }
 }
 
-// One warp's cp.async of `bytes` (a multiple of 16) from src to dst.
-__device__ __forceinline__ void amma_warp_copy(void* dst, const void* src, int bytes) {
-    for (int o = 16 * (int)(threadIdx.x & 31); o < bytes; o += 512)
-        cp_async<16>(static_cast<unsigned char*>(dst) + o, static_cast<const unsigned char*>(src) + o, true);
-}
-
-// One warp copies its units [beg, end) of a quantized row (cp.async, one
-// group left open for the caller to commit) into the staged layout: digit
-// rows at xs and xs + in_dim, slice stats, and with norm the slices' Σv².
-// Per unit: 64 bytes of each digit row, 4 slices' stats (32 bytes) and Σv² (16).
+// One warp copies its units [beg, end) of a quantized row into the staged
+// layout: digit rows at xs and xs + in_dim, slice stats, and with norm the
+// slices' Σv². Per unit: 64 bytes of each digit row, 4 slices' stats (32
+// bytes) and Σv² (16).
+// On sm_90 and later lane 0 does it by bulk copies completing on `bar`
+// (one phase): the wait for x is then for x alone, where a cp.async group
+// completes only after every group committed before it (the weight stages
+// issued ahead of it), and x's request leaves the cp.async path to the
+// weights. 8B q4g64 decode +1.6%, 0.6B q4g64 +1.5% (session-ab run 103).
+// Before sm_90 every lane copies by cp.async, one group left open for the
+// caller to commit.
+#if __CUDA_ARCH__ >= 900
+#define AMMA_BULK_ROW 1
+#else
+#define AMMA_BULK_ROW 0
+#endif
 __device__ __forceinline__ void amma_copy_row(const unsigned char* __restrict__ row_in, int in_dim, int beg, int end,
-                                              bool norm, unsigned char* xs, float2* stats, float* slice_ss) {
+                                              bool norm, unsigned char* xs, float2* stats, float* slice_ss,
+                                              unsigned bar) {
     const unsigned char* st_in = row_in + 2 * (size_t)in_dim;
     const unsigned char* ss_in = st_in + (size_t)in_dim / 2;
-    int units = end - beg;
-    amma_warp_copy(xs + beg * 64, row_in + beg * 64, units * 64);
-    amma_warp_copy(xs + in_dim + beg * 64, row_in + in_dim + beg * 64, units * 64);
-    amma_warp_copy(reinterpret_cast<unsigned char*>(stats) + beg * 32, st_in + beg * 32, units * 32);
-    if (norm) amma_warp_copy(reinterpret_cast<unsigned char*>(slice_ss) + beg * 16, ss_in + beg * 16, units * 16);
+    unsigned units = end - beg;
+    unsigned char* st_out = reinterpret_cast<unsigned char*>(stats);
+    unsigned char* ss_out = reinterpret_cast<unsigned char*>(slice_ss);
+#if AMMA_BULK_ROW
+    if ((threadIdx.x & 31) != 0) return;
+    mbar_expect_bytes(bar, units * (64 + 64 + 32 + (norm ? 16 : 0)));
+    if (units == 0) return;
+    bulk_copy(xs + beg * 64, row_in + beg * 64, units * 64, bar);
+    bulk_copy(xs + in_dim + beg * 64, row_in + in_dim + beg * 64, units * 64, bar);
+    bulk_copy(st_out + beg * 32, st_in + beg * 32, units * 32, bar);
+    if (norm) bulk_copy(ss_out + beg * 16, ss_in + beg * 16, units * 16, bar);
+#else
+    auto warp_copy = [](unsigned char* dst, const unsigned char* src, int bytes) {
+        for (int o = 16 * (int)(threadIdx.x & 31); o < bytes; o += 512) cp_async<16>(dst + o, src + o, true);
+    };
+    warp_copy(xs + beg * 64, row_in + beg * 64, units * 64);
+    warp_copy(xs + in_dim + beg * 64, row_in + in_dim + beg * 64, units * 64);
+    warp_copy(st_out + beg * 32, st_in + beg * 32, units * 32);
+    if (norm) warp_copy(ss_out + beg * 16, ss_in + beg * 16, units * 16);
+#endif
 }
 
 // After the copy landed: 4-bit levels take x in MMA order (per 16 columns the
@@ -522,23 +544,37 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // the kernel before this one. After a GEMV one: x's loads, after the
     // wait, queue behind the copies already in flight (a second stage there
     // made the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its
-    // place, 6%), so the next one follows the staging. After a kernel that
+    // place, 6%; with x by bulk copy, whose wait no longer includes the
+    // stages, a second stage still cost 2.4%, run 103: the SM's requests
+    // are served in order), so the next one follows the staging. After a kernel that
     // streams no weights (the decode attention, about 5 us on a few SMs)
     // the whole ring (mod.rs `affine_mma`): those copies land long before
     // the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%, run 60).
+    // The barrier the handed-on row's bulk copies complete on (one phase).
+    __shared__ alignas(8) unsigned long long row_bars[AMMA_WARPS];
+    unsigned row_bar = smem_addr(&row_bars[warp]);
+#if AMMA_BULK_ROW
+    if (slices && lane == 0) mbar_init(row_bar);
+    __syncwarp();
+#endif
     for (int b = 0; b < lead; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
     if (slices) {
-        // The copy goes out behind the first stage, and the next stage
-        // behind it; the warp then waits for the copy alone.
-        amma_copy_row(row_in, in_dim, beg, end, norm_w != nullptr, xs, stats, unit_ss);
+        // The copy goes out, then the stages the lead left; the warp waits
+        // for the copy alone.
+        amma_copy_row(row_in, in_dim, beg, end, norm_w != nullptr, xs, stats, unit_ss, row_bar);
+#if AMMA_BULK_ROW
+        for (int b = lead; b < AMMA_STAGES - 1; b++) issue();
+        mbar_wait(row_bar, 0);
+#else
         asm volatile("cp.async.commit_group;\n" ::);
         for (int b = lead; b < AMMA_STAGES - 1; b++) issue();
         if (lead < AMMA_STAGES - 1)
             asm volatile("cp.async.wait_group %0;\n" ::"n"(AMMA_STAGES - 2));
         else
             asm volatile("cp.async.wait_group 0;\n" ::);
+#endif
         __syncwarp();
         amma_settle_row<BITS>(in_dim, beg, end, norm_w != nullptr, xs, unit_ss, warp_ss[warp]);
     } else {

@@ -130,6 +130,38 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
                      "n"(BYTES), "r"(valid ? BYTES : 0));
 }
 
+#if __CUDA_ARCH__ >= 900
+// (sm_90 and later.) An mbarrier in shared memory that one arrival (with the bytes a bulk copy
+// will deliver) completes: the bulk copy's own completion, tracked apart
+// from every cp.async group the thread committed before it.
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_bytes(unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+// `bytes` (a multiple of 16, both ends 16-byte aligned) global → shared by
+// the copy engine (one instruction for the whole range), completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+#endif
+
 // An L2 policy that evicts the lines it tags first: for weights a decode step
 // streams once, so that they leave L2 before the step's activations and
 // caches do (8B q8g64 decode +1.2% in runs 78 and 79; q4g64 +0.1% in run 78,
