@@ -1339,7 +1339,15 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         );
         // Three recordings (1, 2 and 4 key chunks), each after a warm-up pass.
         assert!(replayed >= 274, "{name}: only {replayed} steps replayed");
-        assert!(worst < 1e-3, "{name}: rel {worst} to the CPU");
+        // A routed model's top-k can flip where two router logits tie within
+        // f32 rounding (the prompt is random each run): then one token takes
+        // another expert on the GPU than on the CPU, and that token's state
+        // stays in the cache. Seen once (qwen3_5_moe, seed
+        // 1796360263575449091: 2.6e-3, bench/results/cuda-h200-affine-tests.log)
+        // where the other logged runs stayed below 4e-5.
+        // Replayed and eager steps still agree bit for bit above.
+        let bound = if name.contains("moe") { 1e-2 } else { 1e-3 };
+        assert!(worst < bound, "{name}: rel {worst} to the CPU");
     }
 }
 
