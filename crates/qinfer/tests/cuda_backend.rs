@@ -1343,7 +1343,7 @@ fn recorded_decode_steps_replay_what_eager_steps_compute() {
         // f32 rounding (the prompt is random each run): then one token takes
         // another expert on the GPU than on the CPU, and that token's state
         // stays in the cache. Seen once (qwen3_5_moe, seed
-        // 1796360263575449091: 2.6e-3, bench/results/cuda-h200-affine-tests.log)
+        // 1796360263575449091: 2.6e-3; bench/results/cuda-h200-router-tie-tests.log)
         // where the other logged runs stayed below 4e-5.
         // Replayed and eager steps still agree bit for bit above.
         let bound = if name.contains("moe") { 1e-2 } else { 1e-3 };
