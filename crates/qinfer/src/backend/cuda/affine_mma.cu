@@ -540,16 +540,6 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    // `lead` stages go out before the wait: they depend neither on x nor on
-    // the kernel before this one. After a GEMV one: x's loads, after the
-    // wait, queue behind the copies already in flight (a second stage there
-    // made the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its
-    // place, 6%; with x by bulk copy, whose wait no longer includes the
-    // stages, a second stage still cost 2.4%, run 103: the SM's requests
-    // are served in order), so the next one follows the staging. After a kernel that
-    // streams no weights (the decode attention, about 5 us on a few SMs)
-    // the whole ring (mod.rs `affine_mma`): those copies land long before
-    // the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%, run 60).
     // The barrier the handed-on row's bulk copies complete on (one phase).
     __shared__ alignas(8) unsigned long long row_bars[AMMA_WARPS];
     unsigned row_bar = smem_addr(&row_bars[warp]);
@@ -557,6 +547,17 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     if (slices && lane == 0) mbar_init(row_bar);
     __syncwarp();
 #endif
+    // `lead` stages go out before the wait: they depend neither on x nor on
+    // the kernel before this one. After a GEMV one: x's loads, after the
+    // wait, queue behind the copies already in flight (a second stage there
+    // made the 8B q4g64 decode 1-3% slower; none, or an L2 prefetch in its
+    // place, 6%; with x by bulk copy, whose wait no longer includes the
+    // stages, a second stage still cost 2.4%, run 103: the SM's requests
+    // are served in order), so the next one follows the staging. After a
+    // kernel that streams no weights (the decode attention, about 5 us on
+    // a few SMs) the whole ring (mod.rs `affine_mma`): those copies land
+    // long before the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%,
+    // run 60).
     for (int b = 0; b < lead; b++) issue();
     grid_dependency_wait();
     if (lane == 0) zeros[warp] = make_uint4(0u, 0u, 0u, 0u);
