@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use qinfer::engine::sampler::SamplingParams;
 use qinfer::loader::{self, LoadedModel};
+use qinfer::sampling::SamplingParams;
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 

@@ -27,7 +27,7 @@ struct Cli {
     /// the memory, and half the bytes each decode step reads from a long
     /// context) or f32 (as computed).
     #[arg(long, global = true, value_name = "f16|f32")]
-    kv_cache: Option<qinfer::backend::KvPrecision>,
+    kv_cache: Option<qinfer::kv::KvPrecision>,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,

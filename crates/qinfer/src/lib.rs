@@ -4,7 +4,6 @@
 //! `models` place those tensors on a [`backend::Backend`]; `engine` drives
 //! generation; `tokenizer` turns text into ids and back.
 
-pub mod affine;
 pub mod backend;
 pub mod config;
 pub mod engine;
@@ -15,7 +14,9 @@ pub mod layers;
 pub mod loader;
 pub mod models;
 pub mod npy;
+pub mod quant;
 pub mod quantize;
+pub mod sampling;
 pub mod tensor;
 pub mod tokenizer;
 

@@ -6,17 +6,17 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::backend::KvPrecision;
 use crate::backend::cpu::CpuBackend;
 use crate::config::ModelConfig;
-use crate::engine::sampler::SamplingParams;
 use crate::formats::TensorSource;
 use crate::formats::gguf::GgufFile;
 use crate::formats::mlx::QuantizationConfig;
 use crate::formats::safetensors::SafetensorsSource;
+use crate::kv::KvPrecision;
 use crate::models::LanguageModel;
 use crate::models::decoder::DecoderModel;
 use crate::models::random::{RandomWeights, WeightStorage};
+use crate::sampling::SamplingParams;
 use crate::tensor::Tensor;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -187,7 +187,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
     } else if path.is_file() {
         let gguf = GgufFile::open(path)?;
         let config = gguf.model_config()?;
-        let tokenizer = gguf.tokenizer()?;
+        let tokenizer = crate::tokenizer::gguf::from_file(&gguf)?;
         let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
         Ok(LoadedModel {
             path: path.to_path_buf(),

@@ -25,7 +25,7 @@ pub enum DType {
     /// ggml Q8_0: f16 scale `d`, 32 signed 8-bit values, w = d·q.
     Q8_0,
     /// Packed integer words: the `.weight` of an MLX affine-quantized matrix
-    /// (see [`crate::affine`]); meaningless without its scales and biases.
+    /// (see [`crate::quant::affine`]); meaningless without its scales and biases.
     U32,
     /// ggml Q2_K: 256 values in 16 groups of 16, 4-bit scale and min per group,
     /// f16 super-scales `d`, `dmin`; w = d·sc·q − dmin·m with 2-bit q.
@@ -225,7 +225,7 @@ impl Tensor {
     /// Decodes every value to f32 (for small tensors: norms, biases).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.numel()];
-        crate::backend::cpu::quant::dequantize_into(self.dtype, self.data.as_slice(), &mut out);
+        crate::quant::ggml::dequantize_into(self.dtype, self.data.as_slice(), &mut out);
         out
     }
 }

@@ -11,14 +11,15 @@ use std::path::{Path, PathBuf};
 use common::DecodedBlocks;
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::{CudaBackend, CudaWeight};
-use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, KvCache, KvPrecision, QkvShape, Routing};
+use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routing};
+use qinfer::config::rope::Rope;
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};
 use qinfer::engine::generate::{GenerateOptions, generate};
-use qinfer::engine::sampler::{Sampler, SamplingParams};
+use qinfer::kv::{KvCache, KvPrecision};
 use qinfer::loader::{self, Device};
 use qinfer::models::decoder::DecoderModel;
-use qinfer::models::rope::Rope;
 use qinfer::models::{LanguageModel, Logits};
+use qinfer::sampling::{Sampler, SamplingParams};
 use qinfer::tensor::{Bytes, DType, Tensor};
 
 fn gpu() -> Option<CudaBackend> {
@@ -204,7 +205,7 @@ fn affine_tensor(
     rows: usize,
     cols: usize,
     biases: DType,
-) -> qinfer::affine::AffineTensor {
+) -> qinfer::quant::affine::AffineTensor {
     affine_tensor_centered(r, bits, group_size, rows, cols, biases, false)
 }
 
@@ -219,11 +220,11 @@ fn affine_tensor_centered(
     cols: usize,
     bias_dtype: DType,
     centered: bool,
-) -> qinfer::affine::AffineTensor {
+) -> qinfer::quant::affine::AffineTensor {
     let levels = 1u32 << bits;
     let q: Vec<u8> = (0..rows * cols).map(|_| (((r.f() + 1.0) * 0.5 * levels as f32) as u32 % levels) as u8).collect();
     let mut packed = Vec::new();
-    qinfer::affine::pack(bits, &q, &mut packed);
+    qinfer::quant::affine::pack(bits, &q, &mut packed);
     let groups = rows * cols / group_size;
     let scales: Vec<f32> = r.vec(groups).iter().map(|v| 0.02 + 0.01 * v).collect();
     let half = (levels - 1) as f32 / 2.0;
@@ -233,10 +234,10 @@ fn affine_tensor_centered(
         .zip(&scales)
         .map(|(v, s)| if centered { -s * half * (1.0 + 0.05 * v) } else { 0.1 * v })
         .collect();
-    qinfer::affine::AffineTensor {
+    qinfer::quant::affine::AffineTensor {
         name: "w.weight".into(),
         shape: vec![rows, cols],
-        params: qinfer::affine::AffineParams::new(bits, group_size, "test").unwrap(),
+        params: qinfer::quant::affine::AffineParams::new(bits, group_size, "test").unwrap(),
         packed: Tensor::new(
             "w.weight".into(),
             DType::U32,
@@ -253,7 +254,7 @@ fn affine_tensor_centered(
 fn affine_gemv_gemm_and_embedding_match_cpu() {
     let Some(p) = pair() else { return };
     let mut r = Rng::fresh();
-    for bits in qinfer::affine::SUPPORTED_BITS {
+    for bits in qinfer::quant::affine::SUPPORTED_BITS {
         for (group_size, inp, out, side) in [
             (32, 256, 70, DType::F32),
             (32, 768, 36, DType::BF16),
@@ -384,7 +385,7 @@ fn gguf_superblock_records_match_cpu() {
         // More tiles of 16 rows than two blocks per SM at 4500 rows.
         for (out, inp) in [(70, 256), (33, 4096), (40, 2560), (4500, 512), (18, 12288)] {
             let t = kquant_tensor(&mut r, dtype, out, inp);
-            let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
+            let exact = qinfer::quant::gguf_affine::as_affine(&t).unwrap().unwrap();
             let (wc, wg) = (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap());
             match &wg {
                 qinfer::backend::cuda::CudaWeight::Affine(a) => {
@@ -461,7 +462,7 @@ fn folded_norm_and_residual_add_match_cpu() {
     let eps = 1e-6;
     for (group_size, inp, out) in [(64, 2048, 48), (128, 1024, 40), (64, 4096, 34), (64, 512, 4500), (32, 1024, 40)] {
         let mut weights = vec![];
-        for bits in qinfer::affine::SUPPORTED_BITS {
+        for bits in qinfer::quant::affine::SUPPORTED_BITS {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, DType::BF16);
             weights.push((
                 format!("q{bits}g{group_size}"),
@@ -1037,7 +1038,7 @@ fn gated_deltanet_and_moe_match_cpu() {
             .map(|_| {
                 let mut make = |dtype, rows, cols| {
                     let t = kquant_tensor(&mut r, dtype, rows, cols);
-                    let exact = qinfer::formats::gguf::as_affine(&t).unwrap().unwrap();
+                    let exact = qinfer::quant::gguf_affine::as_affine(&t).unwrap().unwrap();
                     (p.cpu.upload_affine(&exact).unwrap(), p.gpu.upload(&t).unwrap())
                 };
                 let ((gc, gg), (uc, ug), (dc, dg)) =
@@ -1063,7 +1064,7 @@ fn gated_deltanet_and_moe_match_cpu() {
 /// An expert's matrix: a tensor as stored (floats, GGUF blocks) or MLX-style affine.
 enum Stored {
     Tensor(Tensor),
-    Affine(Box<qinfer::affine::AffineTensor>),
+    Affine(Box<qinfer::quant::affine::AffineTensor>),
 }
 
 /// Prefill-sized batches of routed experts (sorted by expert on the device;
@@ -1132,7 +1133,7 @@ fn moe_prefill_matches_cpu() {
             (0..e).map(|_| [make(&mut r, i, h), make(&mut r, i, h), make(&mut r, h, i)]).collect();
         // The CPU takes GGUF blocks in their exact affine form.
         let on_cpu = |w: &Stored| match w {
-            Stored::Tensor(t) => match qinfer::formats::gguf::as_affine(t) {
+            Stored::Tensor(t) => match qinfer::quant::gguf_affine::as_affine(t) {
                 Some(a) => cpu_backend.upload_affine(&a.unwrap()).unwrap(),
                 None => cpu_backend.upload(t).unwrap(),
             },
@@ -1564,7 +1565,7 @@ fn profile_decode_ops_at_moe_shapes() {
     let mut r = Rng::fresh();
     let (h, inter, n_exp, top_k) = (2048, 768, 128, 8);
     // 32 random experts, each uploaded 4 times: 128 experts in distinct memory.
-    let host: Vec<[qinfer::affine::AffineTensor; 3]> = (0..32)
+    let host: Vec<[qinfer::quant::affine::AffineTensor; 3]> = (0..32)
         .map(|_| {
             [
                 affine_tensor_centered(&mut r, 4, 64, inter, h, DType::BF16, true),
@@ -2196,7 +2197,7 @@ fn device_sampling_matches_the_host_sampler() {
                         logits[j * 23] = 20.0 + 0.013 * j as f32;
                     }
                 }
-                let top = qinfer::engine::sampler::argmax(&logits);
+                let top = qinfer::sampling::argmax(&logits);
                 // A second equal maximum after the first, for greedy's tie rule.
                 if vocab > 5 && trial % 4 == 0 {
                     logits[vocab - 1] = logits[top as usize];
@@ -2212,7 +2213,7 @@ fn device_sampling_matches_the_host_sampler() {
                 };
                 let u = (r.f() + 1.0) / 2.0;
                 let mut host = logits.clone();
-                let want = qinfer::engine::sampler::pick(p, &mut host, &penalized, u);
+                let want = qinfer::sampling::pick(p, &mut host, &penalized, u);
                 if sampling_margin(p, &host, u) < 1e-4 {
                     skipped += 1;
                     continue;

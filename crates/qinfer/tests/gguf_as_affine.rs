@@ -10,16 +10,16 @@ use std::path::PathBuf;
 mod common;
 
 use common::{DecodedBlocks, kquant_fixture as fixture};
-use qinfer::affine::{AffineParts, unpack};
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::formats::TensorSource;
-use qinfer::formats::gguf::{
-    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q2K, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, affine_levels,
-    as_affine, record_scale_bias, superblock_record_bytes, superblock_records,
-};
 use qinfer::loader;
 use qinfer::models::decoder::DecoderModel;
 use qinfer::models::{LanguageModel, Logits};
+use qinfer::quant::affine::{AffineParts, unpack};
+use qinfer::quant::gguf_affine::{
+    SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q2K, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size, affine_levels,
+    as_affine, record_scale_bias, superblock_record_bytes, superblock_records,
+};
 use qinfer::tensor::{Bytes, DType, Tensor};
 
 fn f32s(t: &Tensor) -> Vec<f32> {

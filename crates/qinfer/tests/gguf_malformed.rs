@@ -522,7 +522,7 @@ fn model_config_from_metadata() {
     assert_eq!(c.bos_token_id, Some(3));
     assert_eq!(c.eos_token_ids, vec![5, 6]);
     assert_eq!(c.layer_windows, vec![None, None]);
-    assert!(f.tokenizer().unwrap().is_none(), "no tokenizer.ggml.model");
+    assert!(qinfer::tokenizer::gguf::from_file(&f).unwrap().is_none(), "no tokenizer.ggml.model");
 
     // HF names resolve; shapes are outermost first.
     let q = f.tensor("model.layers.1.self_attn.q_proj.weight").unwrap();
@@ -558,7 +558,7 @@ fn model_config_errors_name_the_key() {
 
     let w = qwen3_writer().kv("tokenizer.ggml.model", s("llama"));
     let f = GgufFile::open(&dir.write("e.gguf", &w.build().0)).unwrap();
-    let e = f.tokenizer().unwrap_err().to_string();
+    let e = qinfer::tokenizer::gguf::from_file(&f).unwrap_err().to_string();
     assert!(e.contains("unsupported GGUF tokenizer model llama"), "{e}");
 }
 

@@ -7,7 +7,7 @@ mod common;
 
 use common::kquant_fixture as fixture;
 use qinfer::backend::cpu::matmul::{CpuMatrix, matmul};
-use qinfer::backend::cpu::quant::dequantize_into;
+use qinfer::quant::ggml::dequantize_into;
 use qinfer::tensor::Bytes;
 
 #[test]

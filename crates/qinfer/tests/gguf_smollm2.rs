@@ -90,7 +90,7 @@ fn tensors_resolve_by_hf_name() {
 fn tokenizer_round_trips() {
     let Some(path) = model_path() else { return };
     let f = GgufFile::open(&path).unwrap();
-    let tok = f.tokenizer().unwrap().expect("SmolLM2 GGUF embeds a tokenizer");
+    let tok = qinfer::tokenizer::gguf::from_file(&f).unwrap().expect("SmolLM2 GGUF embeds a tokenizer");
     assert_eq!(tok.vocab_size(), 49152);
     assert_eq!(tok.token_to_id("<|im_start|>"), Some(1));
     assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
@@ -132,7 +132,7 @@ fn tokenizer_round_trips() {
 fn chat_template_renders() {
     let Some(path) = model_path() else { return };
     let f = GgufFile::open(&path).unwrap();
-    let tok = f.tokenizer().unwrap().unwrap();
+    let tok = qinfer::tokenizer::gguf::from_file(&f).unwrap().unwrap();
     assert!(tok.has_chat_template());
     let msgs = [ChatMessage::new("user", "Hi")];
     let out =

@@ -21,7 +21,7 @@ fn gguf_tokenizer() -> Option<Tokenizer> {
         eprintln!("skipping: {} not found (run scripts/fetch_default_model.sh)", p.display());
         return None;
     }
-    Some(GgufFile::open(&p).unwrap().tokenizer().unwrap().expect("embedded tokenizer"))
+    Some(qinfer::tokenizer::gguf::from_file(&GgufFile::open(&p).unwrap()).unwrap().expect("embedded tokenizer"))
 }
 
 fn read_json(path: &Path) -> Option<Value> {

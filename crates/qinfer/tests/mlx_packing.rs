@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use qinfer::affine::{pack, quantize_group, unpack};
+use qinfer::quant::affine::{pack, quantize_group, unpack};
 use serde_json::Value;
 
 fn floats(v: &Value) -> Vec<f32> {

@@ -5,9 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use qinfer::engine::generate::{GenerateOptions, generate};
-use qinfer::engine::sampler::SamplingParams;
 use qinfer::loader;
 use qinfer::models::{LanguageModel, Logits};
+use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
 fn root() -> PathBuf {

@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use qinfer::config::ModelConfig;
+use qinfer::config::rope::Rope;
 use qinfer::engine::generate::{GenerateOptions, generate};
-use qinfer::engine::sampler::SamplingParams;
 use qinfer::loader;
-use qinfer::models::rope::Rope;
 use qinfer::models::{LanguageModel, Logits};
+use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
 fn fixtures() -> Vec<PathBuf> {

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::perplexity::perplexity;
-use qinfer::engine::sampler::SamplingParams;
 use qinfer::loader::{self, LoadedModel};
+use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
 fn model_path() -> Option<PathBuf> {

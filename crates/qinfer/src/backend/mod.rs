@@ -6,10 +6,11 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use crate::affine::AffineTensor;
 use crate::config::GdnConfig;
-use crate::engine::sampler::{SamplingParams, pick};
-use crate::models::rope::Rope;
+use crate::config::rope::Rope;
+use crate::kv::KvCache;
+use crate::quant::affine::AffineTensor;
+use crate::sampling::{SamplingParams, pick};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -33,53 +34,6 @@ pub struct QkvShape {
     pub head_dim: usize,
     /// q_proj emits `[query(head_dim), gate(head_dim)]` per head.
     pub output_gate: bool,
-}
-
-/// Per-sequence key/value storage for every layer. Positions `[0, len())` are
-/// committed; a forward writes rows past `len()` and then commits them.
-pub trait KvCache: Send {
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Marks positions `[0, len)` as valid (commit after a forward, or roll back).
-    fn set_len(&mut self, len: usize);
-    /// Positions this cache can hold.
-    fn capacity(&self) -> usize;
-}
-
-/// How a device KV cache stores keys and values (the CPU backend's is f32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvPrecision {
-    /// Half the memory of f32, and half the bytes a decode step reads from a
-    /// long cache. Keys and values are rounded once, when written (11
-    /// significant bits, finer than the bf16 the reference models keep
-    /// them in); the attention's arithmetic stays f32.
-    #[default]
-    F16,
-    /// Keys and values as computed.
-    F32,
-}
-
-impl KvPrecision {
-    /// Bytes of one stored value.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvPrecision::F16 => 2,
-            KvPrecision::F32 => 4,
-        }
-    }
-}
-
-impl std::str::FromStr for KvPrecision {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f16" => Ok(KvPrecision::F16),
-            "f32" => Ok(KvPrecision::F32),
-            _ => Err(format!("unknown KV cache precision `{s}` (expected f16 or f32)")),
-        }
-    }
 }
 
 /// One expert's SwiGLU weights: `down(silu(gate(x)) ⊙ up(x))`.
@@ -155,7 +109,7 @@ pub trait Backend: Send + Sync {
         finish(&out)
     }
     /// The next token from the last row of `logits`, chosen as
-    /// [`crate::engine::sampler::pick`] chooses: `penalized` are the distinct
+    /// [`crate::sampling::pick`] chooses: `penalized` are the distinct
     /// context tokens the repetition penalty applies to, `u` the sampler's
     /// uniform draw. Device backends override this so that only the token
     /// id crosses to the host.

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::sampler::{Sampler, SamplingParams};
 use crate::models::{LanguageModel, Logits, SequenceState};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]

@@ -1,5 +1,4 @@
-//! Generation: sampling and the prefill/decode loop.
+//! Generation: the prefill/decode loop and perplexity.
 
 pub mod generate;
 pub mod perplexity;
-pub mod sampler;

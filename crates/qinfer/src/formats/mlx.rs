@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::affine::AffineParams;
+use crate::quant::affine::AffineParams;
 use crate::{Error, Result};
 
 /// One module's entry in the `quantization` block.

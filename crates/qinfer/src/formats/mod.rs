@@ -6,7 +6,7 @@ pub mod mlx;
 pub mod safetensors;
 
 use crate::Result;
-use crate::affine::AffineParts;
+use crate::quant::affine::AffineParts;
 use crate::tensor::Tensor;
 
 /// Weights by Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`).

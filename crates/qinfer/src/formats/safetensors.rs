@@ -11,7 +11,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::TensorSource;
 use super::mlx::{ModuleQuantization, QuantizationConfig};
-use crate::affine::AffineParts;
+use crate::quant::affine::AffineParts;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 

@@ -1,7 +1,7 @@
 //! One growable f32 buffer per layer for keys and one for values, rows of
 //! `kv_dim` per position.
 
-use crate::backend::KvCache;
+use super::KvCache;
 
 #[derive(Default)]
 pub struct ContiguousKv {

@@ -9,7 +9,7 @@ use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{AttentionShape, Backend, QkvShape};
 use crate::config::ModelConfig;
-use crate::models::rope::Rope;
+use crate::config::rope::Rope;
 use crate::tensor::Tensor;
 
 /// The q, k and v projections: one weight of their rows stacked (backends

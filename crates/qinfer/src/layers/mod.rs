@@ -7,10 +7,10 @@ pub mod gdn;
 pub mod mlp;
 pub mod moe;
 
-use crate::affine::AffineTensor;
 use crate::backend::Backend;
 use crate::formats::TensorSource;
 use crate::models::random::RandomWeights;
+use crate::quant::affine::AffineTensor;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 

@@ -6,10 +6,11 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{Backend, DEVICE_PICK, KvCache};
+use crate::backend::{Backend, DEVICE_PICK};
+use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
-use crate::engine::sampler::Sampler;
 use crate::formats::TensorSource;
+use crate::kv::KvCache;
 use crate::layers::WeightLoader;
 use crate::layers::attention::Attention;
 use crate::layers::block::BlockInput;
@@ -17,8 +18,8 @@ use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
 use crate::models::random::RandomWeights;
-use crate::models::rope::Rope;
 use crate::models::{LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
+use crate::sampling::Sampler;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 

@@ -3,13 +3,12 @@
 
 pub mod decoder;
 pub mod random;
-pub mod rope;
 
 use std::any::Any;
 
 use crate::Result;
 use crate::config::ModelConfig;
-use crate::engine::sampler::Sampler;
+use crate::sampling::Sampler;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,9 +6,9 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::affine::{AffineParams, AffineTensor};
-use crate::backend::cpu::kquants;
-use crate::quantize::Recipe;
+use crate::quant::affine::{AffineParams, AffineTensor};
+use crate::quant::kquants;
+use crate::quant::recipe::Recipe;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 

@@ -11,7 +11,6 @@
 //! everything else is stored as is. Scales and biases take the weight's dtype.
 
 mod metadata;
-mod recipe;
 mod sanitize;
 mod writer;
 
@@ -20,13 +19,13 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
-pub use self::recipe::Recipe;
 use self::sanitize::Planned;
 use self::writer::{Entry, SafetensorsWriter};
-use crate::affine::{AffineParams, pack, quantize_group};
 use crate::config::{Architecture, ModelConfig};
 use crate::formats::TensorSource;
 use crate::loader;
+use crate::quant::affine::{AffineParams, pack, quantize_group};
+pub use crate::quant::recipe::Recipe;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -200,11 +199,11 @@ impl Job {
 /// Quantizes the model in `src` into a new directory `out`. `progress` is
 /// called with (tensors done, total) as the work advances.
 pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn Fn(usize, usize)) -> Result<()> {
-    if !crate::affine::MLX_GROUP_SIZES.contains(&opts.group_size) {
+    if !crate::quant::affine::MLX_GROUP_SIZES.contains(&opts.group_size) {
         // Groups of 16 are qinfer's form of ggml blocks; mlx reads none.
         return Err(Error::config(
             "--group-size",
-            format!("{} is not one of mlx's {:?}", opts.group_size, crate::affine::MLX_GROUP_SIZES),
+            format!("{} is not one of mlx's {:?}", opts.group_size, crate::quant::affine::MLX_GROUP_SIZES),
         ));
     }
     if out.exists() && !opts.force {

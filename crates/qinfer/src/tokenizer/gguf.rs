@@ -14,7 +14,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::{BosRule, Parts, SpecialTokens, Tokenizer};
-use crate::formats::gguf::GgufValue;
+use crate::formats::gguf::{GgufFile, GgufValue};
 use crate::{Error, Result};
 
 /// llama.cpp's token types (`llama_token_type`).
@@ -108,6 +108,15 @@ fn string_list<'a>(meta: &'a BTreeMap<String, GgufValue>, key: &str) -> Result<O
             .map(Some)
             .ok_or_else(|| Error::Tokenizer(format!("`{key}`: expected an array of strings"))),
     }
+}
+
+/// The tokenizer embedded in `file`, or None when it has no
+/// `tokenizer.ggml.model`; errors name the file.
+pub fn from_file(file: &GgufFile) -> Result<Option<Tokenizer>> {
+    from_metadata(file.metadata()).map_err(|e| match e {
+        Error::Tokenizer(reason) => Error::Tokenizer(format!("{}: {reason}", file.path().display())),
+        other => other,
+    })
 }
 
 /// Builds the tokenizer described by GGUF metadata; None when the file has no

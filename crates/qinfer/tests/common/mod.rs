@@ -53,3 +53,31 @@ impl TensorSource for DecodedBlocks<'_> {
         self.0.raw_tensor(name)
     }
 }
+
+/// Whether this run must not skip anything: `.ci/run` sets `QINFER_CI=1`,
+/// so a test that cannot find what it needs fails there instead of passing.
+pub fn must_not_skip() -> bool {
+    std::env::var_os("QINFER_CI").is_some_and(|v| v == "1")
+}
+
+/// Skips the calling test with `reason`, or fails it under CI.
+pub fn skip(reason: &str) {
+    assert!(!must_not_skip(), "QINFER_CI=1 forbids skipping: {reason}");
+    eprintln!("skipping: {reason}");
+}
+
+/// The default model (SmolLM2-135M-Instruct Q4_1) where
+/// `scripts/fetch_default_model.sh` puts it: `$QINFER_CACHE/models`, else
+/// `~/.cache/qinfer/models`. None (after [`skip`]) when it is absent.
+pub fn default_model() -> Option<PathBuf> {
+    let cache = std::env::var_os("QINFER_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/qinfer")))?;
+    let p = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        skip(&format!("{} not found (run scripts/fetch_default_model.sh)", p.display()));
+        None
+    }
+}

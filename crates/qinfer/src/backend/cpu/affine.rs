@@ -1,4 +1,4 @@
-//! Affine-quantized matrices on the CPU (MLX layout, see [`crate::affine`]):
+//! Affine-quantized matrices on the CPU (MLX layout, see [`crate::quant::affine`]):
 //! the packed words stay in the mapped file; only the per-group scales and
 //! biases (1/16 to 1/64 of the values) are decoded to f32 at load.
 //!
@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::simd::dot;
-use crate::affine::{AffineParams, AffineTensor, unpack};
+use crate::quant::affine::{AffineParams, AffineTensor, unpack};
 use crate::tensor::Bytes;
 use crate::{Error, Result};
 
@@ -288,7 +288,7 @@ fn matmul_portable(x: &[f32], n: usize, w: &AffineMatrix, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::affine::{SUPPORTED_BITS, pack};
+    use crate::quant::affine::{SUPPORTED_BITS, pack};
 
     fn matrix(rows: usize, cols: usize, params: AffineParams) -> AffineMatrix {
         let levels = 1u32 << params.bits;

@@ -1,4 +1,4 @@
-//! AVX2 kernels for affine-quantized weights (MLX layout, see [`crate::affine`]).
+//! AVX2 kernels for affine-quantized weights (MLX layout, see [`crate::quant::affine`]).
 //!
 //! Every run of 8 values fills exactly `bits` bytes, so each kernel step reads
 //! those bytes as one integer, shifts every value into its own 32-bit lane and

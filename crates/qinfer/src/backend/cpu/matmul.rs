@@ -15,11 +15,11 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::kquants;
 use super::q8::{self, Q8Block};
 use super::q8k::{self, Q8KBlock};
-use super::quant::dequantize_into;
 use super::simd::dot;
+use crate::quant::ggml::dequantize_into;
+use crate::quant::kquants;
 use crate::tensor::{Bytes, DType};
 
 /// A 2-D weight `[rows, cols]` in its stored type.
@@ -470,7 +470,3 @@ mod tests {
         }
     }
 }
-
-#[cfg(test)]
-#[path = "matmul_timing.rs"]
-mod timing;

@@ -6,25 +6,24 @@ pub mod affine;
 mod affine_avx2;
 pub mod attention;
 pub mod gdn;
-pub mod kquants;
 pub mod matmul;
 pub mod moe;
 pub mod q8;
 pub mod q8_avx2;
 pub mod q8k;
 mod q8k_avx2;
-pub mod quant;
 pub mod simd;
 #[cfg(test)]
 mod test_rng;
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, ExpertWeights, KvCache, Routing};
-use crate::affine::AffineTensor;
+use super::{AttentionShape, Backend, ExpertWeights, Routing};
 use crate::config::GdnConfig;
+use crate::config::rope::Rope;
+use crate::kv::KvCache;
 use crate::kv::contiguous::ContiguousKv;
-use crate::models::rope::Rope;
+use crate::quant::affine::AffineTensor;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 use gdn::CpuGdnState;

@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use super::quant::f16_at;
+use crate::quant::ggml::f16_at;
 use crate::tensor::DType;
 
 /// One block of 32 activations: x ≈ d·q. `s` = d·Σq (needed by Q4_1's min term).
@@ -185,7 +185,7 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::quant::dequantize_into;
+    use crate::quant::ggml::dequantize_into;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -468,9 +468,9 @@ unsafe fn tile_q5<const AFFINE: bool, const MR: usize, const NR: usize>(
 #[cfg(test)]
 mod tests {
     use super::super::q8::{self, dot, dot_tile, quantize_row_scalar};
-    use super::super::quant::dequantize_into;
     use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
+    use crate::quant::ggml::dequantize_into;
     use crate::tensor::DType;
 
     fn has_avx2() -> bool {

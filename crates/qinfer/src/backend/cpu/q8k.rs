@@ -6,7 +6,7 @@
 //! `d_w·d_x·Σ sc·Σ q·x − dmin_w·d_x·Σ m·bsum`. ggml sums the same integers;
 //! only the order of the few float additions across blocks differs.
 
-use super::kquants::{self, QK_K};
+use crate::quant::kquants::{self, QK_K};
 use crate::tensor::DType;
 
 /// One block of 256 activations: x ≈ d·q; `bsums[g]` = Σ of q over values 16g..16g+16.
@@ -95,7 +95,7 @@ pub fn dot_scalar(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::quant::dequantize_into;
+    use crate::quant::ggml::dequantize_into;
 
     fn lcg(seed: &mut u64) -> u64 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

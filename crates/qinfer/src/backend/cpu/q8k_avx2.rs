@@ -356,10 +356,10 @@ pub unsafe fn dot_q3_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::kquants::{QK_K, f16_field_offsets};
     use super::super::q8k::{dot, dot_scalar, quantize_row};
     use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
+    use crate::quant::kquants::{QK_K, f16_field_offsets};
     use crate::tensor::DType;
 
     const TYPES: [DType; 5] = [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K];

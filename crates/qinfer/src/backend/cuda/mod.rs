@@ -31,10 +31,11 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, KvCache, KvPrecision, QkvShape, Routing};
+use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, QkvShape, Routing};
+use crate::config::rope::Rope;
 use crate::config::{GdnConfig, RopeStyle};
-use crate::engine::sampler::SamplingParams;
-use crate::models::rope::Rope;
+use crate::kv::{KvCache, KvPrecision};
+use crate::sampling::SamplingParams;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 pub use compile::prebuild as prebuild_kernels;
@@ -675,7 +676,7 @@ impl CudaBackend {
     /// `superblock_records`) for its scales and biases. The f32 scales and
     /// biases of the full affine form are never built.
     fn upload_superblocks(&self, t: &Tensor) -> Result<CudaWeight> {
-        use crate::formats::gguf::{affine_levels, superblock_records};
+        use crate::quant::gguf_affine::{affine_levels, superblock_records};
         let no_form = || Error::tensor(&t.name, format!("{} has no super-block records", t.dtype.name()));
         let levels = affine_levels(t).ok_or_else(no_form)??;
         let records = superblock_records(t).ok_or_else(no_form)??;
@@ -1764,7 +1765,7 @@ impl Backend for CudaBackend {
             // The K-quants keep their super-blocks' scales as records.
             (2, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) => self.upload_superblocks(t),
             (2, DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0) => {
-                match crate::formats::gguf::as_affine(t) {
+                match crate::quant::gguf_affine::as_affine(t) {
                     Some(affine) => affine.and_then(|a| self.upload_affine(&a)),
                     None => Err(Error::tensor(&t.name, format!("{} has no affine form", t.dtype.name()))),
                 }
@@ -1778,7 +1779,7 @@ impl Backend for CudaBackend {
         .and_then(|w| self.check().map(|_| w))
     }
 
-    fn upload_affine(&self, t: &crate::affine::AffineTensor) -> Result<CudaWeight> {
+    fn upload_affine(&self, t: &crate::quant::affine::AffineTensor) -> Result<CudaWeight> {
         let &[rows, cols] = t.shape.as_slice() else {
             return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape)));
         };

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
 use super::{Arg, CudaAct, CudaBackend, cfg};
 use crate::backend::Backend;
-use crate::engine::sampler::SamplingParams;
+use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
 /// Blocks of `sample_argmax` (`ARGMAX_BLOCKS` in sampling.cu).

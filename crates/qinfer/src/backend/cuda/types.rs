@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 
-use crate::affine::AffineParams;
-use crate::backend::{KvCache, KvPrecision};
 use crate::config::GdnConfig;
+use crate::kv::{KvCache, KvPrecision};
+use crate::quant::affine::AffineParams;
 use crate::tensor::DType;
 
 /// Row-major f32 activations on the device. When dropped, the buffer goes
@@ -111,7 +111,7 @@ pub enum CudaWeight {
     Vector(CudaSlice<f32>),
 }
 
-/// An affine-quantized `[rows, cols]` matrix (see [`crate::affine`]).
+/// An affine-quantized `[rows, cols]` matrix (see [`crate::quant::affine`]).
 pub struct AffineWeight {
     pub params: AffineParams,
     pub rows: usize,
@@ -168,7 +168,7 @@ impl AffineWeight {
             AffineSide::F32 => (4 * groups, 4 * groups),
             AffineSide::Bf16 => (2 * groups, 2 * groups),
             AffineSide::Records => {
-                let record = crate::formats::gguf::superblock_record_bytes(self.params.bits)
+                let record = crate::quant::gguf_affine::superblock_record_bytes(self.params.bits)
                     .expect("records are made for the K-quants only");
                 (cols / 256 * record, 0)
             }

@@ -5,7 +5,6 @@
 //! the metadata key/values, the tensor infos, padding to `general.alignment`
 //! (default 32), then the tensor data; tensor offsets are relative to the data.
 
-mod as_affine;
 mod config;
 mod gdn_meta;
 mod ggml_type;
@@ -22,10 +21,6 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-pub use as_affine::{
-    AffineLevels, SUPERBLOCK_RECORD, SUPERBLOCK_RECORD_Q2K, SUPERBLOCK_RECORD_Q6K, affine_bits, affine_group_size,
-    affine_levels, as_affine, record_scale_bias, superblock_record_bytes, superblock_records,
-};
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};
 pub use reader::GgufTensorInfo;
@@ -121,14 +116,6 @@ impl GgufFile {
 
     pub fn model_config(&self) -> Result<ModelConfig> {
         config::model_config(self)
-    }
-
-    /// The embedded tokenizer, or None when the file has no `tokenizer.ggml.model`.
-    pub fn tokenizer(&self) -> Result<Option<crate::tokenizer::Tokenizer>> {
-        crate::tokenizer::gguf::from_metadata(&self.metadata).map_err(|e| match e {
-            Error::Tokenizer(reason) => Error::Tokenizer(format!("{}: {reason}", self.path.display())),
-            other => other,
-        })
     }
 
     /// The GGUF name a lookup resolves to: the mapped Hugging Face name when

@@ -6,7 +6,7 @@
 //! ([`Unpacked`]): the integer dot with Q8_K activations (see `q8k`) and the
 //! decoder both start from it, so the bit layouts live in one place.
 
-use super::quant::f16_at;
+use super::ggml::f16_at;
 use crate::tensor::DType;
 
 pub const QK_K: usize = 256;

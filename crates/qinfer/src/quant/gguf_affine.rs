@@ -18,9 +18,9 @@
 
 use rayon::prelude::*;
 
-use crate::affine::{self, AffineParams, AffineParts, AffineTensor};
-use crate::backend::cpu::kquants::{self, QK_K};
-use crate::backend::cpu::quant::f16_at;
+use super::affine::{self, AffineParams, AffineParts, AffineTensor};
+use super::ggml::f16_at;
+use crate::quant::kquants::{self, QK_K};
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -261,7 +261,7 @@ pub struct AffineLevels {
     pub params: AffineParams,
     pub rows: usize,
     pub cols: usize,
-    /// Rows of `cols · bits / 8` bytes, packed as [`crate::affine::pack`] does.
+    /// Rows of `cols · bits / 8` bytes, packed as [`crate::quant::affine::pack`] does.
     pub packed: Vec<u8>,
 }
 

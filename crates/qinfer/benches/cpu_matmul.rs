@@ -1,12 +1,50 @@
-//! Timings of the matmul on SmolLM2-135M's shapes and of the quantized register
-//! tiles, with random weights. Ignored by default; run with
-//! `cargo test --release -p qinfer --lib backend::cpu::matmul::timing -- --ignored --nocapture`
-//! (`SHAPES_BF16=1` adds bf16 weights, `SHAPES_DETAIL=1` per-matrix times,
-//! `SHAPES_THREADS=n` the pool size, `ALL_TILES=1` every tile shape).
+//! Timings of the CPU matmul on SmolLM2-135M's shapes and of the quantized
+//! register tiles, with random weights:
+//!
+//! `cargo bench -p qinfer --bench cpu_matmul -- [--bf16] [--detail] [--threads N] [--all-tiles]`
+//!
+//! `--bf16` adds bf16 weights, `--detail` per-matrix times, `--threads` the
+//! pool size (2 by default), `--all-tiles` every register-tile shape.
 
-use super::super::q8::dot_tile;
-use super::*;
 use std::time::Instant;
+
+use qinfer::backend::cpu::matmul::{CpuMatrix, matmul};
+use qinfer::backend::cpu::q8::{Q8Block, dot_tile};
+use qinfer::tensor::{Bytes, DType};
+use rayon::prelude::*;
+
+struct Options {
+    bf16: bool,
+    detail: bool,
+    threads: usize,
+    all_tiles: bool,
+}
+
+fn main() {
+    let mut opts = Options { bf16: false, detail: false, threads: 2, all_tiles: false };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--bf16" => opts.bf16 = true,
+            "--detail" => opts.detail = true,
+            "--all-tiles" => opts.all_tiles = true,
+            "--threads" => {
+                opts.threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number");
+            }
+            // `cargo bench` passes `--bench` to every bench program.
+            "--bench" => {}
+            other => {
+                eprintln!("unknown option `{other}` (expected --bf16, --detail, --threads N, --all-tiles)");
+                std::process::exit(2);
+            }
+        }
+    }
+    read_bandwidth();
+    rayon_overhead();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(opts.threads).build().expect("a thread pool");
+    pool.install(|| shapes(&opts));
+    kernel_ns_per_block(&opts);
+}
 
 fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> CpuMatrix {
     let bb = dtype.block_bytes();
@@ -26,8 +64,6 @@ fn random_matrix(dtype: DType, rows: usize, cols: usize, seed: &mut u64) -> CpuM
     CpuMatrix { dtype, rows, cols, data: Bytes::from_vec(bytes) }
 }
 
-#[test]
-#[ignore]
 fn read_bandwidth() {
     let buf: Vec<u64> = (0..96usize << 17).map(|i| i as u64).collect();
     for threads in [1usize, 2] {
@@ -45,8 +81,6 @@ fn read_bandwidth() {
     }
 }
 
-#[test]
-#[ignore]
 fn rayon_overhead() {
     let reps = 2000;
     let t = Instant::now();
@@ -68,19 +102,11 @@ fn rayon_overhead() {
     });
 }
 
-#[test]
-#[ignore]
-fn smollm2_shapes() {
-    let threads: usize = std::env::var("SHAPES_THREADS").map(|v| v.parse().unwrap()).unwrap_or(2);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    pool.install(shapes);
-}
-
-fn shapes() {
+fn shapes(opts: &Options) {
     let (h, kv, inter, layers, vocab) = (576, 192, 1536, 30, 49152);
     let mut seed = 1;
     let mut kinds = vec![(DType::Q4_1, DType::Q8_0)];
-    if std::env::var("SHAPES_BF16").is_ok() {
+    if opts.bf16 {
         kinds.push((DType::BF16, DType::BF16));
     }
     for (wd, hd) in kinds {
@@ -112,7 +138,7 @@ fn shapes() {
                 "{wd:?}/{hd:?} n={n}: layers {tl:.2} ms, head {th:.2} ms → {:.1} tok/s (matmul only)",
                 n as f64 / ((tl + th) / 1e3)
             );
-            if std::env::var("SHAPES_DETAIL").is_err() {
+            if !opts.detail {
                 continue;
             }
             for m in &ws[0] {
@@ -157,14 +183,12 @@ fn run<const MR: usize, const NR: usize>(dtype: DType) {
     println!("{dtype:?} {MR}x{NR}: {ns:.3} ns per block pair ({acc})");
 }
 
-#[test]
-#[ignore]
-fn kernel_ns_per_block() {
+fn kernel_ns_per_block(opts: &Options) {
     for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::Q5_1] {
         run::<4, 2>(dtype);
         run::<1, 4>(dtype);
     }
-    if std::env::var("ALL_TILES").is_err() {
+    if !opts.all_tiles {
         return;
     }
     for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::Q5_1] {
@@ -175,50 +199,5 @@ fn kernel_ns_per_block() {
         run::<4, 2>(dtype);
         run::<3, 4>(dtype);
         run::<4, 4>(dtype);
-    }
-}
-
-/// The default model's real weights through the tiled matmul against the scalar dot.
-#[test]
-#[ignore]
-fn real_weights_match_scalar_dot() {
-    use crate::formats::TensorSource;
-    let path = std::path::PathBuf::from(std::env::var("HOME").unwrap())
-        .join(".cache/qinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let Ok(f) = crate::formats::gguf::GgufFile::open(&path) else { return };
-    for name in f.names().iter().filter(|n| n.starts_with("blk.0.") || n.starts_with("token_embd")) {
-        let t = f.raw_tensor(name).unwrap();
-        if t.shape.len() != 2 || !t.dtype.is_quantized() {
-            continue;
-        }
-        let w = CpuMatrix { dtype: t.dtype, rows: t.shape[0], cols: t.shape[1], data: t.data.clone() };
-        let rows = w.rows.min(2048);
-        let w = CpuMatrix { rows, data: Bytes::from_vec(t.data.as_slice()[..rows * w.row_bytes()].to_vec()), ..w };
-        let n = 37;
-        let mut seed = 5u64;
-        let x: Vec<f32> = (0..n * w.cols)
-            .map(|i| {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                if i % 97 == 0 { u * 40.0 } else { u }
-            })
-            .collect();
-        let mut out = vec![0f32; n * rows];
-        matmul(&x, n, &w, &mut out);
-        let rb = w.row_bytes();
-        let mut xq = vec![Q8Block::ZERO; w.cols / 32];
-        let mut worst = 0f32;
-        for tt in 0..n {
-            q8::quantize_row_scalar(&x[tt * w.cols..(tt + 1) * w.cols], &mut xq);
-            for r in 0..rows {
-                let want = q8::dot(w.dtype, &w.data.as_slice()[r * rb..(r + 1) * rb], &xq);
-                let err = (out[tt * rows + r] - want).abs() / (1e-3 + want.abs());
-                if err > worst {
-                    worst = err;
-                    println!("  ({tt},{r}) got {} want {want}", out[tt * rows + r]);
-                }
-            }
-        }
-        println!("{name} {:?} [{}x{}]: worst relative error {worst:e}", w.dtype, rows, w.cols);
     }
 }

@@ -1,6 +1,8 @@
 //! Model configuration, read from a Hugging Face `config.json` (classic hub keys
 //! and transformers-5 keys both) or built from GGUF metadata.
 
+pub mod rope;
+
 use serde_json::Value;
 
 use crate::{Error, Result};
