@@ -68,27 +68,15 @@ fn main() {
         eprintln!("error: could not start {n} threads: {e}");
         std::process::exit(2);
     }
-    let device = match cli.no_cuda_graphs {
-        true => cli.device.without_graphs().unwrap_or_else(|e| {
-            eprintln!("error: --no-cuda-graphs: {e}");
-            std::process::exit(2);
-        }),
-        false => cli.device,
+    let options = qinfer::loader::CudaOptions {
+        graphs: !cli.no_cuda_graphs,
+        overlapped_launches: !cli.no_overlapped_launches,
+        kv: cli.kv_cache.unwrap_or_default(),
     };
-    let device = match cli.no_overlapped_launches {
-        true => device.without_overlapped_launches().unwrap_or_else(|e| {
-            eprintln!("error: --no-overlapped-launches: {e}");
-            std::process::exit(2);
-        }),
-        false => device,
-    };
-    let device = match cli.kv_cache {
-        Some(kv) => device.with_kv_precision(kv).unwrap_or_else(|e| {
-            eprintln!("error: --kv-cache: {e}");
-            std::process::exit(2);
-        }),
-        None => device,
-    };
+    let device = cli.device.with_cuda_options(options).unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    });
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),
         Command::Generate(a) => commands::generate::main(a, device),

@@ -19,5 +19,6 @@ pub mod quantize;
 pub mod sampling;
 pub mod tensor;
 pub mod tokenizer;
+pub mod weights;
 
 pub use error::{Error, Result};

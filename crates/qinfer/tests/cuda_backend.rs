@@ -665,7 +665,7 @@ fn random_affine_models_decode_like_the_cpu() {
         for (storage, kv) in [("q4g64", KvPrecision::F16), ("q8g32", KvPrecision::F16), ("q4g128", KvPrecision::F32)] {
             let storage = storage.parse().unwrap();
             let (_, cpu) = loader::random_model(&config, storage, Device::Cpu).unwrap();
-            let cuda = Device::Cuda { ordinal: 0, graphs: true, overlap: true, kv };
+            let cuda = Device::Cuda { ordinal: 0, options: qinfer::loader::CudaOptions { kv, ..Default::default() } };
             let (_, gpu) = loader::random_model(&config, storage, cuda).unwrap();
             let (mut sc, mut sg) = (cpu.new_sequence(64), gpu.new_sequence(64));
             let prompt = [11u32, 250, 7, 1999, 42, 5];

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use qinfer::models::random::WeightStorage;
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::{Sampler, SamplingParams};
+use qinfer::weights::random::WeightStorage;
 use serde_json::json;
 
 use crate::common::open_model;

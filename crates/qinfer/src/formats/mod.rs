@@ -2,6 +2,7 @@
 //! plus configuration.
 
 pub mod gguf;
+pub mod hf_dir;
 pub mod mlx;
 pub mod safetensors;
 

@@ -4,13 +4,13 @@
 //! q_proj emits a query and an output gate per head, partial RoPE, output ×
 //! sigmoid(gate) before o_proj).
 
-use super::WeightLoader;
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{AttentionShape, Backend, QkvShape};
 use crate::config::ModelConfig;
 use crate::config::rope::Rope;
 use crate::tensor::Tensor;
+use crate::weights::WeightLoader;
 
 /// The q, k and v projections: one weight of their rows stacked (backends
 /// that fuse projections), or one each.

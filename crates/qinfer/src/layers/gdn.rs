@@ -3,11 +3,11 @@
 //! `Qwen3_5GatedDeltaNet` (split `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
 //! `in_proj_a`). The backend runs the conv, the delta rule and the gated norm.
 
-use super::WeightLoader;
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{Backend, GdnWeights};
 use crate::config::{Architecture, GdnConfig, ModelConfig};
+use crate::weights::WeightLoader;
 
 enum Projections<W> {
     /// Qwen3-Next: per key head, `[q(dk), k(dk), v(r·dv), z(r·dv)]` and `[b(r), a(r)]`

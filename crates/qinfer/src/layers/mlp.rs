@@ -1,9 +1,9 @@
 //! The SwiGLU feed-forward block: `down(silu(gate(x)) ⊙ up(x))`.
 
-use super::WeightLoader;
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::Backend;
+use crate::weights::WeightLoader;
 
 pub struct Mlp<B: Backend> {
     /// gate|up stacked into one weight (backends that fuse projections), or

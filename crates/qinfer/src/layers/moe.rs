@@ -3,11 +3,11 @@
 //! sigmoid-gated shared expert of Qwen3-Next / Qwen3.5-MoE
 //! (`Qwen3NextSparseMoeBlock`).
 
-use super::WeightLoader;
 use super::block::{BlockInput, BlockOutput};
 use super::mlp::Mlp;
 use crate::backend::{Backend, ExpertWeights, Routing};
 use crate::config::MoeConfig;
+use crate::weights::WeightLoader;
 use crate::{Error, Result};
 
 pub struct SparseMoe<B: Backend> {

@@ -11,16 +11,16 @@ use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
 use crate::formats::TensorSource;
 use crate::kv::KvCache;
-use crate::layers::WeightLoader;
 use crate::layers::attention::Attention;
 use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
-use crate::models::random::RandomWeights;
 use crate::models::{LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::sampling::Sampler;
 use crate::tensor::Tensor;
+use crate::weights::WeightLoader;
+use crate::weights::random::RandomWeights;
 use crate::{Error, Result};
 
 enum Mixer<B: Backend> {

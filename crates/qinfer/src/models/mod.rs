@@ -2,7 +2,6 @@
 //! and exposes the object-safe [`LanguageModel`] interface to the engine.
 
 pub mod decoder;
-pub mod random;
 
 use std::any::Any;
 

@@ -23,7 +23,7 @@ use self::sanitize::Planned;
 use self::writer::{Entry, SafetensorsWriter};
 use crate::config::{Architecture, ModelConfig};
 use crate::formats::TensorSource;
-use crate::loader;
+use crate::formats::hf_dir::HfDirectory;
 use crate::quant::affine::{AffineParams, pack, quantize_group};
 pub use crate::quant::recipe::Recipe;
 use crate::tensor::{Bytes, DType, Tensor};
@@ -209,21 +209,24 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
     if out.exists() && !opts.force {
         return Err(Error::Invalid(format!("{} exists; pass --force to replace it", out.display())));
     }
-    // Unknown architectures stop here, named by the loader.
-    let model = loader::open(src)?;
+    // Unknown architectures stop here, named by the config reader.
+    if !src.is_dir() {
+        return Err(Error::Invalid(format!(
+            "{}: quantize reads a Hugging Face model directory (config.json and safetensors)",
+            src.display()
+        )));
+    }
+    let model = HfDirectory::open(src)?;
     if model.source.names().iter().any(|n| n.ends_with(".scales")) {
         return Err(Error::Invalid(format!("{} is already quantized", src.display())));
     }
     let default = AffineParams::new(opts.bits, opts.group_size, "--bits/--group-size")?;
-    let cfg_path = src.join("config.json");
-    let mut cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?)
-            .map_err(|e| Error::malformed(&cfg_path, e.to_string()))?;
+    let mut cfg: Value = model.config_json.clone();
     let target = metadata::conversion_dtype(opts.dtype, &cfg);
 
     let mut quant = json!({"group_size": opts.group_size, "bits": opts.bits, "mode": "affine"});
     let mut jobs = Vec::new();
-    for planned in sanitize::plan(&model.config, model.source.as_ref())?.into_values() {
+    for planned in sanitize::plan(&model.config, &model.source)?.into_values() {
         let dtype = match target {
             Some(t) if casts(model.config.arch, &planned.name) => t,
             _ => planned.dtype,
@@ -245,7 +248,7 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
         out.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
         std::process::id()
     ));
-    let result = write_dir(&tmp, src, &cfg, &jobs, model.source.as_ref(), progress);
+    let result = write_dir(&tmp, src, &cfg, &jobs, &model.source, progress);
     if let Err(e) = result {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
