@@ -4,13 +4,8 @@
 
 use half::f16;
 
-use crate::tensor::DType;
-
-/// The little-endian f16 at byte `i` of a block, widened (exactly).
-#[inline(always)]
-pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
+use super::dtype::DType;
+use super::kquants::f16_at;
 
 /// Decodes `out.len()` values from `src` (which must hold exactly that many of `dtype`).
 pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {

@@ -19,7 +19,7 @@
 use rayon::prelude::*;
 
 use super::affine::{self, AffineParams, AffineParts, AffineTensor};
-use super::ggml::f16_at;
+use super::kquants::f16_at;
 use crate::quant::kquants::{self, QK_K};
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};

@@ -6,10 +6,17 @@
 //! ([`Unpacked`]): the integer dot with Q8_K activations (see `q8k`) and the
 //! decoder both start from it, so the bit layouts live in one place.
 
-use super::ggml::f16_at;
-use crate::tensor::DType;
+use half::f16;
+
+use super::dtype::DType;
 
 pub const QK_K: usize = 256;
+
+/// The little-endian f16 at byte `i` of a block, widened (exactly).
+#[inline(always)]
+pub fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
 
 /// One super-block as integers: value `i` is
 /// `d·scales[i/16]·q[i] − dmin·mins[i/16]`.

@@ -3,6 +3,7 @@
 //! rewriting them as affine groups), and mlx-lm's mixed-precision recipes.
 
 pub mod affine;
+pub mod dtype;
 pub mod ggml;
 pub mod gguf_affine;
 pub mod kquants;

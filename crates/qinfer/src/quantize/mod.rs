@@ -10,6 +10,7 @@
 //! group 64 (the model's `quant_predicate`) unless a [`Recipe`] decides;
 //! everything else is stored as is. Scales and biases take the weight's dtype.
 
+mod encode;
 mod metadata;
 mod sanitize;
 mod writer;
@@ -19,6 +20,7 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
+use self::encode::encode;
 use self::sanitize::Planned;
 use self::writer::{Entry, SafetensorsWriter};
 use crate::config::{Architecture, ModelConfig};
@@ -80,25 +82,6 @@ fn st_dtype(d: DType) -> Result<&'static str> {
         | DType::Q4_K
         | DType::Q5_K
         | DType::Q6_K => Err(Error::Invalid(format!("{} input cannot be requantized", d.name()))),
-    }
-}
-
-fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
-        DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
-        DType::F32
-        | DType::U32
-        | DType::Q4_0
-        | DType::Q4_1
-        | DType::Q5_0
-        | DType::Q5_1
-        | DType::Q8_0
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
 

@@ -75,7 +75,7 @@ impl Planned {
             Origin::PlusOne(n) => {
                 let t = src.tensor(n)?;
                 let values: Vec<f32> = t.to_f32_vec().iter().map(|v| v + 1.0).collect();
-                super::encode(&values, t.dtype)
+                super::encode::encode(&values, t.dtype)
             }
             Origin::SwapLastAxes(n) => {
                 let t = src.tensor(n)?;

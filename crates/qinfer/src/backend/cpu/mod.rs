@@ -1,6 +1,7 @@
 //! The CPU backend: f32 activations, weights consumed in their stored type,
 //! rayon for threads.
 
+pub mod act_blocks;
 pub mod affine;
 #[cfg(target_arch = "x86_64")]
 mod affine_avx2;

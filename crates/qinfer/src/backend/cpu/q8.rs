@@ -6,28 +6,11 @@
 //! `Q8_0`/`Q8_1` first), so GGUF models reproduce llama.cpp's numbers, and it
 //! is the fast path: 8-bit products summed exactly in i32.
 
-use half::f16;
-
-use crate::quant::ggml::f16_at;
+use crate::quant::kquants::f16_at;
 use crate::tensor::DType;
 
-/// One block of 32 activations: x ≈ d·q. `s` = d·Σq (needed by Q4_1's min term).
-/// `d` and `s` are rounded through f16 as llama.cpp stores them.
-#[derive(Debug, Clone, Copy)]
-pub struct Q8Block {
-    pub d: f32,
-    pub s: f32,
-    pub qs: [i8; 32],
-}
-
-impl Q8Block {
-    pub const ZERO: Q8Block = Q8Block { d: 0.0, s: 0.0, qs: [0; 32] };
-}
-
-#[inline]
-pub(super) fn f16_round(x: f32) -> f32 {
-    f16::from_f32(x).to_f32()
-}
+pub use super::act_blocks::Q8Block;
+use super::act_blocks::f16_round;
 
 /// Quantizes `x` (length a multiple of 32) into `out` (one block per 32
 /// values), as ggml's AVX2 `quantize_row_q8_1`: scale 127/amax, round half to even.

@@ -27,7 +27,7 @@
 
 use std::arch::x86_64::*;
 
-use super::q8::{Q8Block, f16_round};
+use super::act_blocks::{Q8Block, f16_round};
 
 /// [`super::q8::quantize_row_scalar`], 32 values at a time, bit for bit.
 ///

@@ -9,17 +9,7 @@
 use crate::quant::kquants::{self, QK_K};
 use crate::tensor::DType;
 
-/// One block of 256 activations: x ≈ d·q; `bsums[g]` = Σ of q over values 16g..16g+16.
-#[derive(Debug, Clone, Copy)]
-pub struct Q8KBlock {
-    pub d: f32,
-    pub qs: [i8; QK_K],
-    pub bsums: [i16; 16],
-}
-
-impl Q8KBlock {
-    pub const ZERO: Q8KBlock = Q8KBlock { d: 0.0, qs: [0; QK_K], bsums: [0; 16] };
-}
+pub use super::act_blocks::Q8KBlock;
 
 /// Quantizes `x` (length a multiple of 256) as ggml's `quantize_row_q8_K_ref`:
 /// the value of largest magnitude maps to −127, rounding half to even.

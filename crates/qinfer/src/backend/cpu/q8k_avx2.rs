@@ -16,7 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::q8k::Q8KBlock;
+use super::act_blocks::Q8KBlock;
 
 /// The scalar path's per-super-block float step, verbatim: any other order or
 /// a fused multiply-add would round differently.

@@ -3,61 +3,11 @@
 //! qwen35 and qwen35moe (experts: `moe_meta`; linear attention: `gdn_meta`).
 
 use super::GgufFile;
-use super::value::GgufValue;
+use super::meta::Meta;
 use crate::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
 use crate::formats::TensorSource;
 use crate::tensor::DType;
 use crate::{Error, Result};
-
-pub(super) struct Meta<'a> {
-    pub(super) file: &'a GgufFile,
-    pub(super) arch: &'a str,
-}
-
-impl Meta<'_> {
-    pub(super) fn key(&self, suffix: &str) -> String {
-        format!("{}.{suffix}", self.arch)
-    }
-    pub(super) fn get(&self, key: &str) -> Option<&GgufValue> {
-        self.file.metadata().get(key)
-    }
-    pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(GgufValue::Array(_)) => Err(Error::config(key, "per-layer values (an array) are not supported")),
-            Some(v) => v
-                .as_u64()
-                .and_then(|x| usize::try_from(x).ok())
-                .map(Some)
-                .ok_or_else(|| Error::config(key, format!("expected a non-negative integer, found {v}"))),
-        }
-    }
-    pub(super) fn req_usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| Error::config(key, "missing from GGUF metadata"))
-    }
-    pub(super) fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|x| Some(x as f32))
-                .ok_or_else(|| Error::config(key, format!("expected a number, found {v}"))),
-        }
-    }
-    pub(super) fn opt_token_id(&self, key: &str) -> Result<Option<u32>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .map(Some)
-                .ok_or_else(|| Error::config(key, format!("expected a token id, found {v}"))),
-        }
-    }
-    pub(super) fn has_tensor(&self, name: &str) -> bool {
-        self.file.tensor_info(name).is_some()
-    }
-}
 
 fn vocab_size(m: &Meta) -> Result<usize> {
     if let Some(n) = m.opt_usize(&m.key("vocab_size"))? {

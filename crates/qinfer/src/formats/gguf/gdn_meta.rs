@@ -1,7 +1,7 @@
 //! Gated DeltaNet metadata of GGUF files (`{arch}.ssm.*`, recurrent layers),
 //! as llama.cpp's converter writes it for qwen3next, qwen35 and qwen35moe.
 
-use super::config::Meta;
+use super::meta::Meta;
 use super::value::{GgufArray, GgufValue};
 use crate::config::{Architecture, GdnConfig, LayerKind};
 use crate::{Error, Result};

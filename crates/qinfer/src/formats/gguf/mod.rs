@@ -9,6 +9,7 @@ mod config;
 mod gdn_meta;
 mod ggml_type;
 mod hybrid;
+mod meta;
 mod moe_meta;
 mod names;
 mod reader;

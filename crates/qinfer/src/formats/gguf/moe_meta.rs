@@ -2,7 +2,7 @@
 //! llama.cpp's converter writes it for qwen3moe (and qwen2moe-style shared
 //! experts).
 
-use super::config::Meta;
+use super::meta::Meta;
 use crate::config::{Architecture, MoeConfig};
 use crate::{Error, Result};
 
