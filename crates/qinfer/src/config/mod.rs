@@ -1,65 +1,14 @@
 //! Model configuration, read from a Hugging Face `config.json` (classic hub keys
 //! and transformers-5 keys both) or built from GGUF metadata.
 
+mod arch;
 pub mod rope;
+
+pub use arch::{Architecture, Features, GdnProjections, MoeFeatures};
 
 use serde_json::Value;
 
 use crate::{Error, Result};
-
-/// Architectures qinfer runs. Matched exhaustively wherever behaviour differs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    Llama,
-    Qwen2,
-    Qwen3,
-    Qwen3Moe,
-    /// Qwen3-Next: Gated DeltaNet hybrid with fused `in_proj_qkvz` / `in_proj_ba`, MoE with a shared expert.
-    Qwen3Next,
-    /// Qwen3.5 dense: Gated DeltaNet hybrid with split `in_proj_qkv` / `_z` / `_b` / `_a`.
-    Qwen35,
-    /// Qwen3.5 MoE: the Qwen3.5 hybrid with MoE layers (top-k always renormalized) and a shared expert.
-    Qwen35Moe,
-}
-
-impl Architecture {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5, qwen3_5_moe";
-
-    pub fn from_model_type(s: &str) -> Result<Self> {
-        match s {
-            "llama" => Ok(Architecture::Llama),
-            "qwen2" => Ok(Architecture::Qwen2),
-            "qwen3" => Ok(Architecture::Qwen3),
-            "qwen3_moe" => Ok(Architecture::Qwen3Moe),
-            "qwen3_next" => Ok(Architecture::Qwen3Next),
-            // Multimodal wrappers name the text model `*_text`.
-            "qwen3_5" | "qwen3_5_text" => Ok(Architecture::Qwen35),
-            "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Architecture::Qwen35Moe),
-            other => {
-                Err(Error::UnknownArchitecture { found: other.to_string(), supported: Self::SUPPORTED.to_string() })
-            }
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Architecture::Llama => "llama",
-            Architecture::Qwen2 => "qwen2",
-            Architecture::Qwen3 => "qwen3",
-            Architecture::Qwen3Moe => "qwen3_moe",
-            Architecture::Qwen3Next => "qwen3_next",
-            Architecture::Qwen35 => "qwen3_5",
-            Architecture::Qwen35Moe => "qwen3_5_moe",
-        }
-    }
-    /// Gated DeltaNet / gated-attention hybrids (Qwen3-Next and Qwen3.5): RMSNorms
-    /// compute x̂·(1+w), q_proj carries an output gate, RoPE is partial.
-    pub fn is_hybrid(self) -> bool {
-        match self {
-            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => true,
-            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => false,
-        }
-    }
-}
 
 /// The token mixer of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -283,12 +232,14 @@ fn parse_layers(v: &Value, arch: Architecture, num_layers: usize) -> Result<Vec<
                 Some("sliding_attention") => window
                     .map(|w| (LayerKind::Attention, Some(w)))
                     .ok_or_else(|| Error::config("sliding_window", "missing for sliding_attention layers")),
-                Some("linear_attention") if arch.is_hybrid() => Ok((LayerKind::LinearAttention, None)),
+                Some("linear_attention") if arch.features().linear_attention.is_some() => {
+                    Ok((LayerKind::LinearAttention, None))
+                }
                 _ => Err(Error::config("layer_types", format!("unsupported layer type {t} for {}", arch.name()))),
             })
             .collect();
     }
-    if arch.is_hybrid() {
+    if arch.features().linear_attention.is_some() {
         let interval = opt_usize(v, "full_attention_interval")?.unwrap_or(4);
         if interval == 0 {
             return Err(Error::config("full_attention_interval", "must be at least 1"));
@@ -301,20 +252,12 @@ fn parse_layers(v: &Value, arch: Architecture, num_layers: usize) -> Result<Vec<
             .collect());
     }
     let use_sliding = opt_bool(v, "use_sliding_window")?.unwrap_or(false);
-    let windows = match arch {
-        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe if use_sliding => {
-            let w =
-                window.ok_or_else(|| Error::config("sliding_window", "missing while use_sliding_window is true"))?;
-            let max_window_layers = opt_usize(v, "max_window_layers")?.unwrap_or(num_layers);
-            (0..num_layers).map(|i| (i >= max_window_layers).then_some(w)).collect()
-        }
-        Architecture::Llama
-        | Architecture::Qwen2
-        | Architecture::Qwen3
-        | Architecture::Qwen3Moe
-        | Architecture::Qwen3Next
-        | Architecture::Qwen35
-        | Architecture::Qwen35Moe => vec![None; num_layers],
+    let windows = if use_sliding && arch.features().sliding_window_by_layer_index {
+        let w = window.ok_or_else(|| Error::config("sliding_window", "missing while use_sliding_window is true"))?;
+        let max_window_layers = opt_usize(v, "max_window_layers")?.unwrap_or(num_layers);
+        (0..num_layers).map(|i| (i >= max_window_layers).then_some(w)).collect()
+    } else {
+        vec![None; num_layers]
     };
     Ok(windows.into_iter().map(|w| (LayerKind::Attention, w)).collect())
 }
@@ -344,26 +287,17 @@ fn parse_moe(v: &Value, arch: Architecture, num_layers: usize) -> Result<(Option
         };
         Ok((0..num_layers).map(|i| !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0).collect())
     };
-    let (shared, renorm_default, always_renorm) = match arch {
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen35 => {
-            return Ok((None, vec![false; num_layers]));
-        }
-        Architecture::Qwen3Moe => (false, false, false),
-        Architecture::Qwen3Next => (true, true, false),
-        Architecture::Qwen35Moe => (true, true, true),
-    };
+    let Some(features) = arch.features().moe else { return Ok((None, vec![false; num_layers])) };
     let num_experts = req_usize_any(v, &["num_experts", "num_local_experts"])?;
     let top_k = req_usize(v, "num_experts_per_tok")?;
     if top_k == 0 || top_k > num_experts {
         return Err(Error::config("num_experts_per_tok", format!("{top_k} is not in 1..={num_experts}")));
     }
-    let layers = match arch {
-        Architecture::Qwen35Moe => vec![true; num_layers],
-        _ => sparse_rule(num_experts)?,
-    };
-    let norm_topk_prob = always_renorm || opt_bool(v, "norm_topk_prob")?.unwrap_or(renorm_default);
+    let layers = if features.every_layer_sparse { vec![true; num_layers] } else { sparse_rule(num_experts)? };
+    let norm_topk_prob =
+        features.always_renormalize || opt_bool(v, "norm_topk_prob")?.unwrap_or(features.renormalize_default);
     let shared_expert_intermediate_size =
-        if shared { Some(req_usize(v, "shared_expert_intermediate_size")?) } else { None };
+        if features.shared_expert { Some(req_usize(v, "shared_expert_intermediate_size")?) } else { None };
     let moe = MoeConfig {
         num_experts,
         top_k,
@@ -375,7 +309,7 @@ fn parse_moe(v: &Value, arch: Architecture, num_layers: usize) -> Result<(Option
 }
 
 fn parse_gdn(v: &Value, arch: Architecture) -> Result<Option<GdnConfig>> {
-    if !arch.is_hybrid() {
+    if arch.features().linear_attention.is_none() {
         return Ok(None);
     }
     let g = GdnConfig {
@@ -405,7 +339,7 @@ fn parse_rotary_dim(v: &Value, arch: Architecture, head_dim: usize) -> Result<us
         Some(f) => Some(f),
         None => opt_f32(v, "partial_rotary_factor")?,
     };
-    let factor = factor.unwrap_or(if arch.is_hybrid() { 0.25 } else { 1.0 });
+    let factor = factor.unwrap_or(arch.features().default_partial_rotary);
     let dim = (head_dim as f64 * factor as f64) as usize;
     if dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
         return Err(Error::config(

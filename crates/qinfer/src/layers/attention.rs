@@ -36,10 +36,11 @@ impl<B: Backend> Attention<B> {
     /// `p` is the module prefix, e.g. `model.layers.3.self_attn`.
     pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, layer: usize) -> Result<Self> {
         let (h, q, kv, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let output_gate = cfg.arch.is_hybrid();
+        let features = cfg.arch.features();
+        let output_gate = features.attention_output_gate;
         let q_rows = if output_gate { 2 * q } else { q };
         let bias = cfg.attention_bias;
-        let unit_offset = cfg.arch.is_hybrid();
+        let unit_offset = features.unit_offset_norms;
         let norm = |name: &str| -> Result<Option<B::Weight>> {
             if cfg.qk_norm { ld.norm(&format!("{p}.{name}.weight"), hd, unit_offset).map(Some) } else { Ok(None) }
         };

@@ -6,7 +6,7 @@
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
 use crate::backend::{Backend, GdnWeights};
-use crate::config::{Architecture, GdnConfig, ModelConfig};
+use crate::config::{GdnConfig, GdnProjections, ModelConfig};
 use crate::weights::WeightLoader;
 
 enum Projections<W> {
@@ -42,14 +42,14 @@ impl<B: Backend> GatedDeltaNet<B> {
         // Next's checkpoints fuse the projections per key head; Qwen3.5's split
         // them, and so do llama.cpp's GGUFs of both (the GGUF reader presents
         // them under the split names).
-        let proj = match cfg.arch {
-            Architecture::Qwen3Next if ld.src.contains(&format!("{p}.in_proj_qkvz.weight")) || ld.random.is_some() => {
-                Projections::Fused {
-                    qkvz: ld.get(&format!("{p}.in_proj_qkvz.weight"), &[2 * kd + 2 * vd, h])?,
-                    ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
-                }
-            }
-            Architecture::Qwen3Next | Architecture::Qwen35 | Architecture::Qwen35Moe => {
+        let layout = cfg.arch.features().linear_attention;
+        let fused = ld.src.contains(&format!("{p}.in_proj_qkvz.weight")) || ld.random.is_some();
+        let proj = match layout {
+            Some(GdnProjections::FusedPerKeyHead) if fused => Projections::Fused {
+                qkvz: ld.get(&format!("{p}.in_proj_qkvz.weight"), &[2 * kd + 2 * vd, h])?,
+                ba: ld.get(&format!("{p}.in_proj_ba.weight"), &[2 * nv, h])?,
+            },
+            Some(GdnProjections::FusedPerKeyHead | GdnProjections::Split) => {
                 let names = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"].map(|n| format!("{p}.{n}.weight"));
                 let mut w = ld.stacked_rows(&names, &[[2 * kd + vd, h], [vd, h], [nv, h], [nv, h]])?.into_iter();
                 match (w.next(), w.next(), w.next(), w.next()) {
@@ -58,7 +58,7 @@ impl<B: Backend> GatedDeltaNet<B> {
                     _ => unreachable!("stacked_rows returns one weight or one per name"),
                 }
             }
-            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+            None => {
                 return Err(crate::Error::config(
                     "layer_types",
                     format!("{} has no linear-attention layers", cfg.arch.name()),

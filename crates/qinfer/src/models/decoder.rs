@@ -170,10 +170,10 @@ impl<B: Backend> DecoderModel<B> {
         random: Option<RandomWeights>,
     ) -> Result<Self> {
         let (root, lm_head_name) = text_prefix(src);
-        let norms_shifted = cfg.arch.is_hybrid() && norms_stored_shifted(src, &cfg, root)?;
+        let unit_offset = cfg.arch.features().unit_offset_norms;
+        let norms_shifted = unit_offset && norms_stored_shifted(src, &cfg, root)?;
         let ld = WeightLoader { src, backend: &backend, on_tensor, random, norms_shifted };
         let h = cfg.hidden_size;
-        let unit_offset = cfg.arch.is_hybrid();
         note_unused_tensors(src);
         let embed_tokens = ld.get(&format!("{root}embed_tokens.weight"), &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);

@@ -80,7 +80,9 @@ fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<(RopeConfig, us
     // Partial rotary is a feature of the hybrid models (Qwen3-Next/3.5). Their
     // `rope.dimension_sections` (multimodal RoPE) give every section the same
     // position for text, which is plain RoPE over `rotary_dim`.
-    if rotary_dim != head_dim && (!arch.is_hybrid() || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2)) {
+    if rotary_dim != head_dim
+        && (!arch.features().partial_rotary || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2))
+    {
         return Err(Error::config(
             m.key("rope.dimension_count"),
             format!("partial rotary ({rotary_dim} of {head_dim} head dims) is not supported for {}", m.arch),

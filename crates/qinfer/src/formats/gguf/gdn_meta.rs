@@ -10,7 +10,7 @@ use crate::{Error, Result};
 /// `ssm.group_count` = key heads, `ssm.time_step_rank` = value heads,
 /// `ssm.state_size` = key head dim, `ssm.inner_size` = value heads × value head dim.
 pub(super) fn gdn(m: &Meta, arch: Architecture) -> Result<Option<GdnConfig>> {
-    if !arch.is_hybrid() {
+    if arch.features().linear_attention.is_none() {
         return Ok(None);
     }
     let num_k_heads = m.req_usize(&m.key("ssm.group_count"))?;
@@ -47,7 +47,7 @@ pub(super) fn gdn(m: &Meta, arch: Architecture) -> Result<Option<GdnConfig>> {
 /// per block) when present, else every `full_attention_interval`-th layer is
 /// softmax attention.
 pub(super) fn layer_kinds(m: &Meta, arch: Architecture, num_layers: usize) -> Result<Vec<LayerKind>> {
-    if !arch.is_hybrid() {
+    if arch.features().linear_attention.is_none() {
         return Ok(vec![LayerKind::Attention; num_layers]);
     }
     let key = m.key("attention.recurrent_layers");
