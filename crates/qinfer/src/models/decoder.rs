@@ -1,11 +1,12 @@
-//! The decoder family: Llama, Qwen2, Qwen3, Qwen3-MoE and the Gated-DeltaNet
-//! hybrids Qwen3-Next / Qwen3.5 (dense and MoE). One pre-norm residual layer
-//! shape (transformers' `*DecoderLayer`): a token mixer (softmax attention or
-//! Gated DeltaNet) then a feed-forward block (SwiGLU MLP or sparse MoE).
+//! The decoder every model file builds: one pre-norm residual layer shape
+//! (transformers' `*DecoderLayer`), a token mixer (softmax attention or Gated
+//! DeltaNet) then a feed-forward block (SwiGLU MLP or sparse MoE), laid out
+//! as the architecture's [`super::spec::ModelSpec`] says.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
+use super::spec::{FeedForwardKind, TextRoot};
 use crate::backend::{Backend, DEVICE_PICK};
 use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
@@ -107,20 +108,6 @@ impl TensorSource for NoTensors {
     }
 }
 
-/// Where the text model's weights live, and the name of its `lm_head`:
-/// `model.` for text checkpoints, `model.language_model.` for Qwen3.5's
-/// multimodal hub checkpoints, `language_model.model.` (head
-/// `language_model.lm_head`) for mlx-lm's conversions of those.
-fn text_prefix(src: &dyn TensorSource) -> (&'static str, &'static str) {
-    if src.contains("model.language_model.embed_tokens.weight") {
-        ("model.language_model.", "lm_head.weight")
-    } else if src.contains("language_model.model.embed_tokens.weight") {
-        ("language_model.model.", "language_model.lm_head.weight")
-    } else {
-        ("model.", "lm_head.weight")
-    }
-}
-
 /// Whether the x̂·(1+w) norm weights are stored with the 1 already added. mlx-lm's
 /// `sanitize` for Qwen3-Next / Qwen3.5 adds it exactly when it also moves the
 /// conv1d kernel axis (transformers `[C, 1, K]` → MLX `[C, K, 1]`), and uses the
@@ -133,21 +120,6 @@ fn norms_stored_shifted(src: &dyn TensorSource, cfg: &ModelConfig, root: &str) -
     }
     let shape = src.tensor(&name)?.shape;
     Ok(shape.len() == 3 && shape[2] == 1 && shape[1] > 1)
-}
-
-/// Tensors that belong to parts qinfer does not run (yet): said once, not an error.
-fn note_unused_tensors(src: &dyn TensorSource) {
-    let names = src.names();
-    let visual = names.iter().filter(|n| n.starts_with("model.visual.")).count();
-    if visual > 0 {
-        tracing::info!("ignoring {visual} vision-tower tensors (model.visual.*): image input is not supported yet");
-    }
-    let mtp = names.iter().filter(|n| n.starts_with("mtp.")).count();
-    if mtp > 0 {
-        tracing::info!(
-            "{mtp} multi-token-prediction tensors (mtp.*) stay in the file, unused until speculative decoding"
-        );
-    }
 }
 
 impl<B: Backend> DecoderModel<B> {
@@ -169,12 +141,13 @@ impl<B: Backend> DecoderModel<B> {
         on_tensor: &dyn Fn(&Tensor),
         random: Option<RandomWeights>,
     ) -> Result<Self> {
-        let (root, lm_head_name) = text_prefix(src);
+        let spec = super::model_spec(cfg.arch);
+        let TextRoot { root, lm_head: lm_head_name } = spec.text_root(src);
         let unit_offset = cfg.arch.features().unit_offset_norms;
         let norms_shifted = unit_offset && norms_stored_shifted(src, &cfg, root)?;
         let ld = WeightLoader { src, backend: &backend, on_tensor, random, norms_shifted };
         let h = cfg.hidden_size;
-        note_unused_tensors(src);
+        spec.note_unused(src);
         let embed_tokens = ld.get(&format!("{root}embed_tokens.weight"), &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -186,9 +159,14 @@ impl<B: Backend> DecoderModel<B> {
                     Mixer::Linear(GatedDeltaNet::load(&ld, &format!("{p}.linear_attn"), &cfg, g)?)
                 }
             };
-            let ffn = match (&cfg.moe, cfg.moe_layers[l]) {
-                (Some(m), true) => FeedForward::Sparse(SparseMoe::load(&ld, &format!("{p}.mlp"), h, m)?),
-                _ => FeedForward::Dense(Mlp::load(&ld, &format!("{p}.mlp"), h, cfg.intermediate_size)?),
+            let ffn = match ((spec.feed_forward)(&cfg, l), &cfg.moe) {
+                (FeedForwardKind::Sparse, Some(m)) => {
+                    FeedForward::Sparse(SparseMoe::load(&ld, &format!("{p}.mlp"), h, m)?)
+                }
+                (FeedForwardKind::Sparse, None) => return Err(Error::config("num_experts", "missing")),
+                (FeedForwardKind::Dense, _) => {
+                    FeedForward::Dense(Mlp::load(&ld, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
+                }
             };
             layers.push(DecoderLayer {
                 input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), h, unit_offset)?,

@@ -1,12 +1,21 @@
-//! Architectures. Each model places its weights on a [`crate::backend::Backend`]
-//! and exposes the object-safe [`LanguageModel`] interface to the engine.
+//! Architectures, one file each (`llama`, `qwen2`, `qwen3`, `qwen3_moe`,
+//! `qwen3_next`, `qwen3_5`) declaring its [`spec::ModelSpec`]; the shared
+//! [`decoder`] places the weights on a [`crate::backend::Backend`] and exposes
+//! the object-safe [`LanguageModel`] interface to the engine.
 
 pub mod decoder;
+pub mod llama;
+pub mod qwen2;
+pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_moe;
+pub mod qwen3_next;
+pub mod spec;
 
 use std::any::Any;
 
 use crate::Result;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::sampling::Sampler;
 
 /// Which logits a forward returns.
@@ -117,4 +126,17 @@ pub fn decode_on_host<M: LanguageModel + ?Sized>(
         }
     }
     Ok(())
+}
+
+/// The model file of `arch`.
+pub fn model_spec(arch: Architecture) -> &'static spec::ModelSpec {
+    match arch {
+        Architecture::Llama => &llama::SPEC,
+        Architecture::Qwen2 => &qwen2::SPEC,
+        Architecture::Qwen3 => &qwen3::SPEC,
+        Architecture::Qwen3Moe => &qwen3_moe::SPEC,
+        Architecture::Qwen3Next => &qwen3_next::SPEC,
+        Architecture::Qwen35 => &qwen3_5::SPEC,
+        Architecture::Qwen35Moe => &qwen3_5::SPEC_MOE,
+    }
 }
