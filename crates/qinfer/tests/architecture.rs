@@ -238,6 +238,28 @@ fn expand(tail: &str, mut base: Vec<String>, out: &mut Vec<Vec<String>>) {
     out.push(base);
 }
 
+/// Paths of `use child::…` (a 2018-edition relative path into a child module
+/// of this file's module, such as a `mod.rs` re-exporting from its files).
+fn child_paths(code: &str, module: &[String], files: &BTreeMap<Vec<String>, PathBuf>) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(pos) = code[from..].find("use ") {
+        let at = from + pos;
+        from = at + 4;
+        if code[..at].chars().next_back().is_some_and(is_ident) {
+            continue;
+        }
+        let tail = code[from..].trim_start();
+        let first: String = tail.chars().take_while(|&c| is_ident(c)).collect();
+        let mut child = module.to_vec();
+        child.push(first.clone());
+        if !first.is_empty() && tail[first.len()..].starts_with("::") && files.contains_key(&child) {
+            expand(&tail[first.len() + 2..], child, &mut out);
+        }
+    }
+    out
+}
+
 struct Crate {
     /// Module path → file.
     files: BTreeMap<Vec<String>, PathBuf>,
@@ -253,7 +275,9 @@ fn read_crate() -> Crate {
     for (module, file) in &files {
         let code = without_test_modules(&code_only(&std::fs::read_to_string(file).unwrap()));
         let mut found = Vec::new();
-        for path in crate_paths(&code, module) {
+        let mut paths = crate_paths(&code, module);
+        paths.extend(child_paths(&code, module, &files));
+        for path in paths {
             let target = (0..=path.len()).rev().map(|k| path[..k].to_vec()).find(|p| files.contains_key(p));
             if let Some(target) = target
                 && &target != module
@@ -338,7 +362,7 @@ fn no_import_loop_between_files() {
     }
     let mut state = BTreeMap::new();
     for node in graph.keys() {
-        if state.get(node).is_none()
+        if !state.contains_key(node)
             && let Some(cycle) = visit(node, &graph, &mut state, &mut Vec::new())
         {
             let names: Vec<String> = cycle.iter().map(|m| rel(&krate.files[*m])).collect();
@@ -361,4 +385,9 @@ fn the_path_reader_sees_what_rustc_sees() {
     );
     let got: Vec<String> = crate_paths(&without_test_modules(&code), &module).iter().map(|p| p.join("::")).collect();
     assert_eq!(got, ["kv::KvCache", "quant::affine", "quant::ggml::f16_at", "config::Rope", "backend::cpu::inner::g"]);
+    let files: BTreeMap<Vec<String>, PathBuf> =
+        [(vec!["backend".to_string(), "ops".to_string()], PathBuf::new())].into_iter().collect();
+    let code = "pub use ops::{FusedOps, GdnOps};\nuse std::sync::Arc;";
+    let got: Vec<String> = child_paths(code, &module[..1], &files).iter().map(|p| p.join("::")).collect();
+    assert_eq!(got, ["backend::ops::FusedOps", "backend::ops::GdnOps"]);
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use common::DecodedBlocks;
 use qinfer::backend::cpu::CpuBackend;
 use qinfer::backend::cuda::{CudaBackend, CudaWeight};
+use qinfer::backend::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
 use qinfer::backend::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routing};
 use qinfer::config::rope::Rope;
 use qinfer::config::{GdnConfig, RopeConfig, RopeStyle};

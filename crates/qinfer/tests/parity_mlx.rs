@@ -72,7 +72,7 @@ impl Reference {
         let f64_path = dir.join("logits_f64.npy");
         let truth = f64_path.exists().then(|| qinfer::npy::read_f32(&f64_path).unwrap().1);
         assert!(
-            truth.is_some() || !lm.config().arch.features().linear_attention.is_some(),
+            truth.is_some() || lm.config().arch.features().linear_attention.is_none(),
             "{name}: hybrid fixture without logits_f64.npy (run scripts/mlx_f64_truth.py)"
         );
         let mlx_err = truth.as_ref().map_or(0.0, |t| max_abs_diff(&mlx, t));

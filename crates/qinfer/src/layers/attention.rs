@@ -6,7 +6,8 @@
 
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
-use crate::backend::{AttentionShape, Backend, QkvShape};
+use crate::backend::ops::ModelBackend;
+use crate::backend::{AttentionShape, QkvShape};
 use crate::config::ModelConfig;
 use crate::config::rope::Rope;
 use crate::tensor::Tensor;
@@ -19,7 +20,7 @@ enum QkvProj<W> {
     Separate { q: W, k: W, v: W, q_bias: Option<W>, k_bias: Option<W>, v_bias: Option<W> },
 }
 
-pub struct Attention<B: Backend> {
+pub struct Attention<B: ModelBackend> {
     proj: QkvProj<B::Weight>,
     o_proj: B::Weight,
     o_bias: Option<B::Weight>,
@@ -32,7 +33,7 @@ pub struct Attention<B: Backend> {
     layer: usize,
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: ModelBackend> Attention<B> {
     /// `p` is the module prefix, e.g. `model.layers.3.self_attn`.
     pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, layer: usize) -> Result<Self> {
         let (h, q, kv, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);

@@ -6,10 +6,10 @@
 //! can fold both into those matmuls instead of running a norm kernel between
 //! blocks.
 
-use crate::backend::Backend;
+use crate::backend::ops::ModelBackend;
 
 /// The input of a pre-norm block: `RMSNorm(h)·norm`.
-pub enum BlockInput<'a, B: Backend> {
+pub enum BlockInput<'a, B: ModelBackend> {
     /// Already normed (the previous block's output was added here, not in a
     /// projection).
     Normed(&'a B::Act),
@@ -17,7 +17,7 @@ pub enum BlockInput<'a, B: Backend> {
     Residual { h: &'a B::Act, norm: &'a B::Weight, eps: f32 },
 }
 
-impl<'a, B: Backend> BlockInput<'a, B> {
+impl<'a, B: ModelBackend> BlockInput<'a, B> {
     /// `normed` when the previous block's output add computed it, else
     /// `RMSNorm(h)·norm` left to the block's first projection.
     pub fn new(h: &'a B::Act, normed: Option<&'a B::Act>, norm: &'a B::Weight, eps: f32) -> Self {
@@ -53,7 +53,7 @@ impl<'a, B: Backend> BlockInput<'a, B> {
 }
 
 /// What a block adds into the residual stream.
-pub enum BlockOutput<'w, B: Backend> {
+pub enum BlockOutput<'w, B: ModelBackend> {
     /// `linear(x, w, bias)`: the block's last projection, left to the caller
     /// to add into `h` as it computes it.
     Projected { x: B::Act, w: &'w B::Weight, bias: Option<&'w B::Weight> },
@@ -61,7 +61,7 @@ pub enum BlockOutput<'w, B: Backend> {
     Done(B::Act),
 }
 
-impl<B: Backend> BlockOutput<'_, B> {
+impl<B: ModelBackend> BlockOutput<'_, B> {
     /// Adds the output into `h`. Returns `RMSNorm(h)·next_norm` when the add
     /// was a plain one (fused with that norm), None when a projection added
     /// into `h` and the next block's first projection can fold the norm.

@@ -5,7 +5,8 @@
 
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
-use crate::backend::{Backend, GdnWeights};
+use crate::backend::GdnWeights;
+use crate::backend::ops::ModelBackend;
 use crate::config::{GdnConfig, GdnProjections, ModelConfig};
 use crate::weights::WeightLoader;
 
@@ -20,7 +21,7 @@ enum Projections<W> {
     Stacked { all: W },
 }
 
-pub struct GatedDeltaNet<B: Backend> {
+pub struct GatedDeltaNet<B: ModelBackend> {
     proj: Projections<B::Weight>,
     /// `[conv_dim, kernel]` (stored as `[conv_dim, 1, kernel]` by transformers,
     /// `[conv_dim, kernel, 1]` by MLX: the same bytes either way).
@@ -34,7 +35,7 @@ pub struct GatedDeltaNet<B: Backend> {
     eps: f32,
 }
 
-impl<B: Backend> GatedDeltaNet<B> {
+impl<B: ModelBackend> GatedDeltaNet<B> {
     /// `p` is the module prefix, e.g. `model.layers.0.linear_attn`.
     pub fn load(ld: &WeightLoader<B>, p: &str, cfg: &ModelConfig, g: &GdnConfig) -> Result<Self> {
         let h = cfg.hidden_size;

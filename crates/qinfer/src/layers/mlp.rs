@@ -2,17 +2,18 @@
 
 use super::block::{BlockInput, BlockOutput};
 use crate::Result;
-use crate::backend::Backend;
+
+use crate::backend::ops::ModelBackend;
 use crate::weights::WeightLoader;
 
-pub struct Mlp<B: Backend> {
+pub struct Mlp<B: ModelBackend> {
     /// gate|up stacked into one weight (backends that fuse projections), or
     /// gate and up.
     gate_up: Vec<B::Weight>,
     down_proj: B::Weight,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: ModelBackend> Mlp<B> {
     /// `p` is the module prefix, e.g. `model.layers.3.mlp`; `width` the intermediate size.
     pub fn load(ld: &WeightLoader<B>, p: &str, hidden: usize, width: usize) -> Result<Self> {
         let names = [format!("{p}.gate_proj.weight"), format!("{p}.up_proj.weight")];

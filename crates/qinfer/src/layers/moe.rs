@@ -5,12 +5,13 @@
 
 use super::block::{BlockInput, BlockOutput};
 use super::mlp::Mlp;
-use crate::backend::{Backend, ExpertWeights, Routing};
+use crate::backend::ops::ModelBackend;
+use crate::backend::{ExpertWeights, Routing};
 use crate::config::MoeConfig;
 use crate::weights::WeightLoader;
 use crate::{Error, Result};
 
-pub struct SparseMoe<B: Backend> {
+pub struct SparseMoe<B: ModelBackend> {
     router: B::Weight,
     experts: Vec<ExpertWeights<B::Weight>>,
     routing: Routing,
@@ -24,7 +25,7 @@ fn stacked_name(ld_has: impl Fn(&str) -> bool, base: &str) -> Option<String> {
     [base.to_string(), format!("{base}.weight")].into_iter().find(|n| ld_has(n))
 }
 
-impl<B: Backend> SparseMoe<B> {
+impl<B: ModelBackend> SparseMoe<B> {
     /// `p` is the module prefix, e.g. `model.layers.3.mlp`. Experts may be stored
     /// one tensor per expert (`experts.N.gate_proj.weight`, the Qwen3-MoE and
     /// Qwen3-Next hub layout), fused (`experts.gate_up_proj` `[E, 2I, H]` with the

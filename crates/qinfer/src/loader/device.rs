@@ -2,8 +2,8 @@
 //! fields, and placing a model's weights there.
 
 use crate::Result;
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::ops::ModelBackend;
 use crate::config::ModelConfig;
 use crate::formats::TensorSource;
 use crate::kv::KvPrecision;
@@ -101,7 +101,11 @@ pub(crate) enum Weights<'a> {
 
 /// A model of `cfg` on `device`.
 pub(crate) fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Result<Box<dyn LanguageModel>> {
-    fn build<B: Backend + 'static>(cfg: ModelConfig, weights: Weights, backend: B) -> Result<Box<dyn LanguageModel>> {
+    fn build<B: ModelBackend + 'static>(
+        cfg: ModelConfig,
+        weights: Weights,
+        backend: B,
+    ) -> Result<Box<dyn LanguageModel>> {
         Ok(Box::new(match weights {
             Weights::Files(src, on_tensor) => DecoderModel::load(cfg, src, backend, on_tensor)?,
             Weights::Random(r) => DecoderModel::random(cfg, backend, r)?,

@@ -7,7 +7,8 @@ use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use super::spec::{FeedForwardKind, TextRoot};
-use crate::backend::{Backend, DEVICE_PICK};
+use crate::backend::DEVICE_PICK;
+use crate::backend::ops::ModelBackend;
 use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
 use crate::formats::TensorSource;
@@ -24,24 +25,24 @@ use crate::weights::WeightLoader;
 use crate::weights::random::RandomWeights;
 use crate::{Error, Result};
 
-enum Mixer<B: Backend> {
+enum Mixer<B: ModelBackend> {
     Attention(Attention<B>),
     Linear(GatedDeltaNet<B>),
 }
 
-enum FeedForward<B: Backend> {
+enum FeedForward<B: ModelBackend> {
     Dense(Mlp<B>),
     Sparse(SparseMoe<B>),
 }
 
-struct DecoderLayer<B: Backend> {
+struct DecoderLayer<B: ModelBackend> {
     input_layernorm: B::Weight,
     mixer: Mixer<B>,
     post_attention_layernorm: B::Weight,
     ffn: FeedForward<B>,
 }
 
-pub struct DecoderModel<B: Backend> {
+pub struct DecoderModel<B: ModelBackend> {
     cfg: ModelConfig,
     backend: B,
     embed_tokens: B::Weight,
@@ -59,14 +60,14 @@ const MAX_IDLE_SEQUENCES: usize = 4;
 
 /// Dropped sequences (their KV cache, Gated DeltaNet states and recorded
 /// steps) kept for the next sequence of the same capacity, on backends that
-/// record steps over those buffers ([`Backend::reuses_sequences`]): a new
+/// record steps over those buffers ([`crate::backend::Capabilities::reuse_sequences`]): a new
 /// request then replays the recordings instead of recording its first steps
 /// again (8B q4g64 decode of 128 tokens: 1.4% of its time; 0.6B: 6.6%).
 /// Asking for another capacity frees them all, so idle buffers never keep
 /// the memory from a sequence that needs it.
-struct IdleSequences<B: Backend>(Mutex<Vec<DecoderSequence<B>>>);
+struct IdleSequences<B: ModelBackend>(Mutex<Vec<DecoderSequence<B>>>);
 
-impl<B: Backend> IdleSequences<B> {
+impl<B: ModelBackend> IdleSequences<B> {
     fn keep(&self, seq: DecoderSequence<B>) {
         if let Ok(mut idle) = self.0.lock() {
             if idle.len() == MAX_IDLE_SEQUENCES {
@@ -122,7 +123,7 @@ fn norms_stored_shifted(src: &dyn TensorSource, cfg: &ModelConfig, root: &str) -
     Ok(shape.len() == 3 && shape[2] == 1 && shape[1] > 1)
 }
 
-impl<B: Backend> DecoderModel<B> {
+impl<B: ModelBackend> DecoderModel<B> {
     /// Loads weights by Hugging Face names. `on_tensor` sees each tensor as it is
     /// placed (progress reporting).
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B, on_tensor: &dyn Fn(&Tensor)) -> Result<Self> {
@@ -142,6 +143,22 @@ impl<B: Backend> DecoderModel<B> {
         random: Option<RandomWeights>,
     ) -> Result<Self> {
         let spec = super::model_spec(cfg.arch);
+        let caps = backend.capabilities();
+        if cfg.layer_kinds.contains(&LayerKind::LinearAttention) && !caps.gated_delta_net {
+            return Err(Error::Invalid(format!(
+                "{} has Gated DeltaNet layers, which the {} backend does not run",
+                cfg.arch.name(),
+                backend.name()
+            )));
+        }
+        let sparse = (0..cfg.num_layers).any(|l| (spec.feed_forward)(&cfg, l) == FeedForwardKind::Sparse);
+        if sparse && !caps.mixture_of_experts {
+            return Err(Error::Invalid(format!(
+                "{} has mixture-of-experts layers, which the {} backend does not run",
+                cfg.arch.name(),
+                backend.name()
+            )));
+        }
         let TextRoot { root, lm_head: lm_head_name } = spec.text_root(src);
         let unit_offset = cfg.arch.features().unit_offset_norms;
         let norms_shifted = unit_offset && norms_stored_shifted(src, &cfg, root)?;
@@ -186,7 +203,7 @@ impl<B: Backend> DecoderModel<B> {
             return Err(Error::tensor(lm_head_name, "missing and tie_word_embeddings is false"));
         };
         let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
-        let idle = backend.reuses_sequences().then(|| Arc::new(IdleSequences(Mutex::new(Vec::new()))));
+        let idle = backend.capabilities().reuse_sequences.then(|| Arc::new(IdleSequences(Mutex::new(Vec::new()))));
         Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle })
     }
 
@@ -217,7 +234,7 @@ impl<B: Backend> DecoderModel<B> {
         // Routing decided on the host (MoE on backends that route there)
         // differs per token: such passes are not replayable.
         let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
-        let replayable = tokens.len() == 1 && (!routed || b.routes_on_device()) && logits == Logits::Last;
+        let replayable = tokens.len() == 1 && (!routed || b.capabilities().device_routing) && logits == Logits::Last;
         let DecoderSequence { cache, gdn, step, .. } = seq;
         let out = b.run_step(
             step,
@@ -282,7 +299,7 @@ impl<B: Backend> DecoderModel<B> {
     }
 }
 
-struct DecoderSequence<B: Backend> {
+struct DecoderSequence<B: ModelBackend> {
     cache: B::Cache,
     /// Per layer: the Gated DeltaNet state of linear-attention layers.
     gdn: Vec<Option<B::GdnState>>,
@@ -294,7 +311,7 @@ struct DecoderSequence<B: Backend> {
     idle: Option<Arc<IdleSequences<B>>>,
 }
 
-impl<B: Backend> Drop for DecoderSequence<B> {
+impl<B: ModelBackend> Drop for DecoderSequence<B> {
     fn drop(&mut self) {
         if let Some(idle) = self.idle.take() {
             idle.keep(DecoderSequence {
@@ -308,7 +325,7 @@ impl<B: Backend> Drop for DecoderSequence<B> {
     }
 }
 
-impl<B: Backend + 'static> DecoderSequence<B> {
+impl<B: ModelBackend + 'static> DecoderSequence<B> {
     /// `seq` as this model's sequence type, or an error naming the mix-up.
     fn of(seq: &mut dyn SequenceState) -> Result<&mut Self> {
         seq.as_any_mut()
@@ -317,7 +334,7 @@ impl<B: Backend + 'static> DecoderSequence<B> {
     }
 }
 
-impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
+impl<B: ModelBackend + 'static> SequenceState for DecoderSequence<B> {
     fn len(&self) -> usize {
         self.cache.len()
     }
@@ -355,7 +372,7 @@ impl<B: Backend + 'static> SequenceState for DecoderSequence<B> {
     }
 }
 
-impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
+impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -421,7 +438,7 @@ impl<B: Backend + 'static> LanguageModel for DecoderModel<B> {
         // A step started past the last accepted pick is left out by rolling
         // the cache back; Gated DeltaNet states cannot roll back, and the
         // repetition penalty needs each pick on the host before the next.
-        let ahead = self.backend.samples_ahead()
+        let ahead = self.backend.capabilities().sample_ahead
             && dseq.gdn.iter().all(Option::is_none)
             && sampler.params().repetition_penalty == 1.0;
         if !ahead {

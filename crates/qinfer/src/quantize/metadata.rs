@@ -8,7 +8,6 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::parse_dtype;
 use crate::config::Architecture;
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -89,4 +88,14 @@ pub fn total_parameters<'a>(tensors: impl Iterator<Item = (&'a str, &'a [usize])
         .filter(|(name, _)| name.rsplit_once('.').is_none_or(|(owner, _)| !parents.contains(owner)))
         .map(|(_, shape)| shape.iter().product::<usize>())
         .sum()
+}
+
+/// `float16`, `bfloat16` or `float32`, as mlx-lm's `--dtype` names them.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "float16" => Ok(DType::F16),
+        "bfloat16" => Ok(DType::BF16),
+        "float32" => Ok(DType::F32),
+        other => Err(Error::Invalid(format!("unknown dtype `{other}`; expected float16, bfloat16 or float32"))),
+    }
 }

@@ -12,6 +12,8 @@
 
 mod encode;
 mod metadata;
+
+pub use metadata::parse_dtype;
 mod sanitize;
 mod writer;
 
@@ -42,16 +44,6 @@ pub struct QuantizeOptions {
     pub dtype: Option<DType>,
     /// Replace an existing output directory.
     pub force: bool,
-}
-
-/// `float16`, `bfloat16` or `float32`, as mlx-lm's `--dtype` names them.
-pub fn parse_dtype(s: &str) -> Result<DType> {
-    match s {
-        "float16" => Ok(DType::F16),
-        "bfloat16" => Ok(DType::BF16),
-        "float32" => Ok(DType::F32),
-        other => Err(Error::Invalid(format!("unknown dtype `{other}`; expected float16, bfloat16 or float32"))),
-    }
 }
 
 /// Files copied next to the weights when the model has them.

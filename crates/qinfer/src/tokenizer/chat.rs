@@ -11,8 +11,8 @@ use minijinja::value::ValueKind;
 use minijinja::{Environment, ErrorKind, Value};
 use serde::Serialize;
 
-use super::SpecialTokens;
 use super::pyjson;
+use super::specials::SpecialTokens;
 use super::strftime::DateTime;
 use crate::{Error, Result};
 

@@ -151,3 +151,11 @@ pub(super) fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
     })
     .map(Some)
 }
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`)
+    /// from a model directory; None when there is no `tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
+        from_dir(dir)
+    }
+}

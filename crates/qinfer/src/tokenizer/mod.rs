@@ -9,29 +9,16 @@ mod cleanup;
 pub mod gguf;
 mod hf;
 mod pyjson;
-mod stream;
+mod specials;
+pub mod stream;
 mod strftime;
 
-use std::path::Path;
 use std::sync::OnceLock;
 
 pub use chat::{ChatMessage, ChatOptions};
-pub use stream::StreamDecoder;
 
 use crate::{Error, Result};
-
-/// Special-token strings as the chat template sees them (`bos_token`, …).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SpecialTokens {
-    pub bos: Option<String>,
-    pub eos: Option<String>,
-    pub unk: Option<String>,
-    pub pad: Option<String>,
-    pub sep: Option<String>,
-    pub cls: Option<String>,
-    pub mask: Option<String>,
-    pub additional: Vec<String>,
-}
+use specials::SpecialTokens;
 
 /// How `encode(.., add_special_tokens = true)` treats BOS beyond what the
 /// tokenizer's own post-processor does.
@@ -109,12 +96,6 @@ impl Tokenizer {
             chat,
             literal: OnceLock::new(),
         })
-    }
-
-    /// Loads `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`)
-    /// from a model directory; None when there is no `tokenizer.json`.
-    pub fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
-        hf::from_dir(dir)
     }
 
     /// Token ids for `text`. Special tokens written in the text (`<|im_start|>`)
@@ -212,16 +193,6 @@ impl Tokenizer {
 
     pub fn eos_token(&self) -> Option<&str> {
         self.specials.eos.as_deref()
-    }
-
-    /// Incremental decoding that skips special tokens, for streaming generated text.
-    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, true)
-    }
-
-    /// Incremental decoding with an explicit choice about special tokens.
-    pub fn stream_decoder_with(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, skip_special_tokens)
     }
 
     /// The wrapped `tokenizers` tokenizer.

@@ -75,3 +75,15 @@ impl<'a> StreamDecoder<'a> {
         (!out.is_empty()).then_some(out)
     }
 }
+
+impl Tokenizer {
+    /// Incremental decoding that skips special tokens, for streaming generated text.
+    pub fn stream_decoder(&self) -> StreamDecoder<'_> {
+        StreamDecoder::new(self, true)
+    }
+
+    /// Incremental decoding with an explicit choice about special tokens.
+    pub fn stream_decoder_with(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
+        StreamDecoder::new(self, skip_special_tokens)
+    }
+}

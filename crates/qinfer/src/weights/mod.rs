@@ -89,7 +89,7 @@ impl<B: Backend> WeightLoader<'_, B> {
     /// (same dtype, or same affine parameters); else one weight each.
     pub fn stacked_rows(&self, names: &[String], shapes: &[[usize; 2]]) -> Result<Vec<B::Weight>> {
         let fused = format!("{}(stacked)", names.join("+"));
-        if self.backend.fuses_projections() {
+        if self.backend.capabilities().fused_projections {
             let mut affine = Vec::new();
             for (n, s) in names.iter().zip(shapes) {
                 affine.push(self.affine(n, s)?);

@@ -19,7 +19,8 @@ mod test_rng;
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, ExpertWeights, Routing};
+use super::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
+use super::{AttentionShape, Backend, Capabilities, ExpertWeights, Routing};
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
 use crate::kv::KvCache;
@@ -101,8 +102,18 @@ impl Backend for CpuBackend {
     type Act = CpuAct;
     type Weight = CpuWeight;
     type Cache = ContiguousKv;
-    type GdnState = CpuGdnState;
     type Step = ();
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            fused_projections: false,
+            sample_ahead: false,
+            reuse_sequences: false,
+            device_routing: false,
+            gated_delta_net: true,
+            mixture_of_experts: true,
+        }
+    }
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -313,6 +324,12 @@ impl Backend for CpuBackend {
             }
         }
     }
+}
+
+impl FusedOps for CpuBackend {}
+
+impl GdnOps for CpuBackend {
+    type GdnState = CpuGdnState;
 
     fn rms_norm_gated(&self, x: &CpuAct, z: &CpuAct, w: &CpuWeight, eps: f32) -> CpuAct {
         let mut out = self.rms_norm(x, w, eps);
@@ -364,7 +381,9 @@ impl Backend for CpuBackend {
         };
         CpuAct::from_vec(v.rows, cfg.value_dim(), out)
     }
+}
 
+impl MoeOps for CpuBackend {
     fn moe(
         &self,
         x: &CpuAct,
@@ -394,6 +413,8 @@ impl Backend for CpuBackend {
         out
     }
 }
+
+impl SamplingOps for CpuBackend {}
 
 fn axpy_into(dst: &mut [f32], src: &[f32], w: f32) {
     for (d, s) in dst.iter_mut().zip(src) {

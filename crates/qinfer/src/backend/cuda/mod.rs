@@ -31,7 +31,8 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
-use super::{AttentionShape, Backend, DEVICE_PICK, ExpertWeights, GdnWeights, QkvShape, Routing};
+use super::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
+use super::{AttentionShape, Backend, Capabilities, DEVICE_PICK, ExpertWeights, GdnWeights, QkvShape, Routing};
 use crate::config::rope::Rope;
 use crate::config::{GdnConfig, RopeStyle};
 use crate::kv::{KvCache, KvPrecision};
@@ -1664,8 +1665,18 @@ impl Backend for CudaBackend {
     type Act = CudaAct;
     type Weight = CudaWeight;
     type Cache = CudaKv;
-    type GdnState = CudaGdnState;
     type Step = CudaStep;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            fused_projections: true,
+            sample_ahead: true,
+            reuse_sequences: self.graphs,
+            device_routing: true,
+            gated_delta_net: true,
+            mixture_of_experts: true,
+        }
+    }
 
     fn name(&self) -> String {
         format!("cuda:{} ({})", self.ordinal, self.device_name)
@@ -1727,22 +1738,6 @@ impl Backend for CudaBackend {
             }
         }
         Ok(result)
-    }
-
-    fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
-        self.sample_on_device(logits, params, penalized, u)
-    }
-
-    fn samples_ahead(&self) -> bool {
-        true
-    }
-
-    fn sample_ahead(&self, logits: &CudaAct, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
-        self.sample_ahead_on_device(logits, params, u, next_start)
-    }
-
-    fn picked(&self, ticket: usize) -> Result<u32> {
-        self.picked_on_device(ticket)
     }
 
     fn check(&self) -> Result<()> {
@@ -1903,11 +1898,6 @@ impl Backend for CudaBackend {
         self.norm(x, None, w, None, eps)
     }
 
-    fn add_rms_norm(&self, h: &mut CudaAct, y: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
-        h.quantized = None;
-        self.norm(h, Some(y), w, None, eps)
-    }
-
     fn rope(&self, x: &mut CudaAct, head_dim: usize, positions: &[usize], rope: &Rope) {
         x.quantized = None;
         // Positions are consecutive in every forward: pass the first, not a table.
@@ -2035,8 +2025,102 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn fuses_projections(&self) -> bool {
-        true
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
+        let out = self.act(gate.rows, gate.cols);
+        let n = gate.rows * gate.cols;
+        launch!(
+            self,
+            "silu_mul",
+            Self::elementwise_cfg(n),
+            self.p(&gate.buf),
+            self.p(&up.buf),
+            self.p(&out.buf),
+            n as i64
+        );
+        out
+    }
+
+    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) {
+        x.quantized = None;
+        let n = x.rows * x.cols;
+        launch!(self, "add_assign", Self::elementwise_cfg(n), self.p(&x.buf), self.p(&y.buf), n as i64);
+    }
+
+    fn last_row(&self, x: &CudaAct) -> CudaAct {
+        let out = self.act(1, x.cols);
+        if !self.failed() {
+            let src = self.p(&x.buf) + ((x.rows - 1) * x.cols * 4) as u64;
+            // SAFETY: one row inside both allocations.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(self.p(&out.buf), src, x.cols * 4, self.stream.cu_stream())
+            };
+            self.record(r, "last row");
+        }
+        out
+    }
+
+    fn rows(&self, x: &CudaAct) -> usize {
+        x.rows
+    }
+
+    fn cols(&self, x: &CudaAct) -> usize {
+        x.cols
+    }
+
+    fn to_host(&self, x: &CudaAct) -> Vec<f32> {
+        if self.failed() {
+            return vec![0.0; x.rows * x.cols];
+        }
+        match self.stream.clone_dtoh(&*x.buf) {
+            Ok(mut v) => {
+                v.truncate(x.rows * x.cols);
+                v
+            }
+            Err(e) => {
+                self.record(Err(e), "device-to-host copy");
+                vec![0.0; x.rows * x.cols]
+            }
+        }
+    }
+
+    fn gather_columns(&self, x: &CudaAct, group: usize, offset: usize, len: usize) -> CudaAct {
+        let groups = x.cols / group;
+        let out = self.act(x.rows, groups * len);
+        self.copy_columns(x, &out, group, offset, len, 0);
+        out
+    }
+
+    fn concat_columns(&self, parts: &[&CudaAct]) -> CudaAct {
+        let rows = parts[0].rows;
+        let out = self.act(rows, parts.iter().map(|p| p.cols).sum());
+        let mut off = 0;
+        for p in parts {
+            self.copy_columns(p, &out, p.cols, 0, p.cols, off);
+            off += p.cols;
+        }
+        out
+    }
+
+    fn mul_sigmoid(&self, x: &mut CudaAct, gate: &CudaAct) {
+        x.quantized = None;
+        let n = x.rows * x.cols;
+        launch!(
+            self,
+            "mul_sigmoid",
+            Self::elementwise_cfg(n),
+            self.p(&x.buf),
+            self.p(&gate.buf),
+            x.cols as i32,
+            gate.cols as i32,
+            n as i64
+        );
+    }
+}
+
+impl FusedOps for CudaBackend {
+    fn add_rms_norm(&self, h: &mut CudaAct, y: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
+        h.quantized = None;
+        self.norm(h, Some(y), w, None, eps)
     }
 
     fn linear_swiglu(&self, x: &CudaAct, gate_up: &CudaWeight) -> CudaAct {
@@ -2210,97 +2294,10 @@ impl Backend for CudaBackend {
         self.attention_split(qkv, p.kv, n_keys, attention, &out, Some(&prologue));
         (out, gate)
     }
+}
 
-    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct) -> CudaAct {
-        let out = self.act(gate.rows, gate.cols);
-        let n = gate.rows * gate.cols;
-        launch!(
-            self,
-            "silu_mul",
-            Self::elementwise_cfg(n),
-            self.p(&gate.buf),
-            self.p(&up.buf),
-            self.p(&out.buf),
-            n as i64
-        );
-        out
-    }
-
-    fn add_assign(&self, x: &mut CudaAct, y: &CudaAct) {
-        x.quantized = None;
-        let n = x.rows * x.cols;
-        launch!(self, "add_assign", Self::elementwise_cfg(n), self.p(&x.buf), self.p(&y.buf), n as i64);
-    }
-
-    fn last_row(&self, x: &CudaAct) -> CudaAct {
-        let out = self.act(1, x.cols);
-        if !self.failed() {
-            let src = self.p(&x.buf) + ((x.rows - 1) * x.cols * 4) as u64;
-            // SAFETY: one row inside both allocations.
-            let r = unsafe {
-                cudarc::driver::result::memcpy_dtod_async(self.p(&out.buf), src, x.cols * 4, self.stream.cu_stream())
-            };
-            self.record(r, "last row");
-        }
-        out
-    }
-
-    fn rows(&self, x: &CudaAct) -> usize {
-        x.rows
-    }
-
-    fn cols(&self, x: &CudaAct) -> usize {
-        x.cols
-    }
-
-    fn to_host(&self, x: &CudaAct) -> Vec<f32> {
-        if self.failed() {
-            return vec![0.0; x.rows * x.cols];
-        }
-        match self.stream.clone_dtoh(&*x.buf) {
-            Ok(mut v) => {
-                v.truncate(x.rows * x.cols);
-                v
-            }
-            Err(e) => {
-                self.record(Err(e), "device-to-host copy");
-                vec![0.0; x.rows * x.cols]
-            }
-        }
-    }
-
-    fn gather_columns(&self, x: &CudaAct, group: usize, offset: usize, len: usize) -> CudaAct {
-        let groups = x.cols / group;
-        let out = self.act(x.rows, groups * len);
-        self.copy_columns(x, &out, group, offset, len, 0);
-        out
-    }
-
-    fn concat_columns(&self, parts: &[&CudaAct]) -> CudaAct {
-        let rows = parts[0].rows;
-        let out = self.act(rows, parts.iter().map(|p| p.cols).sum());
-        let mut off = 0;
-        for p in parts {
-            self.copy_columns(p, &out, p.cols, 0, p.cols, off);
-            off += p.cols;
-        }
-        out
-    }
-
-    fn mul_sigmoid(&self, x: &mut CudaAct, gate: &CudaAct) {
-        x.quantized = None;
-        let n = x.rows * x.cols;
-        launch!(
-            self,
-            "mul_sigmoid",
-            Self::elementwise_cfg(n),
-            self.p(&x.buf),
-            self.p(&gate.buf),
-            x.cols as i32,
-            gate.cols as i32,
-            n as i64
-        );
-    }
+impl GdnOps for CudaBackend {
+    type GdnState = CudaGdnState;
 
     fn rms_norm_gated(&self, x: &CudaAct, z: &CudaAct, w: &CudaWeight, eps: f32) -> CudaAct {
         self.norm(x, None, w, Some(z), eps)
@@ -2319,10 +2316,6 @@ impl Backend for CudaBackend {
         self.record(conv, "clearing a Gated DeltaNet state");
         let recurrent = self.stream.memset_zeros(&mut state.recurrent);
         self.record(recurrent, "clearing a Gated DeltaNet state");
-    }
-
-    fn reuses_sequences(&self) -> bool {
-        self.graphs
     }
 
     fn gdn_conv(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState) -> CudaAct {
@@ -2441,11 +2434,9 @@ impl Backend for CudaBackend {
         );
         Some(out)
     }
+}
 
-    fn routes_on_device(&self) -> bool {
-        true
-    }
-
+impl MoeOps for CudaBackend {
     fn moe(
         &self,
         x: &CudaAct,
@@ -2499,6 +2490,20 @@ impl Backend for CudaBackend {
             );
         }
         out
+    }
+}
+
+impl SamplingOps for CudaBackend {
+    fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
+        self.sample_on_device(logits, params, penalized, u)
+    }
+
+    fn sample_ahead(&self, logits: &CudaAct, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
+        self.sample_ahead_on_device(logits, params, u, next_start)
+    }
+
+    fn picked(&self, ticket: usize) -> Result<u32> {
+        self.picked_on_device(ticket)
     }
 }
 

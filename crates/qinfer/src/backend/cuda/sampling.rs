@@ -110,7 +110,7 @@ struct Feed {
 }
 
 impl CudaBackend {
-    /// [`crate::backend::Backend::sample`] on the device.
+    /// [`crate::backend::ops::SamplingOps::sample`] on the device.
     pub(super) fn sample_on_device(
         &self,
         logits: &CudaAct,
@@ -135,7 +135,7 @@ impl CudaBackend {
         Ok(id)
     }
 
-    /// [`Backend::sample_ahead`] on the device: the sampling kernel itself
+    /// [`crate::backend::ops::SamplingOps::sample_ahead`] on the device: the sampling kernel itself
     /// writes the pick into the step inputs and a pinned host slot.
     pub(super) fn sample_ahead_on_device(
         &self,
@@ -155,7 +155,7 @@ impl CudaBackend {
         Ok(ticket)
     }
 
-    /// [`Backend::picked`] on the device: waits for the kernel that wrote the
+    /// [`crate::backend::ops::SamplingOps::picked`] on the device: waits for the kernel that wrote the
     /// ticket's slot only.
     pub(super) fn picked_on_device(&self, ticket: usize) -> Result<u32> {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;

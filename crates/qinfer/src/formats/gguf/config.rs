@@ -2,7 +2,7 @@
 //! llama.cpp's converter writes for llama, qwen2, qwen3, qwen3moe, qwen3next,
 //! qwen35 and qwen35moe (experts: `moe_meta`; linear attention: `gdn_meta`).
 
-use super::GgufFile;
+use super::file::GgufFile;
 use super::meta::Meta;
 use crate::config::{Architecture, ModelConfig, RopeConfig, RopeScaling, RopeStyle};
 use crate::formats::TensorSource;
@@ -236,4 +236,11 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         gdn: super::gdn_meta::gdn(&m, arch)?,
         rotary_dim,
     })
+}
+
+impl GgufFile {
+    /// The model configuration the metadata describes.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        model_config(self)
+    }
 }

@@ -16,7 +16,7 @@
 //!
 //! All copies are vectors or the small `[2·nv, hidden]` beta/alpha rows.
 
-use super::GgufFile;
+use super::file::GgufFile;
 use crate::formats::TensorSource;
 use crate::tensor::{Bytes, Tensor};
 use crate::{Error, Result};

@@ -1,7 +1,7 @@
 //! Typed reads of one architecture's GGUF metadata keys (`{arch}.{suffix}`),
 //! with errors naming the key.
 
-use super::GgufFile;
+use super::file::GgufFile;
 use super::value::GgufValue;
 use crate::{Error, Result};
 

@@ -1,0 +1,274 @@
+//! The op families beyond the dense-Llama ops of [`Backend`]: fused forms of
+//! its ops (every one with a default that composes them), Gated DeltaNet,
+//! mixture of experts and device-side sampling. A backend that lacks GDN or
+//! MoE says so in its [`super::Capabilities`]; their defaults then stand for
+//! ops that model loading has already refused with a clear error.
+
+use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routing};
+use crate::config::GdnConfig;
+use crate::config::rope::Rope;
+use crate::sampling::{SamplingParams, pick};
+use crate::{Error, Result};
+
+/// What a model needs of a backend: every op family.
+pub trait ModelBackend: Backend + FusedOps + GdnOps + MoeOps + SamplingOps {}
+
+impl<B: Backend + FusedOps + GdnOps + MoeOps + SamplingOps> ModelBackend for B {}
+
+/// Fused forms of the core ops, which a backend may compute in fewer passes
+/// over memory; each default composes the core ops and is the reference.
+pub trait FusedOps: Backend {
+    /// `h += y`, then the RMSNorm of the new `h` (a residual add feeding the
+    /// next norm: one pass over the row on a device).
+    fn add_rms_norm(&self, h: &mut Self::Act, y: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act {
+        self.add_assign(h, y);
+        self.rms_norm(h, w, eps)
+    }
+    /// `linear(rms_norm(h, norm, eps), w, bias)`: the first projection of a
+    /// pre-norm block, which a backend may compute without writing the
+    /// normed rows out (the norm folded into the matmul's input).
+    fn linear_normed(
+        &self,
+        h: &Self::Act,
+        norm: &Self::Weight,
+        eps: f32,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> Self::Act {
+        self.linear(&self.rms_norm(h, norm, eps), w, bias)
+    }
+    /// `linear_swiglu(rms_norm(h, norm, eps), gate_up)` (see [`FusedOps::linear_normed`]).
+    fn linear_swiglu_normed(&self, h: &Self::Act, norm: &Self::Weight, eps: f32, gate_up: &Self::Weight) -> Self::Act {
+        self.linear_swiglu(&self.rms_norm(h, norm, eps), gate_up)
+    }
+    /// `h += linear(x, w, bias)`: a block's last projection adding into the
+    /// residual stream, which a backend may do in the matmul's epilogue.
+    fn linear_add(&self, h: &mut Self::Act, x: &Self::Act, w: &Self::Weight, bias: Option<&Self::Weight>) {
+        let y = self.linear(x, w, bias);
+        self.add_assign(h, &y);
+    }
+    /// [`FusedOps::linear_add`] where the next op reads `h` as
+    /// `RMSNorm(h)·next_norm` (the next block's first projection): a backend
+    /// may prepare that input as it writes `h`.
+    fn linear_add_for_norm(
+        &self,
+        h: &mut Self::Act,
+        x: &Self::Act,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        next_norm: &Self::Weight,
+    ) {
+        let _ = next_norm;
+        self.linear_add(h, x, w, bias)
+    }
+    /// silu(gate) ⊙ up from a stacked gate|up projection `[T, 2·width]`.
+    fn swiglu(&self, gate_up: &Self::Act) -> Self::Act {
+        let width = self.cols(gate_up) / 2;
+        let all = 2 * width;
+        self.silu_mul(&self.gather_columns(gate_up, all, 0, width), &self.gather_columns(gate_up, all, width, width))
+    }
+    /// silu(gate) ⊙ up of `x` through a stacked gate|up weight `[2·width, in]`:
+    /// `swiglu(linear(x, gate_up))`, which a backend may do in one pass.
+    fn linear_swiglu(&self, x: &Self::Act, gate_up: &Self::Weight) -> Self::Act {
+        self.swiglu(&self.linear(x, gate_up, None))
+    }
+    /// The attention inputs from a stacked q|k|v projection `qkv` (`[T, q_rows
+    /// + 2·kv]`, `q_rows` holding a gate after each query head when
+    /// `shape.output_gate`): queries and keys RMS-normed per head with
+    /// `norms` (when given) and rotated at `positions`, keys and values
+    /// appended to `cache` at layer `layer`. Returns the queries and the gate.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_prologue(
+        &self,
+        qkv: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let (q, kv) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
+        let q_rows = if shape.output_gate { 2 * q } else { q };
+        let all = q_rows + 2 * kv;
+        let projected = self.gather_columns(qkv, all, 0, q_rows);
+        let k = self.gather_columns(qkv, all, q_rows, kv);
+        let v = self.gather_columns(qkv, all, q_rows + kv, kv);
+        self.attention_prologue(projected, k, &v, shape, norms, eps, positions, rope, cache, layer)
+    }
+    /// [`FusedOps::qkv_prologue`], then [`Backend::attention`] of its queries
+    /// over the cache: the attention's output and the gate. A backend may
+    /// fold the prologue into the attention kernel (one-row decode steps).
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_attention(
+        &self,
+        qkv: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+        attention: &AttentionShape,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let (q, gate) = self.qkv_prologue(qkv, shape, norms, eps, positions, rope, cache, layer);
+        (self.attention(&q, cache, layer, attention), gate)
+    }
+    /// [`FusedOps::qkv_prologue`] from separate projections: `projected` is
+    /// q_proj's output (queries, with a gate after each head when
+    /// `shape.output_gate`), `k` and `v` the key and value projections.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_prologue(
+        &self,
+        projected: Self::Act,
+        mut k: Self::Act,
+        v: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+        cache: &mut Self::Cache,
+        layer: usize,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let hd = shape.head_dim;
+        let (mut q, gate) = if shape.output_gate {
+            (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
+        } else {
+            (projected, None)
+        };
+        if let Some((qn, kn)) = norms {
+            q = self.rms_norm(&q, qn, eps);
+            k = self.rms_norm(&k, kn, eps);
+        }
+        self.rope(&mut q, hd, positions, rope);
+        self.rope(&mut k, hd, positions, rope);
+        self.write_kv(cache, layer, &k, v);
+        (q, gate)
+    }
+}
+
+/// The Gated DeltaNet layers of Qwen3-Next and Qwen3.5. A backend without
+/// them implements this with only `type GdnState = ();` and leaves
+/// [`super::Capabilities::gated_delta_net`] false.
+pub trait GdnOps: Backend {
+    /// Gated DeltaNet state of one layer for one sequence (conv window and the
+    /// f32 recurrent state). Cloning it is a snapshot.
+    type GdnState: Clone + Send + 'static;
+    /// `rms(x)·w·silu(z)` over each group of `w.len()` values (the Gated DeltaNet output norm).
+    fn rms_norm_gated(&self, x: &Self::Act, z: &Self::Act, w: &Self::Weight, eps: f32) -> Self::Act {
+        let _ = (x, z, w, eps);
+        unsupported(self, "Gated DeltaNet layers")
+    }
+
+    fn new_gdn_state(&self, cfg: &GdnConfig) -> Self::GdnState {
+        let _ = cfg;
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// Zeroes `state` in place, as [`GdnOps::new_gdn_state`] makes it, on
+    /// the buffers it has (a reused sequence's recorded steps address them).
+    fn clear_gdn_state(&self, state: &mut Self::GdnState) {
+        let _ = state;
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// Depthwise causal conv1d over time (rows) with SiLU, `weight` `[channels, kernel]`,
+    /// continuing from and then updating the state's conv window.
+    fn gdn_conv(&self, x: &Self::Act, weight: &Self::Weight, state: &mut Self::GdnState) -> Self::Act {
+        let _ = (x, weight, state);
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// The gated delta rule over `q`, `k` `[T, nk·dk]`, `v` `[T, nv·dv]` and the
+    /// gate inputs `a`, `b` `[T, nv]`; returns `[T, nv·dv]` and advances the state.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        a: &Self::Act,
+        b: &Self::Act,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        state: &mut Self::GdnState,
+    ) -> Self::Act {
+        let _ = (q, k, v, a, b, a_log, dt_bias, state);
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// The layer between its projections as one step, from the stacked
+    /// projection `mixed` `[T, conv_dim + value_dim + 2·nv]` (the conv
+    /// channels q|k|v, then z, b and a): conv + SiLU, the gated delta rule
+    /// and the gated RMSNorm, `[T, value_dim]`; the state advances. `None`
+    /// where the backend has no fused form for this shape: the caller then
+    /// composes [`GdnOps::gdn_conv`], [`GdnOps::gated_delta_rule`] and
+    /// [`GdnOps::rms_norm_gated`], the reference this must match.
+    fn gdn_mix(
+        &self,
+        _mixed: &Self::Act,
+        _weights: &GdnWeights<'_, Self::Weight>,
+        _eps: f32,
+        _state: &mut Self::GdnState,
+    ) -> Option<Self::Act> {
+        None
+    }
+}
+
+/// Routed experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE). A backend without
+/// them implements this empty and leaves
+/// [`super::Capabilities::mixture_of_experts`] false.
+pub trait MoeOps: Backend {
+    /// Routed experts: softmax over `router_logits` `[T, E]`, top-k, then the
+    /// weighted sum of the chosen experts' SwiGLU outputs.
+    fn moe(
+        &self,
+        x: &Self::Act,
+        router_logits: &Self::Act,
+        experts: &[ExpertWeights<Self::Weight>],
+        routing: Routing,
+    ) -> Self::Act {
+        let _ = (x, router_logits, experts, routing);
+        unsupported(self, "mixture-of-experts layers")
+    }
+}
+
+/// Picking the next token where the logits are, so only its id crosses to
+/// the host; the default reads the logits back and picks on the host.
+pub trait SamplingOps: Backend {
+    /// The next token from the last row of `logits`, chosen as
+    /// [`crate::sampling::pick`] chooses: `penalized` are the distinct
+    /// context tokens the repetition penalty applies to, `u` the sampler's
+    /// uniform draw. Device backends override this so that only the token
+    /// id crosses to the host.
+    fn sample(&self, logits: &Self::Act, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
+        let host = self.to_host(logits);
+        let cols = self.cols(logits);
+        let mut row = host[host.len() - cols..].to_vec();
+        Ok(pick(params, &mut row, penalized, u))
+    }
+    /// Picks as [`SamplingOps::sample`] does (no repetition penalty) without
+    /// waiting for the pick: it stays on the device as the token of the next
+    /// one-token pass, at position `next_start`, which names it
+    /// [`super::DEVICE_PICK`], so that pass can start before the host has read it.
+    /// Returns the ticket [`SamplingOps::picked`] reads it with; two tickets may
+    /// be outstanding at once.
+    fn sample_ahead(&self, logits: &Self::Act, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {
+        let _ = (logits, params, u, next_start);
+        Err(Error::Invalid(format!("{} does not pick ahead", self.name())))
+    }
+    /// The pick of a [`SamplingOps::sample_ahead`], once the device has made it.
+    fn picked(&self, ticket: usize) -> Result<u32> {
+        let _ = ticket;
+        Err(Error::Invalid(format!("{} does not pick ahead", self.name())))
+    }
+}
+
+/// The defaults of an op family a backend does not run: loading a model
+/// checks [`super::Capabilities`] first and refuses it with an error, so
+/// reaching one is a bug in the caller, not a user's mistake.
+fn unsupported<B: Backend + ?Sized>(backend: &B, what: &str) -> ! {
+    panic!(
+        "{what} are not supported by the {} backend (its capabilities say so; model loading checks them)",
+        backend.name()
+    )
+}
