@@ -39,14 +39,14 @@ const EARLY: [(&str, &str, &[&str]); 4] = [
     ),
 ];
 
-/// Every .cu file of the CUDA backend, by name (read from the directory, so a
-/// new file cannot escape the check).
+/// Every .cu and .cuh file of the CUDA backend, by name (read from the
+/// directory, so a new file cannot escape the check).
 fn sources() -> Vec<(String, String)> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
     let mut out: Vec<(String, String)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.expect("a directory entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu" || x == "cuh"))
         .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(&p).unwrap()))
         .collect();
     out.sort();

@@ -61,6 +61,9 @@
 // the MMAs cover the load), which is how a block's last projection adds into
 // the residual stream.
 
+#include "affine.cuh"
+#include "common.cuh"
+
 #define AMMA_WARPS 8
 #define AMMA_STAGES 3
 #define AMMA_MAX_ACT 4

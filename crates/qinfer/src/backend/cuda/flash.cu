@@ -15,6 +15,8 @@
 // Rounding: q (pre-scaled), k, v and p are f16 (11 significant bits), sums
 // and the softmax in f32.
 
+#include "common.cuh"
+
 #define FLASH_LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ void flash_ldmatrix(unsigned (&r)[4], const __half* p) {

@@ -1,5 +1,7 @@
 // Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention).
-//
+
+#include "common.cuh"
+
 // Depthwise causal conv1d + SiLU, one thread per channel, walking the rows in
 // order; `window` holds the last kernel-1 inputs [kernel-1, channels] and is
 // updated. Weight [channels, kernel]; input rows `stride` apart (the conv

@@ -41,6 +41,8 @@
 // memory whole (16-byte cp.async, a chunk ahead of their use) and each lane
 // reads its fragment as one 16-byte load.
 
+#include "common.cuh"
+
 #define GDN_CHUNK 64
 #define GCK_PITCH 132  // a row of 128 q or k values (A-operand reads: pitch ≡ 4 mod 32)
 #define GCK_TRI 68     // a row of A or P (A-operand reads of P: pitch ≡ 4 mod 32)

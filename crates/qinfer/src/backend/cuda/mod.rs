@@ -1,5 +1,5 @@
 //! The CUDA backend: f32 activations on the device, weights kept in their
-//! stored type (bf16, f16, f32) in device memory, kernels from kernels.cu
+//! stored type (bf16, f16, f32) in device memory, kernels from the .cu files
 //! (NVRTC, see compile.rs), cuBLAS for multi-row GEMMs. Everything stays on one
 //! stream. The CUDA libraries load at run time, so this builds without CUDA.
 //!
@@ -736,8 +736,12 @@ impl CudaBackend {
         let device_name = ctx.name().map_err(|e| err("device name", &e))?;
         // Hopper's architecture-specific features need the `a` target.
         let suffix = if major >= 9 { "a" } else { "" };
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str());
-        let module = ctx.load_module(compile::ptx(arch)?).map_err(|e| err("loading kernels", &e))?;
+        let arch = format!("compute_{major}{minor}{suffix}");
+        let modules = compile::ptx(&arch)?
+            .into_iter()
+            .zip(compile::UNITS)
+            .map(|(ptx, unit)| ctx.load_module(ptx).map_err(|e| err(&format!("loading {}", unit.name), &e)))
+            .collect::<Result<Vec<_>>>()?;
         let mut kernels = HashMap::new();
         let gemv_names = GEMV_WEIGHTS.iter().flat_map(|t| GEMV_SHAPES.iter().map(move |(r, a)| gemv_kernel(t, *r, *a)));
         let swiglu_names = ["bf16", "f16", "f32"]
@@ -745,7 +749,10 @@ impl CudaBackend {
             .flat_map(|t| GEMV_SWIGLU_SHAPES.iter().map(move |(r, a)| format!("{}_swiglu", gemv_kernel(t, *r, *a))));
         let names = KERNEL_NAMES.iter().map(|n| n.to_string()).chain(gemv_names).chain(swiglu_names);
         for name in names.chain(affine_kernel_names()) {
-            let f = module.load_function(&name).map_err(|e| err(&name, &e))?;
+            let f = modules
+                .iter()
+                .find_map(|m| m.load_function(&name).ok())
+                .ok_or_else(|| err(&name, &"no kernel of this name in any .cu file"))?;
             kernels.insert(name, f);
         }
         // The simple attention kernel keeps one score per key in shared memory:

@@ -25,6 +25,9 @@
 // to try. Split activations (x = hi + lo, see f32_split_*) run the k loop
 // once per part into the same sums.
 
+#include "affine.cuh"
+#include "common.cuh"
+
 #define MG_BM 64
 #define MG_BN 128
 #define MG_BK 64

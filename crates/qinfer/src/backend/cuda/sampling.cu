@@ -10,6 +10,8 @@
 // histogram of the total per digit; ties at the final key are resolved in
 // token order. The draw itself is one more cut, at u times the kept mass.
 
+#include "common.cuh"
+
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
 #define ARGMAX_BLOCKS 128
