@@ -558,7 +558,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // stages, a second stage still cost 2.4%, run 103: the SM's requests
     // are served in order), so the next one follows the staging. After a
     // kernel that streams no weights (the decode attention, about 5 us on
-    // a few SMs) the whole ring (mod.rs `affine_mma`): those copies land
+    // a few SMs) the whole ring (affine.rs `affine_mma`): those copies land
     // long before the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%,
     // run 60).
     for (int b = 0; b < lead; b++) issue();

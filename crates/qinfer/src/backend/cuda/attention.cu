@@ -5,7 +5,7 @@
 #include "common.cuh"
 #include "rope.cuh"
 
-// The KV cache holds f32 or f16 values (mod.rs `KvPrecision`): f16 halves
+// The KV cache holds f32 or f16 values (kv/ `KvPrecision`): f16 halves
 // the bytes every decode step reads (and the prefill's tensor cores take f16
 // keys and values as they lie). A value is rounded once, where it is written;
 // the arithmetic on it stays in f32.
@@ -241,7 +241,7 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 // folded in the q|k|v GEMV): at short contexts the whole cache arrives while
 // that kernel runs. step[0] itself is written by
 // set_step, which never immediately precedes a kernel launched to overlap
-// it (mod.rs `ensure_step`), so it is final here; both it and the rows are
+// it (graph.rs `ensure_step`), so it is final here; both it and the rows are
 // read through L2 (an earlier kernel on this SM may hold stale L1 lines).
 //
 // Scores: each warp 8 keys a step, q in registers. Softmax: one warp per
@@ -256,16 +256,16 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 // from memory, and 2 heads a block made decode after 8192 tokens 22% slower.
 #define DECODE_FUSED_HEADS 2
 #define DECODE_THREADS 256
-// Keys per block (`chunk`, chosen by mod.rs `decode_plan`): a cache of at
+// Keys per block (`chunk`, chosen by attention_plan.rs `decode_plan`): a cache of at
 // most DECODE_ONE_BLOCK / HD keys is one block's, its key and value rows
 // 128 KB of shared memory in f32, 64 KB in f16 (fewer keys, a power of two
 // and at least 32, on a device that gives a block less); longer caches are
-// split in chunks of 64 KB of rows (mod.rs `decode_plan`), so that three
+// split in chunks of 64 KB of rows (attention_plan.rs `decode_plan`), so that three
 // blocks share an SM and one's loads overlap another's arithmetic. The
 // warps' value sums reuse the keys' rows: 8 warps' float4 sums of
 // DECODE_HEADS heads fill the rows of decode_red_keys<T>() keys (32 in f32,
 // 64 in f16), and a chunk of fewer keys leaves that much room before the
-// values (mod.rs `decode_shared`).
+// values (attention_plan.rs `decode_shared`).
 #define DECODE_ONE_BLOCK 16384
 template <typename T>
 __host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }
@@ -592,7 +592,7 @@ ATTENTION_DECODE(256, _f16, __half)
 // memory; then each warp sums every 8th split for the block's 32 values
 // (coalesced, and a thread's loads independent of each other). One block per
 // (row, head), each thread walking every split for its value, spent 22 µs
-// merging 64 splits of 32 heads (ncu, H200). Shared memory (mod.rs
+// merging 64 splits of 32 heads (ncu, H200). Shared memory (attention_plan.rs
 // `combine_shared`): the weights, then 8 × 32 partial sums.
 #define COMBINE_DIMS 32
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,

@@ -224,7 +224,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
     }
 }
 
-// Head dim, keys per tile, warps per block: mirrored by `flash_tile` in mod.rs.
+// Head dim, keys per tile, warps per block: mirrored by `flash_tile` in attention_plan.rs.
 // Two blocks per SM: for head dim 128 that caps registers at 128 (a few
 // spilled); measured on the H200 at 8192 causal rows, 273 TFLOP/s against
 // 255 with one block of 172 registers.

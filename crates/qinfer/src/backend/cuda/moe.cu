@@ -129,7 +129,7 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, flo
 }
 
 // ---------------------------------------------------------------------------
-// Routed experts of a decode step in two kernels after moe_route (mod.rs
+// Routed experts of a decode step in two kernels after moe_route (moe.rs
 // `moe_on_device`), where the plain path took four (gate GEMV, up GEMV,
 // silu·mul, down GEMV) and a combine:
 //
@@ -143,8 +143,8 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, flo
 //   take (expert, chunk) items (k·in_dim/32 of them at 4 bits: 192 for
 //   Qwen3-30B-A3B, one a thread), so all its loads are independent.
 //
-// Chunks and their arithmetic are the CUDA-core GEMVs' (kernels.cu:
-// affine_chunk_dot for affine levels, gemv_chunk for floats); every output is
+// Chunks and their arithmetic are the CUDA-core GEMVs' (affine.cuh:
+// affine_chunk_dot for affine levels, gemv.cuh: gemv_chunk for floats); every output is
 // each row's dot, scaled and summed over the block as gemv_store does.
 #define MOE_ROWS 4
 
