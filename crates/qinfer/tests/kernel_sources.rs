@@ -122,17 +122,18 @@ fn cu_integer_defines(sources: &[(String, String)]) -> Vec<(String, String, i64)
     out
 }
 
-/// Host constants that mirror a kernel's `#define` (launch geometry, shared
-/// memory sizes) must hold the same value, or launches run with the wrong
-/// grid or too little shared memory: a fault or a silently wrong result on
-/// the GPU only. A Rust `const NAME: usize = <integer>;` in the CUDA
-/// backend mirrors a define when the define has its name or its doc comment
-/// names the define in backticks (as `(`GDN_CHUNK` in gdn_chunked.cu)`).
+/// A Rust `const NAME: usize = <integer>;` in the CUDA backend whose name, or
+/// a name its doc comment gives in backticks (as "(`GDN_CHUNK`)"), is a
+/// kernel's integer `#define` would be a copy of the kernels' value, free to
+/// drift from it (launches with the wrong grid or too little shared memory:
+/// a fault or a silently wrong result on the GPU only). Shared values are
+/// the host's, handed to the kernels as constants.cuh (constants.rs).
 #[test]
-fn host_constants_match_the_kernels_defines() {
+fn no_host_constant_copies_a_kernel_define() {
     let defines = cu_integer_defines(&sources());
+    assert!(defines.len() >= 10, "found only {} integer defines: the scan is broken", defines.len());
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
-    let mut checked = Vec::new();
+    let mut consts = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_none_or(|x| x != "rs") {
@@ -143,29 +144,55 @@ fn host_constants_match_the_kernels_defines() {
         for (i, line) in lines.iter().enumerate() {
             let Some(rest) = line.trim_start_matches("pub(super) ").strip_prefix("const ") else { continue };
             let Some((name, value)) = rest.split_once(": usize = ") else { continue };
-            let Ok(value) = value.trim_end_matches(';').parse::<i64>() else { continue };
+            if value.trim_end_matches(';').parse::<i64>().is_err() {
+                continue;
+            }
+            consts += 1;
             // The doc comment just above: its backticked names.
             let doc: String = lines[..i].iter().rev().take_while(|l| l.starts_with("///")).copied().collect();
-            // A define of the same name, else the names in the doc.
-            let names: Vec<&str> = if defines.iter().any(|(_, d, _)| d == name) {
-                vec![name]
-            } else {
-                doc.split('`').skip(1).step_by(2).collect()
-            };
-            for (file, define, v) in &defines {
-                if names.contains(&define.as_str()) {
-                    assert_eq!(
-                        *v,
-                        value,
-                        "{}: const {name} = {value}, but {file} defines {define} {v}",
-                        path.file_name().unwrap().to_string_lossy()
-                    );
-                    checked.push(format!("{name} = {define}"));
-                }
+            let names: Vec<&str> = std::iter::once(name).chain(doc.split('`').skip(1).step_by(2)).collect();
+            for (file, define, _) in &defines {
+                assert!(
+                    !names.contains(&define.as_str()),
+                    "{}: const {name} copies {file}'s #define {define}: share it through constants.rs",
+                    path.file_name().unwrap().to_string_lossy()
+                );
             }
         }
     }
-    assert!(checked.len() >= 8, "only {} host constants matched a define: {checked:?}", checked.len());
+    assert!(consts >= 20, "found only {consts} integer constants: the scan is broken");
+}
+
+/// The constants the host shares with the kernels (constants.cuh) are
+/// defined by no .cu file, each is used by one, and every file that uses one
+/// includes the header.
+#[cfg(feature = "cuda")]
+#[test]
+fn shared_constants_come_from_the_host_only() {
+    let shared = qinfer::backend::cuda::kernel_constants();
+    assert!(shared.len() >= 20, "only {} shared constants", shared.len());
+    let sources = sources();
+    let uses = |src: &str, name: &str| {
+        src.match_indices(name).any(|(at, _)| {
+            let word = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+            !word(src[..at].chars().next_back()) && !word(src[at + name.len()..].chars().next())
+        })
+    };
+    for (name, _) in &shared {
+        let mut used = false;
+        for (file, src) in &sources {
+            let code: String = src.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+            assert!(!code.contains(&format!("#define {name} ")), "{file} defines {name}, which constants.rs owns");
+            if uses(&code, name) {
+                used = true;
+                assert!(
+                    code.contains("#include \"constants.cuh\""),
+                    "{file} uses {name} without including constants.cuh"
+                );
+            }
+        }
+        assert!(used, "no kernel uses the shared constant {name}");
+    }
 }
 
 /// Whether a skipped check must fail instead: set on the GPU machine

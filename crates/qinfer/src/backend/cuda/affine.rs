@@ -179,11 +179,14 @@ kernel_args! {
 /// Values per prefill tile of dequantized affine weights (bf16 scratch of 128 MiB).
 const AFFINE_TILE_VALUES: usize = 64 << 20;
 
+/// Warps of a tensor-core affine GEMV block (`AMMA_WARPS`).
+pub(super) const AFFINE_MMA_WARPS: usize = 8;
+
 /// Activation rows the tensor-core affine GEMV takes (`AMMA_MAX_ACT`).
-const AFFINE_MMA_MAX_ACT: usize = 4;
+pub(super) const AFFINE_MMA_MAX_ACT: usize = 4;
 
 /// Stages of each warp's ring in the tensor-core affine GEMV (`AMMA_STAGES`).
-const AFFINE_MMA_STAGES: usize = 3;
+pub(super) const AFFINE_MMA_STAGES: usize = 3;
 
 /// Dynamic shared memory the tensor-core affine GEMV may use.
 pub(super) const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
@@ -192,10 +195,10 @@ pub(super) const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 const AFFINE_MMA_TWO_PER_SM: usize = 108 * 1024;
 
 /// Weight rows per block of `gemv_affine*_rows` (`AFFINE_BLOCK_ROWS`).
-const AFFINE_BLOCK_ROWS: usize = 8;
+pub(super) const AFFINE_BLOCK_ROWS: usize = 8;
 
 /// Shared memory of a tensor-core affine GEMV launch, None when the kernel
-/// does not apply: per warp (8) a ring of `AFFINE_MMA_STAGES` stages, each 16 rows of 128
+/// does not apply: per warp (`AFFINE_MMA_WARPS`) a ring of `AFFINE_MMA_STAGES` stages, each 16 rows of 128
 /// bytes of levels (4 units of 64 columns at 4 bits, 2 at 8) plus their
 /// scales and biases; then each activation row staged as two signed bytes
 /// per column and 12 bytes per 64 columns (its sum and scale, and its Σx²
@@ -216,7 +219,7 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     let unit_stats = if group == 32 { 20 } else { 12 };
     // One row may come quantized by slices of 16 ([`QuantizedRow`]): 12 bytes each.
     let stats = if act_rows == 1 { w.cols / 16 * 12 } else { act_rows * (w.cols / 64 * unit_stats) };
-    let shared = 8 * AFFINE_MMA_STAGES * stage + act_rows * 2 * w.cols + stats;
+    let shared = AFFINE_MMA_WARPS * AFFINE_MMA_STAGES * stage + act_rows * 2 * w.cols + stats;
     let max_act = if group == 32 { 2 } else { AFFINE_MMA_MAX_ACT };
     let applies =
         w.cols.is_multiple_of(units * 64) && (1..=max_act).contains(&act_rows) && shared <= AFFINE_MMA_MAX_SHARED;
@@ -332,7 +335,8 @@ impl CudaBackend {
         let lead = if self.after_attention.load(Ordering::Relaxed) { AFFINE_MMA_STAGES - 1 } else { 1 } as i32;
         // Blocks loop over tiles, swiglu blocks over pairs of them.
         let tiles = if swiglu { (w.rows / 2).div_ceil(16) } else { w.rows.div_ceil(16) };
-        let c = cfg((self.affine_mma_grid(tiles, shared), 1, 1), 256, shared as u32);
+        let threads = (32 * AFFINE_MMA_WARPS) as u32;
+        let c = cfg((self.affine_mma_grid(tiles, shared), 1, 1), threads, shared as u32);
         let kernel = MMA_GROUPS
             .iter()
             .position(|&g| g == w.params.group_size)

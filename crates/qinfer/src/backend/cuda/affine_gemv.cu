@@ -4,13 +4,14 @@
 
 #include "affine.cuh"
 #include "common.cuh"
+#include "constants.cuh"
 
 // One activation row against many weight rows, x held in registers: each
 // thread keeps two 32-value chunks of x (with their sums) for the whole block, which walks AFFINE_BLOCK_ROWS weight rows two at
 // a time, loading the next two rows' levels while it works on these. No x
 // traffic per row, so about three instructions per weight. For in_dim up to
 // 64 values per thread × 256 threads.
-#define AFFINE_BLOCK_ROWS 8
+// AFFINE_BLOCK_ROWS comes from constants.cuh.
 
 template <typename S, int BITS>
 __device__ __forceinline__ void affine_load_row(const unsigned* __restrict__ w, const S* __restrict__ scales,

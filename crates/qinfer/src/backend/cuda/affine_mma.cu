@@ -63,10 +63,11 @@
 
 #include "affine.cuh"
 #include "common.cuh"
+#include "constants.cuh"
 
-#define AMMA_WARPS 8
-#define AMMA_STAGES 3
-#define AMMA_MAX_ACT 4
+// AMMA_WARPS comes from constants.cuh.
+// AMMA_STAGES comes from constants.cuh.
+// AMMA_MAX_ACT comes from constants.cuh.
 // A stage row is 128 bytes (4 units of 4-bit levels, 2 of 8-bit), its
 // 16-byte chunks swizzled so that the fragment reads hit different banks:
 // 8-byte reads of 4 rows at a time (4-bit: chunk k of row r at k ^ 2·(r & 3)),

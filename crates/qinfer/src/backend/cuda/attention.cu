@@ -3,6 +3,7 @@
 // their combine. The prefill's tensor-core kernel is flash.cu's.
 
 #include "common.cuh"
+#include "constants.cuh"
 #include "rope.cuh"
 
 // The KV cache holds f32 or f16 values (kv/ `KvPrecision`): f16 halves
@@ -184,7 +185,7 @@ ATTENTION_EXACT(attention_f16, __half)
 // keys, so a recorded step stays valid as the cache grows); splits past the
 // last key are empty. With one split, `direct` receives the normalized output
 // and no combine is needed.
-#define ATTN_CHUNK 128
+// ATTN_CHUNK comes from constants.cuh.
 // (Its kernels wait for the kernel before, then call it.)
 template <typename T>
 __device__ void attention_split_chunk(const float* q, const T* keys, const T* values, float* part_o, float* part_ml,
@@ -248,14 +249,14 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 // head. Values: each warp a slice of the keys, each lane 4 (or 8) contiguous
 // dims; then the warps' sums are added. Output as attention_split's (parts,
 // or `direct`).
-#define DECODE_HEADS 4
+// DECODE_HEADS comes from constants.cuh.
 // The kernel that folds the q|k|v prologue runs only where one block holds a
 // head's whole cache (short contexts): there a block takes 2 query heads, so
 // twice the blocks share the work (8B q4g64 decode at 128 keys 0.6-2.5%
 // faster). Split caches keep 4: each block reads its chunk of keys and values
 // from memory, and 2 heads a block made decode after 8192 tokens 22% slower.
-#define DECODE_FUSED_HEADS 2
-#define DECODE_THREADS 256
+// DECODE_FUSED_HEADS comes from constants.cuh.
+// DECODE_THREADS comes from constants.cuh.
 // Keys per block (`chunk`, chosen by attention_plan.rs `decode_plan`): a cache of at
 // most DECODE_ONE_BLOCK / HD keys is one block's, its key and value rows
 // 128 KB of shared memory in f32, 64 KB in f16 (fewer keys, a power of two
@@ -266,7 +267,7 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 // DECODE_HEADS heads fill the rows of decode_red_keys<T>() keys (32 in f32,
 // 64 in f16), and a chunk of fewer keys leaves that much room before the
 // values (attention_plan.rs `decode_shared`).
-#define DECODE_ONE_BLOCK 16384
+// DECODE_ONE_BLOCK comes from constants.cuh.
 template <typename T>
 __host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }
 // Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
@@ -594,7 +595,7 @@ ATTENTION_DECODE(256, _f16, __half)
 // (row, head), each thread walking every split for its value, spent 22 µs
 // merging 64 splits of 32 heads (ncu, H200). Shared memory (attention_plan.rs
 // `combine_shared`): the weights, then 8 × 32 partial sums.
-#define COMBINE_DIMS 32
+// COMBINE_DIMS comes from constants.cuh.
 extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, float* out, int head_dim,
                                              int splits) {
     grid_dependency_wait();

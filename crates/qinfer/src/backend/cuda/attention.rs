@@ -5,8 +5,8 @@
 //! how the kernels cover a cache.
 
 use super::attention_plan::{
-    ATTENTION_CHUNK, COMBINE_DIMS, COMBINE_THREADS, DECODE_FUSED_HEADS, DECODE_HEADS, combine_shared, decode_plan,
-    decode_shared, decode_whole_shared, flash_tile, folds_prologue, kv_slot, kv_suffix, split_count,
+    ATTENTION_CHUNK, COMBINE_DIMS, COMBINE_THREADS, DECODE_FUSED_HEADS, DECODE_HEADS, DECODE_THREADS, combine_shared,
+    decode_plan, decode_shared, decode_whole_shared, flash_tile, folds_prologue, kv_slot, kv_suffix, split_count,
 };
 use super::kernels::{KernelArgs, Resolve, cfg, elementwise_cfg, kernel_args, resolve_n, resolve_table};
 use super::linear::GEMV_MAX_ROWS;
@@ -275,7 +275,7 @@ impl CudaBackend {
             } else {
                 decode_shared(chunk, s.head_dim, kv.precision)
             };
-            let c = cfg(grid, 256, shared as u32);
+            let c = cfg(grid, DECODE_THREADS as u32, shared as u32);
             let kernels = &self.k.attention.decode[slot][hd];
             match prologue {
                 Some(p) => self.launch(&kernels[1], c, &DecodePrologueArgs(&args, p)),

@@ -6,7 +6,7 @@
 use crate::backend::QkvShape;
 use crate::kv::KvPrecision;
 
-/// Keys per block of the split-K decode attention (`ATTN_CHUNK` in attention.cu).
+/// Keys per block of the split-K decode attention (`ATTN_CHUNK`).
 pub(super) const ATTENTION_CHUNK: usize = 128;
 
 /// Keys times head dim of one `attention_decode{head_dim}` block that holds
@@ -135,6 +135,9 @@ pub(super) fn flash_tile(head_dim: usize) -> FlashTile {
 
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
 pub(super) const DECODE_HEADS: usize = 4;
+
+/// Threads of an `attention_decode` block (`DECODE_THREADS`).
+pub(super) const DECODE_THREADS: usize = 256;
 
 /// Query heads per block of the decode attention that folds the q|k|v
 /// prologue (`DECODE_FUSED_HEADS`).

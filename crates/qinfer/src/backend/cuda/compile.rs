@@ -40,13 +40,22 @@ pub const UNITS: &[Unit] = &[
     unit!("sampling.cu"),
 ];
 
-/// The headers the units may include, by the name they include them by.
+/// The headers the units may include, by the name they include them by,
+/// besides the generated `constants.cuh` (see [`headers`]).
 const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("common.cuh")),
     ("affine.cuh", include_str!("affine.cuh")),
     ("gemv.cuh", include_str!("gemv.cuh")),
     ("rope.cuh", include_str!("rope.cuh")),
 ];
+
+/// Every header the units may include: [`HEADERS`] and the shared
+/// constants (constants.rs).
+fn headers() -> Vec<(&'static str, String)> {
+    let mut all: Vec<(&'static str, String)> = HEADERS.iter().map(|(n, t)| (*n, t.to_string())).collect();
+    all.push(("constants.cuh", super::constants::header()));
+    all
+}
 
 /// NVRTC's options besides the architecture and the include path.
 const OPTIONS: &[&str] = &["--std=c++17"];
@@ -74,11 +83,11 @@ fn cache_dir() -> PathBuf {
 }
 
 /// The cache file of `unit`'s PTX for `arch`: keyed by a hash of its source,
-/// every header, the options and the architecture.
+/// every header (the generated one included), the options and the architecture.
 pub fn cache_path(unit: &Unit, arch: &str) -> PathBuf {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     unit.source.hash(&mut h);
-    HEADERS.hash(&mut h);
+    headers().hash(&mut h);
     OPTIONS.hash(&mut h);
     arch.hash(&mut h);
     let stem = unit.name.trim_end_matches(".cu");
@@ -129,26 +138,27 @@ fn compile_missing(arch: &str, missing: &[bool]) -> Result<Vec<Option<String>>> 
     })
 }
 
-/// `unit` compiled by NVRTC for `arch`, with [`HEADERS`] as its include
+/// `unit` compiled by NVRTC for `arch`, with [`headers`] as its include
 /// files and CUDA's headers under `include`: its PTX.
 fn compile(unit: &Unit, arch: &str, include: &str) -> Result<String> {
     let fail = |what: &str, e: &dyn std::fmt::Debug| Error::Invalid(format!("NVRTC: {}: {what}: {e:?}", unit.name));
     let cstr = |s: &str| CString::new(s).expect("kernel sources hold no NUL");
     let source = cstr(unit.source);
     let name = cstr(unit.name);
-    let contents: Vec<CString> = HEADERS.iter().map(|(_, text)| cstr(text)).collect();
-    let names: Vec<CString> = HEADERS.iter().map(|(n, _)| cstr(n)).collect();
+    let headers = headers();
+    let contents: Vec<CString> = headers.iter().map(|(_, text)| cstr(text)).collect();
+    let names: Vec<CString> = headers.iter().map(|(n, _)| cstr(n)).collect();
     let content_ptrs: Vec<*const c_char> = contents.iter().map(|c| c.as_ptr()).collect();
     let name_ptrs: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer is to a NUL-terminated string that outlives the
-    // program, the two header arrays hold `HEADERS.len()` pointers each.
+    // program, the two header arrays hold `headers.len()` pointers each.
     unsafe {
         sys::nvrtcCreateProgram(
             &mut prog,
             source.as_ptr(),
             name.as_ptr(),
-            HEADERS.len() as i32,
+            headers.len() as i32,
             content_ptrs.as_ptr(),
             name_ptrs.as_ptr(),
         )

@@ -27,14 +27,14 @@ struct DeltaRuleInputs {
 }
 
 /// Value columns per block of `gdn_scan128` (`GDN_SCAN_COLS`).
-const GDN_SCAN_COLS: usize = 16;
+pub(super) const GDN_SCAN_COLS: usize = 16;
 
-/// Tokens per chunk of the chunked delta rule (`GDN_CHUNK` in gdn_chunked.cu):
+/// Tokens per chunk of the chunked delta rule (`GDN_CHUNK`):
 /// prompts of at least this many tokens take it (key heads of 128).
-const GDN_CHUNK: usize = 64;
+pub(super) const GDN_CHUNK: usize = 64;
 
 /// Value columns per block of `gdn_chunk_state` (`GDN_CHUNK_COLS`).
-const GDN_CHUNK_COLS: usize = 32;
+pub(super) const GDN_CHUNK_COLS: usize = 32;
 
 /// Tokens per launch pair of the chunked delta rule. Its per-chunk operands
 /// take 160 KB a chunk and value head at dv = 128 (84 MB for 1024 tokens of
@@ -43,7 +43,7 @@ const GDN_CHUNK_SLICE: usize = 1024;
 
 /// Floats a row of the state or V' of `gdn_chunk_state` takes in shared
 /// memory past the block's value columns (`GCK_SP_PAD`).
-const GDN_CHUNK_STATE_PAD: usize = 8;
+pub(super) const GDN_CHUNK_STATE_PAD: usize = 8;
 
 /// Dynamic shared memory of a `gdn_chunk_state` block, as the kernel carves
 /// it: two chunks' A fragments (3 × 32 KB each), the state's and V''s rows.
@@ -51,16 +51,16 @@ pub(super) const GDN_CHUNK_STATE_SHARED: usize =
     2 * 3 * 2048 * 16 + (128 + GDN_CHUNK) * (GDN_CHUNK_COLS + GDN_CHUNK_STATE_PAD) * 4;
 
 /// Floats a q or k row of `gdn_chunk_prep` takes in shared memory (`GCK_PITCH`).
-const GDN_CHUNK_QK_PITCH: usize = 132;
+pub(super) const GDN_CHUNK_QK_PITCH: usize = 132;
 
 /// Floats a row of A or P of `gdn_chunk_prep` takes in shared memory (`GCK_TRI`).
-const GDN_CHUNK_TRI_PITCH: usize = 68;
+pub(super) const GDN_CHUNK_TRI_PITCH: usize = 68;
 
 /// Columns a U | W row of `gdn_chunk_prep` is rounded up to (`GCK_X_ALIGN`).
-const GDN_CHUNK_X_ALIGN: usize = 32;
+pub(super) const GDN_CHUNK_X_ALIGN: usize = 32;
 
 /// Floats a U | W row of `gdn_chunk_prep` takes past that rounding (`GCK_X_PAD`).
-const GDN_CHUNK_X_PAD: usize = 8;
+pub(super) const GDN_CHUNK_X_PAD: usize = 8;
 
 /// Floats a U | W row of `gdn_chunk_prep` takes (the kernel's `gck_x_pitch`):
 /// value and key columns, rounded up, then padded.
@@ -80,7 +80,7 @@ fn gdn_chunk_prep_shared(dv: usize) -> usize {
 }
 
 /// Rows per thread of `gdn_conv_rows` (`GDN_CONV_RUN`).
-const GDN_CONV_RUN: usize = 16;
+pub(super) const GDN_CONV_RUN: usize = 16;
 
 /// Rows up to which the GDN conv walks the rows in one launch (decode); longer
 /// inputs take every row at once and a second launch for the window.

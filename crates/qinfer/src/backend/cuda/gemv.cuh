@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "constants.cuh"
 
 // ---------------------------------------------------------------------------
 // Decode GEMV for a few activation rows: y[t][o] = Σ_c W[o][c] x[t][c] (+ bias).
@@ -15,7 +16,7 @@
 // sums its threads' partial dot products. The bias may be y itself (one
 // activation row): each output reads its bias just before writing itself,
 // which is how a block's last projection adds into the residual stream.
-#define GEMV_MAX_ROWS 8
+// GEMV_MAX_ROWS comes from constants.cuh.
 #define GEMV_UNROLL 4
 
 template <typename T, int VEC, int ROWS, int ACT>

@@ -2,6 +2,7 @@
 // take and give: activations narrowed to the weight's type, the bias added.
 
 #include "common.cuh"
+#include "constants.cuh"
 #include "gemv.cuh"
 
 #define GEMV_KERNEL(NAME, T, VEC, ROWS, ACT, PAIRED)                                                               \

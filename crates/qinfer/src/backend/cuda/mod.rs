@@ -20,6 +20,7 @@ mod affine;
 mod attention;
 mod attention_plan;
 mod compile;
+mod constants;
 mod device;
 mod elementwise;
 mod gdn;
@@ -47,6 +48,8 @@ use crate::kv::KvPrecision;
 use crate::sampling::SamplingParams;
 use crate::tensor::Tensor;
 pub use compile::prebuild as prebuild_kernels;
+#[doc(hidden)]
+pub use constants::kernel_constants;
 pub use graph::CudaStep;
 use kernels::{Kernel, Kernels};
 #[doc(hidden)]

@@ -5,6 +5,7 @@
 
 #include "affine.cuh"
 #include "common.cuh"
+#include "constants.cuh"
 #include "gemv.cuh"
 
 // ---------------------------------------------------------------------------
@@ -16,7 +17,7 @@
 extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
                                      int renormalize) {
     grid_dependency_wait();
-    __shared__ float probs[1024];
+    __shared__ float probs[MOE_MAX_EXPERTS];
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (size_t)blockIdx.x * experts;
@@ -146,7 +147,7 @@ extern "C" __global__ void moe_combine(const float* y, const float* weights, flo
 // Chunks and their arithmetic are the CUDA-core GEMVs' (affine.cuh:
 // affine_chunk_dot for affine levels, gemv.cuh: gemv_chunk for floats); every output is
 // each row's dot, scaled and summed over the block as gemv_store does.
-#define MOE_ROWS 4
+// MOE_ROWS comes from constants.cuh.
 
 // One 32-value chunk `i` of R affine rows (their levels, scales and biases
 // from row starts w, s, b) against x: acc[r] += row r · x.
@@ -425,7 +426,7 @@ extern "C" __global__ void moe_scatter_f16(const int* ids, const float* x, int c
 // moe_gather_combine: block t writes out[t] = Σ weights[t·k + s]·y[pos[t·k +
 // s]] over the token's choices in ascending expert order (the order in which
 // the CPU backend, and the reference's index_add_, add the experts in).
-#define MOE_MAX_TOP_K 64
+// MOE_MAX_TOP_K comes from constants.cuh.
 extern "C" __global__ void moe_gather_combine(const float* y, const int* ids, const int* pos, const float* weights,
                                               float* out, int top_k, int cols) {
     grid_dependency_wait();

@@ -18,7 +18,7 @@ use super::{AffineSide, CudaAct, CudaBackend, CudaWeight};
 use crate::Result;
 use crate::backend::{ExpertWeights, Routing};
 
-/// Experts per MoE layer the routing kernel holds (`probs[1024]`).
+/// Experts per MoE layer the routing kernel holds (`MOE_MAX_EXPERTS`).
 pub(super) const MAX_DEVICE_EXPERTS: usize = 1024;
 
 /// How one projection of a layer's experts is stored, as its kernels are
@@ -156,7 +156,7 @@ fn projections(e: &ExpertWeights<CudaWeight>) -> [&CudaWeight; 3] {
 }
 
 /// Output rows a block of the fused kernels computes (`MOE_ROWS`).
-const MOE_ROWS: usize = 4;
+pub(super) const MOE_ROWS: usize = 4;
 
 impl ExpertTables {
     /// Whether the fused kernels take these experts for inputs `hidden`

@@ -32,16 +32,16 @@ use crate::tensor::DType;
 /// experts of one projection in a chunk or a few.
 const DEQUANT_VALUES: usize = 1 << 28;
 
-/// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`, moe.cu).
-const MAX_TOP_K: usize = 64;
+/// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`).
+pub(super) const MAX_TOP_K: usize = 64;
 
-/// Rows of a grouped GEMM block's segment tile (`MG_BM`, moe_gemm.cu).
-const GROUPED_TILE_ROWS: usize = 64;
+/// Rows of a grouped GEMM block's segment tile (`MG_BM`).
+pub(super) const GROUPED_TILE_ROWS: usize = 64;
 /// Outputs of a grouped GEMM block (`MG_BN`).
-const GROUPED_TILE_OUTPUTS: usize = 128;
+pub(super) const GROUPED_TILE_OUTPUTS: usize = 128;
 /// Values of k a grouped GEMM stage takes (`MG_BK`): every GEMM's k is a
 /// multiple.
-const GROUPED_STAGE_K: usize = 64;
+pub(super) const GROUPED_STAGE_K: usize = 64;
 /// Dynamic shared memory of a grouped GEMM block (`MG_SHARED`): two stages
 /// of its bf16/f16 A and B tiles, rows padded by 8 values.
 pub(super) const GROUPED_SHARED: usize = 2 * (GROUPED_TILE_ROWS + GROUPED_TILE_OUTPUTS) * (GROUPED_STAGE_K + 8) * 2;

@@ -13,16 +13,16 @@ use crate::backend::Backend;
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
-/// Blocks of `sample_argmax` (`ARGMAX_BLOCKS` in sampling.cu).
+/// Blocks of `sample_argmax`.
 const ARGMAX_BLOCKS: usize = 128;
 
 /// Threads of the one block of `sample_filtered` (`SAMPLE_THREADS`).
-const SAMPLE_THREADS: u32 = 1024;
+pub(super) const SAMPLE_THREADS: u32 = 1024;
 
 /// Blocks of `sample_top_k`, and the largest top-k it takes (`TOPK_BLOCKS`,
 /// `TOPK_MAX`): each block keeps at most that many candidates of its slice.
-const TOPK_BLOCKS: usize = 64;
-const TOPK_MAX: usize = 64;
+pub(super) const TOPK_BLOCKS: usize = 64;
+pub(super) const TOPK_MAX: usize = 64;
 
 /// Dynamic shared memory of `sample_top_k`: the gathered candidates' logits and ids.
 pub(super) const TOP_K_SHARED: usize = 2 * TOPK_BLOCKS * TOPK_MAX * 4;
