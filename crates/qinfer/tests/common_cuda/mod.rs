@@ -3,6 +3,8 @@
 //! the CUDA and CPU backends side by side, and the error measure.
 #![allow(dead_code)]
 
+pub mod ties;
+
 use std::path::{Path, PathBuf};
 
 use qinfer::backend::Backend;
