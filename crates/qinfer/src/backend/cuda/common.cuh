@@ -81,8 +81,7 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 
 // An L2 policy that evicts the lines it tags first: for weights a decode step
 // streams once, so that they leave L2 before the step's activations and
-// caches do (8B q8g64 decode +1.2% in runs 78 and 79; q4g64 +0.1% in run 78,
-// unchanged in run 79).
+// caches do (8B q8g64 decode +1.2%; q4g64 unchanged within noise).
 __device__ __forceinline__ unsigned long long l2_evict_first() {
     unsigned long long policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -14,10 +14,8 @@
 //! and float experts are read where they lie. `moe_gather_combine` sums each
 //! token's experts.
 //!
-//! Before, the router logits went to the host, which routed and sorted the
-//! tokens (single-threaded: a few ms a layer at 8k tokens), and each expert
-//! uploaded its token lists (a stream sync each) and launched its own
-//! gathers and dequantizations.
+//! (Routing and sorting on the host would take a few ms a layer at 8k
+//! tokens, single-threaded, and per-expert token lists a stream sync each.)
 
 use cudarc::driver::CudaSlice;
 
@@ -47,16 +45,15 @@ pub(super) const GROUPED_STAGE_K: usize = 64;
 pub(super) const GROUPED_SHARED: usize = 2 * (GROUPED_TILE_ROWS + GROUPED_TILE_OUTPUTS) * (GROUPED_STAGE_K + 8) * 2;
 
 /// The most rows a chosen expert may average for the grouped GEMM by
-/// default: Qwen3-30B-A3B (8 of 128 experts) up to 1024 tokens. Measured
-/// (random-weight 30B-A3B q4g64, H200, bench/results/cuda-h200-session-ab.txt
-/// runs 98-99): pp512 (32 rows) 1.8-2.0x the per-expert GEMMs, pp2048 (128
-/// rows) even, pp8192 (512 rows) 0.67x.
+/// default: Qwen3-30B-A3B (8 of 128 experts) up to 1024 tokens. Measured on
+/// random-weight 30B-A3B q4g64 (H200): pp512 (32 rows) 1.8-2.0x the
+/// per-expert GEMMs, pp2048 (128 rows) even, pp8192 (512 rows) 0.67x.
 const GROUPED_MAX_MEAN_ROWS: usize = 64;
 
 /// The default grouped-GEMM bound for experts stored as `kind`. GGUF
 /// K-quant super-block records stay on the per-expert GEMMs: the grouped
 /// kernel decodes each 32-value chunk's scale and bias from the record with
-/// byte loads, and 30B-A3B Q4_K_M prefill measured 0.79x at pp512 (run 99).
+/// byte loads, and 30B-A3B Q4_K_M prefill measured 0.79x at pp512.
 fn grouped_rows_default(kind: ProjectionKind) -> usize {
     match kind {
         ProjectionKind::Affine { side: AffineSide::Records, .. } => 0,
@@ -398,9 +395,8 @@ impl CudaBackend {
     /// `dtype`; x rows of `cols` values at each of `inputs`, summed; y rows
     /// of `rows` f32 at `y`), one cuBLAS GEMM per expert. Not one grouped
     /// call (`cublasGemmGroupedBatchedEx`): CUDA 13.0's cuBLAS answers
-    /// CUBLAS_STATUS_NOT_SUPPORTED for bf16 inputs with f32 outputs (run 95,
-    /// bench/results/cuda-h200-session-ab.txt), and bf16 outputs would round
-    /// the split activations' two products apart.
+    /// CUBLAS_STATUS_NOT_SUPPORTED for bf16 inputs with f32 outputs, and bf16
+    /// outputs would round the split activations' two products apart.
     fn expert_gemm_batch(
         &self,
         dtype: DType,
