@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what one call on the GPU machine needs into .device/ (git-ignored):
-# the stripped `qinfer` CLI and CUDA test binaries, built here with the
-# `cuda` feature, and the kernels compiled to PTX for compute_90a (H100/H200)
+# the stripped `qinfer` CLI, the CUDA test binaries (.device/cuda_*,
+# .device/kernel_sources) and the GPU profile (.device/cuda_profile), built
+# here with the `cuda` feature, and the kernels compiled to PTX for compute_90a (H100/H200)
 # in ptx.tar.xz, so the GPU machine's first launch loads them instead of
 # spending a minute in NVRTC. bench/cuda_h200.sh unpacks it.
 # PTX needs NVRTC here: CUDA_HOME pointing at a CUDA toolkit, or at the pip
@@ -15,15 +16,22 @@ cd "$(dirname "$0")/.."
 arch="${1:-compute_90a}"
 mkdir -p .device
 cargo build --release --features cuda --bin qinfer
-test_bin=$(cargo test --release --features cuda -p qinfer --test cuda_backend --no-run --message-format=json 2>/dev/null |
+# The CUDA test binaries (tests/cuda_*.rs, and kernel_sources, which checks
+# the kernels against the PTX there) and the GPU profile (benches/cuda_profile.rs).
+artifacts() {
   python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_backend" and m.get("executable"):
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])'
+}
+rm -f .device/cuda_* .device/kernel_sources
+{
+  cargo test --release --features cuda -p qinfer --test 'cuda_*' --test kernel_sources --no-run --message-format=json 2>/dev/null
+  cargo bench --features cuda -p qinfer --bench cuda_profile --no-run --message-format=json 2>/dev/null
+} | artifacts | while read -r name exe; do cp "$exe" ".device/$name"; strip ".device/$name"; done
 cp target/release/qinfer .device/qinfer
-cp "$test_bin" .device/cuda_backend
-strip .device/qinfer .device/cuda_backend
+strip .device/qinfer
 rm -f .device/ptx.tar.xz
 if [ -n "${CUDA_HOME:-}" ] && { [ -d "$CUDA_HOME/lib" ] || [ -d "$CUDA_HOME/lib64" ]; }; then
   cache=$(mktemp -d)

@@ -61,9 +61,13 @@
 // the MMAs cover the load), which is how a block's last projection adds into
 // the residual stream.
 
-#define AMMA_WARPS 8
-#define AMMA_STAGES 3
-#define AMMA_MAX_ACT 4
+#include "affine.cuh"
+#include "common.cuh"
+#include "constants.cuh"
+
+// AMMA_WARPS comes from constants.cuh.
+// AMMA_STAGES comes from constants.cuh.
+// AMMA_MAX_ACT comes from constants.cuh.
 // A stage row is 128 bytes (4 units of 4-bit levels, 2 of 8-bit), its
 // 16-byte chunks swizzled so that the fragment reads hit different banks:
 // 8-byte reads of 4 rows at a time (4-bit: chunk k of row r at k ^ 2·(r & 3)),
@@ -555,7 +559,7 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // stages, a second stage still cost 2.4%, run 103: the SM's requests
     // are served in order), so the next one follows the staging. After a
     // kernel that streams no weights (the decode attention, about 5 us on
-    // a few SMs) the whole ring (mod.rs `affine_mma`): those copies land
+    // a few SMs) the whole ring (affine.rs `affine_mma`): those copies land
     // long before the wait ends (8B q4g64 decode +0.1-0.4%, q8g64 +1.2%,
     // run 60).
     for (int b = 0; b < lead; b++) issue();

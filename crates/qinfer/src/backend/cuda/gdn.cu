@@ -1,5 +1,8 @@
 // Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention).
-//
+
+#include "common.cuh"
+#include "constants.cuh"
+
 // Depthwise causal conv1d + SiLU, one thread per channel, walking the rows in
 // order; `window` holds the last kernel-1 inputs [kernel-1, channels] and is
 // updated. Weight [channels, kernel]; input rows `stride` apart (the conv
@@ -41,7 +44,7 @@ GDN_CONV(gdn_conv_f32, float)
 // advances afterwards; the sums are gdn_conv's, in its order.
 // KERNEL: the kernel size when known at compile time (4, every Qwen GDN
 // model: the window stays in registers), else 0 (read from `kernel`).
-#define GDN_CONV_RUN 16
+// GDN_CONV_RUN comes from constants.cuh.
 template <typename T, int KERNEL>
 __device__ void gdn_conv_rows(const float* x, const T* w, const float* window, float* out, int rows, int channels,
                               int kernel, int stride) {
@@ -206,7 +209,8 @@ __device__ __forceinline__ float gdn_step(float (&s)[HALF], const float* ks, con
 #define GDN_SCAN_TOKENS 12
 #define GDN_SCAN_LANES 8                            // per column
 #define GDN_SCAN_ROWS (128 / GDN_SCAN_LANES)        // of a column, per lane
-#define GDN_SCAN_COLS (4 * (32 / GDN_SCAN_LANES))   // per block
+// GDN_SCAN_COLS comes from constants.cuh.
+static_assert(GDN_SCAN_COLS == 4 * (32 / GDN_SCAN_LANES), "a block's warps cover GDN_SCAN_COLS columns");
 // A staged q or k row: a part of GDN_SCAN_ROWS values per lane of a column,
 // each padded by 4 so that the lanes of a column, reading one part each,
 // hit different banks.

@@ -41,14 +41,17 @@
 // memory whole (16-byte cp.async, a chunk ahead of their use) and each lane
 // reads its fragment as one 16-byte load.
 
-#define GDN_CHUNK 64
-#define GCK_PITCH 132  // a row of 128 q or k values (A-operand reads: pitch ≡ 4 mod 32)
-#define GCK_TRI 68     // a row of A or P (A-operand reads of P: pitch ≡ 4 mod 32)
+#include "common.cuh"
+#include "constants.cuh"
+
+// GDN_CHUNK comes from constants.cuh.
+// GCK_PITCH comes from constants.cuh. // a row of 128 q or k values (A-operand reads: pitch ≡ 4 mod 32)
+// GCK_TRI comes from constants.cuh. // a row of A or P (A-operand reads of P: pitch ≡ 4 mod 32)
 
 // The pitch of X = [U | W] rows: dv + 128 columns rounded up to GCK_X_ALIGN,
 // plus GCK_X_PAD (B-operand reads: ≡ 8 mod 32). Rust: `gdn_chunk_x_pitch`.
-#define GCK_X_ALIGN 32
-#define GCK_X_PAD 8
+// GCK_X_ALIGN comes from constants.cuh.
+// GCK_X_PAD comes from constants.cuh.
 __host__ __device__ constexpr int gck_x_pitch(int dv) {
     return (dv + 128 + GCK_X_ALIGN - 1) / GCK_X_ALIGN * GCK_X_ALIGN + GCK_X_PAD;
 }
@@ -311,10 +314,10 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Value columns per block of gdn_chunk_state (Rust: GDN_CHUNK_COLS).
-#define GDN_CHUNK_COLS 32
+// GDN_CHUNK_COLS comes from constants.cuh.
 // A row of the state or V' in shared memory: the block's columns and
 // GCK_SP_PAD more (B-operand reads: ≡ 8 mod 32). Rust: GDN_CHUNK_STATE_PAD.
-#define GCK_SP_PAD 8
+// GCK_SP_PAD comes from constants.cuh.
 #define GCK_SP (GDN_CHUNK_COLS + GCK_SP_PAD)
 
 // acc += A·B over KT k-steps of 8 (gdn_chunk_state's two products): this

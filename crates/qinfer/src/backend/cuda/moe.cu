@@ -1,5 +1,136 @@
+// Routed experts on the device: the router's top-k (moe_route), one GEMV
+// per (token, chosen expert) entry through tables of device pointers, and the
+// fused silu(gate)·up and down kernels of a decode step; then the prefill's
+// sorting of entries by expert (moe_prefill.rs).
+
+#include "affine.cuh"
+#include "common.cuh"
+#include "constants.cuh"
+#include "gemv.cuh"
+
 // ---------------------------------------------------------------------------
-// Routed experts of a decode step in two kernels after moe_route (mod.rs
+// Mixture of experts for a few tokens, decided on the device (no host sync,
+// so a decode step with routed experts can be recorded). moe_route: per
+// token (one block), softmax over the router logits, then the top_k experts
+// by repeated block-wide argmax (ties to the lower index, as the CPU's stable
+// sort), optionally renormalized; writes ids and weights [rows, top_k].
+extern "C" __global__ void moe_route(const float* logits, int* ids, float* weights, int experts, int top_k,
+                                     int renormalize) {
+    grid_dependency_wait();
+    __shared__ float probs[MOE_MAX_EXPERTS];
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* row = logits + (size_t)blockIdx.x * experts;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float m = -__int_as_float(0x7f800000);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, row[e]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) best_v[warp] = m;
+    __syncthreads();
+    m = -__int_as_float(0x7f800000);
+    for (int w = 0; w < warps; w++) m = fmaxf(m, best_v[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        probs[e] = expf(row[e] - m);
+        sum += probs[e];
+    }
+    sum = block_sum(sum);
+    float chosen = 0.0f;
+    for (int s = 0; s < top_k; s++) {
+        float bv = -1.0f;
+        int bi = experts;
+        for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+            float p = probs[e];
+            if (p > bv || (p == bv && e < bi)) { bv = p; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < warps; w++)
+                if (best_v[w] > best_v[0] || (best_v[w] == best_v[0] && best_i[w] < best_i[0])) {
+                    best_v[0] = best_v[w];
+                    best_i[0] = best_i[w];
+                }
+            int e = best_i[0];
+            float p = probs[e] / sum;
+            ids[blockIdx.x * top_k + s] = e;
+            weights[blockIdx.x * top_k + s] = p;
+            chosen += p;
+            probs[e] = -2.0f;  // taken
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && renormalize)
+        for (int s = 0; s < top_k; s++) weights[blockIdx.x * top_k + s] /= chosen;
+}
+
+// One GEMV per (token, chosen expert) entry b = blockIdx.y: the expert's
+// weight from a table of device pointers by ids[b], its input row b / x_div
+// of x (x_div = top_k: the token's row; 1: the entry's own row), output row b.
+template <typename T, int VEC>
+__device__ void moe_gemv(const unsigned long long* table, const int* ids, const float* x, float* y, int out_dim,
+                         int in_dim, int x_div) {
+    int b = blockIdx.y;
+    const T* w = reinterpret_cast<const T*>(table[ids[b]]);
+    gemv<T, VEC, 2, 1>(w, x + (size_t)(b / x_div) * in_dim, nullptr, y + (size_t)b * out_dim, out_dim, in_dim, 1);
+}
+#define MOE_GEMV(NAME, T, VEC)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned long long* table, const int* ids,        \
+                                                           const float* x, float* y, int o, int i, int x_div) {    \
+        grid_dependency_wait();                                                                                    \
+        moe_gemv<T, VEC>(table, ids, x, y, o, i, x_div);                                                           \
+    }
+MOE_GEMV(moe_gemv_bf16, __nv_bfloat16, 8)
+MOE_GEMV(moe_gemv_f16, __half, 8)
+MOE_GEMV(moe_gemv_f32, float, 4)
+
+// The same for affine experts: tables of packed, scales and biases pointers.
+template <typename S, int BITS, bool HALVES>
+__device__ void moe_gemv_affine(const unsigned long long* packed, const unsigned long long* scales,
+                                const unsigned long long* biases, const int* ids, const float* x, float* y,
+                                int out_dim, int in_dim, int group, int x_div) {
+    int b = blockIdx.y, e = ids[b];
+    gemv_affine<S, BITS, 2, 1, HALVES>(reinterpret_cast<const unsigned*>(packed[e]), reinterpret_cast<const S*>(scales[e]),
+                               reinterpret_cast<const S*>(biases[e]), x + (size_t)(b / x_div) * in_dim, nullptr,
+                               y + (size_t)b * out_dim, out_dim, in_dim, group, 1);
+}
+#define MOE_GEMV_AFFINE(F, S, B, H)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) moe_gemv_##F(                                                \
+        const unsigned long long* p, const unsigned long long* s, const unsigned long long* bi, const int* ids,    \
+        const float* x, float* y, int o, int i, int g, int x_div) {                                                \
+        grid_dependency_wait();                                                                                    \
+        moe_gemv_affine<S, B, H>(p, s, bi, ids, x, y, o, i, g, x_div);                                             \
+    }
+#define MOE_AFFINE_FORMATS(B)                                                                                      \
+    MOE_GEMV_AFFINE(affine##B, float, B, false)                                                                    \
+    MOE_GEMV_AFFINE(affine##B##_bf16, __nv_bfloat16, B, false)                                                     \
+    MOE_GEMV_AFFINE(affine##B##_g16, float, B, true)
+FOR_AFFINE_BITS(MOE_AFFINE_FORMATS)
+MOE_GEMV_AFFINE(affine4_k, KScales, 4, false)
+MOE_GEMV_AFFINE(affine5_k, KScales, 5, false)
+MOE_GEMV_AFFINE(affine2_k_g16, K2Scales, 2, true)
+MOE_GEMV_AFFINE(affine3_k_g16, K3Scales, 3, true)
+MOE_GEMV_AFFINE(affine6_k_g16, K6Scales, 6, true)
+
+// out[t] = Σ_s weights[t·k + s] · y[t·k + s]   (one block per token).
+extern "C" __global__ void moe_combine(const float* y, const float* weights, float* out, int top_k, int cols) {
+    grid_dependency_wait();
+    int t = blockIdx.x;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < top_k; s++) acc += weights[t * top_k + s] * y[((size_t)t * top_k + s) * cols + c];
+        out[(size_t)t * cols + c] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Routed experts of a decode step in two kernels after moe_route (moe.rs
 // `moe_on_device`), where the plain path took four (gate GEMV, up GEMV,
 // silu·mul, down GEMV) and a combine:
 //
@@ -13,10 +144,10 @@
 //   take (expert, chunk) items (k·in_dim/32 of them at 4 bits: 192 for
 //   Qwen3-30B-A3B, one a thread), so all its loads are independent.
 //
-// Chunks and their arithmetic are the CUDA-core GEMVs' (kernels.cu:
-// affine_chunk_dot for affine levels, gemv_chunk for floats); every output is
+// Chunks and their arithmetic are the CUDA-core GEMVs' (affine.cuh:
+// affine_chunk_dot for affine levels, gemv.cuh: gemv_chunk for floats); every output is
 // each row's dot, scaled and summed over the block as gemv_store does.
-#define MOE_ROWS 4
+// MOE_ROWS comes from constants.cuh.
 
 // One 32-value chunk `i` of R affine rows (their levels, scales and biases
 // from row starts w, s, b) against x: acc[r] += row r · x.
@@ -295,7 +426,7 @@ extern "C" __global__ void moe_scatter_f16(const int* ids, const float* x, int c
 // moe_gather_combine: block t writes out[t] = Σ weights[t·k + s]·y[pos[t·k +
 // s]] over the token's choices in ascending expert order (the order in which
 // the CPU backend, and the reference's index_add_, add the experts in).
-#define MOE_MAX_TOP_K 64
+// MOE_MAX_TOP_K comes from constants.cuh.
 extern "C" __global__ void moe_gather_combine(const float* y, const int* ids, const int* pos, const float* weights,
                                               float* out, int top_k, int cols) {
     grid_dependency_wait();

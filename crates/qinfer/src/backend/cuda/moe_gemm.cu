@@ -25,14 +25,19 @@
 // to try. Split activations (x = hi + lo, see f32_split_*) run the k loop
 // once per part into the same sums.
 
-#define MG_BM 64
-#define MG_BN 128
-#define MG_BK 64
+#include "affine.cuh"
+#include "common.cuh"
+#include "constants.cuh"
+
+// MG_BM comes from constants.cuh.
+// MG_BN comes from constants.cuh.
+// MG_BK comes from constants.cuh.
 // Shared rows padded to 72 values (144 bytes): the 8 rows an ldmatrix reads
 // start in 8 different 4-bank groups.
 #define MG_LD (MG_BK + 8)
 // Dynamic shared memory of a block: two stages of the A and B tiles.
-#define MG_SHARED (2 * (MG_BM + MG_BN) * MG_LD * 2)
+// MG_SHARED comes from constants.cuh.
+static_assert(MG_SHARED == 2 * (MG_BM + MG_BN) * MG_LD * 2, "two stages of A and B tiles");
 
 template <typename T>
 __device__ __forceinline__ void mg_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);

@@ -14,15 +14,15 @@
 //! and float experts are read where they lie. `moe_gather_combine` sums each
 //! token's experts.
 //!
-//! Before, the router logits went to the host, which routed and sorted the
-//! tokens (single-threaded: a few ms a layer at 8k tokens), and each expert
-//! uploaded its token lists (a stream sync each) and launched its own
-//! gathers and dequantizations.
+//! (Routing and sorting on the host would take a few ms a layer at 8k
+//! tokens, single-threaded, and per-expert token lists a stream sync each.)
 
 use cudarc::driver::CudaSlice;
 
-use super::moe::{ExpertTables, ProjectionTable};
-use super::{Arg, CudaAct, CudaBackend, CudaWeight, blocks, cfg};
+use super::kernels::{blocks, cfg, kernel_args};
+use super::linear::FloatType;
+use super::moe::{ExpertTables, ProjectionKind, ProjectionTable, RouteArgs};
+use super::{AffineSide, CudaAct, CudaBackend, CudaWeight};
 use crate::backend::{Backend, ExpertWeights, Routing};
 use crate::tensor::DType;
 
@@ -30,33 +30,35 @@ use crate::tensor::DType;
 /// experts of one projection in a chunk or a few.
 const DEQUANT_VALUES: usize = 1 << 28;
 
-/// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`, moe.cu).
-const MAX_TOP_K: usize = 64;
+/// Choices per token `moe_gather_combine` orders (`MOE_MAX_TOP_K`).
+pub(super) const MAX_TOP_K: usize = 64;
 
-/// Rows of a grouped GEMM block's segment tile (`MG_BM`, moe_gemm.cu).
-const GROUPED_TILE_ROWS: usize = 64;
+/// Rows of a grouped GEMM block's segment tile (`MG_BM`).
+pub(super) const GROUPED_TILE_ROWS: usize = 64;
 /// Outputs of a grouped GEMM block (`MG_BN`).
-const GROUPED_TILE_OUTPUTS: usize = 128;
+pub(super) const GROUPED_TILE_OUTPUTS: usize = 128;
 /// Values of k a grouped GEMM stage takes (`MG_BK`): every GEMM's k is a
 /// multiple.
-const GROUPED_STAGE_K: usize = 64;
+pub(super) const GROUPED_STAGE_K: usize = 64;
 /// Dynamic shared memory of a grouped GEMM block (`MG_SHARED`): two stages
 /// of its bf16/f16 A and B tiles, rows padded by 8 values.
 pub(super) const GROUPED_SHARED: usize = 2 * (GROUPED_TILE_ROWS + GROUPED_TILE_OUTPUTS) * (GROUPED_STAGE_K + 8) * 2;
 
 /// The most rows a chosen expert may average for the grouped GEMM by
-/// default: Qwen3-30B-A3B (8 of 128 experts) up to 1024 tokens. Measured
-/// (random-weight 30B-A3B q4g64, H200, bench/results/cuda-h200-session-ab.txt
-/// runs 98-99): pp512 (32 rows) 1.8-2.0x the per-expert GEMMs, pp2048 (128
-/// rows) even, pp8192 (512 rows) 0.67x.
+/// default: Qwen3-30B-A3B (8 of 128 experts) up to 1024 tokens. Measured on
+/// random-weight 30B-A3B q4g64 (H200): pp512 (32 rows) 1.8-2.0x the
+/// per-expert GEMMs, pp2048 (128 rows) even, pp8192 (512 rows) 0.67x.
 const GROUPED_MAX_MEAN_ROWS: usize = 64;
 
-/// The default grouped-GEMM bound for experts stored as `storage`. GGUF
+/// The default grouped-GEMM bound for experts stored as `kind`. GGUF
 /// K-quant super-block records stay on the per-expert GEMMs: the grouped
 /// kernel decodes each 32-value chunk's scale and bias from the record with
-/// byte loads, and 30B-A3B Q4_K_M prefill measured 0.79x at pp512 (run 99).
-fn grouped_rows_default(storage: &str) -> usize {
-    if storage.ends_with("_k") { 0 } else { GROUPED_MAX_MEAN_ROWS }
+/// byte loads, and 30B-A3B Q4_K_M prefill measured 0.79x at pp512.
+fn grouped_rows_default(kind: ProjectionKind) -> usize {
+    match kind {
+        ProjectionKind::Affine { side: AffineSide::Records, .. } => 0,
+        ProjectionKind::Affine { .. } | ProjectionKind::Float(_) => GROUPED_MAX_MEAN_ROWS,
+    }
 }
 
 impl ProjectionTable {
@@ -64,12 +66,46 @@ impl ProjectionTable {
     /// as stored, bf16 for affine experts (dequantized); None for f32
     /// experts (the host-routed path keeps them in f32).
     fn gemm_dtype(&self) -> Option<DType> {
-        match (&self.affine, self.format.as_str()) {
-            (Some(_), _) => Some(DType::BF16),
-            (None, "bf16") => Some(DType::BF16),
-            (None, "f16") => Some(DType::F16),
-            _ => None,
+        match self.kind {
+            ProjectionKind::Affine { .. } => Some(DType::BF16),
+            ProjectionKind::Float(FloatType::Bf16) => Some(DType::BF16),
+            ProjectionKind::Float(FloatType::F16) => Some(DType::F16),
+            ProjectionKind::Float(FloatType::F32) => None,
         }
+    }
+}
+
+kernel_args! {
+    /// `moe_scatter_{bf16,f16}`.
+    ScatterArgs { ids: u64, x: u64, cols: i32, top_k: i32, cursors: u64, pos: u64, hi: u64, lo: u64 }
+}
+kernel_args! {
+    /// `moe_gather_combine`.
+    GatherCombineArgs { y: u64, ids: u64, pos: u64, weights: u64, out: u64, top_k: i32, cols: i32 }
+}
+kernel_args! {
+    /// `moe_count`.
+    CountArgs { ids: u64, entries: i32, counts: u64 }
+}
+kernel_args! {
+    /// `moe_offsets`.
+    OffsetsArgs { counts: u64, experts: i32, offsets: u64, cursors: u64, tiles: u64, n_tiles: u64, tile_rows: i32 }
+}
+kernel_args! {
+    /// `moe_{format}_to_bf16` (affine_gemv.cu).
+    ExpertsToBf16Args {
+        packed: u64, scales: u64, biases: u64, counts: u64, e0: i32, out: u64, rows: i32, in_dim: i32, group: i32,
+    }
+}
+kernel_args! {
+    /// `moe_gemm_{bf16,f16}`.
+    GemmArgs { weights: u64, tiles: u64, count: u64, hi: u64, lo: u64, y: u64, n: i32, k: i32 }
+}
+kernel_args! {
+    /// `moe_gemm_{affine format}`.
+    AffineGemmArgs {
+        weights: u64, scales: u64, biases: u64, group: i32, tiles: u64, count: u64, hi: u64, lo: u64, y: u64, n: i32,
+        k: i32,
     }
 }
 
@@ -122,7 +158,7 @@ impl CudaBackend {
         // were every expert chosen (the counts stay on the device), and every
         // GEMM's k is whole stages.
         let bound = self.grouped_moe_rows.unwrap_or_else(|| {
-            [&t.gate, &t.up, &t.down].iter().map(|p| grouped_rows_default(&p.storage)).min().unwrap_or(0)
+            [&t.gate, &t.up, &t.down].iter().map(|p| grouped_rows_default(p.kind)).min().unwrap_or(0)
         });
         let grouped = entries <= bound.saturating_mul(experts.len().min(entries))
             && hidden.is_multiple_of(GROUPED_STAGE_K)
@@ -132,21 +168,18 @@ impl CudaBackend {
         // x's row of each entry, in the sorted order, as the gate/up GEMMs read it.
         let split = self.split_activations;
         let (hi, lo) = (self.uninit::<u16>(entries * hidden), split.then(|| self.uninit::<u16>(entries * hidden)));
-        let scatter = if gate_ty == DType::F16 { "moe_scatter_f16" } else { "moe_scatter_bf16" };
-        let lo_ptr = lo.as_ref().map_or(0, |l| self.p(l));
-        launch!(
-            self,
-            scatter,
-            cfg((entries as u32, 1, 1), 256, 0),
-            self.p(&ids.buf),
-            self.p(&x.buf),
-            hidden as i32,
-            k as i32,
-            self.p(&segments.cursors),
-            self.p(&pos),
-            self.p(&hi),
-            lo_ptr
-        );
+        let scatter = &self.k.moe.scatter[usize::from(gate_ty == DType::F16)];
+        let args = ScatterArgs {
+            ids: self.p(&ids.buf),
+            x: self.p(&x.buf),
+            cols: hidden as i32,
+            top_k: k as i32,
+            cursors: self.p(&segments.cursors),
+            pos: self.p(&pos),
+            hi: self.p(&hi),
+            lo: lo.as_ref().map_or(0, |l| self.p(l)),
+        };
+        self.launch(scatter, cfg((entries as u32, 1, 1), 256, 0), &args);
         let inputs: Vec<u64> = [Some(self.p(&hi)), lo.as_ref().map(|l| self.p(l))].into_iter().flatten().collect();
         let gate = self.act(entries, width);
         let up = self.act(entries, width);
@@ -160,18 +193,16 @@ impl CudaBackend {
         self.expert_gemms(&t.down, experts, |e| &e.down, &segments, &h_ptrs, &y);
 
         let out = self.act(tokens, hidden);
-        launch!(
-            self,
-            "moe_gather_combine",
-            cfg((tokens as u32, 1, 1), 256, 0),
-            self.p(&y.buf),
-            self.p(&ids.buf),
-            self.p(&pos),
-            self.p(&weights.buf),
-            self.p(&out.buf),
-            k as i32,
-            hidden as i32
-        );
+        let args = GatherCombineArgs {
+            y: self.p(&y.buf),
+            ids: self.p(&ids.buf),
+            pos: self.p(&pos),
+            weights: self.p(&weights.buf),
+            out: self.p(&out.buf),
+            top_k: k as i32,
+            cols: hidden as i32,
+        };
+        self.launch(&self.k.moe.gather_combine, cfg((tokens as u32, 1, 1), 256, 0), &args);
         Some(out)
     }
 
@@ -181,17 +212,15 @@ impl CudaBackend {
         let (rows, k) = (logits.rows, routing.top_k);
         let ids = self.act(rows, k);
         let weights = self.act(rows, k);
-        launch!(
-            self,
-            "moe_route",
-            cfg((rows as u32, 1, 1), 128, 0),
-            self.p(&logits.buf),
-            self.p(&ids.buf),
-            self.p(&weights.buf),
-            logits.cols as i32,
-            k as i32,
-            routing.renormalize as i32
-        );
+        let args = RouteArgs {
+            logits: self.p(&logits.buf),
+            ids: self.p(&ids.buf),
+            weights: self.p(&weights.buf),
+            experts: logits.cols as i32,
+            top_k: k as i32,
+            renormalize: routing.renormalize as i32,
+        };
+        self.launch(&self.k.moe.route, cfg((rows as u32, 1, 1), 128, 0), &args);
         (ids, weights)
     }
 
@@ -208,30 +237,22 @@ impl CudaBackend {
     ) -> Option<(Segments, CudaSlice<i32>)> {
         let counts_dev = self.zeros::<i32>(experts);
         let (offsets_dev, cursors) = (self.uninit::<i32>(experts + 1), self.uninit::<i32>(experts));
-        launch!(
-            self,
-            "moe_count",
-            cfg(blocks(entries, 256), 256, 0),
-            self.p(&ids.buf),
-            entries as i32,
-            self.p(&counts_dev)
-        );
+        let args = CountArgs { ids: self.p(&ids.buf), entries: entries as i32, counts: self.p(&counts_dev) };
+        self.launch(&self.k.moe.count, cfg(blocks(entries, 256), 256, 0), &args);
         // Each expert's last tile may be partial: at most one more each.
         let bound = entries.div_ceil(GROUPED_TILE_ROWS) + experts.min(entries);
         let tiles = grouped.then(|| (self.uninit::<i32>(4 * bound), self.uninit::<i32>(1)));
         let (tiles_ptr, count_ptr) = tiles.as_ref().map_or((0, 0), |(t, n)| (self.p(t), self.p(n)));
-        launch!(
-            self,
-            "moe_offsets",
-            cfg((1, 1, 1), 32, 0),
-            self.p(&counts_dev),
-            experts as i32,
-            self.p(&offsets_dev),
-            self.p(&cursors),
-            tiles_ptr,
-            count_ptr,
-            GROUPED_TILE_ROWS as i32
-        );
+        let args = OffsetsArgs {
+            counts: self.p(&counts_dev),
+            experts: experts as i32,
+            offsets: self.p(&offsets_dev),
+            cursors: self.p(&cursors),
+            tiles: tiles_ptr,
+            n_tiles: count_ptr,
+            tile_rows: GROUPED_TILE_ROWS as i32,
+        };
+        self.launch(&self.k.moe.offsets, cfg((1, 1, 1), 32, 0), &args);
         let pos = self.uninit::<i32>(entries);
         if let Some((tiles, count)) = tiles {
             let layout = SegmentLayout::Tiles { tiles, count, bound };
@@ -297,27 +318,28 @@ impl CudaBackend {
         };
         let per_chunk = (DEQUANT_VALUES / (rows * cols)).clamp(1, experts.len());
         let scratch = self.uninit::<u16>(per_chunk * rows * cols);
-        let kernel = format!("moe_{}_to_bf16", table.storage);
+        let kernel = match table.kind {
+            ProjectionKind::Affine { bits, side, .. } => self.k.affine.storage(bits, side).map(|k| &k.moe_to_bf16),
+            ProjectionKind::Float(_) => None,
+        };
         for e0 in (0..experts.len()).step_by(per_chunk) {
             let span = per_chunk.min(experts.len() - e0);
             if counts[e0..e0 + span].iter().all(|&n| n == 0) {
                 continue;
             }
             let grid = (blocks(rows * cols / 32, 256).0, span as u32, 1);
-            launch!(
-                self,
-                &kernel,
-                cfg(grid, 256, 0),
-                self.p(&table.weights),
-                self.p(scales),
-                self.p(biases),
-                self.p(&segments.counts_dev),
-                e0 as i32,
-                self.p(&scratch),
-                rows as i32,
-                cols as i32,
-                *group as i32
-            );
+            let args = ExpertsToBf16Args {
+                packed: self.p(&table.weights),
+                scales: self.p(scales),
+                biases: self.p(biases),
+                counts: self.p(&segments.counts_dev),
+                e0: e0 as i32,
+                out: self.p(&scratch),
+                rows: rows as i32,
+                in_dim: cols as i32,
+                group: *group as i32,
+            };
+            self.launch_opt(kernel, "expert dequantization", cfg(grid, 256, 0), &args);
             let batch: Vec<(u64, usize)> = (e0..e0 + span)
                 .filter(|&e| counts[e] > 0)
                 .map(|e| (self.p(&scratch) + ((e - e0) * rows * cols * 2) as u64, e))
@@ -345,26 +367,16 @@ impl CudaBackend {
         let (hi, lo) = (inputs[0], inputs.get(1).copied().unwrap_or(0));
         let (tiles, count, y, weights) = (self.p(tiles), self.p(count), self.p(&y.buf), self.p(&table.weights));
         let (n, k) = (rows as i32, cols as i32);
-        match &table.affine {
-            Some((scales, biases, group)) => launch!(
-                self,
-                &format!("moe_gemm_{}", table.storage),
-                cfg(grid, 128, GROUPED_SHARED as u32),
-                weights,
-                self.p(scales),
-                self.p(biases),
-                *group as i32,
-                tiles,
-                count,
-                hi,
-                lo,
-                y,
-                n,
-                k
-            ),
-            None => {
-                let kernel = if dtype == DType::F16 { "moe_gemm_f16" } else { "moe_gemm_bf16" };
-                launch!(self, kernel, cfg(grid, 128, GROUPED_SHARED as u32), weights, tiles, count, hi, lo, y, n, k)
+        let c = cfg(grid, 128, GROUPED_SHARED as u32);
+        match (&table.affine, table.kind) {
+            (Some((scales, biases, group)), ProjectionKind::Affine { bits, side, .. }) => {
+                let (scales, biases, group) = (self.p(scales), self.p(biases), *group as i32);
+                let args = AffineGemmArgs { weights, scales, biases, group, tiles, count, hi, lo, y, n, k };
+                self.launch_opt(self.k.moe.gemm_affine(bits, side), "grouped expert GEMM", c, &args);
+            }
+            _ => {
+                let args = GemmArgs { weights, tiles, count, hi, lo, y, n, k };
+                self.launch(&self.k.moe.gemm_float[usize::from(dtype == DType::F16)], c, &args);
             }
         }
     }
@@ -383,9 +395,8 @@ impl CudaBackend {
     /// `dtype`; x rows of `cols` values at each of `inputs`, summed; y rows
     /// of `rows` f32 at `y`), one cuBLAS GEMM per expert. Not one grouped
     /// call (`cublasGemmGroupedBatchedEx`): CUDA 13.0's cuBLAS answers
-    /// CUBLAS_STATUS_NOT_SUPPORTED for bf16 inputs with f32 outputs (run 95,
-    /// bench/results/cuda-h200-session-ab.txt), and bf16 outputs would round
-    /// the split activations' two products apart.
+    /// CUBLAS_STATUS_NOT_SUPPORTED for bf16 inputs with f32 outputs, and bf16
+    /// outputs would round the split activations' two products apart.
     fn expert_gemm_batch(
         &self,
         dtype: DType,

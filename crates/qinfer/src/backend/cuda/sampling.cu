@@ -10,9 +10,12 @@
 // histogram of the total per digit; ties at the final key are resolved in
 // token order. The draw itself is one more cut, at u times the kept mass.
 
-#define SAMPLE_THREADS 1024
+#include "common.cuh"
+#include "constants.cuh"
+
+// SAMPLE_THREADS comes from constants.cuh.
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
-#define ARGMAX_BLOCKS 128
+// ARGMAX_BLOCKS: the blocks sampling.rs launches `sample_argmax` with.
 // Values a thread loads at once (with ARGMAX_BLOCKS·256 threads, one round
 // for vocabularies up to 262144).
 #define ARGMAX_BATCH 8
@@ -284,8 +287,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 // would not end before E (a flat distribution) the last block picks from
 // the whole vocabulary itself, as sample_filtered does, and counts it in
 // `fallbacks`.
-#define TOPK_BLOCKS 64
-#define TOPK_MAX 64
+// TOPK_BLOCKS comes from constants.cuh.
+// TOPK_MAX comes from constants.cuh.
 
 // Whether candidate (key, id) comes before (ekey, eid) in the order.
 __device__ __forceinline__ bool sample_before(unsigned key, int id, unsigned ekey, int eid) {

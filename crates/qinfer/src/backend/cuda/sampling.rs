@@ -7,24 +7,72 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 
-use super::{Arg, CudaAct, CudaBackend, cfg};
+use super::kernels::{Resolve, cfg, kernel_args};
+use super::{CudaAct, CudaBackend};
 use crate::backend::Backend;
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
-/// Blocks of `sample_argmax` (`ARGMAX_BLOCKS` in sampling.cu).
+/// Blocks of `sample_argmax`.
 const ARGMAX_BLOCKS: usize = 128;
 
 /// Threads of the one block of `sample_filtered` (`SAMPLE_THREADS`).
-const SAMPLE_THREADS: u32 = 1024;
+pub(super) const SAMPLE_THREADS: u32 = 1024;
 
 /// Blocks of `sample_top_k`, and the largest top-k it takes (`TOPK_BLOCKS`,
 /// `TOPK_MAX`): each block keeps at most that many candidates of its slice.
-const TOPK_BLOCKS: usize = 64;
-const TOPK_MAX: usize = 64;
+pub(super) const TOPK_BLOCKS: usize = 64;
+pub(super) const TOPK_MAX: usize = 64;
 
 /// Dynamic shared memory of `sample_top_k`: the gathered candidates' logits and ids.
 pub(super) const TOP_K_SHARED: usize = 2 * TOPK_BLOCKS * TOPK_MAX * 4;
+
+/// The kernels of sampling.cu.
+pub(super) struct SamplingKernels<K> {
+    argmax: K,
+    filtered: K,
+    pub(super) top_k: K,
+    penalty: K,
+}
+
+impl<K> SamplingKernels<K> {
+    pub(super) fn load(get: &mut Resolve<'_, K>) -> Result<Self> {
+        const U: &str = "sampling.cu";
+        Ok(SamplingKernels {
+            argmax: get(U, "sample_argmax".into())?,
+            filtered: get(U, "sample_filtered".into())?,
+            top_k: get(U, "sample_top_k".into())?,
+            penalty: get(U, "sample_penalty".into())?,
+        })
+    }
+}
+
+kernel_args! {
+    /// `sample_penalty`.
+    PenaltyArgs { x: u64, ids: u64, count: i32, n: i32, penalty: f32 }
+}
+kernel_args! {
+    /// `sample_argmax`.
+    ArgmaxArgs {
+        x: u64, n: i32, part_values: u64, part_ids: u64, ticket: u64, token: u64, feed_step: u64, feed_start: i32,
+        feed_host: u64,
+    }
+}
+kernel_args! {
+    /// `sample_top_k`.
+    TopKArgs {
+        x: u64, n: i32, temperature: f32, top_k: i32, top_p: f32, min_p: f32, u: f32, cand_logits: u64,
+        cand_ids: u64, cand_counts: u64, slice_max: u64, slice_z: u64, left_logits: u64, left_ids: u64, ticket: u64,
+        fallbacks: u64, token: u64, feed_step: u64, feed_start: i32, feed_host: u64,
+    }
+}
+kernel_args! {
+    /// `sample_filtered`.
+    FilteredArgs {
+        x: u64, n: i32, temperature: f32, top_k: i32, top_p: f32, min_p: f32, u: f32, token: u64, feed_step: u64,
+        feed_start: i32, feed_host: u64,
+    }
+}
 
 /// Device buffers the sampling kernels share: the argmax blocks' partial
 /// results, the top-k blocks' candidates (and, without a top-k, each slice's
@@ -191,16 +239,14 @@ impl CudaBackend {
         let _penalized_copy = if params.repetition_penalty != 1.0 && !penalized.is_empty() {
             let copy = self.last_row(logits);
             let ids = self.upload_slice(penalized);
-            launch!(
-                self,
-                "sample_penalty",
-                cfg((penalized.len().div_ceil(256) as u32, 1, 1), 256, 0),
-                self.p(&copy.buf),
-                self.p(&ids),
-                penalized.len() as i32,
-                vocab as i32,
-                params.repetition_penalty
-            );
+            let args = PenaltyArgs {
+                x: self.p(&copy.buf),
+                ids: self.p(&ids),
+                count: penalized.len() as i32,
+                n: vocab as i32,
+                penalty: params.repetition_penalty,
+            };
+            self.launch(&self.k.sampling.penalty, cfg((penalized.len().div_ceil(256) as u32, 1, 1), 256, 0), &args);
             row = self.p(&copy.buf);
             Some((copy, ids))
         } else {
@@ -208,20 +254,18 @@ impl CudaBackend {
         };
         let token = self.p(&scratch.token);
         if params.temperature == 0.0 {
-            launch!(
-                self,
-                "sample_argmax",
-                cfg((ARGMAX_BLOCKS as u32, 1, 1), 256, 0),
-                row,
-                vocab as i32,
-                self.p(&scratch.part_values),
-                self.p(&scratch.part_ids),
-                self.p(&scratch.ticket),
+            let args = ArgmaxArgs {
+                x: row,
+                n: vocab as i32,
+                part_values: self.p(&scratch.part_values),
+                part_ids: self.p(&scratch.part_ids),
+                ticket: self.p(&scratch.ticket),
                 token,
                 feed_step,
                 feed_start,
-                feed_host
-            );
+                feed_host,
+            };
+            self.launch(&self.k.sampling.argmax, cfg((ARGMAX_BLOCKS as u32, 1, 1), 256, 0), &args);
         } else if (params.top_k <= TOPK_MAX || params.top_k >= vocab) && vocab >= TOPK_BLOCKS * TOPK_MAX {
             // A small top-k, or none: the vocabulary is cut to the slices'
             // best candidates on many SMs first (the one-block kernel takes
@@ -229,48 +273,45 @@ impl CudaBackend {
             // checks that the draw depends on those candidates only, and
             // else draws from the whole vocabulary itself.
             let top_k = if params.top_k >= vocab { 0 } else { params.top_k };
-            launch!(
-                self,
-                "sample_top_k",
-                cfg((TOPK_BLOCKS as u32, 1, 1), SAMPLE_THREADS, TOP_K_SHARED as u32),
-                row,
-                vocab as i32,
-                params.temperature,
-                top_k as i32,
-                params.top_p,
-                params.min_p,
+            let args = TopKArgs {
+                x: row,
+                n: vocab as i32,
+                temperature: params.temperature,
+                top_k: top_k as i32,
+                top_p: params.top_p,
+                min_p: params.min_p,
                 u,
-                self.p(&scratch.cand_logits),
-                self.p(&scratch.cand_ids),
-                self.p(&scratch.cand_counts),
-                self.p(&scratch.slice_max),
-                self.p(&scratch.slice_z),
-                self.p(&scratch.left_logits),
-                self.p(&scratch.left_ids),
-                self.p(&scratch.ticket),
-                self.p(&scratch.fallbacks),
+                cand_logits: self.p(&scratch.cand_logits),
+                cand_ids: self.p(&scratch.cand_ids),
+                cand_counts: self.p(&scratch.cand_counts),
+                slice_max: self.p(&scratch.slice_max),
+                slice_z: self.p(&scratch.slice_z),
+                left_logits: self.p(&scratch.left_logits),
+                left_ids: self.p(&scratch.left_ids),
+                ticket: self.p(&scratch.ticket),
+                fallbacks: self.p(&scratch.fallbacks),
                 token,
                 feed_step,
                 feed_start,
-                feed_host
-            );
+                feed_host,
+            };
+            let c = cfg((TOPK_BLOCKS as u32, 1, 1), SAMPLE_THREADS, TOP_K_SHARED as u32);
+            self.launch(&self.k.sampling.top_k, c, &args);
         } else {
-            launch!(
-                self,
-                "sample_filtered",
-                cfg((1, 1, 1), SAMPLE_THREADS, 0),
-                row,
-                vocab as i32,
-                params.temperature,
-                params.top_k.min(vocab) as i32,
-                params.top_p,
-                params.min_p,
+            let args = FilteredArgs {
+                x: row,
+                n: vocab as i32,
+                temperature: params.temperature,
+                top_k: params.top_k.min(vocab) as i32,
+                top_p: params.top_p,
+                min_p: params.min_p,
                 u,
                 token,
                 feed_step,
                 feed_start,
-                feed_host
-            );
+                feed_host,
+            };
+            self.launch(&self.k.sampling.filtered, cfg((1, 1, 1), SAMPLE_THREADS, 0), &args);
         }
     }
 

@@ -139,27 +139,6 @@ pub enum AffineSide {
 }
 
 impl AffineWeight {
-    /// The kernels' name for this storage: `affine{bits}`, with `_bf16` for
-    /// bf16 scales and biases and `_k` for super-block records.
-    pub fn format(&self) -> String {
-        let suffix = match self.side {
-            AffineSide::F32 => "",
-            AffineSide::Bf16 => "_bf16",
-            AffineSide::Records => "_k",
-        };
-        format!("affine{}{suffix}", self.params.bits)
-    }
-
-    /// The CUDA-core GEMVs' name for it: groups of 16 have kernels of their
-    /// own (`{format}_g16`: f32 scales, or Q6_K's records); the dequant and embedding
-    /// kernels take every group size under [`AffineWeight::format`].
-    pub fn gemv_format(&self) -> String {
-        match self.params.group_size {
-            16 => format!("{}_g16", self.format()),
-            _ => self.format(),
-        }
-    }
-
     /// Bytes of scales and of biases per row, per `cols` values of it (a
     /// multiple of 256 with records).
     pub fn side_bytes(&self, cols: usize) -> (usize, usize) {
