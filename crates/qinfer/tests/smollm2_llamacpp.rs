@@ -1,27 +1,17 @@
 //! The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against llama.cpp:
 //! greedy continuations and perplexity recorded by scripts/llamacpp_reference.sh.
-//! Skips with a message when the model has not been fetched.
+//! Skips with a message when the model has not been fetched (fails under
+//! `QINFER_CI=1`).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::perplexity::perplexity;
 use qinfer::loader::{self, LoadedModel};
 use qinfer::sampling::SamplingParams;
 use serde_json::Value;
-
-fn model_path() -> Option<PathBuf> {
-    let cache = std::env::var_os("QINFER_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/qinfer"));
-    let p = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        println!("skipped: {} is absent (scripts/fetch_default_model.sh fetches it)", p.display());
-        None
-    }
-}
 
 fn fixture(name: &str) -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2").join(name);
@@ -33,7 +23,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn open() -> Option<LoadedModel> {
-    model_path().map(|p| loader::open(&p).unwrap())
+    common::default_model().map(|p| loader::open(&p).unwrap())
 }
 
 /// llama.cpp with flash attention off and an f32 KV cache does the arithmetic our CPU
