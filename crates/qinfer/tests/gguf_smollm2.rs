@@ -1,8 +1,8 @@
 //! The default model (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched by
 //! scripts/fetch_default_model.sh): header, config, tensors and tokenizer.
-//! Skips with a message when the file is absent.
+//! Skips with a message when the file is absent (fails under `QINFER_CI=1`).
 
-use std::path::PathBuf;
+mod common;
 
 use qinfer::config::{Architecture, RopeStyle};
 use qinfer::formats::TensorSource;
@@ -10,20 +10,9 @@ use qinfer::formats::gguf::GgufFile;
 use qinfer::tensor::DType;
 use qinfer::tokenizer::{ChatMessage, ChatOptions};
 
-fn model_path() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/qinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} not found (run scripts/fetch_default_model.sh)", p.display());
-        None
-    }
-}
-
 #[test]
 fn header_and_config() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::default_model() else { return };
     let f = GgufFile::open(&path).unwrap();
     assert!(matches!(f.version(), 2 | 3));
     assert_eq!(f.architecture(), Some("llama"));
@@ -53,7 +42,7 @@ fn header_and_config() {
 
 #[test]
 fn tensors_resolve_by_hf_name() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::default_model() else { return };
     let f = GgufFile::open(&path).unwrap();
     // 30 layers × 9 tensors + embedding + final norm.
     assert_eq!(f.tensor_infos().len(), 30 * 9 + 2);
@@ -88,7 +77,7 @@ fn tensors_resolve_by_hf_name() {
 
 #[test]
 fn tokenizer_round_trips() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::default_model() else { return };
     let f = GgufFile::open(&path).unwrap();
     let tok = qinfer::tokenizer::gguf::from_file(&f).unwrap().expect("SmolLM2 GGUF embeds a tokenizer");
     assert_eq!(tok.vocab_size(), 49152);
@@ -130,7 +119,7 @@ fn tokenizer_round_trips() {
 
 #[test]
 fn chat_template_renders() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::default_model() else { return };
     let f = GgufFile::open(&path).unwrap();
     let tok = qinfer::tokenizer::gguf::from_file(&f).unwrap().unwrap();
     assert!(tok.has_chat_template());

@@ -2,7 +2,10 @@
 //! llama.cpp's `llama-tokenize` (tests/fixtures/smollm2/tokenize.json) and
 //! against transformers' tokenizer for the same GGUF
 //! (tests/fixtures/tokenizer/smollm2_from_gguf/cases.json). Skips with a
-//! message when the model or a fixture is absent.
+//! message when the model is absent (fails under `QINFER_CI=1`); the
+//! fixtures are committed, so a missing one fails.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 
@@ -15,23 +18,13 @@ fn fixtures() -> PathBuf {
 }
 
 fn gguf_tokenizer() -> Option<Tokenizer> {
-    let home = std::env::var_os("HOME")?;
-    let p = PathBuf::from(home).join(".cache/qinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !p.exists() {
-        eprintln!("skipping: {} not found (run scripts/fetch_default_model.sh)", p.display());
-        return None;
-    }
+    let p = common::default_model()?;
     Some(qinfer::tokenizer::gguf::from_file(&GgufFile::open(&p).unwrap()).unwrap().expect("embedded tokenizer"))
 }
 
-fn read_json(path: &Path) -> Option<Value> {
-    match std::fs::read_to_string(path) {
-        Ok(s) => Some(serde_json::from_str(&s).unwrap()),
-        Err(_) => {
-            eprintln!("skipping: fixture {} not found", path.display());
-            None
-        }
-    }
+fn read_json(path: &Path) -> Value {
+    let s = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()));
+    serde_json::from_str(&s).unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -41,7 +34,7 @@ fn ids(v: &Value) -> Vec<u32> {
 #[test]
 fn matches_llama_cpp_tokenize() {
     let Some(tok) = gguf_tokenizer() else { return };
-    let Some(fx) = read_json(&fixtures().join("smollm2/tokenize.json")) else { return };
+    let fx = read_json(&fixtures().join("smollm2/tokenize.json"));
     let default_parse = fx["parse_special"].as_bool().unwrap_or(true);
     let add_bos = fx["add_bos"].as_bool().unwrap_or(false);
     let cases = fx["cases"].as_array().unwrap();
@@ -61,7 +54,7 @@ fn matches_llama_cpp_tokenize() {
 #[test]
 fn matches_transformers_conversion() {
     let Some(tok) = gguf_tokenizer() else { return };
-    let Some(cases) = read_json(&fixtures().join("tokenizer/smollm2_from_gguf/cases.json")) else { return };
+    let cases = read_json(&fixtures().join("tokenizer/smollm2_from_gguf/cases.json"));
     for c in cases["encode"].as_array().unwrap() {
         let text = c["text"].as_str().unwrap();
         let add = c["add_special_tokens"].as_bool().unwrap();

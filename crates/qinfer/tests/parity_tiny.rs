@@ -1,6 +1,8 @@
 //! Parity against transformers (fp32 reference from bf16 weights) on the tiny
 //! random models in tests/fixtures/tiny, made by scripts/make_fixtures.py.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use qinfer::config::ModelConfig;
@@ -11,16 +13,24 @@ use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
+/// Every tiny model scripts/make_fixtures.py and make_fixtures_hybrid.py write.
+const FIXTURES: [&str; 12] = [
+    "llama",
+    "llama3_rope_mha",
+    "qwen2",
+    "qwen2_sliding",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_gdn128",
+    "qwen3_5_moe",
+    "qwen3_moe",
+    "qwen3_moe_norm",
+    "qwen3_mqa",
+    "qwen3_next",
+];
+
 fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .expect("tests/fixtures/tiny exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("reference.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(dirs.len() >= 6, "expected the tiny fixtures, found {dirs:?}");
-    dirs
+    common::exact_fixture_dirs("tiny", &FIXTURES, "reference.json")
 }
 
 fn reference(dir: &Path) -> Value {

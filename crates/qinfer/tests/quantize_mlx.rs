@@ -7,6 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
+use common::mlx::Reference;
 use qinfer::loader;
 use qinfer::models::Logits;
 use qinfer::quantize::{QuantizeOptions, Recipe, quantize};
@@ -139,9 +142,11 @@ fn moe_and_hybrid_outputs_equal_mlx_lm_convert() {
 
 /// Quantize → load → run: qinfer on its own output reproduces mlx-lm's logits on
 /// mlx-lm's conversion of the same model and settings (tests/fixtures/mlx/<case>,
-/// made by scripts/make_fixtures_mlx.py) to parity_mlx's tolerances.
+/// made by scripts/make_fixtures_mlx.py), held to parity_mlx's references and
+/// tolerances (common/mlx.rs): the float64 truth for the hybrids.
 #[test]
 fn moe_and_hybrid_outputs_run_like_mlx_lm() {
+    let mut bad = Vec::new();
     for (case, src, bits, gs) in [
         ("qwen3_moe_q8_g32", "qwen3_moe", 8, 32),
         ("qwen3_moe_q4_g64", "qwen3_moe", 4, 64),
@@ -157,16 +162,13 @@ fn moe_and_hybrid_outputs_run_like_mlx_lm() {
         let r: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
         let input: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-        let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+        let r = Reference::load(&dir, lm.as_ref());
         let mut seq = lm.new_sequence(input.len());
         let got = lm.forward(seq.as_mut(), &input, Logits::All).unwrap();
-        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        // parity_mlx.rs: 1e-4 for attention-only models, 5e-4 for the Gated-DeltaNet hybrids.
-        let bound = if lm.config().arch.features().linear_attention.is_some() { 5e-4 } else { 1e-4 };
-        println!("{case}: max |Δlogit| vs mlx-lm = {d:.2e}");
-        assert!(d < bound, "{case}: {d}");
+        bad.extend(r.check("quantized by qinfer", &got));
         let _ = std::fs::remove_dir_all(&out);
     }
+    assert!(bad.is_empty(), "{bad:#?}");
 }
 
 /// Mean |Δlogit| against the unquantized model (logits.npy, transformers in f32).

@@ -1,6 +1,8 @@
 //! Pieces several test binaries share (each uses a part of them).
 #![allow(dead_code)]
 
+pub mod mlx;
+
 use std::path::PathBuf;
 
 use qinfer::formats::TensorSource;
@@ -80,4 +82,27 @@ pub fn default_model() -> Option<PathBuf> {
         skip(&format!("{} not found (run scripts/fetch_default_model.sh)", p.display()));
         None
     }
+}
+
+/// The fixture directories under `tests/fixtures/<under>`, which must be
+/// exactly `expected` (sorted), each holding `file`: a missing, extra or
+/// incomplete fixture fails instead of shrinking what is checked.
+pub fn exact_fixture_dirs(under: &str, expected: &[&str], file: &str) -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(under);
+    let mut found: Vec<String> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    assert_eq!(found, expected, "fixture directories under {}", root.display());
+    expected
+        .iter()
+        .map(|name| {
+            let dir = root.join(name);
+            assert!(dir.join(file).is_file(), "{} lacks {file}", dir.display());
+            dir
+        })
+        .collect()
 }

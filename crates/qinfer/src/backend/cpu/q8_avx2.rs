@@ -474,7 +474,7 @@ mod tests {
     use crate::tensor::DType;
 
     fn has_avx2() -> bool {
-        super::super::simd::has_avx2()
+        super::super::test_rng::avx2_or_skip()
     }
 
     fn uniform(seed: &mut u64) -> f32 {
@@ -670,7 +670,6 @@ mod tests {
     #[test]
     fn q5_tiles_match_scalar_bit_for_bit() {
         if !has_avx2() {
-            eprintln!("skipped: no avx2/fma/f16c on this CPU");
             return;
         }
         let mut seed = fresh_seed("q5");
@@ -698,7 +697,6 @@ mod tests {
     #[test]
     fn q5_extreme_blocks_match_scalar_bit_for_bit() {
         if !has_avx2() {
-            eprintln!("skipped: no avx2/fma/f16c on this CPU");
             return;
         }
         let blocks = 3;

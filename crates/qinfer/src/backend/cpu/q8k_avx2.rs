@@ -365,11 +365,7 @@ mod tests {
     const TYPES: [DType; 5] = [DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K];
 
     fn has_avx2() -> bool {
-        let has = super::super::simd::has_avx2();
-        if !has {
-            eprintln!("skipped: no avx2/fma/f16c on this CPU");
-        }
-        has
+        super::super::test_rng::avx2_or_skip()
     }
 
     /// Random bytes for levels and packed scales, finite random f16 `d`/`dmin`.

@@ -1,6 +1,6 @@
 //! Random inputs for the CPU kernels' tests: a xorshift generator seeded
 //! fresh each run (the seed printed, so a failure can be replayed) and the
-//! f16 fields of quantized blocks.
+//! f16 fields of quantized blocks; and the AVX2 tests' CPU check.
 
 /// A fresh seed per run, printed under `label`, so repeated runs cover new inputs.
 pub fn fresh_seed(label: &str) -> u64 {
@@ -26,4 +26,17 @@ pub fn finite_f16(seed: &mut u64) -> half::f16 {
             return v;
         }
     }
+}
+
+/// Whether the AVX2 kernels can be tested here. Without AVX2/FMA/F16C the
+/// caller skips, saying so; under `QINFER_CI=1` (`.ci/run`, whose machine
+/// has AVX2) it fails instead, so the kernels cannot go untested unnoticed.
+pub fn avx2_or_skip() -> bool {
+    if super::simd::has_avx2() {
+        return true;
+    }
+    let ci = std::env::var_os("QINFER_CI").is_some_and(|v| v == "1");
+    assert!(!ci, "QINFER_CI=1 forbids skipping: no avx2/fma/f16c on this CPU");
+    eprintln!("skipped: no avx2/fma/f16c on this CPU");
+    false
 }
