@@ -412,7 +412,7 @@ impl CudaBackend {
         out
     }
 
-    /// [`crate::backend::Backend::qkv_prologue`].
+    /// [`crate::backend::ops::FusedOps::qkv_prologue`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qkv_prologue_op(
         &self,
@@ -455,7 +455,7 @@ impl CudaBackend {
         (q, gate)
     }
 
-    /// [`crate::backend::Backend::qkv_attention`].
+    /// [`crate::backend::ops::FusedOps::qkv_attention`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qkv_attention_op(
         &self,

@@ -135,7 +135,7 @@ impl CudaBackend {
         out
     }
 
-    /// [`crate::backend::Backend::swiglu`].
+    /// [`crate::backend::ops::FusedOps::swiglu`].
     pub(super) fn swiglu_op(&self, gate_up: &CudaAct) -> CudaAct {
         let width = gate_up.cols / 2;
         let out = self.act(gate_up.rows, width);

@@ -161,7 +161,7 @@ kernel_args! {
 }
 
 impl CudaBackend {
-    /// [`crate::backend::Backend::new_gdn_state`].
+    /// [`crate::backend::ops::GdnOps::new_gdn_state`].
     pub(super) fn new_gdn_state_op(&self, cfg: &GdnConfig) -> CudaGdnState {
         CudaGdnState {
             cfg: cfg.clone(),
@@ -170,7 +170,7 @@ impl CudaBackend {
         }
     }
 
-    /// [`crate::backend::Backend::clear_gdn_state`].
+    /// [`crate::backend::ops::GdnOps::clear_gdn_state`].
     pub(super) fn clear_gdn_state_op(&self, state: &mut CudaGdnState) {
         let conv = self.stream.memset_zeros(&mut state.conv);
         self.record(conv, "clearing a Gated DeltaNet state");
@@ -178,7 +178,7 @@ impl CudaBackend {
         self.record(recurrent, "clearing a Gated DeltaNet state");
     }
 
-    /// [`crate::backend::Backend::gated_delta_rule`].
+    /// [`crate::backend::ops::GdnOps::gated_delta_rule`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_delta_rule_op(
         &self,
@@ -219,7 +219,7 @@ impl CudaBackend {
         out
     }
 
-    /// [`crate::backend::Backend::gdn_mix`].
+    /// [`crate::backend::ops::GdnOps::gdn_mix`].
     pub(super) fn gdn_mix_op(
         &self,
         mixed: &CudaAct,

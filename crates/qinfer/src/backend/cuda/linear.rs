@@ -420,7 +420,7 @@ impl CudaBackend {
         self.add_assign(h, &y);
     }
 
-    /// [`Backend::linear_swiglu`].
+    /// [`FusedOps::linear_swiglu`].
     pub(super) fn linear_swiglu_op(&self, x: &CudaAct, gate_up: &CudaWeight) -> CudaAct {
         // Decode: the GEMV's epilogue forms silu(gate)·up from a block's gate
         // rows and the matching up rows (`gemv_*_swiglu`): no [T, 2·width]
@@ -441,7 +441,7 @@ impl CudaBackend {
         y
     }
 
-    /// [`Backend::linear_normed`].
+    /// [`FusedOps::linear_normed`].
     pub(super) fn linear_normed_op(
         &self,
         h: &CudaAct,
@@ -462,7 +462,7 @@ impl CudaBackend {
         self.linear_op(&self.rms_norm(h, norm, eps), w, bias)
     }
 
-    /// [`Backend::linear_swiglu_normed`].
+    /// [`FusedOps::linear_swiglu_normed`].
     pub(super) fn linear_swiglu_normed_op(
         &self,
         h: &CudaAct,

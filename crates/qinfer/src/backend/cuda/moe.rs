@@ -220,7 +220,7 @@ kernel_args! {
 }
 
 impl CudaBackend {
-    /// [`crate::backend::Backend::moe`].
+    /// [`crate::backend::ops::MoeOps::moe`].
     pub(super) fn moe_op(
         &self,
         x: &CudaAct,
