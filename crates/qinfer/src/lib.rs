@@ -1,8 +1,10 @@
 //! qinfer: an inference engine for the Qwen family of language models.
 //!
 //! Data flow: `formats` turn files into named tensors and a [`config::ModelConfig`];
-//! `models` place those tensors on a [`backend::Backend`]; `engine` drives
-//! generation; `tokenizer` turns text into ids and back.
+//! `models` place those tensors on a [`backend::Backend`]; `runner` turns
+//! scheduled sequences into one batched forward; `engine` drives requests
+//! (continuous batching) and generation; `tokenizer` turns text into ids
+//! and back.
 
 pub mod backend;
 pub mod config;
@@ -16,6 +18,7 @@ pub mod models;
 pub mod npy;
 pub mod quant;
 pub mod quantize;
+pub mod runner;
 pub mod sampling;
 pub mod tensor;
 pub mod tokenizer;

@@ -45,7 +45,13 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
         &["tensor", "quant", "config", "sampling", "formats", "tokenizer", "kv", "backend", "weights", "models"],
         "opening a model and placing it on a device",
     ),
-    ("engine", &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader"], "requests and generation"),
+    // Sequences become the batch description here and nowhere else.
+    ("runner", &["tensor", "config", "sampling", "kv", "models"], "one forward over a batch, and its sampling"),
+    (
+        "engine",
+        &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader", "runner"],
+        "requests and their lifecycle",
+    ),
 ];
 
 fn src_root() -> PathBuf {

@@ -85,6 +85,8 @@ pub struct Capabilities {
     pub gated_delta_net: bool,
     /// [`ops::MoeOps::moe`] runs here.
     pub mixture_of_experts: bool,
+    /// The [`ops::BatchOps`] (many sequences in one forward, paged KV) run here.
+    pub batched: bool,
 }
 
 /// What a backend computes with, and the ops a dense Llama needs. The fused

@@ -4,16 +4,19 @@
 //! MoE says so in its [`super::Capabilities`]; their defaults then stand for
 //! ops that model loading has already refused with a clear error.
 
+use std::ops::Range;
+
 use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routing};
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
+use crate::kv::batch::BatchLayout;
 use crate::sampling::{SamplingParams, pick};
 use crate::{Error, Result};
 
 /// What a model needs of a backend: every op family.
-pub trait ModelBackend: Backend + FusedOps + GdnOps + MoeOps + SamplingOps {}
+pub trait ModelBackend: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps {}
 
-impl<B: Backend + FusedOps + GdnOps + MoeOps + SamplingOps> ModelBackend for B {}
+impl<B: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps> ModelBackend for B {}
 
 /// Fused forms of the core ops, which a backend may compute in fewer passes
 /// over memory; each default composes the core ops and is the reference.
@@ -211,6 +214,118 @@ pub trait GdnOps: Backend {
         _state: &mut Self::GdnState,
     ) -> Option<Self::Act> {
         None
+    }
+    /// [`GdnOps::gated_delta_rule`] over rows of a prompt, in the chunked
+    /// form however few they are: a prompt split across steps then computes
+    /// as it does in one piece (the chunked form's chunks start where the
+    /// prompt does). The default is the plain op, for backends whose one
+    /// form serves both.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_prompt(
+        &self,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        a: &Self::Act,
+        b: &Self::Act,
+        a_log: &Self::Weight,
+        dt_bias: &Self::Weight,
+        state: &mut Self::GdnState,
+    ) -> Self::Act {
+        self.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state)
+    }
+}
+
+/// One forward over many sequences (the batched engine): keys and values
+/// in a pool of fixed-size blocks, written through the batch's slot mapping
+/// and read through each sequence's block table, and the row slicing that
+/// per-sequence ops (Gated DeltaNet's recurrence) need. A backend without
+/// it implements `type KvPool = ();` and leaves
+/// [`super::Capabilities::batched`] false.
+pub trait BatchOps: Backend {
+    /// Every layer's keys and values for `num_blocks · block_size` slots.
+    type KvPool: Send + 'static;
+
+    fn new_kv_pool(
+        &self,
+        num_layers: usize,
+        kv_dim: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> crate::Result<Self::KvPool> {
+        let _ = (num_layers, kv_dim, num_blocks, block_size);
+        unsupported(self, "batched forwards")
+    }
+    /// Bytes `pool` holds on its device.
+    fn kv_pool_bytes(&self, pool: &Self::KvPool) -> usize {
+        let _ = pool;
+        0
+    }
+    /// The attention inputs of a batch (see [`FusedOps::qkv_prologue`]):
+    /// queries and keys normed and rotated at `batch.positions`, keys and
+    /// values written to `pool` at `batch.slots`. Returns the queries and
+    /// the gate.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_prologue(
+        &self,
+        projected: Self::Act,
+        mut k: Self::Act,
+        v: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut Self::KvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let hd = shape.head_dim;
+        let (mut q, gate) = if shape.output_gate {
+            (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
+        } else {
+            (projected, None)
+        };
+        if let Some((qn, kn)) = norms {
+            q = self.rms_norm(&q, qn, eps);
+            k = self.rms_norm(&k, kn, eps);
+        }
+        self.rope(&mut q, hd, &batch.positions, rope);
+        self.rope(&mut k, hd, &batch.positions, rope);
+        self.write_kv_paged(pool, layer, &k, v, &batch.slots);
+        (q, gate)
+    }
+    /// Writes row `i` of `k` and `v` to slot `slots[i]` of `layer`.
+    fn write_kv_paged(&self, pool: &mut Self::KvPool, layer: usize, k: &Self::Act, v: &Self::Act, slots: &[u32]) {
+        let _ = (pool, layer, k, v, slots);
+        unsupported(self, "batched forwards")
+    }
+    /// Causal attention of each sequence's query rows over its context,
+    /// read through its block table (its new rows already written).
+    fn paged_attention(
+        &self,
+        q: &Self::Act,
+        pool: &Self::KvPool,
+        layer: usize,
+        shape: &AttentionShape,
+        batch: &BatchLayout,
+    ) -> Self::Act {
+        let _ = (q, pool, layer, shape, batch);
+        unsupported(self, "batched forwards")
+    }
+    /// Rows `rows` of `x`.
+    fn slice_rows(&self, x: &Self::Act, rows: Range<usize>) -> Self::Act {
+        let _ = (x, rows);
+        unsupported(self, "batched forwards")
+    }
+    /// Parts stacked row after row (equal widths).
+    fn concat_rows(&self, parts: &[Self::Act]) -> Self::Act {
+        let _ = parts;
+        unsupported(self, "batched forwards")
+    }
+    /// Rows `rows` of `x`, in that order.
+    fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Self::Act {
+        let _ = (x, rows);
+        unsupported(self, "batched forwards")
     }
 }
 

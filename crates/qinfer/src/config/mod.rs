@@ -35,6 +35,11 @@ pub struct GdnConfig {
 }
 
 impl GdnConfig {
+    /// Tokens per chunk of the delta rule's chunked form (the reference's
+    /// `chunk_size`): a prompt split across forwards at multiples of it
+    /// computes as it does in one piece.
+    pub const CHUNK_SIZE: usize = 64;
+
     pub fn key_dim(&self) -> usize {
         self.num_k_heads * self.k_head_dim
     }

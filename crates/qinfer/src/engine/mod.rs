@@ -1,4 +1,10 @@
-//! Generation: the prefill/decode loop and perplexity.
+//! Requests and their lifecycle: the continuous-batching engine (`core`:
+//! scheduler and step; `handle`: its thread), the request and sequence
+//! types, and the single-sequence generation loop and perplexity.
 
+pub mod core;
 pub mod generate;
+pub mod handle;
 pub mod perplexity;
+pub mod request;
+pub mod sequence;

@@ -1,8 +1,13 @@
-//! Key/value caches, host side: the cache formats and the per-sequence
-//! bookkeeping. `contiguous` is the plain f32 cache of the CPU backend; a
-//! device backend keeps its storage itself, sized from [`KvPrecision`].
+//! Key/value caches, host side: the cache formats and the bookkeeping.
+//! `contiguous` is the plain f32 cache of the CPU backend's one-sequence
+//! path and `paged` its block-paged storage; `blocks` hands out blocks and
+//! state slots, `batch` describes a step over many sequences. A device
+//! backend keeps its storage itself, sized from [`KvPrecision`].
 
+pub mod batch;
+pub mod blocks;
 pub mod contiguous;
+pub mod paged;
 
 /// Per-sequence key/value storage for every layer. Positions `[0, len())` are
 /// committed; a forward writes rows past `len()` and then commits them.

@@ -10,6 +10,7 @@ use crate::backend::ops::ModelBackend;
 use crate::backend::{AttentionShape, QkvShape};
 use crate::config::ModelConfig;
 use crate::config::rope::Rope;
+use crate::kv::batch::BatchLayout;
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
 
@@ -124,6 +125,57 @@ impl<B: ModelBackend> Attention<B> {
                 (b.attention(&q, cache, self.layer, &attention), gate)
             }
         };
+        if let Some(g) = &gate {
+            b.mul_sigmoid(&mut o, g);
+        }
+        BlockOutput::Projected { x: o, w: &self.o_proj, bias: self.o_bias.as_ref() }
+    }
+
+    /// [`Attention::forward`] over a ragged batch of sequences: keys and
+    /// values go to `pool` through the batch's slot mapping, each sequence's
+    /// rows attend over its context through its block table.
+    pub fn forward_batch(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        rope: &Rope,
+        input: BlockInput<'_, B>,
+        pool: &mut B::KvPool,
+        batch: &BatchLayout,
+    ) -> BlockOutput<'_, B> {
+        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let shape = QkvShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            output_gate: self.output_gate,
+        };
+        let attention = AttentionShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            window: self.window,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let (q, gate) = match &self.proj {
+            QkvProj::Stacked { w, bias } => {
+                let qkv = input.linear(b, w, bias.as_ref());
+                let (q, kv) = (shape.num_heads * hd, shape.num_kv_heads * hd);
+                let q_rows = if shape.output_gate { 2 * q } else { q };
+                let all = q_rows + 2 * kv;
+                let projected = b.gather_columns(&qkv, all, 0, q_rows);
+                let k = b.gather_columns(&qkv, all, q_rows, kv);
+                let v = b.gather_columns(&qkv, all, q_rows + kv, kv);
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+            }
+            QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
+                let projected = b.linear(x, q, q_bias.as_ref());
+                let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+            }),
+        };
+        let mut o = b.paged_attention(&q, pool, self.layer, &attention, batch);
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }

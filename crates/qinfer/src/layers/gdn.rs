@@ -8,6 +8,7 @@ use crate::Result;
 use crate::backend::GdnWeights;
 use crate::backend::ops::ModelBackend;
 use crate::config::{GdnConfig, GdnProjections, ModelConfig};
+use crate::kv::batch::BatchLayout;
 use crate::weights::WeightLoader;
 
 enum Projections<W> {
@@ -85,10 +86,50 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
     /// The layer's output for `input`, advancing `state`; the out projection
     /// is left for the caller to add into the residual stream.
     pub fn forward(&self, bk: &B, input: BlockInput<'_, B>, state: &mut B::GdnState) -> BlockOutput<'_, B> {
+        let projected = self.project(bk, input);
+        let o = self.mix(bk, &projected, state, false);
+        BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
+    }
+
+    /// [`GatedDeltaNet::forward`] over a ragged batch: the projections over
+    /// every row at once, the recurrence per sequence from the state in its
+    /// slot (`states[slot]`).
+    pub fn forward_batch(
+        &self,
+        bk: &B,
+        input: BlockInput<'_, B>,
+        states: &mut [&mut B::GdnState],
+        batch: &BatchLayout,
+    ) -> BlockOutput<'_, B> {
+        let projected = self.project(bk, input);
+        let o = if let [seq] = batch.seqs.as_slice() {
+            self.mix(bk, &projected, states[0], seq.prompt)
+        } else {
+            let parts: Vec<B::Act> = batch
+                .seqs
+                .iter()
+                .zip(states.iter_mut())
+                .map(|(seq, state)| {
+                    let rows = |x: &B::Act| bk.slice_rows(x, seq.rows.clone());
+                    let part = match &projected {
+                        Projected::Mixed(m) => Projected::Mixed(rows(m)),
+                        Projected::Parts { qkv, z, b, a } => {
+                            Projected::Parts { qkv: rows(qkv), z: rows(z), b: rows(b), a: rows(a) }
+                        }
+                    };
+                    self.mix(bk, &part, state, seq.prompt)
+                })
+                .collect();
+            bk.concat_rows(&parts)
+        };
+        BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
+    }
+
+    /// The input projections of every row.
+    fn project(&self, bk: &B, input: BlockInput<'_, B>) -> Projected<B> {
         let g = &self.cfg;
-        let (dk, dv, kd, vd) = (g.k_head_dim, g.v_head_dim, g.key_dim(), g.value_dim());
-        let out = |o: B::Act| BlockOutput::Projected { x: o, w: &self.out_proj, bias: None };
-        let (qkv, z, b, a) = match &self.proj {
+        let (dk, dv) = (g.k_head_dim, g.v_head_dim);
+        match &self.proj {
             Projections::Fused { qkvz, ba } => input.with_normed(bk, |x| {
                 // `fix_query_key_value_ordering`: split each key head's group.
                 let r = g.num_v_heads / g.num_k_heads;
@@ -101,34 +142,59 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
                 let mixed_ba = bk.linear(x, ba, None);
                 let b = bk.gather_columns(&mixed_ba, 2 * r, 0, r);
                 let a = bk.gather_columns(&mixed_ba, 2 * r, r, r);
-                (bk.concat_columns(&[&q, &k, &v]), z, b, a)
+                Projected::Parts { qkv: bk.concat_columns(&[&q, &k, &v]), z, b, a }
             }),
-            Projections::Split { qkv, z, b, a } => input.with_normed(bk, |x| {
-                (bk.linear(x, qkv, None), bk.linear(x, z, None), bk.linear(x, b, None), bk.linear(x, a, None))
+            Projections::Split { qkv, z, b, a } => input.with_normed(bk, |x| Projected::Parts {
+                qkv: bk.linear(x, qkv, None),
+                z: bk.linear(x, z, None),
+                b: bk.linear(x, b, None),
+                a: bk.linear(x, a, None),
             }),
-            Projections::Stacked { all } => {
-                let mixed = input.linear(bk, all, None);
+            Projections::Stacked { all } => Projected::Mixed(input.linear(bk, all, None)),
+        }
+    }
+
+    /// Conv, the gated delta rule and the gated norm over one sequence's
+    /// projected rows, advancing its state; `prompt` rows take the chunked
+    /// form however few they are.
+    fn mix(&self, bk: &B, projected: &Projected<B>, state: &mut B::GdnState, prompt: bool) -> B::Act {
+        let g = &self.cfg;
+        let (kd, vd) = (g.key_dim(), g.value_dim());
+        let (qkv, z, b, a) = match projected {
+            Projected::Parts { qkv, z, b, a } => (qkv, z, b, a),
+            Projected::Mixed(mixed) => {
                 let weights =
                     GdnWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm };
-                if let Some(o) = bk.gdn_mix(&mixed, &weights, self.eps, state) {
-                    return out(o);
+                if !prompt && let Some(o) = bk.gdn_mix(mixed, &weights, self.eps, state) {
+                    return o;
                 }
                 let (cd, nv) = (g.conv_dim(), g.num_v_heads);
                 let all = cd + vd + 2 * nv;
-                (
-                    bk.gather_columns(&mixed, all, 0, cd),
-                    bk.gather_columns(&mixed, all, cd, vd),
-                    bk.gather_columns(&mixed, all, cd + vd, nv),
-                    bk.gather_columns(&mixed, all, cd + vd + nv, nv),
-                )
+                let parts = Projected::Parts {
+                    qkv: bk.gather_columns(mixed, all, 0, cd),
+                    z: bk.gather_columns(mixed, all, cd, vd),
+                    b: bk.gather_columns(mixed, all, cd + vd, nv),
+                    a: bk.gather_columns(mixed, all, cd + vd + nv, nv),
+                };
+                return self.mix(bk, &parts, state, prompt);
             }
         };
-        let mixed = bk.gdn_conv(&qkv, &self.conv1d, state);
+        let mixed = bk.gdn_conv(qkv, &self.conv1d, state);
         let cd = g.conv_dim();
         let q = bk.gather_columns(&mixed, cd, 0, kd);
         let k = bk.gather_columns(&mixed, cd, kd, kd);
         let v = bk.gather_columns(&mixed, cd, 2 * kd, vd);
-        let o = bk.gated_delta_rule(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, state);
-        out(bk.rms_norm_gated(&o, &z, &self.norm, self.eps))
+        let o = if prompt {
+            bk.gated_delta_rule_prompt(&q, &k, &v, a, b, &self.a_log, &self.dt_bias, state)
+        } else {
+            bk.gated_delta_rule(&q, &k, &v, a, b, &self.a_log, &self.dt_bias, state)
+        };
+        bk.rms_norm_gated(&o, z, &self.norm, self.eps)
     }
+}
+
+/// A layer's input projections: stacked as one (the fused form's input), or apart.
+enum Projected<B: ModelBackend> {
+    Mixed(B::Act),
+    Parts { qkv: B::Act, z: B::Act, b: B::Act, a: B::Act },
 }

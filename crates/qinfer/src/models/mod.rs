@@ -14,9 +14,10 @@ pub mod spec;
 
 use std::any::Any;
 
-use crate::Result;
 use crate::config::{Architecture, ModelConfig};
+use crate::kv::batch::BatchLayout;
 use crate::sampling::Sampler;
+use crate::{Error, Result};
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,10 +66,45 @@ pub trait SequenceState: Any + Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// A model's storage for forwards over many sequences: the paged KV pool
+/// and the recurrent-state slots of Gated DeltaNet layers. Owned by the
+/// runner, opaque to it.
+pub trait BatchState: Any + Send {
+    /// Bytes of the KV pool.
+    fn kv_bytes(&self) -> usize;
+    /// Recurrent-state slots it holds.
+    fn state_slots(&self) -> usize;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
 pub trait LanguageModel: Send + Sync {
     fn config(&self) -> &ModelConfig;
     /// Short description of where it runs.
     fn device(&self) -> String;
+    /// Storage for batched forwards: a KV pool of `num_blocks` blocks of
+    /// `block_size` tokens and `state_slots` recurrent-state slots (for
+    /// models with Gated DeltaNet layers).
+    fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
+        let _ = (num_blocks, block_size, state_slots);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// Zeroes the recurrent states in `slot` (a new sequence starts there).
+    fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
+        let _ = (state, slot);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
+    /// Copies the recurrent states of slot `from` into slot `to` (a snapshot).
+    fn copy_state_slot(&self, state: &mut dyn BatchState, from: u32, to: u32) -> Result<()> {
+        let _ = (state, from, to);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
+    /// One forward over a ragged batch: `tokens` are the batch's rows, laid
+    /// out as `batch` says; returns the logits of `batch.logits_rows`,
+    /// `[logits_rows.len(), vocab]`.
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+        let _ = (state, tokens, batch);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
     /// A fresh sequence able to hold `capacity` tokens.
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState>;
     /// Appends `tokens` to the sequence and returns logits.

@@ -14,8 +14,11 @@ use super::Tokenizer;
 use super::cleanup::{clean_up_tokenization, safe_split};
 use crate::Result;
 
-pub struct StreamDecoder<'a> {
-    tok: &'a Tokenizer,
+/// The state of an incremental decode, apart from its tokenizer, so that a
+/// long-lived owner (the engine's sequences) can keep one per stream and
+/// hand the tokenizer in at each step.
+#[derive(Debug, Clone)]
+pub struct DecodeStream {
     skip_special_tokens: bool,
     /// Ids from the window start on.
     ids: Vec<u32>,
@@ -25,16 +28,16 @@ pub struct StreamDecoder<'a> {
     held: String,
 }
 
-impl<'a> StreamDecoder<'a> {
-    pub(crate) fn new(tok: &'a Tokenizer, skip_special_tokens: bool) -> Self {
-        StreamDecoder { tok, skip_special_tokens, ids: Vec::new(), read: 0, held: String::new() }
+impl DecodeStream {
+    pub fn new(skip_special_tokens: bool) -> Self {
+        DecodeStream { skip_special_tokens, ids: Vec::new(), read: 0, held: String::new() }
     }
 
     /// Adds one id; returns newly completed text, if any.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let before = self.tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
-        let now = self.tok.decode_raw(&self.ids, self.skip_special_tokens)?;
+        let before = tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
+        let now = tok.decode_raw(&self.ids, self.skip_special_tokens)?;
         if now.len() <= before.len() || now.ends_with('\u{FFFD}') {
             return Ok(None);
         }
@@ -44,28 +47,28 @@ impl<'a> StreamDecoder<'a> {
         // Slide the window: the ids just emitted become its prefix.
         self.ids.drain(..self.read);
         self.read = self.ids.len();
-        Ok(self.emit(delta))
+        Ok(self.emit(tok, delta))
     }
 
     /// Flushes text still held: a trailing incomplete character (as U+FFFD, like
     /// `decode`) and anything held back for clean-up. Call once generation ends.
-    pub fn finish(&mut self) -> Result<Option<String>> {
-        let before = self.tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
-        let now = self.tok.decode_raw(&self.ids, self.skip_special_tokens)?;
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        let before = tok.decode_raw(&self.ids[..self.read], self.skip_special_tokens)?;
+        let now = tok.decode_raw(&self.ids, self.skip_special_tokens)?;
         let mut out = std::mem::take(&mut self.held);
         if let Some(delta) = now.get(before.len()..) {
             out.push_str(delta);
         }
         self.ids.clear();
         self.read = 0;
-        if self.tok.clean_up_spaces() {
+        if tok.clean_up_spaces() {
             out = clean_up_tokenization(&out);
         }
         Ok((!out.is_empty()).then_some(out))
     }
 
-    fn emit(&mut self, delta: String) -> Option<String> {
-        if !self.tok.clean_up_spaces() {
+    fn emit(&mut self, tok: &Tokenizer, delta: String) -> Option<String> {
+        if !tok.clean_up_spaces() {
             return Some(delta);
         }
         self.held.push_str(&delta);
@@ -73,6 +76,28 @@ impl<'a> StreamDecoder<'a> {
         let out = clean_up_tokenization(&self.held[..cut]);
         self.held.drain(..cut);
         (!out.is_empty()).then_some(out)
+    }
+}
+
+/// A [`DecodeStream`] with its tokenizer.
+pub struct StreamDecoder<'a> {
+    tok: &'a Tokenizer,
+    state: DecodeStream,
+}
+
+impl<'a> StreamDecoder<'a> {
+    pub(crate) fn new(tok: &'a Tokenizer, skip_special_tokens: bool) -> Self {
+        StreamDecoder { tok, state: DecodeStream::new(skip_special_tokens) }
+    }
+
+    /// Adds one id; returns newly completed text, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.state.push(self.tok, id)
+    }
+
+    /// Flushes text still held (see [`DecodeStream::finish`]).
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        self.state.finish(self.tok)
     }
 }
 

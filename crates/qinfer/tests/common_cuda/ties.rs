@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use qinfer::Result;
 use qinfer::backend::cpu::{CpuAct, CpuBackend, CpuWeight};
-use qinfer::backend::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
+use qinfer::backend::ops::{BatchOps, FusedOps, GdnOps, MoeOps, SamplingOps};
 use qinfer::backend::{AttentionShape, Backend, Capabilities, ExpertWeights, GdnWeights, QkvShape, Routing};
 use qinfer::config::GdnConfig;
 use qinfer::config::rope::Rope;
@@ -61,7 +61,8 @@ impl Backend for TieWatch {
     type Step = <CpuBackend as Backend>::Step;
 
     fn capabilities(&self) -> Capabilities {
-        self.cpu.capabilities()
+        // The watch sees the one-sequence path only.
+        Capabilities { batched: false, ..self.cpu.capabilities() }
     }
 
     fn name(&self) -> String {
@@ -312,6 +313,11 @@ impl MoeOps for TieWatch {
         drop(least);
         self.cpu.moe(x, router_logits, experts, routing)
     }
+}
+
+/// Batched forwards are not watched (see `capabilities`).
+impl BatchOps for TieWatch {
+    type KvPool = ();
 }
 
 impl SamplingOps for TieWatch {

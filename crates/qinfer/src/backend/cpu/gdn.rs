@@ -11,7 +11,7 @@ use super::simd::{axpy, dot};
 use crate::config::GdnConfig;
 
 /// Tokens per chunk of the chunked form (the reference's `chunk_size`).
-pub const CHUNK: usize = 64;
+pub const CHUNK: usize = GdnConfig::CHUNK_SIZE;
 
 /// One layer's state for one sequence.
 #[derive(Debug, Clone)]

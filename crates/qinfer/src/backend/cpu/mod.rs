@@ -6,6 +6,7 @@ pub mod affine;
 #[cfg(target_arch = "x86_64")]
 mod affine_avx2;
 pub mod attention;
+mod batch;
 pub mod gdn;
 pub mod matmul;
 pub mod moe;
@@ -112,6 +113,7 @@ impl Backend for CpuBackend {
             device_routing: false,
             gated_delta_net: true,
             mixture_of_experts: true,
+            batched: true,
         }
     }
 
@@ -379,6 +381,23 @@ impl GdnOps for CpuBackend {
         } else {
             gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
         };
+        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+    }
+
+    fn gated_delta_rule_prompt(
+        &self,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        a: &CpuAct,
+        b: &CpuAct,
+        a_log: &CpuWeight,
+        dt_bias: &CpuWeight,
+        state: &mut CpuGdnState,
+    ) -> CpuAct {
+        let cfg = &state.cfg;
+        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
+        let out = gdn::chunked(cfg, &x, &v.data, &mut state.recurrent);
         CpuAct::from_vec(v.rows, cfg.value_dim(), out)
     }
 }

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
+use super::ops::{BatchOps, FusedOps, GdnOps, MoeOps, SamplingOps};
 use super::{AttentionShape, Backend, Capabilities, ExpertWeights, GdnWeights, QkvShape, Routing};
 use crate::Result;
 use crate::config::GdnConfig;
@@ -151,6 +151,7 @@ impl Backend for CudaBackend {
             device_routing: true,
             gated_delta_net: true,
             mixture_of_experts: true,
+            batched: false,
         }
     }
 
@@ -386,6 +387,12 @@ impl MoeOps for CudaBackend {
     ) -> CudaAct {
         self.moe_op(x, router_logits, experts, routing)
     }
+}
+
+/// Batched forwards (paged KV) do not run on CUDA yet; the capability says
+/// so and the batched engine refuses with an error naming it.
+impl BatchOps for CudaBackend {
+    type KvPool = ();
 }
 
 impl SamplingOps for CudaBackend {

@@ -3,6 +3,8 @@
 //! DeltaNet) then a feed-forward block (SwiGLU MLP or sparse MoE), laid out
 //! as the architecture's [`super::spec::ModelSpec`] says.
 
+mod batch;
+
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
@@ -13,12 +15,13 @@ use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
 use crate::formats::TensorSource;
 use crate::kv::KvCache;
+use crate::kv::batch::BatchLayout;
 use crate::layers::attention::Attention;
 use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
-use crate::models::{LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
+use crate::models::{BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::sampling::Sampler;
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
@@ -378,6 +381,25 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     }
     fn device(&self) -> String {
         self.backend.name()
+    }
+    fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
+        self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
+    }
+    fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.reset_slot(&self.backend, slot)
+    }
+    fn copy_state_slot(&self, state: &mut dyn BatchState, from: u32, to: u32) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.copy_slot(from, to)
+    }
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+        let state = batch::DecoderBatchState::<B>::of(state)?;
+        let b = &self.backend;
+        b.run_pass(|| {
+            let logits = self.forward_batch_of(state, tokens, batch)?;
+            let host = b.to_host(&logits);
+            b.check()?;
+            Ok(host)
+        })
     }
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState> {
         if let Some(mut seq) = self.idle.as_ref().and_then(|idle| idle.take(capacity)) {

@@ -1,0 +1,64 @@
+//! The CPU backend's batched forward: a paged f32 KV pool, attention read
+//! through block tables, and row slicing.
+
+use std::ops::Range;
+
+use super::{CpuAct, CpuBackend, attention};
+use crate::Result;
+use crate::backend::AttentionShape;
+use crate::backend::ops::BatchOps;
+use crate::kv::batch::BatchLayout;
+use crate::kv::paged::PagedKv;
+
+impl BatchOps for CpuBackend {
+    type KvPool = PagedKv;
+
+    fn new_kv_pool(&self, num_layers: usize, kv_dim: usize, num_blocks: usize, block_size: usize) -> Result<PagedKv> {
+        Ok(PagedKv::new(num_layers, kv_dim, num_blocks, block_size))
+    }
+
+    fn kv_pool_bytes(&self, pool: &PagedKv) -> usize {
+        pool.bytes()
+    }
+
+    fn write_kv_paged(&self, pool: &mut PagedKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[u32]) {
+        pool.write(layer, &k.data, &v.data, slots);
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CpuAct,
+        pool: &PagedKv,
+        layer: usize,
+        shape: &AttentionShape,
+        batch: &BatchLayout,
+    ) -> CpuAct {
+        assert_eq!(q.rows, batch.rows(), "paged_attention: one query row per batch row");
+        let (keys, values) = pool.layer(layer);
+        let mut out = CpuAct::zeros(q.rows, shape.num_heads * shape.head_dim);
+        attention::paged_attention(&q.data, keys, values, batch, shape, &mut out.data);
+        out
+    }
+
+    fn slice_rows(&self, x: &CpuAct, rows: Range<usize>) -> CpuAct {
+        CpuAct::from_vec(rows.len(), x.cols, x.data[rows.start * x.cols..rows.end * x.cols].to_vec())
+    }
+
+    fn concat_rows(&self, parts: &[CpuAct]) -> CpuAct {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            assert_eq!(p.cols, cols, "concat_rows: widths differ");
+            data.extend_from_slice(&p.data);
+        }
+        CpuAct::from_vec(data.len() / cols.max(1), cols, data)
+    }
+
+    fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> CpuAct {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+        }
+        CpuAct::from_vec(rows.len(), x.cols, data)
+    }
+}

@@ -1,0 +1,340 @@
+//! The continuous-batching step, without threads: requests join and leave
+//! between steps; each step the scheduler gives a token budget to running
+//! sequences first (decode tokens, unfinished prefills) and then admits
+//! waiting ones in arrival order, while blocks and state slots last; the
+//! runner runs the step and samples; finished sequences give their blocks
+//! back. When blocks run out, the newest running sequence is preempted and
+//! recomputed later, so a request that fits alone never fails.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use super::request::{FinishReason, Output, Request, RequestId};
+use super::sequence::Sequence;
+use crate::config::GdnConfig;
+use crate::models::LanguageModel;
+use crate::runner::{Runner, RunnerConfig, StepSeq};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// How an engine batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens one step computes, decode tokens first, prefill chunks after.
+    pub max_batched_tokens: usize,
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    /// Most positions one sequence may hold (prompt and generated).
+    pub max_model_len: usize,
+}
+
+impl EngineConfig {
+    /// Defaults for `model`: `max_model_len` from its config (at most
+    /// `max_model_len` when given), and enough blocks for `max_num_seqs`
+    /// sequences of that length or `kv_bytes` of KV storage, whichever is
+    /// less (but at least one full-length sequence).
+    pub fn for_model(
+        model: &dyn LanguageModel,
+        max_batched_tokens: usize,
+        max_num_seqs: usize,
+        max_model_len: Option<usize>,
+        kv_bytes: usize,
+    ) -> Self {
+        let cfg = model.config();
+        let max_model_len = max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
+        let block_size = crate::kv::blocks::DEFAULT_BLOCK_SIZE;
+        let attention_layers = cfg.layer_kinds.iter().filter(|k| **k == crate::config::LayerKind::Attention).count();
+        let per_token = (2 * attention_layers * cfg.kv_dim() * 4).max(1);
+        let per_seq = max_model_len.div_ceil(block_size);
+        let by_memory = kv_bytes / (per_token * block_size);
+        let num_blocks = (per_seq * max_num_seqs).min(by_memory).max(per_seq);
+        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len }
+    }
+}
+
+pub struct EngineCore {
+    runner: Runner,
+    tokenizer: Option<Arc<Tokenizer>>,
+    cfg: EngineConfig,
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order: the last is the newest (preempted first).
+    running: Vec<RequestId>,
+    /// Prefill chunks of recurrent models end at multiples of this, so a
+    /// prompt split across steps computes as it does in one piece.
+    align: usize,
+    vocab: usize,
+    preemptions: usize,
+}
+
+impl EngineCore {
+    pub fn new(model: Arc<dyn LanguageModel>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self> {
+        if cfg.max_batched_tokens == 0 || cfg.max_num_seqs == 0 || cfg.block_size == 0 {
+            return Err(Error::Invalid(
+                "max_batched_tokens, max_num_seqs and block_size must all be at least 1".into(),
+            ));
+        }
+        let recurrent = model.config().gdn.is_some();
+        let align = if recurrent { GdnConfig::CHUNK_SIZE } else { 1 };
+        if cfg.max_batched_tokens < align {
+            return Err(Error::Invalid(format!(
+                "max_batched_tokens {} is below {align}, the chunk of this model's recurrent layers",
+                cfg.max_batched_tokens
+            )));
+        }
+        let vocab = model.config().vocab_size;
+        let runner = Runner::new(
+            model,
+            RunnerConfig { num_blocks: cfg.num_blocks, block_size: cfg.block_size, state_slots: cfg.max_num_seqs },
+        )?;
+        Ok(EngineCore {
+            runner,
+            tokenizer,
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            align,
+            vocab,
+            preemptions: 0,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.runner.kv_bytes()
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> usize {
+        self.preemptions
+    }
+
+    /// Requests waiting or running.
+    pub fn num_unfinished(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Every block and state slot is free (true once no request is left).
+    pub fn pools_whole(&self) -> bool {
+        self.runner.blocks.is_whole() && self.runner.slots.is_whole()
+    }
+
+    /// Checks `req` against the engine's limits: an error names the limit.
+    pub fn validate(&self, req: &Request) -> Result<()> {
+        validate(req, &self.cfg, self.vocab)
+    }
+
+    /// Queues a request; it runs from the next step on.
+    pub fn add(&mut self, id: RequestId, req: Request) -> Result<()> {
+        self.validate(&req)?;
+        if self.seqs.contains_key(&id) {
+            return Err(Error::Invalid(format!("request {id} is already queued")));
+        }
+        self.seqs.insert(id, Sequence::new(id, req)?);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Ends a request now, its blocks and slot returned: its last output
+    /// (finish reason `Abort`), or None when no such request is left.
+    pub fn abort(&mut self, id: RequestId) -> Option<Output> {
+        let mut seq = self.seqs.remove(&id)?;
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        self.free(&mut seq);
+        let tok = self.tokenizer.clone();
+        seq.take_output(Some(FinishReason::Abort), tok.as_deref()).ok()
+    }
+
+    fn free(&mut self, seq: &mut Sequence) {
+        seq.blocks.release(&mut self.runner.blocks);
+        if let Some(slot) = seq.state_slot.take() {
+            self.runner.slots.release(slot);
+        }
+    }
+
+    /// Takes `id` off the running list and back to the front of the queue,
+    /// its cache given up: it is recomputed when it runs again.
+    fn preempt(&mut self, id: RequestId) {
+        self.running.retain(|&r| r != id);
+        let mut seq = self.seqs.remove(&id).expect("running sequences are known");
+        self.free(&mut seq);
+        seq.computed = 0;
+        seq.prefill_len = seq.tokens.len();
+        seq.preemptions += 1;
+        self.preemptions += 1;
+        self.seqs.insert(id, seq);
+        self.waiting.push_front(id);
+    }
+
+    /// Tokens `seq` computes this step out of `budget`: all it has pending
+    /// if they fit, else a chunk (ending at a multiple of `align`).
+    fn chunk(&self, seq: &Sequence, budget: usize) -> usize {
+        let pending = seq.pending();
+        if pending <= budget {
+            return pending;
+        }
+        let end = (seq.computed + budget) / self.align * self.align;
+        end.saturating_sub(seq.computed)
+    }
+
+    /// This step's plan: (request, tokens to compute), running ones first.
+    fn schedule(&mut self) -> Result<Vec<(RequestId, usize)>> {
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut plan = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let n = self.chunk(&self.seqs[&id], budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            // Make room, preempting the newest running sequences (this one last).
+            let mut scheduled = true;
+            loop {
+                let seq = self.seqs.get_mut(&id).expect("running sequences are known");
+                let target = seq.computed + n;
+                if seq.blocks.grow_to(target, &mut self.runner.blocks) {
+                    break;
+                }
+                let victim = *self.running.last().expect("this sequence is running");
+                self.preempt(victim);
+                if victim == id {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            plan.push((id, n));
+            budget -= n;
+            i += 1;
+        }
+        // Admit waiting requests in arrival order while everything they need is free.
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            let n = self.chunk(&self.seqs[&id], budget);
+            if n == 0 || (self.runner.recurrent() && self.runner.slots.num_free() == 0) {
+                break;
+            }
+            let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
+            let target = seq.computed + n;
+            if !seq.blocks.grow_to(target, &mut self.runner.blocks) {
+                break;
+            }
+            if self.runner.recurrent() {
+                let slot = self.runner.take_slot()?;
+                self.seqs.get_mut(&id).expect("known").state_slot = slot;
+            }
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.push((id, n));
+            budget -= n;
+        }
+        Ok(plan)
+    }
+
+    /// Runs one step; returns the outputs it produced (tokens, text, and the
+    /// finish of requests that ended).
+    pub fn step(&mut self) -> Result<Vec<Output>> {
+        let plan = self.schedule()?;
+        if plan.is_empty() {
+            if !self.waiting.is_empty() && self.running.is_empty() {
+                return Err(Error::Invalid("the waiting requests cannot be scheduled (KV pool too small)".into()));
+            }
+            return Ok(Vec::new());
+        }
+        let mut taken: Vec<(Sequence, usize)> =
+            plan.iter().map(|&(id, n)| (self.seqs.remove(&id).expect("planned sequences are known"), n)).collect();
+        let result = {
+            let mut step: Vec<StepSeq<'_>> = taken
+                .iter_mut()
+                .map(|(seq, n)| {
+                    let (start, n) = (seq.computed, *n);
+                    let samples = start + n == seq.tokens.len();
+                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, .. } = seq;
+                    StepSeq {
+                        tokens: &tokens[start..start + n],
+                        start,
+                        block_table: &blocks.blocks,
+                        state_slot: *state_slot,
+                        prompt: start < *prefill_len,
+                        sample: samples.then_some((sampler, &tokens[..])),
+                    }
+                })
+                .collect();
+            self.runner.step(&mut step)
+        };
+        let picks = match result {
+            Ok(p) => p,
+            Err(e) => {
+                for (seq, _) in taken {
+                    self.seqs.insert(seq.id, seq);
+                }
+                return Err(e);
+            }
+        };
+        let tok = self.tokenizer.clone();
+        let mut outputs = Vec::new();
+        for ((mut seq, n), pick) in taken.into_iter().zip(picks) {
+            seq.computed += n;
+            let Some(token) = pick else {
+                self.seqs.insert(seq.id, seq);
+                continue;
+            };
+            let finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
+            let out = seq.take_output(finish, tok.as_deref())?;
+            if finish.is_some() {
+                self.running.retain(|&r| r != seq.id);
+                self.free(&mut seq);
+            } else {
+                self.seqs.insert(seq.id, seq);
+            }
+            outputs.push(out);
+        }
+        Ok(outputs)
+    }
+}
+
+/// `req` against `cfg`'s limits and the vocabulary.
+pub fn validate(req: &Request, cfg: &EngineConfig, vocab: usize) -> Result<()> {
+    let n = req.prompt.len();
+    if n == 0 {
+        return Err(Error::Invalid("the prompt is empty".into()));
+    }
+    if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Invalid(format!("prompt token id {t} is out of range for a vocabulary of {vocab}")));
+    }
+    if req.stop.max_tokens == 0 {
+        return Err(Error::Invalid("max_tokens must be at least 1".into()));
+    }
+    if n >= cfg.max_model_len {
+        return Err(Error::Invalid(format!(
+            "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
+            cfg.max_model_len
+        )));
+    }
+    let longest = (n + req.stop.max_tokens).min(cfg.max_model_len);
+    let blocks = longest.div_ceil(cfg.block_size);
+    if blocks > cfg.num_blocks {
+        return Err(Error::Invalid(format!(
+            "the request needs up to {longest} positions ({blocks} blocks); the KV pool holds {} blocks of {}",
+            cfg.num_blocks, cfg.block_size
+        )));
+    }
+    req.sampling.validate()
+}

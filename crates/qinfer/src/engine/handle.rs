@@ -1,0 +1,209 @@
+//! The engine on its own thread: a handle adds requests (and gets each one's
+//! stream of outputs) or aborts them, from any thread; the step loop runs
+//! while any request is unfinished and sleeps otherwise. A request whose
+//! receiver is dropped is aborted, so a client that goes away frees its
+//! blocks at the next step.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use super::core::{EngineConfig, EngineCore, validate};
+use super::request::{Output, Request, RequestId};
+use crate::models::LanguageModel;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// One item of a request's stream: an output, or the error that ended it.
+pub type StreamItem = std::result::Result<Output, String>;
+
+/// Where a request's outputs go; returns false once nobody listens.
+pub type Sink = Box<dyn FnMut(StreamItem) -> bool + Send>;
+
+enum Command {
+    Add(RequestId, Request, Sink),
+    Abort(RequestId),
+}
+
+/// A handle to the engine thread. Dropping it lets the thread finish the
+/// requests it has and stop.
+pub struct Engine {
+    commands: Mutex<Option<Sender<Command>>>,
+    thread: Mutex<Option<JoinHandle<EngineStats>>>,
+    next_id: AtomicU64,
+    cfg: EngineConfig,
+    vocab: usize,
+    kv_bytes: usize,
+    tokenizer: Option<Arc<Tokenizer>>,
+    model: Arc<dyn LanguageModel>,
+}
+
+/// What the engine thread reports when it stops.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EngineStats {
+    pub preemptions: usize,
+    /// Every block and state slot was free when it stopped.
+    pub pools_whole: bool,
+}
+
+impl Engine {
+    /// Starts the step loop for `model` on its own thread. Fails (before
+    /// starting it) when the model cannot run batched forwards or the KV
+    /// pool cannot be made.
+    pub fn start(model: Arc<dyn LanguageModel>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self> {
+        let core = EngineCore::new(model.clone(), tokenizer.clone(), cfg)?;
+        let kv_bytes = core.kv_bytes();
+        let vocab = model.config().vocab_size;
+        let (tx, rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name("qinfer-engine".into())
+            .spawn(move || step_loop(core, rx))
+            .map_err(|e| Error::Invalid(format!("starting the engine thread: {e}")))?;
+        Ok(Engine {
+            commands: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            next_id: AtomicU64::new(0),
+            cfg,
+            vocab,
+            kv_bytes,
+            tokenizer,
+            model,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn model(&self) -> &Arc<dyn LanguageModel> {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv_bytes
+    }
+
+    /// Adds a request whose outputs go to `sink`. A request the engine's
+    /// limits rule out is refused here, with an error naming the limit.
+    pub fn add_with_sink(&self, req: Request, sink: Sink) -> Result<RequestId> {
+        validate(&req, &self.cfg, self.vocab)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.send(Command::Add(id, req, sink))?;
+        Ok(id)
+    }
+
+    /// Adds a request; its outputs arrive on the receiver, the last one
+    /// carrying the finish reason.
+    pub fn add(&self, req: Request) -> Result<(RequestId, Receiver<StreamItem>)> {
+        let (tx, rx) = channel();
+        let id = self.add_with_sink(req, Box::new(move |item| tx.send(item).is_ok()))?;
+        Ok((id, rx))
+    }
+
+    /// Ends a request at the next step boundary (its stream then ends with
+    /// finish reason `Abort`); unknown or finished ids are ignored.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.send(Command::Abort(id));
+    }
+
+    fn send(&self, cmd: Command) -> Result<()> {
+        let guard = self.commands.lock().map_err(|_| Error::Invalid("the engine handle is poisoned".into()))?;
+        match guard.as_ref() {
+            Some(tx) => tx.send(cmd).map_err(|_| Error::Invalid("the engine thread has stopped".into())),
+            None => Err(Error::Invalid("the engine is shutting down".into())),
+        }
+    }
+
+    /// Lets the thread finish every request it has, then stops it.
+    pub fn shutdown(&self) -> EngineStats {
+        if let Ok(mut tx) = self.commands.lock() {
+            tx.take();
+        }
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        thread.and_then(|t| t.join().ok()).unwrap_or_default()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn step_loop(mut core: EngineCore, rx: Receiver<Command>) -> EngineStats {
+    let mut sinks: std::collections::HashMap<RequestId, Sink> = std::collections::HashMap::new();
+    let mut open = true;
+    loop {
+        // Take every command waiting; when idle, sleep until one comes.
+        loop {
+            let cmd = if core.num_unfinished() == 0 && open {
+                match rx.recv() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        open = false;
+                        break;
+                    }
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            };
+            match cmd {
+                Command::Add(id, req, mut sink) => match core.add(id, req) {
+                    Ok(()) => {
+                        sinks.insert(id, sink);
+                    }
+                    Err(e) => {
+                        sink(Err(e.to_string()));
+                    }
+                },
+                Command::Abort(id) => {
+                    if let (Some(out), Some(mut sink)) = (core.abort(id), sinks.remove(&id)) {
+                        sink(Ok(out));
+                    }
+                }
+            }
+        }
+        if core.num_unfinished() == 0 {
+            if open {
+                continue;
+            }
+            return EngineStats { preemptions: core.preemptions(), pools_whole: core.pools_whole() };
+        }
+        match core.step() {
+            Ok(outputs) => {
+                for out in outputs {
+                    let (id, done) = (out.id, out.finish.is_some());
+                    let listening = sinks.get_mut(&id).is_some_and(|sink| sink(Ok(out)));
+                    if done {
+                        sinks.remove(&id);
+                    } else if !listening {
+                        sinks.remove(&id);
+                        core.abort(id);
+                    }
+                }
+            }
+            Err(e) => {
+                // A failed step ends every request it had: report the error to each.
+                tracing::error!("engine step failed: {e}");
+                let msg = e.to_string();
+                for (id, mut sink) in sinks.drain() {
+                    core.abort(id);
+                    sink(Err(msg.clone()));
+                }
+            }
+        }
+    }
+}

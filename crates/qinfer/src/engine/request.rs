@@ -1,0 +1,69 @@
+//! What a request to the engine says and what comes back: the prompt, how
+//! to sample, when to stop; a stream of outputs ending in a finish reason
+//! and the token usage.
+
+use crate::sampling::SamplingParams;
+
+/// A request's id, unique within one engine.
+pub type RequestId = u64;
+
+/// When a request stops generating.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StopConditions {
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// Token ids that end generation (the model's EOS ids, unless ignored);
+    /// the stop token counts as generated but adds no text.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text stops before the first one.
+    pub stop: Vec<String>,
+}
+
+/// A request: prompt tokens, sampling, stop conditions.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopConditions,
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// Aborted by its caller.
+    Abort,
+}
+
+impl FinishReason {
+    /// The name OpenAI's API gives it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Tokens a request used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// One piece of a request's stream: the tokens generated since the last
+/// piece and their text (never a split UTF-8 character, never part of a
+/// stop string), and on the last piece why it finished.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub id: RequestId,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish: Option<FinishReason>,
+    pub usage: Usage,
+}

@@ -1,0 +1,150 @@
+//! A request inside the engine: its tokens, how many of them are in the
+//! cache, the blocks and state slot that hold them, its sampler and the
+//! text streamed so far (held back where a stop string could still begin).
+
+use super::request::{FinishReason, Output, Request, RequestId, StopConditions, Usage};
+use crate::Result;
+use crate::kv::blocks::BlockTable;
+use crate::sampling::Sampler;
+use crate::tokenizer::Tokenizer;
+use crate::tokenizer::stream::DecodeStream;
+
+pub struct Sequence {
+    pub id: RequestId,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose keys, values and states are in the cache.
+    pub computed: usize,
+    /// Positions below this are computed as a prompt (the chunked form of
+    /// recurrent layers): the prompt, or everything known at a recompute.
+    pub prefill_len: usize,
+    pub blocks: BlockTable,
+    pub state_slot: Option<u32>,
+    pub sampler: Sampler,
+    pub stop: StopConditions,
+    /// Times it was preempted.
+    pub preemptions: usize,
+    decode: DecodeStream,
+    /// Generated text decoded so far, and how much of it was sent.
+    text: String,
+    sent: usize,
+    /// Tokens generated but not yet sent.
+    unsent_tokens: Vec<u32>,
+    /// Longest stop string, in bytes (text held back from the stream).
+    hold: usize,
+    /// A stop string ended it (its text is already cut).
+    stopped_by_string: bool,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, req: Request) -> Result<Self> {
+        let sampler = Sampler::new(req.sampling)?;
+        let hold = req.stop.stop.iter().map(String::len).max().unwrap_or(0);
+        Ok(Sequence {
+            id,
+            prompt_len: req.prompt.len(),
+            prefill_len: req.prompt.len(),
+            tokens: req.prompt,
+            computed: 0,
+            blocks: BlockTable::default(),
+            state_slot: None,
+            sampler,
+            stop: req.stop,
+            preemptions: 0,
+            decode: DecodeStream::new(true),
+            text: String::new(),
+            sent: 0,
+            unsent_tokens: Vec::new(),
+            hold,
+            stopped_by_string: false,
+        })
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens known but not yet in the cache.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt_len, completion_tokens: self.generated() }
+    }
+
+    /// Appends a sampled token; returns why the sequence finishes, if it does.
+    /// `max_len` is the most positions a sequence may hold.
+    pub fn push(&mut self, token: u32, tok: Option<&Tokenizer>, max_len: usize) -> Result<Option<FinishReason>> {
+        self.tokens.push(token);
+        self.unsent_tokens.push(token);
+        if self.stop.stop_token_ids.contains(&token) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        if let Some(tok) = tok
+            && let Some(piece) = self.decode.push(tok, token)?
+        {
+            self.text.push_str(&piece);
+            if let Some(at) = self.find_stop() {
+                self.text.truncate(at);
+                self.stopped_by_string = true;
+                return Ok(Some(FinishReason::Stop));
+            }
+        }
+        if self.generated() >= self.stop.max_tokens || self.tokens.len() >= max_len {
+            return Ok(Some(FinishReason::Length));
+        }
+        Ok(None)
+    }
+
+    /// Where the first stop string begins in the text not yet sent, if any
+    /// (a stop string may start inside text held back, never before it).
+    fn find_stop(&self) -> Option<usize> {
+        let from = self.sent.saturating_sub(self.hold);
+        let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
+        self.stop
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.text[from..].find(s.as_str()))
+            .min()
+            .map(|i| i + from)
+    }
+
+    /// The output since the last one: on `finish`, all that is left (the
+    /// decoder flushed, unless a stop string cut the text); otherwise the
+    /// text that no stop string can still claim.
+    pub fn take_output(&mut self, finish: Option<FinishReason>, tok: Option<&Tokenizer>) -> Result<Output> {
+        let end = match finish {
+            Some(_) => {
+                if !self.stopped_by_string
+                    && let Some(tok) = tok
+                    && let Some(rest) = self.decode.finish(tok)?
+                {
+                    self.text.push_str(&rest);
+                    if let Some(at) = self.find_stop() {
+                        self.text.truncate(at);
+                    }
+                }
+                self.text.len()
+            }
+            None => {
+                let mut end = self.text.len().saturating_sub(self.hold.saturating_sub(1));
+                while !self.text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                end.max(self.sent)
+            }
+        };
+        let text = self.text[self.sent..end].to_string();
+        self.sent = end;
+        Ok(Output {
+            id: self.id,
+            token_ids: std::mem::take(&mut self.unsent_tokens),
+            text,
+            finish,
+            usage: self.usage(),
+        })
+    }
+}

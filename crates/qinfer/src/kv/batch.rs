@@ -1,0 +1,72 @@
+//! What one forward over many sequences is told: which rows of the flat
+//! batch belong to which sequence, at which positions, where their keys and
+//! values go (the slot mapping) and which blocks hold their context (block
+//! tables). Models, layers and backends see only this, never a sequence,
+//! the scheduler or a sampler.
+
+use std::ops::Range;
+
+/// One sequence's part of a batch: a prefill chunk or a decode token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchSeq {
+    /// Its rows in the flat batch (its new tokens, in order).
+    pub rows: Range<usize>,
+    /// Positions already in its cache: row `i` of `rows` is at position
+    /// `start + i`, and attends to positions `[0, start + i]`.
+    pub start: usize,
+    /// The blocks holding positions `[0, start + rows.len())`.
+    pub block_table: Vec<u32>,
+    /// Its recurrent-state slot (models with Gated DeltaNet layers).
+    pub state_slot: Option<u32>,
+    /// The rows are (part of) its prompt: recurrent layers take the chunked
+    /// form over them however few they are, so a prompt split across steps
+    /// computes as it does in one piece; decode tokens step one at a time.
+    pub prompt: bool,
+}
+
+impl BatchSeq {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+    /// Positions of its context after this step.
+    pub fn context_len(&self) -> usize {
+        self.start + self.rows.len()
+    }
+}
+
+/// A ragged batch: sequences' rows back to back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BatchLayout {
+    pub seqs: Vec<BatchSeq>,
+    /// Every row's position.
+    pub positions: Vec<usize>,
+    /// Every row's KV storage slot (`block · block_size + offset`).
+    pub slots: Vec<u32>,
+    pub block_size: usize,
+    /// The rows whose logits the step returns, in this order.
+    pub logits_rows: Vec<usize>,
+}
+
+impl BatchLayout {
+    /// Builds the layout from each sequence's part; positions and the slot
+    /// mapping follow from their block tables.
+    pub fn new(seqs: Vec<BatchSeq>, block_size: usize, logits_rows: Vec<usize>) -> Self {
+        let mut positions = Vec::new();
+        let mut slots = Vec::new();
+        for s in &seqs {
+            debug_assert_eq!(s.rows.start, positions.len(), "sequences' rows are back to back");
+            for p in s.start..s.context_len() {
+                positions.push(p);
+                slots.push(s.block_table[p / block_size] * block_size as u32 + (p % block_size) as u32);
+            }
+        }
+        BatchLayout { seqs, positions, slots, block_size, logits_rows }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.positions.len()
+    }
+}

@@ -1,0 +1,54 @@
+//! The CPU backend's paged KV storage: per layer, keys and values as f32
+//! rows of `kv_dim`, one row per slot (`block · block_size + offset`).
+
+/// Keys and values of every layer for `num_blocks · block_size` slots.
+pub struct PagedKv {
+    kv_dim: usize,
+    block_size: usize,
+    num_slots: usize,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+}
+
+impl PagedKv {
+    pub fn new(num_layers: usize, kv_dim: usize, num_blocks: usize, block_size: usize) -> Self {
+        let num_slots = num_blocks * block_size;
+        PagedKv {
+            kv_dim,
+            block_size,
+            num_slots,
+            keys: vec![vec![0.0; num_slots * kv_dim]; num_layers],
+            values: vec![vec![0.0; num_slots * kv_dim]; num_layers],
+        }
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Writes row `i` of `k` and `v` to slot `slots[i]` of `layer`.
+    pub fn write(&mut self, layer: usize, k: &[f32], v: &[f32], slots: &[u32]) {
+        let d = self.kv_dim;
+        assert_eq!(k.len(), slots.len() * d, "one key row per slot");
+        for (i, &s) in slots.iter().enumerate() {
+            let s = s as usize;
+            assert!(s < self.num_slots, "slot {s} is past the pool's {} slots", self.num_slots);
+            self.keys[layer][s * d..(s + 1) * d].copy_from_slice(&k[i * d..(i + 1) * d]);
+            self.values[layer][s * d..(s + 1) * d].copy_from_slice(&v[i * d..(i + 1) * d]);
+        }
+    }
+
+    /// Keys and values of `layer`, `[slots, kv_dim]` row-major.
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
+    /// Bytes the storage holds.
+    pub fn bytes(&self) -> usize {
+        2 * self.keys.len() * self.num_slots * self.kv_dim * 4
+    }
+}

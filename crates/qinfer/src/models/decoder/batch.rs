@@ -1,0 +1,199 @@
+//! The decoder over a ragged batch of sequences: token-wise work (embedding,
+//! projections, MLPs, experts, the head) over every row at once, attention
+//! through the paged KV pool, Gated DeltaNet per sequence from its state slot.
+
+use std::any::Any;
+
+use super::{DecoderModel, FeedForward, Mixer};
+use crate::backend::ops::ModelBackend;
+use crate::config::LayerKind;
+use crate::kv::batch::BatchLayout;
+use crate::layers::block::BlockInput;
+use crate::models::BatchState;
+use crate::{Error, Result};
+
+/// The paged KV pool and, per recurrent-state slot, the Gated DeltaNet
+/// state of every linear-attention layer (None for attention layers).
+pub(super) struct DecoderBatchState<B: ModelBackend> {
+    pool: B::KvPool,
+    kv_bytes: usize,
+    block_size: usize,
+    num_blocks: usize,
+    states: Vec<Vec<Option<B::GdnState>>>,
+}
+
+impl<B: ModelBackend + 'static> BatchState for DecoderBatchState<B> {
+    fn kv_bytes(&self) -> usize {
+        self.kv_bytes
+    }
+    fn state_slots(&self) -> usize {
+        self.states.len()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl<B: ModelBackend + 'static> DecoderBatchState<B> {
+    /// `state` as this model's batch state, or an error naming the mix-up.
+    pub(super) fn of(state: &mut dyn BatchState) -> Result<&mut Self> {
+        state
+            .as_any_mut()
+            .downcast_mut::<Self>()
+            .ok_or_else(|| Error::Invalid("batch state belongs to another model".into()))
+    }
+
+    fn slot(&self, slot: u32) -> Result<usize> {
+        let s = slot as usize;
+        if s >= self.states.len() {
+            return Err(Error::Invalid(format!("state slot {slot} is past the {} slots", self.states.len())));
+        }
+        Ok(s)
+    }
+
+    pub(super) fn reset_slot(&mut self, backend: &B, slot: u32) -> Result<()> {
+        let s = self.slot(slot)?;
+        for state in self.states[s].iter_mut().flatten() {
+            backend.clear_gdn_state(state);
+        }
+        Ok(())
+    }
+
+    pub(super) fn copy_slot(&mut self, from: u32, to: u32) -> Result<()> {
+        let (f, t) = (self.slot(from)?, self.slot(to)?);
+        if f != t {
+            let src = self.states[f].clone();
+            self.states[t].clone_from(&src);
+        }
+        Ok(())
+    }
+}
+
+impl<B: ModelBackend + 'static> DecoderModel<B> {
+    pub(super) fn new_batch_state_of(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        state_slots: usize,
+    ) -> Result<DecoderBatchState<B>> {
+        let b = &self.backend;
+        if !b.capabilities().batched {
+            return Err(Error::Invalid(format!("the {} backend does not run batched forwards yet", b.name())));
+        }
+        let pool = b.new_kv_pool(self.cfg.num_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
+        let kv_bytes = b.kv_pool_bytes(&pool);
+        let recurrent = self.cfg.layer_kinds.contains(&LayerKind::LinearAttention);
+        let states = (0..if recurrent { state_slots } else { 0 })
+            .map(|_| {
+                self.cfg
+                    .layer_kinds
+                    .iter()
+                    .map(|k| match (k, &self.cfg.gdn) {
+                        (LayerKind::LinearAttention, Some(g)) => Some(b.new_gdn_state(g)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(DecoderBatchState { pool, kv_bytes, block_size, num_blocks, states })
+    }
+
+    /// Checks `batch` against the pool and the model before any work: rows
+    /// back to back, block tables long enough and inside the pool, state
+    /// slots where the model has recurrent layers, token ids in the vocabulary.
+    fn check_batch(&self, state: &DecoderBatchState<B>, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+        let bad = |what: String| Err(Error::Invalid(format!("batch: {what}")));
+        if batch.block_size != state.block_size {
+            return bad(format!("block size {} for a pool of {}", batch.block_size, state.block_size));
+        }
+        if tokens.is_empty() || tokens.len() != batch.rows() {
+            return bad(format!("{} tokens for {} rows", tokens.len(), batch.rows()));
+        }
+        let recurrent = !state.states.is_empty();
+        let mut next = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.rows.start != next || s.is_empty() {
+                return bad(format!("sequence {i}'s rows {:?} do not follow row {next}", s.rows));
+            }
+            next = s.rows.end;
+            if s.block_table.len() * batch.block_size < s.context_len() {
+                return bad(format!("sequence {i}: {} blocks for {} positions", s.block_table.len(), s.context_len()));
+            }
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= state.num_blocks) {
+                return bad(format!("sequence {i}: block {b} is past the pool's {}", state.num_blocks));
+            }
+            match s.state_slot {
+                Some(slot) if recurrent => {
+                    state.slot(slot)?;
+                }
+                None if recurrent => return bad(format!("sequence {i} has no recurrent-state slot")),
+                _ => {}
+            }
+            let max = self.cfg.max_position_embeddings;
+            if s.context_len() > max {
+                return bad(format!("sequence {i}: {} positions exceed the model's {max}", s.context_len()));
+            }
+        }
+        if let Some(&r) = batch.logits_rows.iter().find(|&&r| r >= batch.rows()) {
+            return bad(format!("logits row {r} of {} rows", batch.rows()));
+        }
+        Ok(())
+    }
+
+    /// Embedding, every layer, the final norm and the head over the batch's
+    /// rows: the logits of `batch.logits_rows`.
+    pub(super) fn forward_batch_of(
+        &self,
+        state: &mut DecoderBatchState<B>,
+        tokens: &[u32],
+        batch: &BatchLayout,
+    ) -> Result<B::Act> {
+        self.check_batch(state, tokens, batch)?;
+        let b = &self.backend;
+        let eps = self.cfg.rms_norm_eps;
+        let DecoderBatchState { pool, states, .. } = state;
+        // Each sequence's slot, in batch order (slots are distinct).
+        let slots: Vec<usize> = batch.seqs.iter().filter_map(|s| s.state_slot.map(|x| x as usize)).collect();
+        let mut h = b.embed(&self.embed_tokens, tokens)?;
+        let mut normed: Option<B::Act> = None;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
+            let out = match &layer.mixer {
+                Mixer::Attention(at) => at.forward_batch(b, &self.cfg, &self.rope, x, pool, batch),
+                Mixer::Linear(net) => {
+                    let mut layer_states = slot_states(states, &slots, l)?;
+                    net.forward_batch(b, x, &mut layer_states, batch)
+                }
+            };
+            normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
+            let x = BlockInput::new(&h, normed.as_ref(), &layer.post_attention_layernorm, eps);
+            let out = match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward_block(b, x),
+                FeedForward::Sparse(moe) => moe.forward(b, x),
+            };
+            let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
+            normed = out.add_into(b, &mut h, next_norm, eps);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let rows = &batch.logits_rows;
+        Ok(match normed {
+            Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
+            None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
+        })
+    }
+}
+
+/// Layer `layer`'s state in each of `slots`, in that order: distinct slots
+/// give disjoint borrows.
+fn slot_states<'a, S>(states: &'a mut [Vec<Option<S>>], slots: &[usize], layer: usize) -> Result<Vec<&'a mut S>> {
+    let mut by_slot: Vec<Option<&'a mut S>> = states.iter_mut().map(|per_layer| per_layer[layer].as_mut()).collect();
+    slots
+        .iter()
+        .map(|&s| {
+            by_slot
+                .get_mut(s)
+                .and_then(Option::take)
+                .ok_or_else(|| Error::Invalid(format!("batch: state slot {s} is used twice or holds no state")))
+        })
+        .collect()
+}

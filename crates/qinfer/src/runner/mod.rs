@@ -1,0 +1,130 @@
+//! One forward over a batch: the one place scheduled sequences become the
+//! model's batch description (positions, slot mapping, block tables, state
+//! slots), and each row that ends a sequence's known tokens is sampled with
+//! that sequence's own sampler. Owns the model's batch storage (the paged
+//! KV pool, the recurrent-state slots) and their bookkeeping.
+
+use std::sync::Arc;
+
+use crate::kv::batch::{BatchLayout, BatchSeq};
+use crate::kv::blocks::{BlockPool, SlotPool};
+use crate::models::{BatchState, LanguageModel};
+use crate::sampling::Sampler;
+use crate::{Error, Result};
+
+/// How much a runner holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunnerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// Recurrent-state slots (models with Gated DeltaNet layers; ignored otherwise).
+    pub state_slots: usize,
+}
+
+/// One sequence's part of a step.
+pub struct StepSeq<'a> {
+    /// Its new rows: tokens at positions `start..`.
+    pub tokens: &'a [u32],
+    pub start: usize,
+    /// Blocks holding positions `[0, start + tokens.len())`.
+    pub block_table: &'a [u32],
+    pub state_slot: Option<u32>,
+    /// The rows are part of a prompt (or a recompute), not a decode step.
+    pub prompt: bool,
+    /// Pick the token after these rows with this sampler, given the
+    /// sequence's tokens so far (for the repetition penalty).
+    pub sample: Option<(&'a mut Sampler, &'a [u32])>,
+}
+
+pub struct Runner {
+    model: Arc<dyn LanguageModel>,
+    state: Box<dyn BatchState>,
+    pub blocks: BlockPool,
+    pub slots: SlotPool,
+    recurrent: bool,
+}
+
+impl Runner {
+    pub fn new(model: Arc<dyn LanguageModel>, cfg: RunnerConfig) -> Result<Self> {
+        let recurrent = model.config().gdn.is_some();
+        let state_slots = if recurrent { cfg.state_slots } else { 0 };
+        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots)?;
+        Ok(Runner {
+            model,
+            state,
+            blocks: BlockPool::new(cfg.num_blocks, cfg.block_size),
+            slots: SlotPool::new(state_slots),
+            recurrent,
+        })
+    }
+
+    pub fn model(&self) -> &Arc<dyn LanguageModel> {
+        &self.model
+    }
+
+    /// Whether sequences need a recurrent-state slot.
+    pub fn recurrent(&self) -> bool {
+        self.recurrent
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> usize {
+        self.state.kv_bytes()
+    }
+
+    /// A free recurrent-state slot, zeroed for a new sequence.
+    pub fn take_slot(&mut self) -> Result<Option<u32>> {
+        let Some(slot) = self.slots.allocate() else { return Ok(None) };
+        self.model.reset_state_slot(self.state.as_mut(), slot)?;
+        Ok(Some(slot))
+    }
+
+    /// Copies slot `from`'s recurrent states into slot `to` (a snapshot of a
+    /// sequence's state, for prefix caching and speculation).
+    pub fn copy_slot(&mut self, from: u32, to: u32) -> Result<()> {
+        self.model.copy_state_slot(self.state.as_mut(), from, to)
+    }
+
+    /// Runs one forward over `seqs` and returns, for each, the token its
+    /// sampler picked (None where it did not sample).
+    pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<Option<u32>>> {
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.tokens.len()).sum());
+        let mut parts = Vec::with_capacity(seqs.len());
+        let mut logits_rows = Vec::new();
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(Error::Invalid("a scheduled sequence has no new tokens".into()));
+            }
+            let rows = tokens.len()..tokens.len() + s.tokens.len();
+            tokens.extend_from_slice(s.tokens);
+            if s.sample.is_some() {
+                logits_rows.push(rows.end - 1);
+            }
+            parts.push(BatchSeq {
+                rows,
+                start: s.start,
+                block_table: s.block_table.to_vec(),
+                state_slot: s.state_slot,
+                prompt: s.prompt,
+            });
+        }
+        let batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
+        let logits = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
+        let vocab = if batch.logits_rows.is_empty() { 0 } else { logits.len() / batch.logits_rows.len() };
+        let mut rows = logits.chunks_exact(vocab.max(1));
+        let mut picks = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            picks.push(match &mut s.sample {
+                Some((sampler, context)) => {
+                    let mut row = rows.next().expect("one logits row per sampling sequence").to_vec();
+                    Some(sampler.sample(&mut row, context))
+                }
+                None => None,
+            });
+        }
+        Ok(picks)
+    }
+}

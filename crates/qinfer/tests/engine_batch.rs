@@ -1,0 +1,223 @@
+//! The continuous-batching engine on the CPU, on every tiny model of
+//! tests/fixtures/tiny (each architecture, transformers' greedy continuation
+//! as the oracle): a request's output in any batch mix (joins and leaves
+//! mid-run, chunked prefills, preemption and recompute) equals its output run
+//! alone, exactly, and the greedy one equals transformers'; the block pool
+//! and state slots are whole again afterwards; bad requests get errors
+//! naming the limit.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::generate::{GenerateOptions, generate};
+use qinfer::engine::handle::Engine;
+use qinfer::engine::request::{FinishReason, Request, StopConditions};
+use qinfer::loader;
+use qinfer::models::LanguageModel;
+use qinfer::sampling::SamplingParams;
+use serde_json::Value;
+
+const FIXTURES: [&str; 12] = [
+    "llama",
+    "llama3_rope_mha",
+    "qwen2",
+    "qwen2_sliding",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_gdn128",
+    "qwen3_5_moe",
+    "qwen3_moe",
+    "qwen3_moe_norm",
+    "qwen3_mqa",
+    "qwen3_next",
+];
+
+fn fixtures() -> Vec<PathBuf> {
+    common::exact_fixture_dirs("tiny", &FIXTURES, "reference.json")
+}
+
+fn reference(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn load(dir: &Path) -> Arc<dyn LanguageModel> {
+    let m = loader::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    Arc::from(m.load_cpu(false).unwrap())
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
+    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() } }
+}
+
+/// The requests each test mixes: transformers' greedy prompt first, then
+/// prompts of 1 to 80 tokens cut from the fixture's input (some past a
+/// 64-token chunk), greedy and seeded sampling, short and long budgets.
+fn requests(r: &Value) -> Vec<Request> {
+    // The fixture's input, repeated where it is shorter than 80 tokens.
+    let input: Vec<u32> = ids(&r["input_ids"]).into_iter().cycle().take(80).collect();
+    let want = ids(&r["greedy"]["new_tokens"]);
+    let sampled = |seed| SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed, ..Default::default() };
+    vec![
+        request(ids(&r["greedy"]["prompt"]), want.len(), SamplingParams::default()),
+        request(input[..1].to_vec(), 9, SamplingParams::default()),
+        request(input[3..74].to_vec(), 12, SamplingParams::default()),
+        request(input[10..17].to_vec(), 30, sampled(7)),
+        request(input.clone(), 5, SamplingParams::default()),
+        request(input[20..53].to_vec(), 16, sampled(11)),
+        request(input[5..70].to_vec(), 20, SamplingParams { repetition_penalty: 1.3, ..Default::default() }),
+    ]
+}
+
+fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize) -> EngineConfig {
+    EngineConfig { max_batched_tokens, max_num_seqs, block_size: 16, num_blocks, max_model_len: 1024 }
+}
+
+/// Runs `reqs` through `core`, request `i` joining before step `joins[i]`;
+/// returns each one's tokens and finish reason.
+fn run(core: &mut EngineCore, reqs: &[Request], joins: &[usize]) -> Vec<(Vec<u32>, FinishReason)> {
+    let mut got: HashMap<u64, (Vec<u32>, Option<FinishReason>)> = HashMap::new();
+    let mut step = 0;
+    loop {
+        for (i, r) in reqs.iter().enumerate() {
+            if joins[i] == step {
+                core.add(i as u64, r.clone()).unwrap();
+            }
+        }
+        if core.num_unfinished() == 0 && joins.iter().all(|&j| j < step) {
+            break;
+        }
+        for out in core.step().unwrap() {
+            let e = got.entry(out.id).or_default();
+            e.0.extend(&out.token_ids);
+            assert!(e.1.is_none(), "output after the finish");
+            e.1 = out.finish;
+            assert_eq!(out.usage.completion_tokens, e.0.len());
+        }
+        step += 1;
+        assert!(step < 10_000, "the engine does not finish");
+    }
+    assert!(core.pools_whole(), "blocks or state slots leaked");
+    (0..reqs.len() as u64).map(|i| got.remove(&i).map(|(t, f)| (t, f.expect("finished"))).unwrap()).collect()
+}
+
+#[test]
+fn batched_outputs_equal_alone_and_transformers() {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let r = reference(&dir);
+        let model = load(&dir);
+        let reqs = requests(&r);
+        // Alone: one request at a time, the whole prompt in one step.
+        let alone: Vec<_> = reqs
+            .iter()
+            .map(|q| {
+                let mut core = EngineCore::new(model.clone(), None, config(512, 1, 64)).unwrap();
+                run(&mut core, std::slice::from_ref(q), &[0]).remove(0)
+            })
+            .collect();
+        assert_eq!(alone[0].0, ids(&r["greedy"]["new_tokens"]), "{name}: greedy vs transformers");
+        for (q, (tokens, finish)) in reqs.iter().zip(&alone) {
+            assert_eq!(tokens.len(), q.stop.max_tokens, "{name}");
+            assert_eq!(*finish, FinishReason::Length);
+        }
+        // The one-sequence path (its own parity tests) agrees on the greedy ones.
+        for (q, (tokens, _)) in reqs.iter().zip(&alone).filter(|(q, _)| q.sampling == SamplingParams::default()) {
+            let opts = GenerateOptions { max_new_tokens: q.stop.max_tokens, stop_tokens: vec![], prefill_chunk: 512 };
+            let (want, _) = generate(model.as_ref(), &q.prompt, &q.sampling, &opts, |_| Ok(true)).unwrap();
+            assert_eq!(tokens, &want, "{name}: engine alone vs generate, prompt of {}", q.prompt.len());
+        }
+        // Mixed: 80-token steps (chunked prefills; 64-token chunks on the
+        // hybrids), four at a time, joining at different steps, and a pool
+        // too small for all four (preemption).
+        let mut core = EngineCore::new(model.clone(), None, config(80, 4, 9)).unwrap();
+        let mixed = run(&mut core, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
+        for (i, (a, m)) in alone.iter().zip(&mixed).enumerate() {
+            assert_eq!(a, m, "{name}: request {i} (prompt of {}) alone vs mixed", reqs[i].prompt.len());
+        }
+        assert!(core.preemptions() > 0, "{name}: the small pool should have forced a preemption");
+        println!("{name}: {} requests equal alone and mixed, {} preemptions", reqs.len(), core.preemptions());
+    }
+}
+
+#[test]
+fn aborts_and_bad_requests_leave_the_rest_running() {
+    let dir = fixtures().into_iter().find(|d| d.ends_with("qwen3_next")).unwrap();
+    let r = reference(&dir);
+    let model = load(&dir);
+    let reqs = requests(&r);
+    let mut core = EngineCore::new(model.clone(), None, config(64, 8, 40)).unwrap();
+    let alone = {
+        let mut c = EngineCore::new(model.clone(), None, config(64, 8, 40)).unwrap();
+        run(&mut c, &reqs[..1], &[0]).remove(0)
+    };
+    // Bad requests: each error names the limit, and nothing is queued.
+    let mut err = |q: Request| core.add(99, q).unwrap_err().to_string();
+    assert!(err(request(vec![1; 1024], 4, SamplingParams::default())).contains("1024"));
+    assert!(err(request(vec![1; 10], 800, SamplingParams::default())).contains("40 blocks"));
+    assert!(err(request(vec![100_000], 4, SamplingParams::default())).contains("vocabulary"));
+    assert!(err(request(vec![], 4, SamplingParams::default())).contains("empty"));
+    assert!(err(request(vec![1], 4, SamplingParams { top_p: 0.0, ..Default::default() })).contains("top_p"));
+    assert_eq!(core.num_unfinished(), 0);
+    // Abort one request mid-prefill and one mid-decode; the first runs on.
+    for (i, q) in reqs.iter().enumerate().take(4) {
+        core.add(i as u64, q.clone()).unwrap();
+    }
+    let mut tokens = Vec::new();
+    let mut aborted = Vec::new();
+    for step in 0.. {
+        if step == 1 {
+            aborted.push(core.abort(2).unwrap().finish);
+        }
+        if step == 4 {
+            aborted.push(core.abort(3).unwrap().finish);
+        }
+        for out in core.step().unwrap() {
+            if out.id == 0 {
+                tokens.extend(out.token_ids);
+            }
+        }
+        if core.num_unfinished() == 0 {
+            break;
+        }
+    }
+    assert_eq!(aborted, vec![Some(FinishReason::Abort); 2]);
+    assert!(core.abort(2).is_none(), "an aborted request is gone");
+    assert_eq!(tokens, alone.0);
+    assert!(core.pools_whole());
+}
+
+#[test]
+fn the_engine_thread_streams_aborts_dropped_clients_and_stops() {
+    let dir = fixtures().into_iter().find(|d| d.ends_with("qwen3")).unwrap();
+    let r = reference(&dir);
+    let model = load(&dir);
+    let reqs = requests(&r);
+    let engine = Engine::start(model.clone(), None, config(64, 4, 64)).unwrap();
+    let streams: Vec<_> = reqs.iter().map(|q| engine.add(q.clone()).unwrap()).collect();
+    // A client that goes away: its request is aborted, its blocks return.
+    let (_, gone) = engine.add(request(vec![5; 40], 200, SamplingParams::default())).unwrap();
+    drop(gone);
+    // A request refused at the door names the limit.
+    let e = engine.add(request(vec![1; 2000], 4, SamplingParams::default())).unwrap_err();
+    assert!(e.to_string().contains("2000"), "{e}");
+    for ((_, rx), q) in streams.into_iter().zip(&reqs) {
+        let mut n = 0;
+        let mut finish = None;
+        for item in rx.iter() {
+            let out = item.unwrap();
+            n += out.token_ids.len();
+            finish = out.finish;
+        }
+        assert_eq!((n, finish), (q.stop.max_tokens, Some(FinishReason::Length)));
+    }
+    let stats = engine.shutdown();
+    assert!(stats.pools_whole, "blocks or slots leaked");
+}
