@@ -30,6 +30,7 @@ pub const UNITS: &[Unit] = &[
     unit!("affine_gemv.cu"),
     unit!("affine_mma.cu"),
     unit!("attention.cu"),
+    unit!("batch.cu"),
     unit!("flash.cu"),
     unit!("norm_rope.cu"),
     unit!("elementwise.cu"),
@@ -46,6 +47,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("common.cuh")),
     ("affine.cuh", include_str!("affine.cuh")),
     ("gemv.cuh", include_str!("gemv.cuh")),
+    ("kv.cuh", include_str!("kv.cuh")),
     ("rope.cuh", include_str!("rope.cuh")),
 ];
 

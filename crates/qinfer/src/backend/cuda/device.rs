@@ -178,6 +178,7 @@ impl CudaBackend {
             pass: Mutex::new(()),
             sampling,
             moe_tables: Mutex::new(HashMap::new()),
+            batch_table: Mutex::new(None),
         })
     }
 

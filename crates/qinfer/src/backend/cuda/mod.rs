@@ -11,14 +11,16 @@
 //! One file per op family, each with its kernels' table and launchers:
 //! linear.rs (float GEMVs, cuBLAS GEMMs), affine.rs (affine GEMVs on CUDA and
 //! tensor cores, dequantized prefill tiles), attention.rs (and its plans in
-//! attention_plan.rs), norm_rope.rs, elementwise.rs, gdn.rs, moe.rs and
-//! moe_prefill.rs, sampling.rs; device.rs opens the device and holds its
+//! attention_plan.rs), batch.rs (the batched forward's paged KV pool and
+//! attention through block tables), norm_rope.rs, elementwise.rs, gdn.rs,
+//! moe.rs and moe_prefill.rs, sampling.rs; device.rs opens the device and holds its
 //! buffers, graph.rs records and replays decode steps, kernels.rs resolves
 //! the kernels and launches them with typed arguments.
 
 mod affine;
 mod attention;
 mod attention_plan;
+mod batch;
 mod compile;
 mod constants;
 mod device;
@@ -46,8 +48,10 @@ use crate::Result;
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
 use crate::kv::KvPrecision;
+use crate::kv::batch::BatchLayout;
 use crate::sampling::SamplingParams;
 use crate::tensor::Tensor;
+pub use batch::CudaKvPool;
 pub use compile::prebuild as prebuild_kernels;
 #[doc(hidden)]
 pub use constants::kernel_constants;
@@ -135,6 +139,8 @@ pub struct CudaBackend {
     sampling: Mutex<sampling::SampleScratch>,
     /// Device pointer tables of MoE layers' experts (see moe.rs).
     moe_tables: Mutex<HashMap<Vec<u64>, Arc<moe::ExpertTables>>>,
+    /// The batched forward's last batch table on the device (see batch.rs).
+    batch_table: Mutex<Option<batch::BatchTableCache>>,
 }
 
 impl Backend for CudaBackend {
@@ -151,7 +157,7 @@ impl Backend for CudaBackend {
             device_routing: true,
             gated_delta_net: true,
             mixture_of_experts: true,
-            batched: false,
+            batched: true,
         }
     }
 
@@ -389,10 +395,65 @@ impl MoeOps for CudaBackend {
     }
 }
 
-/// Batched forwards (paged KV) do not run on CUDA yet; the capability says
-/// so and the batched engine refuses with an error naming it.
 impl BatchOps for CudaBackend {
-    type KvPool = ();
+    type KvPool = CudaKvPool;
+
+    fn new_kv_pool(
+        &self,
+        num_layers: usize,
+        kv_dim: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CudaKvPool> {
+        self.new_kv_pool_op(num_layers, kv_dim, num_blocks, block_size)
+    }
+
+    fn kv_pool_bytes(&self, pool: &CudaKvPool) -> usize {
+        pool.bytes()
+    }
+
+    fn paged_prologue(
+        &self,
+        projected: CudaAct,
+        k: CudaAct,
+        v: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (CudaAct, Option<CudaAct>) {
+        self.paged_prologue_op(projected, k, v, shape, norms, eps, rope, pool, layer, batch)
+    }
+
+    fn write_kv_paged(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, slots: &[u32]) {
+        self.write_kv_paged_op(pool, layer, k, v, slots)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaAct,
+        pool: &CudaKvPool,
+        layer: usize,
+        shape: &AttentionShape,
+        batch: &BatchLayout,
+    ) -> CudaAct {
+        self.paged_attention_op(q, pool, layer, shape, batch)
+    }
+
+    fn slice_rows(&self, x: &CudaAct, rows: std::ops::Range<usize>) -> CudaAct {
+        self.slice_rows_op(x, rows)
+    }
+
+    fn concat_rows(&self, parts: &[CudaAct]) -> CudaAct {
+        self.concat_rows_op(parts)
+    }
+
+    fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> CudaAct {
+        self.gather_rows_op(x, rows)
+    }
 }
 
 impl SamplingOps for CudaBackend {

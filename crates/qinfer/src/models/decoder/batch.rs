@@ -141,13 +141,14 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
     }
 
     /// Embedding, every layer, the final norm and the head over the batch's
-    /// rows: the logits of `batch.logits_rows`.
+    /// rows: the logits of `batch.logits_rows`, None when it names no row
+    /// (a step of prompt chunks only: no zero-row head for a device to run).
     pub(super) fn forward_batch_of(
         &self,
         state: &mut DecoderBatchState<B>,
         tokens: &[u32],
         batch: &BatchLayout,
-    ) -> Result<B::Act> {
+    ) -> Result<Option<B::Act>> {
         self.check_batch(state, tokens, batch)?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
@@ -176,10 +177,13 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let rows = &batch.logits_rows;
-        Ok(match normed {
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(match normed {
             Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
             None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
-        })
+        }))
     }
 }
 

@@ -396,7 +396,7 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         let b = &self.backend;
         b.run_pass(|| {
             let logits = self.forward_batch_of(state, tokens, batch)?;
-            let host = b.to_host(&logits);
+            let host = logits.map(|l| b.to_host(&l)).unwrap_or_default();
             b.check()?;
             Ok(host)
         })

@@ -1,0 +1,502 @@
+//! Batched forwards over many sequences (batch.cu): the paged KV pool on the
+//! device, the batch's description uploaded once per forward, RoPE at each
+//! row's own position, the slot-mapped KV write, attention through block
+//! tables, and the row copies that per-sequence ops (Gated DeltaNet) need.
+
+use std::ops::Range;
+
+use cudarc::driver::CudaSlice;
+
+use super::attention::KV_PRECISIONS;
+use super::attention_plan::{kv_slot, kv_suffix};
+use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
+use super::norm_rope::rope_style;
+use super::{CudaAct, CudaBackend, CudaWeight};
+use crate::backend::{AttentionShape, QkvShape};
+use crate::config::rope::Rope;
+use crate::kv::KvPrecision;
+use crate::kv::batch::BatchLayout;
+use crate::{Error, Result};
+
+/// Threads of a `paged_attention` block (`PAGED_THREADS`): four warps, each
+/// taking every fourth key of the row's context.
+pub(super) const PAGED_THREADS: usize = 128;
+
+/// Head dims each lane of a `paged_attention` warp holds
+/// (`PAGED_LANE_DIMS`): head dims up to 32 times this (256).
+pub(super) const PAGED_LANE_DIMS: usize = 8;
+
+/// The kernels of batch.cu; per-precision tables by [`kv_slot`].
+pub(super) struct BatchKernels<K> {
+    rope: K,
+    /// `paged_kv_write{kv}`.
+    kv_write: [K; 2],
+    /// `paged_attention{kv}`.
+    attention: [K; 2],
+}
+
+impl<K> BatchKernels<K> {
+    pub(super) fn load(get: &mut Resolve<'_, K>) -> Result<Self> {
+        const U: &str = "batch.cu";
+        let kv = |i: usize| kv_suffix(KV_PRECISIONS[i]);
+        Ok(BatchKernels {
+            rope: get(U, "paged_rope".into())?,
+            kv_write: resolve_n(get, U, |i| format!("paged_kv_write{}", kv(i)))?,
+            attention: resolve_n(get, U, |i| format!("paged_attention{}", kv(i)))?,
+        })
+    }
+}
+
+kernel_args! {
+    /// `paged_rope`.
+    PagedRopeArgs { x: u64, positions: u64, inv_freq: u64, rows: i32, cols: i32, head_dim: i32, rotary_dim: i32, style: i32 }
+}
+kernel_args! {
+    /// `paged_kv_write{kv}`.
+    PagedKvWriteArgs { k: u64, v: u64, keys: u64, values: u64, slots: u64, rows: i32, kv_dim: i32 }
+}
+kernel_args! {
+    /// `paged_attention{kv}`.
+    PagedAttentionArgs {
+        q: u64, keys: u64, values: u64, out: u64, table: u64, rows: i32, heads: i32, kv_heads: i32, head_dim: i32,
+        block_size: i32, window: i32, scale: f32,
+    }
+}
+
+/// Every layer's keys and values for `num_blocks · block_size` slots on the
+/// device, stored as [`KvPrecision`] says (the backend's, as its contiguous
+/// caches store them): per layer a key and a value buffer of
+/// `[slots, kv_dim]` values, slot `block · block_size + offset`.
+pub struct CudaKvPool {
+    kv_dim: usize,
+    block_size: usize,
+    num_blocks: usize,
+    precision: KvPrecision,
+    layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
+}
+
+impl CudaKvPool {
+    pub fn precision(&self) -> KvPrecision {
+        self.precision
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Bytes the pool holds on the device.
+    pub fn bytes(&self) -> usize {
+        2 * self.layers.len() * self.num_slots() * self.kv_dim * self.precision.bytes()
+    }
+}
+
+/// The batch table the kernels read (see batch.cu), for `layout`: per row
+/// its position, its sequence and its slot, per sequence the index in the
+/// table where its block table starts, then the block tables back to back.
+/// i32 throughout: the pool's slots are bounded to fit (`new_kv_pool_op`).
+fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
+    let rows = layout.rows();
+    let blocks: usize = layout.seqs.iter().map(|s| s.block_table.len()).sum();
+    let len = 3 * rows + layout.seqs.len() + blocks;
+    let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| format!("{what} {v} does not fit an i32"));
+    int(len, "a batch table of length")?;
+    let mut t = Vec::with_capacity(len);
+    for &p in &layout.positions {
+        t.push(int(p, "position")?);
+    }
+    for (i, s) in layout.seqs.iter().enumerate() {
+        if s.rows.start != t.len() - rows || s.rows.end > rows {
+            return Err(format!("sequence {i}'s rows {:?} are not back to back in {rows} rows", s.rows));
+        }
+        t.extend(std::iter::repeat_n(i as i32, s.rows.len()));
+    }
+    if t.len() != 2 * rows {
+        return Err(format!("the sequences hold {} of the batch's {rows} rows", t.len() - rows));
+    }
+    t.extend(layout.slots.iter().map(|&s| s as i32));
+    let mut start = 3 * rows + layout.seqs.len();
+    for s in &layout.seqs {
+        t.push(start as i32);
+        start += s.block_table.len();
+    }
+    for s in &layout.seqs {
+        t.extend(s.block_table.iter().map(|&b| b as i32));
+    }
+    Ok(t)
+}
+
+/// The last batch table uploaded, and the layout it was made from: the
+/// layers of one forward share it, so it crosses to the device once.
+pub(super) struct BatchTableCache {
+    layout: BatchLayout,
+    table: CudaSlice<i32>,
+}
+
+impl CudaBackend {
+    /// [`crate::backend::ops::BatchOps::new_kv_pool`]: the whole pool
+    /// allocated (and zeroed) now, so that a pool too large for the device
+    /// fails here and not in the middle of a forward.
+    pub(super) fn new_kv_pool_op(
+        &self,
+        num_layers: usize,
+        kv_dim: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<CudaKvPool> {
+        let precision = self.kv_precision;
+        let err = |e: String| Error::Invalid(format!("cuda:{}: KV pool: {e}", self.ordinal));
+        let slots = num_blocks.checked_mul(block_size).filter(|&s| s <= i32::MAX as usize);
+        let Some(slots) = slots else {
+            return Err(err(format!("{num_blocks} blocks of {block_size} slots exceed 2^31 slots")));
+        };
+        let bytes = slots * kv_dim * precision.bytes();
+        let mut layers = Vec::with_capacity(num_layers);
+        for _ in 0..num_layers {
+            let alloc = || self.stream.alloc_zeros::<u8>(bytes.max(4));
+            let pair = alloc().and_then(|k| alloc().map(|v| (k, v)));
+            layers.push(pair.map_err(|e| err(format!("allocating {num_layers} × 2 × {bytes} bytes: {e}")))?);
+        }
+        Ok(CudaKvPool { kv_dim, block_size, num_blocks, precision, layers })
+    }
+
+    /// Keys and values of `layer` in `pool` as f32, `[slots, kv_dim]` each
+    /// (tests read back what was written).
+    pub fn kv_pool_to_host(&self, pool: &CudaKvPool, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.check_op()?;
+        let (keys, values) = &pool.layers[layer];
+        let n = pool.num_slots() * pool.kv_dim;
+        let read = |buf: &CudaSlice<u8>| -> Result<Vec<f32>> {
+            let bytes = self.stream.clone_dtoh(buf).map_err(|e| Error::Invalid(format!("KV pool read: {e}")))?;
+            Ok(match pool.precision {
+                KvPrecision::F32 => {
+                    bytes[..n * 4].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                }
+                KvPrecision::F16 => {
+                    bytes[..n * 2].chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                }
+            })
+        };
+        Ok((read(keys)?, read(values)?))
+    }
+
+    /// The device table of `batch` (see [`batch_table`]), uploaded unless
+    /// it is the last one's; None (the error recorded) when it cannot be
+    /// made. The pointer stays valid for every launch issued before the next
+    /// table replaces it: the old buffer is freed in stream order.
+    fn batch_table_ptr(&self, batch: &BatchLayout) -> Option<u64> {
+        let Ok(mut cache) = self.batch_table.lock() else {
+            self.record(Err("batch table lock poisoned"), "batch table");
+            return None;
+        };
+        if let Some(c) = cache.as_ref().filter(|c| c.layout == *batch) {
+            return Some(self.p(&c.table));
+        }
+        let table = match batch_table(batch) {
+            Ok(t) => t,
+            Err(e) => {
+                self.record(Err(e), "batch table");
+                return None;
+            }
+        };
+        let table = self.upload_slice(&table);
+        let p = self.p(&table);
+        *cache = Some(BatchTableCache { layout: batch.clone(), table });
+        Some(p)
+    }
+
+    /// The slots `slots` on the device: the current batch table's when they
+    /// are its slot mapping, else a copy (returned, to be kept until the
+    /// launch that reads it has been issued).
+    fn slots_ptr(&self, slots: &[u32]) -> (Option<CudaSlice<i32>>, u64) {
+        if let Ok(cache) = self.batch_table.lock()
+            && let Some(c) = cache.as_ref().filter(|c| c.layout.slots == slots)
+        {
+            return (None, self.p(&c.table) + (2 * slots.len() * 4) as u64);
+        }
+        let d = self.upload_slice(&slots.iter().map(|&s| s as i32).collect::<Vec<_>>());
+        let p = self.p(&d);
+        (Some(d), p)
+    }
+
+    /// [`crate::backend::ops::BatchOps::paged_prologue`]: the composition
+    /// of the default (gate split, per-head norms, RoPE, KV write), with
+    /// RoPE at the rows' own positions from the batch table.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_prologue_op(
+        &self,
+        projected: CudaAct,
+        mut k: CudaAct,
+        v: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (CudaAct, Option<CudaAct>) {
+        let hd = shape.head_dim;
+        let (mut q, gate) = if shape.output_gate {
+            let g = self.gather_columns_op(&projected, 2 * hd, hd, hd);
+            (self.gather_columns_op(&projected, 2 * hd, 0, hd), Some(g))
+        } else {
+            (projected, None)
+        };
+        if let Some((qn, kn)) = norms {
+            q = self.norm(&q, None, qn, None, eps);
+            k = self.norm(&k, None, kn, None, eps);
+        }
+        if q.rows != batch.rows() || k.rows != batch.rows() {
+            self.record(Err(format!("{} rows for a batch of {}", q.rows, batch.rows())), "paged_prologue");
+            return (q, gate);
+        }
+        let Some(table) = self.batch_table_ptr(batch) else { return (q, gate) };
+        self.rope_at(&mut q, hd, table, rope);
+        self.rope_at(&mut k, hd, table, rope);
+        self.write_kv_slots(pool, layer, &k, v, table + (2 * batch.rows() * 4) as u64, &batch.slots);
+        (q, gate)
+    }
+
+    /// RoPE of every head of `x`, row r at `positions[r]` (a device array).
+    fn rope_at(&self, x: &mut CudaAct, head_dim: usize, positions: u64, rope: &Rope) {
+        x.quantized = None;
+        let pairs = x.rows * (x.cols / head_dim) * (rope.rotary_dim / 2);
+        if pairs == 0 {
+            return;
+        }
+        let Some(inv_freq) = self.rope_table(rope) else { return };
+        let args = PagedRopeArgs {
+            x: self.p(&x.buf),
+            positions,
+            inv_freq,
+            rows: x.rows as i32,
+            cols: x.cols as i32,
+            head_dim: head_dim as i32,
+            rotary_dim: rope.rotary_dim as i32,
+            style: rope_style(rope),
+        };
+        self.launch(&self.k.batch.rope, elementwise_cfg(pairs), &args);
+    }
+
+    /// [`crate::backend::ops::BatchOps::write_kv_paged`].
+    pub(super) fn write_kv_paged_op(
+        &self,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        k: &CudaAct,
+        v: &CudaAct,
+        slots: &[u32],
+    ) {
+        let (kept, ptr) = self.slots_ptr(slots);
+        self.write_kv_slots(pool, layer, k, v, ptr, slots);
+        drop(kept);
+    }
+
+    /// Row i of `k` and `v` to slot `slots[i]` of `layer`, the slots on the
+    /// device at `slots_ptr` (checked on the host's copy, `slots`).
+    fn write_kv_slots(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, ptr: u64, slots: &[u32]) {
+        let d = pool.kv_dim;
+        let bad = if layer >= pool.layers.len() {
+            Some(format!("layer {layer} of a pool of {}", pool.layers.len()))
+        } else if (k.rows, k.cols, v.rows, v.cols) != (slots.len(), d, slots.len(), d) {
+            Some(format!("k {}×{} and v {}×{} for {} slots of {d}", k.rows, k.cols, v.rows, v.cols, slots.len()))
+        } else {
+            slots.iter().find(|&&s| s as usize >= pool.num_slots()).map(|s| format!("slot {s} of {}", pool.num_slots()))
+        };
+        if let Some(e) = bad {
+            return self.record(Err(e), "write_kv_paged");
+        }
+        let n = slots.len() * d;
+        if n == 0 {
+            return;
+        }
+        let (keys, values) = &pool.layers[layer];
+        let args = PagedKvWriteArgs {
+            k: self.p(&k.buf),
+            v: self.p(&v.buf),
+            keys: self.p(keys),
+            values: self.p(values),
+            slots: ptr,
+            rows: slots.len() as i32,
+            kv_dim: d as i32,
+        };
+        self.launch(&self.k.batch.kv_write[kv_slot(pool.precision)], elementwise_cfg(n), &args);
+    }
+
+    /// [`crate::backend::ops::BatchOps::paged_attention`].
+    pub(super) fn paged_attention_op(
+        &self,
+        q: &CudaAct,
+        pool: &CudaKvPool,
+        layer: usize,
+        s: &AttentionShape,
+        batch: &BatchLayout,
+    ) -> CudaAct {
+        let out = self.act(q.rows, s.num_heads * s.head_dim);
+        if let Err(e) = check_attention(q, pool, layer, s, batch) {
+            self.record(Err(e), "paged_attention");
+            return out;
+        }
+        if q.rows == 0 {
+            return out;
+        }
+        let Some(table) = self.batch_table_ptr(batch) else { return out };
+        let (keys, values) = &pool.layers[layer];
+        let args = PagedAttentionArgs {
+            q: self.p(&q.buf),
+            keys: self.p(keys),
+            values: self.p(values),
+            out: self.p(&out.buf),
+            table,
+            rows: q.rows as i32,
+            heads: s.num_heads as i32,
+            kv_heads: s.num_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            block_size: pool.block_size as i32,
+            window: s.window.unwrap_or(0) as i32,
+            scale: s.scale,
+        };
+        let grid = (q.rows as u32, s.num_heads as u32, 1);
+        self.launch(&self.k.batch.attention[kv_slot(pool.precision)], cfg(grid, PAGED_THREADS as u32, 0), &args);
+        out
+    }
+
+    /// Copies rows `[from, from + n)` of `src` to rows `[to, to + n)` of
+    /// `dst` (same widths) on the stream.
+    fn copy_rows(&self, src: &CudaAct, from: usize, dst: &CudaAct, to: usize, n: usize) {
+        let bytes = n * src.cols * 4;
+        if bytes == 0 || self.failed() {
+            return;
+        }
+        let row = (src.cols * 4) as u64;
+        // SAFETY: the callers keep both ranges inside their activations
+        // (rows × cols values each, of the same width).
+        let r = unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                self.p(&dst.buf) + to as u64 * row,
+                self.p(&src.buf) + from as u64 * row,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        };
+        self.record(r, "copying rows");
+    }
+
+    /// [`crate::backend::ops::BatchOps::slice_rows`].
+    pub(super) fn slice_rows_op(&self, x: &CudaAct, rows: Range<usize>) -> CudaAct {
+        let out = self.act(rows.len(), x.cols);
+        if rows.end > x.rows {
+            self.record(Err(format!("rows {rows:?} of {}", x.rows)), "slice_rows");
+            return out;
+        }
+        self.copy_rows(x, rows.start, &out, 0, rows.len());
+        out
+    }
+
+    /// [`crate::backend::ops::BatchOps::concat_rows`].
+    pub(super) fn concat_rows_op(&self, parts: &[CudaAct]) -> CudaAct {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let out = self.act(parts.iter().map(|p| p.rows).sum(), cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            self.record(Err("widths differ"), "concat_rows");
+            return out;
+        }
+        let mut at = 0;
+        for p in parts {
+            self.copy_rows(p, 0, &out, at, p.rows);
+            at += p.rows;
+        }
+        out
+    }
+
+    /// [`crate::backend::ops::BatchOps::gather_rows`].
+    pub(super) fn gather_rows_op(&self, x: &CudaAct, rows: &[usize]) -> CudaAct {
+        if let Some(r) = rows.iter().find(|&&r| r >= x.rows) {
+            self.record(Err(format!("row {r} of {}", x.rows)), "gather_rows");
+            return self.act(rows.len(), x.cols);
+        }
+        if rows.is_empty() {
+            return self.act(0, x.cols);
+        }
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        self.gather_rows(x, &idx)
+    }
+}
+
+/// What `paged_attention` needs of its inputs: shapes that agree, head dims
+/// the kernel holds, and block tables inside the pool that cover each
+/// sequence's context (the kernel reads through them unchecked).
+fn check_attention(
+    q: &CudaAct,
+    pool: &CudaKvPool,
+    layer: usize,
+    s: &AttentionShape,
+    batch: &BatchLayout,
+) -> std::result::Result<(), String> {
+    let (nh, nkv, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
+    if nkv == 0 || nh % nkv != 0 || hd == 0 || hd > 32 * PAGED_LANE_DIMS {
+        return Err(format!("{nh} heads over {nkv} KV heads of {hd} dims (at most {})", 32 * PAGED_LANE_DIMS));
+    }
+    if (q.rows, q.cols) != (batch.rows(), nh * hd) || pool.kv_dim != nkv * hd || layer >= pool.layers.len() {
+        return Err(format!(
+            "q {}×{} for {} rows of {nh}×{hd}, a pool of {} layers × {} for layer {layer} of {nkv}×{hd}",
+            q.rows,
+            q.cols,
+            batch.rows(),
+            pool.layers.len(),
+            pool.kv_dim
+        ));
+    }
+    if batch.block_size != pool.block_size {
+        return Err(format!("block size {} for a pool of {}", batch.block_size, pool.block_size));
+    }
+    for (i, seq) in batch.seqs.iter().enumerate() {
+        if seq.block_table.len() * pool.block_size < seq.context_len() {
+            return Err(format!("sequence {i}: {} blocks for {} positions", seq.block_table.len(), seq.context_len()));
+        }
+        if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= pool.num_blocks) {
+            return Err(format!("sequence {i}: block {b} of a pool of {}", pool.num_blocks));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::batch::BatchSeq;
+
+    fn seq(rows: Range<usize>, start: usize, block_table: Vec<u32>) -> BatchSeq {
+        BatchSeq { rows, start, block_table, state_slot: None, prompt: false }
+    }
+
+    /// The table lays out positions, sequences, slots, block-table starts
+    /// and block tables as batch.cu reads them.
+    #[test]
+    fn batch_table_is_laid_out_as_the_kernels_read_it() {
+        let layout = BatchLayout::new(vec![seq(0..2, 3, vec![5, 1]), seq(2..3, 0, vec![7])], 4, vec![1, 2]);
+        let t = batch_table(&layout).unwrap();
+        let rows = 3;
+        assert_eq!(&t[..rows], &[3, 4, 0]);
+        assert_eq!(&t[rows..2 * rows], &[0, 0, 1]);
+        assert_eq!(&t[2 * rows..3 * rows], &[23, 4, 28]);
+        let (s0, s1) = (t[3 * rows] as usize, t[3 * rows + 1] as usize);
+        assert_eq!((&t[s0..s0 + 2], &t[s1..s1 + 1]), (&[5, 1][..], &[7][..]));
+        assert_eq!(t.len(), 3 * rows + 2 + 3);
+    }
+
+    #[test]
+    fn batch_table_refuses_rows_out_of_order() {
+        let mut layout = BatchLayout::new(vec![seq(0..2, 0, vec![0]), seq(2..3, 0, vec![1])], 4, vec![]);
+        layout.seqs.swap(0, 1);
+        assert!(batch_table(&layout).is_err());
+    }
+}
