@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use qinfer::engine::core::EngineConfig;
 use qinfer::loader::{self, LoadedModel};
 use qinfer::sampling::SamplingParams;
+use qinfer::tokenizer::Tokenizer;
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -119,9 +121,9 @@ impl InputArgs {
 }
 
 /// Stop tokens: the config's eos ids plus the tokenizer's eos.
-pub fn stop_tokens(model: &LoadedModel) -> Vec<u32> {
+pub fn stop_tokens(model: &LoadedModel, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
     let mut s = model.config.eos_token_ids.clone();
-    if let Some(t) = &model.tokenizer {
+    if let Some(t) = tokenizer.or(model.tokenizer.as_ref()) {
         for id in t.eos_token_ids() {
             if !s.contains(&id) {
                 s.push(id);
@@ -134,4 +136,32 @@ pub fn stop_tokens(model: &LoadedModel) -> Vec<u32> {
 /// Errors writing streamed output, inside generation callbacks.
 pub fn stdout_error(e: std::io::Error) -> qinfer::Error {
     qinfer::Error::Invalid(format!("writing to stdout: {e}"))
+}
+
+/// How the continuous-batching engine batches (`batch`, `bench --concurrency`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Tokens one engine step computes (decode tokens first, then prefill
+    /// chunks). Default: 8192 on CUDA, 2048 on the CPU.
+    #[arg(long)]
+    pub max_batched_tokens: Option<usize>,
+    /// Most positions one sequence may hold (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Memory for the KV cache's blocks, in GiB (default 4): at most this
+    /// much, and no more than max_num_seqs sequences of max_model_len need.
+    #[arg(long, default_value_t = 4.0)]
+    pub kv_cache_gib: f64,
+}
+
+impl EngineArgs {
+    pub fn config(&self, lm: &dyn qinfer::models::LanguageModel, device: &qinfer::loader::Device) -> EngineConfig {
+        let gpu = !matches!(device, qinfer::loader::Device::Cpu);
+        let tokens = self.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
+        let bytes = (self.kv_cache_gib.max(0.0) * (1u64 << 30) as f64) as usize;
+        EngineConfig::for_model(lm, tokens, self.max_num_seqs, self.max_model_len, bytes)
+    }
 }

@@ -41,6 +41,9 @@ enum Command {
     Run(commands::run::Args),
     /// Raw continuation of tokens or text (no chat template).
     Generate(commands::generate::Args),
+    /// Many requests from a JSONL file at once (continuous batching), results
+    /// in input order.
+    Batch(commands::batch::Args),
     /// Teacher-forced logits for a sequence, written as a .npy file.
     Score(commands::score::Args),
     /// Perplexity of a text file (llama.cpp's llama-perplexity chunking).
@@ -80,6 +83,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),
         Command::Generate(a) => commands::generate::main(a, device),
+        Command::Batch(a) => commands::batch::main(a, device),
         Command::Score(a) => commands::score::main(a, device),
         Command::Perplexity(a) => commands::perplexity::main(a, device),
         Command::Bench(a) => commands::bench::main(a, device),

@@ -5,11 +5,16 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use anyhow::{Result, bail};
+use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::request::{Request, StopConditions};
+use qinfer::loader::Device;
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::{Sampler, SamplingParams};
 use qinfer::weights::random::WeightStorage;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::common::open_model;
 
@@ -46,6 +51,17 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Run C sequences at once through the continuous-batching engine, for
+    /// each C given (comma-separated), like llama-batched-bench: each gets
+    /// its own `-p` token prompt (pp: all prompts' tokens over the time
+    /// until every sequence has its first token), then `-n` new tokens (tg:
+    /// the aggregate tok/s of all sequences, and per sequence).
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Vec<usize>,
+    /// Tokens one engine step computes (with --concurrency; default 8192 on
+    /// CUDA, 2048 on the CPU).
+    #[arg(long)]
+    max_batched_tokens: Option<usize>,
 }
 
 /// One llama-bench test: context tokens first (untimed), then the timed tokens; tok/s out.
@@ -98,6 +114,72 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// One run of `c` sequences of `p` prompt tokens and `n` new tokens through
+/// the engine: (prefill tok/s, aggregate decode tok/s).
+fn concurrent(core: &mut EngineCore, c: usize, p: usize, n: usize, vocab: usize) -> Result<(f64, f64)> {
+    let all = tokens(c * p, vocab);
+    for (i, prompt) in all.chunks(p).enumerate() {
+        let stop = StopConditions { max_tokens: n, ..Default::default() };
+        core.add(i as u64, Request { prompt: prompt.to_vec(), sampling: SamplingParams::default(), stop })?;
+    }
+    let t0 = Instant::now();
+    let (mut first, mut t_first) = (0, None);
+    let mut generated = 0;
+    while core.num_unfinished() > 0 {
+        for out in core.step()? {
+            generated += out.token_ids.len();
+            if out.usage.completion_tokens == out.token_ids.len() {
+                first += 1;
+            }
+        }
+        if first == c && t_first.is_none() {
+            t_first = Some(t0.elapsed());
+        }
+    }
+    let (total, t_first) = (t0.elapsed(), t_first.unwrap_or_default());
+    let decode = (generated - c) as f64 / (total - t_first).as_secs_f64().max(1e-9);
+    Ok(((c * p) as f64 / t_first.as_secs_f64().max(1e-9), decode))
+}
+
+/// `--concurrency`: pp and tg rows for each C.
+fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: &Device) -> Result<Vec<Value>> {
+    let (p, n) = (a.n_prompt.first().copied().unwrap_or(0).max(1), a.n_gen.max(2));
+    let mut rows = Vec::new();
+    for &c in &a.concurrency {
+        if c == 0 {
+            bail!("--concurrency values must be at least 1");
+        }
+        let gpu = !matches!(device, Device::Cpu);
+        let budget = a.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
+        let block = qinfer::kv::blocks::DEFAULT_BLOCK_SIZE;
+        let cfg = EngineConfig {
+            max_batched_tokens: budget,
+            max_num_seqs: c,
+            block_size: block,
+            num_blocks: c * (p + n).div_ceil(block),
+            max_model_len: lm.config().max_position_embeddings,
+        };
+        let mut core = EngineCore::new(lm.clone(), None, cfg)?;
+        concurrent(&mut core, c, p, n, vocab)?;
+        let runs =
+            (0..a.repetitions.max(1)).map(|_| concurrent(&mut core, c, p, n, vocab)).collect::<Result<Vec<_>>>()?;
+        let kv = core.kv_bytes();
+        for (test, samples) in [
+            (format!("pp{p}"), runs.iter().map(|r| r.0).collect::<Vec<_>>()),
+            (format!("tg{n}"), runs.iter().map(|r| r.1).collect()),
+        ] {
+            let (m, s) = mean_std(&samples);
+            let mut row = json!({"test": test, "concurrency": c, "n_prompt": p, "n_gen": n, "avg_ts": m,
+                "stddev_ts": s, "samples_ts": samples, "kv_cache_bytes": kv, "max_batched_tokens": budget});
+            if test.starts_with("tg") {
+                row["per_seq_ts"] = json!(m / c as f64);
+            }
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let (file, vocab, lm) = match (&a.model, &a.config) {
         (Some(path), _) => {
@@ -114,6 +196,11 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         (None, None) => bail!("pass --model, or --config with --random-weights"),
     };
     let reps = a.repetitions.max(1);
+    if !a.concurrency.is_empty() {
+        let lm: Arc<dyn LanguageModel> = Arc::from(lm);
+        let rows = concurrency_rows(&a, &lm, vocab, &device)?;
+        return print_rows(&a, &file, lm.as_ref(), reps, rows);
+    }
     let mut rows = Vec::new();
     let mut tests: Vec<(&str, usize, BenchFn)> = a.n_prompt.iter().map(|&n| ("pp", n, pp as BenchFn)).collect();
     tests.push(("tg", a.n_gen, tg));
@@ -131,6 +218,10 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
             json!({"test": test, "n_tokens": n, "depth": a.depth, "avg_ts": m, "stddev_ts": s, "samples_ts": samples}),
         );
     }
+    print_rows(&a, &file, lm.as_ref(), reps, rows)
+}
+
+fn print_rows(a: &Args, file: &str, lm: &dyn LanguageModel, reps: usize, rows: Vec<Value>) -> Result<()> {
     if a.json {
         let out = json!({
             "model": file,
@@ -144,10 +235,14 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         println!("| model | backend | test | t/s |");
         println!("| --- | --- | ---: | ---: |");
         for r in &rows {
+            let test = match r["concurrency"].as_u64() {
+                Some(c) => format!("{} × {c}", r["test"].as_str().unwrap_or("")),
+                None => r["test"].as_str().unwrap_or("").to_string(),
+            };
             println!(
                 "| {file} | {} | {} | {:.2} ± {:.2} |",
                 lm.device(),
-                r["test"].as_str().unwrap_or(""),
+                test,
                 r["avg_ts"].as_f64().unwrap_or(0.0),
                 r["stddev_ts"].as_f64().unwrap_or(0.0)
             );
