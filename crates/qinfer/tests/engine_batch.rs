@@ -138,6 +138,10 @@ fn batched_outputs_equal_alone_and_transformers() {
         // hybrids), four at a time, joining at different steps, and a pool
         // too small for all four (preemption).
         let mut core = EngineCore::new(model.clone(), None, config(80, 4, 9)).unwrap();
+        // The pool holds keys and values of the attention layers only.
+        let cfg = model.config();
+        let attention = cfg.layer_kinds.iter().filter(|k| **k == qinfer::config::LayerKind::Attention).count();
+        assert_eq!(core.kv_bytes(), 9 * 16 * 2 * attention * cfg.kv_dim() * 4, "{name}: KV pool bytes");
         let mixed = run(&mut core, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
         for (i, (a, m)) in alone.iter().zip(&mixed).enumerate() {
             assert_eq!(a, m, "{name}: request {i} (prompt of {}) alone vs mixed", reqs[i].prompt.len());

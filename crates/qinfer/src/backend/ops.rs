@@ -256,6 +256,11 @@ pub trait BatchOps: Backend {
         let _ = (num_layers, kv_dim, num_blocks, block_size);
         unsupported(self, "batched forwards")
     }
+    /// Bytes one stored key or value takes in a pool (f32 unless a backend
+    /// stores them narrower).
+    fn kv_value_bytes(&self) -> usize {
+        4
+    }
     /// Bytes `pool` holds on its device.
     fn kv_pool_bytes(&self, pool: &Self::KvPool) -> usize {
         let _ = pool;

@@ -47,8 +47,7 @@ impl EngineConfig {
         let cfg = model.config();
         let max_model_len = max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let block_size = crate::kv::blocks::DEFAULT_BLOCK_SIZE;
-        let attention_layers = cfg.layer_kinds.iter().filter(|k| **k == crate::config::LayerKind::Attention).count();
-        let per_token = (2 * attention_layers * cfg.kv_dim() * 4).max(1);
+        let per_token = model.kv_bytes_per_token().max(1);
         let per_seq = max_model_len.div_ceil(block_size);
         let by_memory = kv_bytes / (per_token * block_size);
         let num_blocks = (per_seq * max_num_seqs).min(by_memory).max(per_seq);

@@ -133,7 +133,9 @@ impl<B: ModelBackend> Attention<B> {
 
     /// [`Attention::forward`] over a ragged batch of sequences: keys and
     /// values go to `pool` through the batch's slot mapping, each sequence's
-    /// rows attend over its context through its block table.
+    /// rows attend over its context through its block table. `pool_layer`
+    /// is this layer's place in the pool, which holds attention layers only.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_batch(
         &self,
         b: &B,
@@ -141,6 +143,7 @@ impl<B: ModelBackend> Attention<B> {
         rope: &Rope,
         input: BlockInput<'_, B>,
         pool: &mut B::KvPool,
+        pool_layer: usize,
         batch: &BatchLayout,
     ) -> BlockOutput<'_, B> {
         let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
@@ -167,15 +170,15 @@ impl<B: ModelBackend> Attention<B> {
                 let projected = b.gather_columns(&qkv, all, 0, q_rows);
                 let k = b.gather_columns(&qkv, all, q_rows, kv);
                 let v = b.gather_columns(&qkv, all, q_rows + kv, kv);
-                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
                 let projected = b.linear(x, q, q_bias.as_ref());
                 let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
-                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
             }),
         };
-        let mut o = b.paged_attention(&q, pool, self.layer, &attention, batch);
+        let mut o = b.paged_attention(&q, pool, pool_layer, &attention, batch);
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }

@@ -88,6 +88,13 @@ pub trait LanguageModel: Send + Sync {
         let _ = (num_blocks, block_size, state_slots);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
     }
+    /// Bytes of KV pool one token takes (keys and values of every attention
+    /// layer), for sizing a pool.
+    fn kv_bytes_per_token(&self) -> usize {
+        let cfg = self.config();
+        let attention = cfg.layer_kinds.iter().filter(|k| **k == crate::config::LayerKind::Attention).count();
+        2 * attention * cfg.kv_dim() * 4
+    }
     /// Zeroes the recurrent states in `slot` (a new sequence starts there).
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         let _ = (state, slot);

@@ -12,10 +12,13 @@ use crate::layers::block::BlockInput;
 use crate::models::BatchState;
 use crate::{Error, Result};
 
-/// The paged KV pool and, per recurrent-state slot, the Gated DeltaNet
-/// state of every linear-attention layer (None for attention layers).
+/// The paged KV pool (attention layers only, in order) and, per
+/// recurrent-state slot, the Gated DeltaNet state of every linear-attention
+/// layer (None for attention layers).
 pub(super) struct DecoderBatchState<B: ModelBackend> {
     pool: B::KvPool,
+    /// Each model layer's place in the pool (attention layers).
+    pool_layers: Vec<Option<usize>>,
     kv_bytes: usize,
     block_size: usize,
     num_blocks: usize,
@@ -80,7 +83,16 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         if !b.capabilities().batched {
             return Err(Error::Invalid(format!("the {} backend does not run batched forwards yet", b.name())));
         }
-        let pool = b.new_kv_pool(self.cfg.num_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
+        let mut attention_layers = 0;
+        let pool_layers = (self.cfg.layer_kinds.iter())
+            .map(|k| {
+                (*k == LayerKind::Attention).then(|| {
+                    attention_layers += 1;
+                    attention_layers - 1
+                })
+            })
+            .collect();
+        let pool = b.new_kv_pool(attention_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
         let kv_bytes = b.kv_pool_bytes(&pool);
         let recurrent = self.cfg.layer_kinds.contains(&LayerKind::LinearAttention);
         let states = (0..if recurrent { state_slots } else { 0 })
@@ -95,7 +107,7 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                     .collect()
             })
             .collect();
-        Ok(DecoderBatchState { pool, kv_bytes, block_size, num_blocks, states })
+        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states })
     }
 
     /// Checks `batch` against the pool and the model before any work: rows
@@ -151,7 +163,7 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         self.check_batch(state, tokens, batch)?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
-        let DecoderBatchState { pool, states, .. } = state;
+        let DecoderBatchState { pool, pool_layers, states, .. } = state;
         // Each sequence's slot, in batch order (slots are distinct).
         let slots: Vec<usize> = batch.seqs.iter().filter_map(|s| s.state_slot.map(|x| x as usize)).collect();
         let mut h = b.embed(&self.embed_tokens, tokens)?;
@@ -159,7 +171,10 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
             let out = match &layer.mixer {
-                Mixer::Attention(at) => at.forward_batch(b, &self.cfg, &self.rope, x, pool, batch),
+                Mixer::Attention(at) => {
+                    let pool_layer = pool_layers[l].expect("attention layers have a place in the pool");
+                    at.forward_batch(b, &self.cfg, &self.rope, x, pool, pool_layer, batch)
+                }
                 Mixer::Linear(net) => {
                     let mut layer_states = slot_states(states, &slots, l)?;
                     net.forward_batch(b, x, &mut layer_states, batch)
