@@ -125,6 +125,21 @@ impl EngineCore {
         self.running.len()
     }
 
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// KV blocks held, and the pool's size.
+    pub fn blocks_used(&self) -> (usize, usize) {
+        let pool = &self.runner.blocks;
+        (pool.num_blocks() - pool.num_free(), pool.num_blocks())
+    }
+
+    /// Every request's id, waiting or running.
+    pub fn request_ids(&self) -> Vec<RequestId> {
+        self.seqs.keys().copied().collect()
+    }
+
     /// Every block and state slot is free (true once no request is left).
     pub fn pools_whole(&self) -> bool {
         self.runner.blocks.is_whole() && self.runner.slots.is_whole()

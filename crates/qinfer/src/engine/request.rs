@@ -2,7 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
-use crate::sampling::SamplingParams;
+pub use crate::sampling::SamplingParams;
 
 /// A request's id, unique within one engine.
 pub type RequestId = u64;
@@ -65,5 +65,7 @@ pub struct Output {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// The stop string that ended the request, when one did.
+    pub stop_string: Option<String>,
     pub usage: Usage,
 }

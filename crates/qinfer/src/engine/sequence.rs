@@ -33,8 +33,8 @@ pub struct Sequence {
     unsent_tokens: Vec<u32>,
     /// Longest stop string, in bytes (text held back from the stream).
     hold: usize,
-    /// A stop string ended it (its text is already cut).
-    stopped_by_string: bool,
+    /// The stop string that ended it (its text is already cut).
+    stopped_by: Option<String>,
 }
 
 impl Sequence {
@@ -57,7 +57,7 @@ impl Sequence {
             sent: 0,
             unsent_tokens: Vec::new(),
             hold,
-            stopped_by_string: false,
+            stopped_by: None,
         })
     }
 
@@ -86,9 +86,9 @@ impl Sequence {
             && let Some(piece) = self.decode.push(tok, token)?
         {
             self.text.push_str(&piece);
-            if let Some(at) = self.find_stop() {
+            if let Some((at, stop)) = self.find_stop() {
                 self.text.truncate(at);
-                self.stopped_by_string = true;
+                self.stopped_by = Some(stop);
                 return Ok(Some(FinishReason::Stop));
             }
         }
@@ -100,16 +100,13 @@ impl Sequence {
 
     /// Where the first stop string begins in the text not yet sent, if any
     /// (a stop string may start inside text held back, never before it).
-    fn find_stop(&self) -> Option<usize> {
+    fn find_stop(&self) -> Option<(usize, String)> {
         let from = self.sent.saturating_sub(self.hold);
         let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
-        self.stop
-            .stop
-            .iter()
+        (self.stop.stop.iter())
             .filter(|s| !s.is_empty())
-            .filter_map(|s| self.text[from..].find(s.as_str()))
-            .min()
-            .map(|i| i + from)
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| (i + from, s.clone())))
+            .min_by_key(|(i, _)| *i)
     }
 
     /// The output since the last one: on `finish`, all that is left (the
@@ -118,13 +115,14 @@ impl Sequence {
     pub fn take_output(&mut self, finish: Option<FinishReason>, tok: Option<&Tokenizer>) -> Result<Output> {
         let end = match finish {
             Some(_) => {
-                if !self.stopped_by_string
+                if self.stopped_by.is_none()
                     && let Some(tok) = tok
                     && let Some(rest) = self.decode.finish(tok)?
                 {
                     self.text.push_str(&rest);
-                    if let Some(at) = self.find_stop() {
+                    if let Some((at, stop)) = self.find_stop() {
                         self.text.truncate(at);
+                        self.stopped_by = Some(stop);
                     }
                 }
                 self.text.len()
@@ -144,6 +142,7 @@ impl Sequence {
             token_ids: std::mem::take(&mut self.unsent_tokens),
             text,
             finish,
+            stop_string: if finish.is_some() { self.stopped_by.clone() } else { None },
             usage: self.usage(),
         })
     }

@@ -17,8 +17,10 @@ impl PagedKv {
             kv_dim,
             block_size,
             num_slots,
-            keys: vec![vec![0.0; num_slots * kv_dim]; num_layers],
-            values: vec![vec![0.0; num_slots * kv_dim]; num_layers],
+            // One zeroed allocation per layer (not clones of one, which would
+            // touch every page): memory is committed as blocks are written.
+            keys: (0..num_layers).map(|_| vec![0.0; num_slots * kv_dim]).collect(),
+            values: (0..num_layers).map(|_| vec![0.0; num_slots * kv_dim]).collect(),
         }
     }
 
