@@ -48,6 +48,8 @@ enum Command {
     Score(commands::score::Args),
     /// Perplexity of a text file (llama.cpp's llama-perplexity chunking).
     Perplexity(commands::perplexity::Args),
+    /// OpenAI- and Anthropic-compatible HTTP server (continuous batching).
+    Serve(commands::serve::Args),
     /// Prompt-processing and token-generation throughput (llama-bench style).
     Bench(commands::bench::Args),
     /// Architecture, shapes, dtypes, parameter count and file sizes.
@@ -87,6 +89,7 @@ fn main() {
         Command::Score(a) => commands::score::main(a, device),
         Command::Perplexity(a) => commands::perplexity::main(a, device),
         Command::Bench(a) => commands::bench::main(a, device),
+        Command::Serve(a) => commands::serve::main(a, device),
         Command::Inspect(a) => commands::inspect::main(a),
         Command::Quantize(a) => commands::quantize::main(a),
         Command::Kernels(a) => commands::kernels::main(a),

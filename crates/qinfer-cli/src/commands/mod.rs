@@ -7,3 +7,4 @@ pub mod perplexity;
 pub mod quantize;
 pub mod run;
 pub mod score;
+pub mod serve;
