@@ -10,6 +10,7 @@ mod bridge;
 mod error;
 mod openai;
 mod params;
+mod reasoning;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

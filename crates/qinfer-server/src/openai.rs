@@ -18,6 +18,7 @@ use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use crate::bridge::{AbortOnDrop, Submitted, submit};
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::params::Body;
+use crate::reasoning::{ReasoningSplitter, Split, has_reasoning_tags};
 use crate::{AppState, Ready, fresh_seed, now_secs, openai_finish};
 
 const F: Flavor = Flavor::OpenAi;
@@ -121,6 +122,16 @@ pub fn chat_prompt(
     thinking: Option<bool>,
     flavor: Flavor,
 ) -> ApiResult<Vec<u32>> {
+    rendered_prompt(tok, msgs, thinking, flavor).map(|(ids, _)| ids)
+}
+
+/// The chat through the model's template: its tokens and its text.
+pub fn rendered_prompt(
+    tok: &Tokenizer,
+    msgs: &[ChatMessage],
+    thinking: Option<bool>,
+    flavor: Flavor,
+) -> ApiResult<(Vec<u32>, String)> {
     if !tok.has_chat_template() {
         return Err(ApiError::bad_request(flavor, Some("messages"), "this model has no chat template"));
     }
@@ -128,7 +139,8 @@ pub fn chat_prompt(
     let text = tok
         .apply_chat_template(msgs, &opts)
         .map_err(|e| ApiError::bad_request(flavor, Some("messages"), format!("the chat template failed: {e}")))?;
-    tok.encode(&text, false).map_err(|e| ApiError::bad_request(flavor, Some("messages"), e.to_string()))
+    let ids = tok.encode(&text, false).map_err(|e| ApiError::bad_request(flavor, Some("messages"), e.to_string()))?;
+    Ok((ids, text))
 }
 
 pub fn tokenizer(ready: &Ready, flavor: Flavor) -> ApiResult<&Tokenizer> {
@@ -268,7 +280,10 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         }
         Some(_) => return Err(b.bad("chat_template_kwargs", "must be an object")),
     };
-    let prompt = chat_prompt(tokenizer(ready, F)?, &messages(&b)?, thinking, F)?;
+    let tok = tokenizer(ready, F)?;
+    let (prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, F)?;
+    // Reasoning is split out where the vocabulary has Qwen's tags.
+    let splitter = has_reasoning_tags(|t| tok.token_to_id(t)).then(|| ReasoningSplitter::new(&prompt_text));
     let a = ask(&state, ready, &b, prompt)?;
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;
@@ -280,9 +295,16 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             let c = collect(s, F).await?;
             prompt_tokens = c.usage.prompt_tokens;
             completion += c.usage.completion_tokens;
+            let mut message = json!({"role": "assistant", "content": c.text});
+            if let Some(mut split) = splitter.clone() {
+                let (a, b) = (split.push(&c.text), split.finish());
+                let reasoning = a.reasoning + &b.reasoning;
+                message["content"] = json!(a.content + &b.content);
+                message["reasoning_content"] = if reasoning.is_empty() { Value::Null } else { json!(reasoning) };
+            }
             choices.push(json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "finish_reason": openai_finish(c.finish),
                 "logprobs": null,
             }));
@@ -305,6 +327,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             }
         }
         let (mut prompt_tokens, mut completion, mut done) = (0, vec![0; n], 0);
+        let mut splitters = vec![splitter; n];
         futures_util::pin_mut!(stream);
         while let Some((i, item)) = stream.next().await {
             let out = match item {
@@ -318,9 +341,23 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             };
             prompt_tokens = out.usage.prompt_tokens;
             completion[i] = out.usage.completion_tokens;
-            if !out.text.is_empty() {
-                let delta =
-                    json!([{"index": i, "delta": {"content": out.text}, "finish_reason": null, "logprobs": null}]);
+            let parts = match &mut splitters[i] {
+                Some(split) => {
+                    let mut p = split.push(&out.text);
+                    if out.finish.is_some() {
+                        let rest = split.finish();
+                        p.reasoning += &rest.reasoning;
+                        p.content += &rest.content;
+                    }
+                    p
+                }
+                None => Split { reasoning: String::new(), content: out.text.clone() },
+            };
+            for (field, text) in [("reasoning_content", parts.reasoning), ("content", parts.content)] {
+                if text.is_empty() {
+                    continue;
+                }
+                let delta = json!([{"index": i, "delta": {field: text}, "finish_reason": null, "logprobs": null}]);
                 if tx.send(data(chunk(delta))).await.is_err() {
                     return;
                 }
