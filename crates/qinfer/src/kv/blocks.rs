@@ -4,8 +4,6 @@
 //! the backend, indexed by the slots this hands out (`block · block_size +
 //! offset`).
 
-use std::collections::VecDeque;
-
 /// Tokens per block unless configured otherwise (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
@@ -15,15 +13,17 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub struct BlockPool {
     block_size: usize,
     ref_counts: Vec<u32>,
-    /// Free blocks, the next one handed out first.
-    free: VecDeque<u32>,
+    /// Free blocks, the last one handed out first: the most recently freed
+    /// block is reused before any untouched one, so the memory a pool
+    /// commits follows the most it has held at once, not its size.
+    free: Vec<u32>,
 }
 
 impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(block_size > 0, "a block holds at least one token");
         let num_blocks = u32::try_from(num_blocks).expect("fewer than 2^32 blocks");
-        BlockPool { block_size, ref_counts: vec![0; num_blocks as usize], free: (0..num_blocks).collect() }
+        BlockPool { block_size, ref_counts: vec![0; num_blocks as usize], free: (0..num_blocks).rev().collect() }
     }
 
     pub fn block_size(&self) -> usize {
@@ -45,7 +45,7 @@ impl BlockPool {
 
     /// A free block, now held once; None when every block is held.
     pub fn allocate(&mut self) -> Option<u32> {
-        let b = self.free.pop_front()?;
+        let b = self.free.pop()?;
         self.ref_counts[b as usize] = 1;
         Some(b)
     }
@@ -63,7 +63,7 @@ impl BlockPool {
         assert!(*rc > 0, "releasing free block {block}");
         *rc -= 1;
         if *rc == 0 {
-            self.free.push_back(block);
+            self.free.push(block);
         }
     }
 
