@@ -469,6 +469,10 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+    /// Layers with softmax attention (the ones a KV cache holds).
+    pub fn num_attention_layers(&self) -> usize {
+        self.layer_kinds.iter().filter(|k| **k == LayerKind::Attention).count()
+    }
 }
 
 #[cfg(test)]

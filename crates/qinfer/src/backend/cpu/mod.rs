@@ -373,15 +373,8 @@ impl GdnOps for CpuBackend {
         dt_bias: &CpuWeight,
         state: &mut CpuGdnState,
     ) -> CpuAct {
-        let cfg = &state.cfg;
-        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
         // The reference steps token by token only for single-token decode.
-        let out = if v.rows == 1 {
-            gdn::recurrent(cfg, &x, &v.data, &mut state.recurrent)
-        } else {
-            gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
-        };
-        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+        delta_rule(q, k, v, a, b, a_log, dt_bias, state, v.rows != 1)
     }
 
     fn gated_delta_rule_prompt(
@@ -395,10 +388,7 @@ impl GdnOps for CpuBackend {
         dt_bias: &CpuWeight,
         state: &mut CpuGdnState,
     ) -> CpuAct {
-        let cfg = &state.cfg;
-        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
-        let out = gdn::chunked(cfg, &x, &v.data, &mut state.recurrent);
-        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+        delta_rule(q, k, v, a, b, a_log, dt_bias, state, true)
     }
 }
 
@@ -434,6 +424,30 @@ impl MoeOps for CpuBackend {
 }
 
 impl SamplingOps for CpuBackend {}
+
+/// The gated delta rule in its chunked form (prompts) or its recurrent one
+/// (one decode token at a time).
+#[allow(clippy::too_many_arguments)]
+fn delta_rule(
+    q: &CpuAct,
+    k: &CpuAct,
+    v: &CpuAct,
+    a: &CpuAct,
+    b: &CpuAct,
+    a_log: &CpuWeight,
+    dt_bias: &CpuWeight,
+    state: &mut CpuGdnState,
+    chunked: bool,
+) -> CpuAct {
+    let cfg = &state.cfg;
+    let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
+    let out = if chunked {
+        gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
+    } else {
+        gdn::recurrent(cfg, &x, &v.data, &mut state.recurrent)
+    };
+    CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+}
 
 fn axpy_into(dst: &mut [f32], src: &[f32], w: f32) {
     for (d, s) in dst.iter_mut().zip(src) {

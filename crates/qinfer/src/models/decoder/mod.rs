@@ -385,9 +385,8 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
     }
-    fn kv_bytes_per_token(&self) -> usize {
-        let attention = self.cfg.layer_kinds.iter().filter(|k| **k == LayerKind::Attention).count();
-        2 * attention * self.cfg.kv_dim() * self.backend.kv_value_bytes()
+    fn kv_value_bytes(&self) -> usize {
+        self.backend.kv_value_bytes()
     }
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.reset_slot(&self.backend, slot)
