@@ -185,6 +185,66 @@ def check_anthropic(s):
     assert cut.content[0].text == full[:first], (cut.content[0].text, full, stop)
 
 
+SYSTEM = (
+    "You are a careful assistant for a small bookshop in Lyon. The shop sells new and used books, "
+    "mostly French and English novels, some poetry, travel guides and children's books. It opens "
+    "from ten in the morning to seven in the evening, Tuesday to Saturday, and is closed on Sundays "
+    "and Mondays. Orders can be collected in the shop or sent by post within France. Answer in one "
+    "or two short sentences, politely, and never invent a price or a title that the customer did not mention."
+)
+
+
+def turns(c, name, salt=None):
+    """A three-turn chat on the shared system prompt: each turn's texts and cached prompt tokens."""
+    msgs = [{"role": "system", "content": SYSTEM}]
+    got = []
+    for q in ("When are you open?", "Do you sell poetry?", "Can you post a book to Paris?"):
+        msgs.append({"role": "user", "content": q})
+        extra = {"cache_salt": salt} if salt else None
+        r = c.chat.completions.create(model=name, messages=msgs, max_tokens=20, temperature=0, extra_body=extra)
+        text = r.choices[0].message.content
+        got.append((text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        msgs.append({"role": "assistant", "content": text})
+    return got
+
+
+def check_prefix_cache(s):
+    before = s.metrics()
+    c = oa(s)
+    first = turns(c, s.name, salt="check_prefix_cache")
+    # Later turns resend the earlier ones: whole 16-token blocks of them come from the cache.
+    assert first[0][2] == 0, first
+    for text, prompt, cached in first[1:]:
+        assert 0 < cached < prompt and cached % 16 == 0, first
+    # Another salt shares nothing with the first conversation.
+    other = turns(c, s.name, salt="another tenant")
+    assert other[0][2] == 0 and [t[0] for t in other] == [t[0] for t in first], (first, other)
+    # The same answers from a server without the cache.
+    plain = Server("--no-prefix-cache")
+    try:
+        without = turns(oa(plain), plain.name)
+        assert [t[0] for t in without] == [t[0] for t in first], (first, without)
+        assert all(t[2] == 0 for t in without), without
+    finally:
+        plain.stop()
+    # Anthropic: the cached part is reported apart from the rest of the input.
+    a = an(s)
+    kw = dict(model=s.name, max_tokens=8, system=SYSTEM, messages=ask("Is there a children's section?"))
+    total = a.messages.count_tokens(model=s.name, system=SYSTEM, messages=ask("Is there a children's section?")).input_tokens
+    a.messages.create(**kw)
+    m = a.messages.create(**kw)
+    assert m.usage.cache_read_input_tokens > 0 and m.usage.input_tokens + m.usage.cache_read_input_tokens == total, (m.usage, total)
+    with a.messages.stream(**kw) as st:
+        final = st.get_final_message()
+    assert final.usage.cache_read_input_tokens == m.usage.cache_read_input_tokens, final.usage
+    m = s.metrics()
+    assert m["prefix_cache_hits_total"] > before.get("prefix_cache_hits_total", 0), m
+    assert m["prefix_cache_queries_total"] > m["prefix_cache_hits_total"], m
+    # A salt that is not a non-empty string is refused.
+    got, body = status_of(lambda: c.chat.completions.create(model=s.name, messages=ask("x"), extra_body={"cache_salt": ""}))
+    assert got == 400 and "cache_salt" in json.dumps(body), (got, body)
+
+
 def status_of(fn):
     try:
         fn()
@@ -293,7 +353,15 @@ def check_shutdown_ends_streams():
 
 def main():
     s = Server()
-    checks = [check_chat, check_completions, check_seed_n_and_stop, check_anthropic, check_errors, check_cancel_and_concurrency]
+    checks = [
+        check_chat,
+        check_completions,
+        check_seed_n_and_stop,
+        check_anthropic,
+        check_prefix_cache,
+        check_errors,
+        check_cancel_and_concurrency,
+    ]
     try:
         for check in checks:
             t = time.time()

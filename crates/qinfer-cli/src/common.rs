@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use qinfer::engine::core::EngineConfig;
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::loader::{self, LoadedModel};
 use qinfer::sampling::SamplingParams;
 use qinfer::tokenizer::Tokenizer;
@@ -155,13 +156,34 @@ pub struct EngineArgs {
     /// much, and no more than max_num_seqs sequences of max_model_len need.
     #[arg(long, default_value_t = 4.0)]
     pub kv_cache_gib: f64,
+    /// Turn the prefix cache off (on by default: requests that repeat a
+    /// cached prefix compute only the rest).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+    /// Hybrid models: positions between the recurrent-state snapshots kept
+    /// for the prefix cache (a multiple of 64, the recurrent chunk).
+    #[arg(long, default_value_t = 64)]
+    pub state_snapshot_interval: usize,
+    /// Hybrid models: memory for recurrent-state snapshots, in GiB.
+    #[arg(long, default_value_t = 1.0)]
+    pub state_snapshot_gib: f64,
 }
 
 impl EngineArgs {
     pub fn config(&self, lm: &dyn qinfer::models::LanguageModel, device: &qinfer::loader::Device) -> EngineConfig {
         let gpu = !matches!(device, qinfer::loader::Device::Cpu);
         let tokens = self.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
-        let bytes = (self.kv_cache_gib.max(0.0) * (1u64 << 30) as f64) as usize;
-        EngineConfig::for_model(lm, tokens, self.max_num_seqs, self.max_model_len, bytes)
+        let gib = |g: f64| (g.max(0.0) * (1u64 << 30) as f64) as usize;
+        let mut cfg =
+            EngineConfig::for_model(lm, tokens, self.max_num_seqs, self.max_model_len, gib(self.kv_cache_gib));
+        cfg.prefix_cache = (!self.no_prefix_cache).then(|| {
+            PrefixCacheConfig::for_model(
+                lm,
+                self.state_snapshot_interval,
+                gib(self.state_snapshot_gib),
+                cfg.num_blocks * cfg.block_size,
+            )
+        });
+        cfg
     }
 }

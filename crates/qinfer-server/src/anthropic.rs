@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use qinfer::engine::request::{FinishReason, Request, StopConditions};
+use qinfer::engine::request::{FinishReason, Request, StopConditions, Usage};
 use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
@@ -103,9 +103,9 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         stop: if b.get("stop_sequences").is_some() { b.strings("stop_sequences")? } else { Vec::new() },
     };
     let stream = b.bool("stream")?;
-    let input_tokens = prompt.len();
     state.admit(F, ready)?;
-    let mut subs = submit_n(ready, Request { prompt, sampling, stop }, 1, F)?;
+    let cache_salt = crate::openai::cache_salt(&b)?;
+    let mut subs = submit_n(ready, Request { prompt, sampling, stop, cache_salt }, 1, F)?;
     let sub = subs.pop().expect("one submission");
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {
@@ -115,26 +115,16 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
             "content": [{"type": "text", "text": c.text}],
             "stop_reason": stop_reason(c.finish, &c.stop_string),
             "stop_sequence": c.stop_string,
-            "usage": {"input_tokens": c.usage.prompt_tokens, "output_tokens": c.usage.completion_tokens},
+            "usage": usage_json(&c.usage),
         }))
         .into_response());
     }
     Ok(sse(move |tx| async move {
         let mut sub = sub;
         let send = |name: &str, v: Value| event(name, v);
-        let start = json!({"type": "message_start", "message": {
-            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
-        }});
-        let block = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
-        for e in
-            [send("message_start", start), send("content_block_start", block), send("ping", json!({"type": "ping"}))]
-        {
-            if tx.send(e).await.is_err() {
-                return;
-            }
-        }
+        // The message starts with the first output, once the prefix cache's
+        // share of the prompt is known.
+        let mut started = false;
         while let Some(item) = sub.rx.recv().await {
             let out = match item {
                 Ok(o) => o,
@@ -144,7 +134,25 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     return;
                 }
             };
-            let output_tokens = out.usage.completion_tokens;
+            if !std::mem::replace(&mut started, true) {
+                let mut usage = usage_json(&out.usage);
+                usage["output_tokens"] = json!(0);
+                let start = json!({"type": "message_start", "message": {
+                    "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": null, "stop_sequence": null, "usage": usage,
+                }});
+                let block =
+                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+                for e in [
+                    send("message_start", start),
+                    send("content_block_start", block),
+                    send("ping", json!({"type": "ping"})),
+                ] {
+                    if tx.send(e).await.is_err() {
+                        return;
+                    }
+                }
+            }
             if !out.text.is_empty() {
                 let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}});
                 if tx.send(send("content_block_delta", delta)).await.is_err() {
@@ -158,7 +166,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                         "message_delta",
                         json!({"type": "message_delta",
                         "delta": {"stop_reason": stop_reason(f, &out.stop_string), "stop_sequence": out.stop_string},
-                        "usage": {"output_tokens": output_tokens}}),
+                        "usage": usage_json(&out.usage)}),
                     ),
                     send("message_stop", json!({"type": "message_stop"})),
                 ];
@@ -181,4 +189,15 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Ap
     refuse_unsupported(&b)?;
     let prompt = chat_prompt(tokenizer(ready, F)?, &conversation(&b)?, None, F)?;
     Ok(axum::Json(json!({"input_tokens": prompt.len()})).into_response())
+}
+
+/// Anthropic's usage: `input_tokens` counts the prompt tokens not read from
+/// the cache, `cache_read_input_tokens` those that were.
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    })
 }

@@ -184,7 +184,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let g = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
     let (used, total) = (g(&m.kv_blocks_used), g(&m.kv_blocks_total));
-    let rows: [(&str, &str, &str, f64); 9] = [
+    let rows: [(&str, &str, &str, f64); 16] = [
         ("num_requests_running", "gauge", "Requests in the running batch.", g(&m.running)),
         ("num_requests_waiting", "gauge", "Requests waiting to run.", g(&m.waiting)),
         ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks held.", if total > 0.0 { used / total } else { 0.0 }),
@@ -198,6 +198,33 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "counter",
             "Requests aborted (cancelled or disconnected).",
             c(&m.requests_aborted_total),
+        ),
+        (
+            "prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            c(&m.prefix_cache_queried_tokens_total),
+        ),
+        (
+            "prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            c(&m.prefix_cache_hit_tokens_total),
+        ),
+        ("prefix_cache_blocks", "gauge", "KV blocks kept in the prefix cache.", g(&m.prefix_cache_blocks)),
+        (
+            "prefix_cache_evictions_total",
+            "counter",
+            "Cached KV blocks evicted to make room.",
+            c(&m.prefix_cache_evictions_total),
+        ),
+        ("state_snapshots", "gauge", "Recurrent-state snapshots kept (hybrid models).", g(&m.state_snapshots)),
+        ("state_snapshot_bytes", "gauge", "Bytes of the recurrent-state snapshots kept.", g(&m.state_snapshot_bytes)),
+        (
+            "state_snapshot_evictions_total",
+            "counter",
+            "Recurrent-state snapshots evicted to make room.",
+            c(&m.state_snapshot_evictions_total),
         ),
     ];
     let mut out = String::new();

@@ -211,8 +211,27 @@ fn data(v: Value) -> Event {
     Event::default().data(v.to_string())
 }
 
-fn usage_json(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// The usage of a request's choices (one prompt, counted once; the prefix
+/// cache's share as the first choice found it).
+fn usage_json(choices: &[Usage]) -> Value {
+    let first = choices.first().copied().unwrap_or_default();
+    let (prompt, completion) = (first.prompt_tokens, choices.iter().map(|u| u.completion_tokens).sum::<usize>());
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    })
+}
+
+/// `cache_salt` (vLLM's extension): requests share cached prefixes only
+/// with requests of the same salt.
+pub fn cache_salt(b: &Body<'_>) -> ApiResult<Option<String>> {
+    match b.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err(b.bad("cache_salt", "must be a non-empty string")),
+    }
 }
 
 /// What a chat or completion request asks for, read before any work.
@@ -258,7 +277,8 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiRe
     };
     let stop = StopConditions { max_tokens, stop_token_ids: ready.stop_token_ids.clone(), stop };
     let model = state.opts.served_model_name.clone();
-    Ok(Ask { req: Request { prompt, sampling, stop }, n, stream, include_usage, model })
+    let cache_salt = cache_salt(b)?;
+    Ok(Ask { req: Request { prompt, sampling, stop, cache_salt }, n, stream, include_usage, model })
 }
 
 pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
@@ -290,11 +310,10 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     let (id, created) = (state.id("chatcmpl"), now_secs());
     if !a.stream {
         let mut choices = Vec::new();
-        let (mut prompt_tokens, mut completion) = (0, 0);
+        let mut usage = Vec::new();
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
-            prompt_tokens = c.usage.prompt_tokens;
-            completion += c.usage.completion_tokens;
+            usage.push(c.usage);
             let mut message = json!({"role": "assistant", "content": c.text});
             if let Some(mut split) = splitter.clone() {
                 let (a, b) = (split.push(&c.text), split.finish());
@@ -311,7 +330,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         }
         return Ok(axum::Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": a.model,
-            "choices": choices, "usage": usage_json(prompt_tokens, completion),
+            "choices": choices, "usage": usage_json(&usage),
         }))
         .into_response());
     }
@@ -326,7 +345,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                 return;
             }
         }
-        let (mut prompt_tokens, mut completion, mut done) = (0, vec![0; n], 0);
+        let (mut usage, mut done) = (vec![Usage::default(); n], 0);
         let mut splitters = vec![splitter; n];
         futures_util::pin_mut!(stream);
         while let Some((i, item)) = stream.next().await {
@@ -339,8 +358,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                     return;
                 }
             };
-            prompt_tokens = out.usage.prompt_tokens;
-            completion[i] = out.usage.completion_tokens;
+            usage[i] = out.usage;
             let parts = match &mut splitters[i] {
                 Some(split) => {
                     let mut p = split.push(&out.text);
@@ -375,7 +393,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         }
         if a.include_usage {
             let mut last = chunk(json!([]));
-            last["usage"] = usage_json(prompt_tokens, completion.iter().sum());
+            last["usage"] = usage_json(&usage);
             let _ = tx.send(data(last)).await;
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
@@ -424,17 +442,16 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     let (id, created) = (state.id("cmpl"), now_secs());
     if !a.stream {
         let mut choices = Vec::new();
-        let (mut prompt_tokens, mut completion) = (0, 0);
+        let mut usage = Vec::new();
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
-            prompt_tokens = c.usage.prompt_tokens;
-            completion += c.usage.completion_tokens;
+            usage.push(c.usage);
             choices
                 .push(json!({"index": i, "text": c.text, "finish_reason": openai_finish(c.finish), "logprobs": null}));
         }
         return Ok(axum::Json(json!({
             "id": id, "object": "text_completion", "created": created, "model": a.model,
-            "choices": choices, "usage": usage_json(prompt_tokens, completion),
+            "choices": choices, "usage": usage_json(&usage),
         }))
         .into_response());
     }
@@ -443,15 +460,14 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     Ok(sse(move |tx| async move {
         let _guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": a.model, "choices": choices});
-        let (mut prompt_tokens, mut completion, mut done) = (0, vec![0; n], 0);
+        let (mut usage, mut done) = (vec![Usage::default(); n], 0);
         futures_util::pin_mut!(stream);
         while let Some((i, item)) = stream.next().await {
             let Ok(out) = item else {
                 let _ = tx.send(data(json!({"error": {"message": "the engine failed", "type": "server_error"}}))).await;
                 return;
             };
-            prompt_tokens = out.usage.prompt_tokens;
-            completion[i] = out.usage.completion_tokens;
+            usage[i] = out.usage;
             let finish = out.finish.map(openai_finish);
             if (!out.text.is_empty() || finish.is_some())
                 && tx
@@ -472,7 +488,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
         }
         if a.include_usage {
             let mut last = chunk(json!([]));
-            last["usage"] = usage_json(prompt_tokens, completion.iter().sum());
+            last["usage"] = usage_json(&usage);
             let _ = tx.send(data(last)).await;
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;

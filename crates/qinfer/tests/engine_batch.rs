@@ -15,6 +15,7 @@ use std::sync::Arc;
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::handle::Engine;
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{FinishReason, Request, StopConditions};
 use qinfer::loader;
 use qinfer::models::LanguageModel;
@@ -39,7 +40,7 @@ fn load(dir: &Path) -> Arc<dyn LanguageModel> {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() } }
+    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() }, cache_salt: None }
 }
 
 /// The requests each test mixes: transformers' greedy prompt first, then
@@ -61,8 +62,16 @@ fn requests(r: &Value) -> Vec<Request> {
     ]
 }
 
+/// Without the prefix cache: the tests of that cache compare against this.
 fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize) -> EngineConfig {
-    EngineConfig { max_batched_tokens, max_num_seqs, block_size: 16, num_blocks, max_model_len: 1024 }
+    EngineConfig {
+        max_batched_tokens,
+        max_num_seqs,
+        block_size: 16,
+        num_blocks,
+        max_model_len: 1024,
+        prefix_cache: None,
+    }
 }
 
 /// Runs `reqs` through `core`, request `i` joining before step `joins[i]`;
@@ -132,7 +141,19 @@ fn batched_outputs_equal_alone_and_transformers() {
             assert_eq!(a, m, "{name}: request {i} (prompt of {}) alone vs mixed", reqs[i].prompt.len());
         }
         assert!(core.preemptions() > 0, "{name}: the small pool should have forced a preemption");
-        println!("{name}: {} requests equal alone and mixed, {} preemptions", reqs.len(), core.preemptions());
+        // The same with the prefix cache on (recomputes after preemption hit it).
+        let mut cached = config(80, 4, 9);
+        cached.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 4 });
+        let mut core_cached = EngineCore::new(model.clone(), None, cached).unwrap();
+        let mixed_cached = run(&mut core_cached, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
+        assert_eq!(alone, mixed_cached, "{name}: alone vs mixed with the prefix cache");
+        println!(
+            "{name}: {} requests equal alone and mixed, {} preemptions ({} with the prefix cache, {:?})",
+            reqs.len(),
+            core.preemptions(),
+            core_cached.preemptions(),
+            core_cached.prefix_stats().unwrap()
+        );
     }
 }
 

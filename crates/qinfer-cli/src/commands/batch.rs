@@ -138,7 +138,13 @@ fn parse_line(
         }
         Some(_) => return Err(wrong("stop")),
     };
-    Ok(Request { prompt, sampling, stop: StopConditions { max_tokens, stop_token_ids: stop_ids.to_vec(), stop } })
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => return Err(wrong("cache_salt")),
+    };
+    let stop = StopConditions { max_tokens, stop_token_ids: stop_ids.to_vec(), stop };
+    Ok(Request { prompt, sampling, stop, cache_salt })
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {

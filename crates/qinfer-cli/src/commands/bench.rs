@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
+use anyhow::{Result, bail, ensure};
 use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::loader::Device;
 use qinfer::models::{LanguageModel, Logits};
@@ -62,6 +63,11 @@ pub struct Args {
     /// CUDA, 2048 on the CPU).
     #[arg(long)]
     max_batched_tokens: Option<usize>,
+    /// With --concurrency: run the engine without its prefix cache (it is
+    /// on otherwise, each run's prompts salted apart so nothing hits: the
+    /// cost of its bookkeeping alone).
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 /// One llama-bench test: context tokens first (untimed), then the timed tokens; tok/s out.
@@ -116,11 +122,15 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 
 /// One run of `c` sequences of `p` prompt tokens and `n` new tokens through
 /// the engine: (prefill tok/s, aggregate decode tok/s).
-fn concurrent(core: &mut EngineCore, c: usize, p: usize, n: usize, vocab: usize) -> Result<(f64, f64)> {
+/// Each run's requests carry a salt of their own, so a run finds nothing
+/// of the runs before it in the prefix cache.
+fn concurrent(core: &mut EngineCore, c: usize, p: usize, n: usize, vocab: usize, run: usize) -> Result<(f64, f64)> {
     let all = tokens(c * p, vocab);
     for (i, prompt) in all.chunks(p).enumerate() {
         let stop = StopConditions { max_tokens: n, ..Default::default() };
-        core.add(i as u64, Request { prompt: prompt.to_vec(), sampling: SamplingParams::default(), stop })?;
+        let cache_salt = Some(format!("run {run}"));
+        let req = Request { prompt: prompt.to_vec(), sampling: SamplingParams::default(), stop, cache_salt };
+        core.add(i as u64, req)?;
     }
     let t0 = Instant::now();
     let (mut first, mut t_first) = (0, None);
@@ -158,11 +168,18 @@ fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device:
             block_size: block,
             num_blocks: c * (p + n).div_ceil(block),
             max_model_len: lm.config().max_position_embeddings,
+            prefix_cache: (!a.no_prefix_cache).then(|| {
+                PrefixCacheConfig::for_model(lm.as_ref(), 64, PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES, c * (p + n))
+            }),
         };
         let mut core = EngineCore::new(lm.clone(), None, cfg)?;
-        concurrent(&mut core, c, p, n, vocab)?;
-        let runs =
-            (0..a.repetitions.max(1)).map(|_| concurrent(&mut core, c, p, n, vocab)).collect::<Result<Vec<_>>>()?;
+        concurrent(&mut core, c, p, n, vocab, 0)?;
+        let runs = (1..=a.repetitions.max(1))
+            .map(|run| concurrent(&mut core, c, p, n, vocab, run))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(stats) = core.prefix_stats() {
+            ensure!(stats.hit_tokens == 0, "benchmark runs must not find each other's prompts in the prefix cache");
+        }
         let kv = core.kv_bytes();
         for (test, samples) in [
             (format!("pp{p}"), runs.iter().map(|r| r.0).collect::<Vec<_>>()),

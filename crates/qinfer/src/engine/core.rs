@@ -9,9 +9,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use super::prefix::{PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, register_full_blocks};
 use super::request::{FinishReason, Output, Request, RequestId};
 use super::sequence::Sequence;
 use crate::config::GdnConfig;
+use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
 use crate::runner::{Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
@@ -30,13 +32,17 @@ pub struct EngineConfig {
     pub num_blocks: usize,
     /// Most positions one sequence may hold (prompt and generated).
     pub max_model_len: usize,
+    /// Share computed prefixes between requests (None: off).
+    pub prefix_cache: Option<PrefixCacheConfig>,
 }
 
 impl EngineConfig {
     /// Defaults for `model`: `max_model_len` from its config (at most
     /// `max_model_len` when given), and enough blocks for `max_num_seqs`
     /// sequences of that length or `kv_bytes` of KV storage, whichever is
-    /// less (but at least one full-length sequence).
+    /// less (but at least one full-length sequence); the prefix cache on,
+    /// hybrids snapshotting every recurrent chunk into up to
+    /// [`PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES`].
     pub fn for_model(
         model: &dyn LanguageModel,
         max_batched_tokens: usize,
@@ -51,7 +57,13 @@ impl EngineConfig {
         let per_seq = max_model_len.div_ceil(block_size);
         let by_memory = kv_bytes / (per_token * block_size);
         let num_blocks = (per_seq * max_num_seqs).min(by_memory).max(per_seq);
-        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len }
+        let prefix_cache = Some(PrefixCacheConfig::for_model(
+            model,
+            GdnConfig::CHUNK_SIZE,
+            PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES,
+            num_blocks * block_size,
+        ));
+        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len, prefix_cache }
     }
 }
 
@@ -68,6 +80,7 @@ pub struct EngineCore {
     align: usize,
     vocab: usize,
     preemptions: usize,
+    prefix: Option<PrefixCache>,
 }
 
 impl EngineCore {
@@ -86,10 +99,35 @@ impl EngineCore {
             )));
         }
         let vocab = model.config().vocab_size;
+        let snapshot_slots = match cfg.prefix_cache {
+            Some(p) if recurrent => {
+                let every = lcm(cfg.block_size, align);
+                if p.snapshot_interval == 0 || p.snapshot_interval % every != 0 {
+                    return Err(Error::Invalid(format!(
+                        "the state snapshot interval {} is not a multiple of {every} (the block size {} and the \
+                         recurrent chunk {align})",
+                        p.snapshot_interval, cfg.block_size
+                    )));
+                }
+                p.snapshot_slots
+            }
+            _ => 0,
+        };
         let runner = Runner::new(
             model,
-            RunnerConfig { num_blocks: cfg.num_blocks, block_size: cfg.block_size, state_slots: cfg.max_num_seqs },
+            RunnerConfig {
+                num_blocks: cfg.num_blocks,
+                block_size: cfg.block_size,
+                state_slots: cfg.max_num_seqs,
+                snapshot_slots,
+                prefix_cache: cfg.prefix_cache.is_some(),
+            },
         )?;
+        let prefix = cfg.prefix_cache.map(|p| PrefixCache {
+            snapshots: recurrent
+                .then(|| SnapshotCache::new(p.snapshot_interval, cfg.max_num_seqs as u32, snapshot_slots)),
+            stats: PrefixStats::default(),
+        });
         Ok(EngineCore {
             runner,
             tokenizer,
@@ -100,6 +138,7 @@ impl EngineCore {
             align,
             vocab,
             preemptions: 0,
+            prefix,
         })
     }
 
@@ -129,10 +168,34 @@ impl EngineCore {
         self.waiting.len()
     }
 
-    /// KV blocks held, and the pool's size.
+    /// KV blocks held by requests, and the pool's size.
     pub fn blocks_used(&self) -> (usize, usize) {
         let pool = &self.runner.blocks;
-        (pool.num_blocks() - pool.num_free(), pool.num_blocks())
+        (pool.num_held(), pool.num_blocks())
+    }
+
+    /// The prefix cache's counters (None when it is off).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(|p| p.stats)
+    }
+
+    /// Blocks kept in the prefix cache, and cached blocks evicted so far.
+    pub fn cached_blocks(&self) -> (usize, u64) {
+        (self.runner.blocks.num_cached(), self.runner.blocks.evictions())
+    }
+
+    /// Recurrent-state snapshots kept, their slots, the bytes of one, and
+    /// snapshots evicted so far (zeros without them).
+    pub fn snapshots(&self) -> (usize, usize, usize, u64) {
+        match self.prefix.as_ref().and_then(|p| p.snapshots.as_ref()) {
+            Some(s) => (
+                s.num_cached(),
+                s.num_slots(),
+                self.runner.model().config().recurrent_state_values() * 4,
+                s.evictions(),
+            ),
+            None => (0, 0, 0, 0),
+        }
     }
 
     /// Every request's id, waiting or running.
@@ -142,7 +205,9 @@ impl EngineCore {
 
     /// Every block and state slot is free (true once no request is left).
     pub fn pools_whole(&self) -> bool {
-        self.runner.blocks.is_whole() && self.runner.slots.is_whole()
+        self.runner.blocks.is_whole()
+            && self.runner.slots.is_whole()
+            && self.prefix.as_ref().is_none_or(PrefixCache::is_whole)
     }
 
     /// Checks `req` against the engine's limits: an error names the limit.
@@ -174,6 +239,7 @@ impl EngineCore {
 
     fn free(&mut self, seq: &mut Sequence) {
         seq.blocks.release(&mut self.runner.blocks);
+        seq.registered = 0;
         if let Some(slot) = seq.state_slot.take() {
             self.runner.slots.release(slot);
         }
@@ -193,17 +259,6 @@ impl EngineCore {
         self.waiting.push_front(id);
     }
 
-    /// Tokens `seq` computes this step out of `budget`: all it has pending
-    /// if they fit, else a chunk (ending at a multiple of `align`).
-    fn chunk(&self, seq: &Sequence, budget: usize) -> usize {
-        let pending = seq.pending();
-        if pending <= budget {
-            return pending;
-        }
-        let end = (seq.computed + budget) / self.align * self.align;
-        end.saturating_sub(seq.computed)
-    }
-
     /// This step's plan: (request, tokens to compute), running ones first.
     fn schedule(&mut self) -> Result<Vec<(RequestId, usize)>> {
         let mut budget = self.cfg.max_batched_tokens;
@@ -211,7 +266,7 @@ impl EngineCore {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let n = self.chunk(&self.seqs[&id], budget);
+            let n = chunk(&self.seqs[&id], budget, self.align);
             if n == 0 {
                 i += 1;
                 continue;
@@ -238,21 +293,44 @@ impl EngineCore {
             budget -= n;
             i += 1;
         }
-        // Admit waiting requests in arrival order while everything they need is free.
+        // Admit waiting requests in arrival order while everything they need
+        // is free, each starting after the longest prefix cached for it.
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
-            let n = self.chunk(&self.seqs[&id], budget);
-            if n == 0 || (self.runner.recurrent() && self.runner.slots.num_free() == 0) {
+            if self.runner.recurrent() && self.runner.slots.num_free() == 0 {
                 break;
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
-            let target = seq.computed + n;
-            if !seq.blocks.grow_to(target, &mut self.runner.blocks) {
+            let pool = &mut self.runner.blocks;
+            let hit = self.prefix.as_mut().and_then(|p| p.find(seq, pool));
+            if let Some(hit) = &hit {
+                for &b in &hit.blocks {
+                    pool.retain(b);
+                }
+                seq.blocks.blocks.clone_from(&hit.blocks);
+                seq.computed = hit.tokens;
+                seq.registered = hit.blocks.len();
+            }
+            let n = chunk(seq, budget, self.align);
+            if n == 0 || !seq.blocks.grow_to(seq.computed + n, pool) {
+                seq.blocks.release(pool);
+                seq.computed = 0;
+                seq.registered = 0;
                 break;
             }
             if self.runner.recurrent() {
-                let slot = self.runner.take_slot()?;
-                self.seqs.get_mut(&id).expect("known").state_slot = slot;
+                let slot = self.runner.take_slot()?.expect("a free slot was counted above");
+                seq.state_slot = Some(slot);
+                if let Some(snapshot) = hit.as_ref().and_then(|h| h.snapshot) {
+                    self.runner.copy_slot(snapshot, slot)?;
+                }
+            }
+            if seq.cached_tokens.is_none() {
+                let cached = hit.as_ref().map_or(0, |h| h.tokens);
+                seq.cached_tokens = Some(cached);
+                if let Some(p) = &mut self.prefix {
+                    p.count(seq.prompt_len, cached);
+                }
             }
             self.waiting.pop_front();
             self.running.push(id);
@@ -274,10 +352,13 @@ impl EngineCore {
         }
         let mut taken: Vec<(Sequence, usize)> =
             plan.iter().map(|&(id, n)| (self.seqs.remove(&id).expect("planned sequences are known"), n)).collect();
+        let bs = self.cfg.block_size;
+        let snapshots: Vec<Vec<PlannedSnapshot>> = (taken.iter_mut())
+            .map(|(seq, n)| self.prefix.as_mut().map_or_else(Vec::new, |p| p.plan_snapshots(seq, *n, bs)))
+            .collect();
         let result = {
-            let mut step: Vec<StepSeq<'_>> = taken
-                .iter_mut()
-                .map(|(seq, n)| {
+            let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots))
+                .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
                     let samples = start + n == seq.tokens.len();
                     let Sequence { tokens, blocks, state_slot, sampler, prefill_len, .. } = seq;
@@ -287,12 +368,18 @@ impl EngineCore {
                         block_table: &blocks.blocks,
                         state_slot: *state_slot,
                         prompt: start < *prefill_len,
+                        snapshots: snaps.iter().map(|p| (p.rows, p.slot)).collect(),
                         sample: samples.then_some((sampler, &tokens[..])),
                     }
                 })
                 .collect();
             self.runner.step(&mut step)
         };
+        if let Some(p) = &mut self.prefix {
+            for planned in snapshots {
+                p.finish_snapshots(planned, result.is_ok());
+            }
+        }
         let picks = match result {
             Ok(p) => p,
             Err(e) => {
@@ -306,6 +393,9 @@ impl EngineCore {
         let mut outputs = Vec::new();
         for ((mut seq, n), pick) in taken.into_iter().zip(picks) {
             seq.computed += n;
+            if self.prefix.is_some() {
+                register_full_blocks(&mut seq, &mut self.runner.blocks);
+            }
             let Some(token) = pick else {
                 self.seqs.insert(seq.id, seq);
                 continue;
@@ -322,6 +412,27 @@ impl EngineCore {
         }
         Ok(outputs)
     }
+}
+
+/// Tokens `seq` computes this step out of `budget`: all it has pending if
+/// they fit, else a chunk ending at a multiple of `align`.
+fn chunk(seq: &Sequence, budget: usize, align: usize) -> usize {
+    let pending = seq.pending();
+    if pending <= budget {
+        return pending;
+    }
+    let end = (seq.computed + budget) / align * align;
+    end.saturating_sub(seq.computed)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
 }
 
 /// `req` against `cfg`'s limits and the vocabulary.

@@ -40,6 +40,17 @@ pub struct EngineMetrics {
     pub preemptions_total: AtomicU64,
     pub requests_finished_total: AtomicU64,
     pub requests_aborted_total: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found.
+    pub prefix_cache_queried_tokens_total: AtomicU64,
+    pub prefix_cache_hit_tokens_total: AtomicU64,
+    /// KV blocks kept in the prefix cache, and those evicted so far.
+    pub prefix_cache_blocks: AtomicUsize,
+    pub prefix_cache_evictions_total: AtomicU64,
+    /// Recurrent-state snapshots kept (hybrid models), their bytes, and
+    /// those evicted so far.
+    pub state_snapshots: AtomicUsize,
+    pub state_snapshot_bytes: AtomicUsize,
+    pub state_snapshot_evictions_total: AtomicU64,
 }
 
 /// A handle to the engine thread. Dropping it lets the thread finish the
@@ -62,6 +73,17 @@ fn publish(core: &EngineCore, metrics: &EngineMetrics) {
     metrics.waiting.store(core.num_waiting(), Ordering::Relaxed);
     metrics.kv_blocks_used.store(core.blocks_used().0, Ordering::Relaxed);
     metrics.preemptions_total.store(core.preemptions() as u64, Ordering::Relaxed);
+    if let Some(p) = core.prefix_stats() {
+        metrics.prefix_cache_queried_tokens_total.store(p.queried_tokens, Ordering::Relaxed);
+        metrics.prefix_cache_hit_tokens_total.store(p.hit_tokens, Ordering::Relaxed);
+    }
+    let (cached, evicted) = core.cached_blocks();
+    metrics.prefix_cache_blocks.store(cached, Ordering::Relaxed);
+    metrics.prefix_cache_evictions_total.store(evicted, Ordering::Relaxed);
+    let (snapshots, _, bytes, snapshots_evicted) = core.snapshots();
+    metrics.state_snapshots.store(snapshots, Ordering::Relaxed);
+    metrics.state_snapshot_bytes.store(snapshots * bytes, Ordering::Relaxed);
+    metrics.state_snapshot_evictions_total.store(snapshots_evicted, Ordering::Relaxed);
 }
 
 /// What the engine thread reports when it stops.

@@ -6,5 +6,6 @@ pub mod core;
 pub mod generate;
 pub mod handle;
 pub mod perplexity;
+pub mod prefix;
 pub mod request;
 pub mod sequence;

@@ -25,6 +25,9 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: StopConditions,
+    /// Requests share cached prefixes only with requests of the same salt
+    /// (None is a salt of its own).
+    pub cache_salt: Option<String>,
 }
 
 /// Why a request ended.
@@ -54,6 +57,8 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache, not computed.
+    pub cached_tokens: usize,
 }
 
 /// One piece of a request's stream: the tokens generated since the last

@@ -5,6 +5,7 @@
 use super::request::{FinishReason, Output, Request, RequestId, StopConditions, Usage};
 use crate::Result;
 use crate::kv::blocks::BlockTable;
+use crate::kv::prefix::{BlockHashes, PrefixKeys};
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
 use crate::tokenizer::stream::DecodeStream;
@@ -20,6 +21,13 @@ pub struct Sequence {
     /// recurrent layers): the prompt, or everything known at a recompute.
     pub prefill_len: usize,
     pub blocks: BlockTable,
+    /// The prefix hashes of its full blocks (known tokens).
+    pub hashes: BlockHashes,
+    /// Its first blocks already named in the prefix cache.
+    pub registered: usize,
+    /// Prompt tokens its first admission took from the prefix cache (None
+    /// before it is admitted).
+    pub cached_tokens: Option<usize>,
     pub state_slot: Option<u32>,
     pub sampler: Sampler,
     pub stop: StopConditions,
@@ -48,6 +56,9 @@ impl Sequence {
             tokens: req.prompt,
             computed: 0,
             blocks: BlockTable::default(),
+            hashes: BlockHashes::new(&PrefixKeys { cache_salt: req.cache_salt }),
+            registered: 0,
+            cached_tokens: None,
             state_slot: None,
             sampler,
             stop: req.stop,
@@ -71,7 +82,11 @@ impl Sequence {
     }
 
     pub fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_len, completion_tokens: self.generated() }
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated(),
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+        }
     }
 
     /// Appends a sampled token; returns why the sequence finishes, if it does.

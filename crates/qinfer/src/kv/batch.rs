@@ -22,6 +22,10 @@ pub struct BatchSeq {
     /// form over them however few they are, so a prompt split across steps
     /// computes as it does in one piece; decode tokens step one at a time.
     pub prompt: bool,
+    /// Prompt rows only: after the first `n` of its rows, copy its recurrent
+    /// states into state slot `slot`, for each `(n, slot)` (in increasing
+    /// `n`; prefix-cache snapshots).
+    pub snapshots: Vec<(usize, u32)>,
 }
 
 impl BatchSeq {

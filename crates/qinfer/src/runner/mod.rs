@@ -17,8 +17,14 @@ use crate::{Error, Result};
 pub struct RunnerConfig {
     pub num_blocks: usize,
     pub block_size: usize,
-    /// Recurrent-state slots (models with Gated DeltaNet layers; ignored otherwise).
+    /// Recurrent-state slots for running sequences (models with Gated
+    /// DeltaNet layers; ignored otherwise).
     pub state_slots: usize,
+    /// Further state slots for prefix-cache snapshots, numbered after the
+    /// sequences' (ignored without recurrent layers).
+    pub snapshot_slots: usize,
+    /// Keep full blocks cached under their prefix hashes.
+    pub prefix_cache: bool,
 }
 
 /// One sequence's part of a step.
@@ -31,6 +37,8 @@ pub struct StepSeq<'a> {
     pub state_slot: Option<u32>,
     /// The rows are part of a prompt (or a recompute), not a decode step.
     pub prompt: bool,
+    /// Copy its recurrent states into these slots after so many of its rows.
+    pub snapshots: Vec<(usize, u32)>,
     /// Pick the token after these rows with this sampler, given the
     /// sequence's tokens so far (for the repetition penalty).
     pub sample: Option<(&'a mut Sampler, &'a [u32])>,
@@ -47,12 +55,12 @@ pub struct Runner {
 impl Runner {
     pub fn new(model: Arc<dyn LanguageModel>, cfg: RunnerConfig) -> Result<Self> {
         let recurrent = model.config().gdn.is_some();
-        let state_slots = if recurrent { cfg.state_slots } else { 0 };
-        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots)?;
+        let (state_slots, snapshot_slots) = if recurrent { (cfg.state_slots, cfg.snapshot_slots) } else { (0, 0) };
+        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots + snapshot_slots)?;
         Ok(Runner {
             model,
             state,
-            blocks: BlockPool::new(cfg.num_blocks, cfg.block_size),
+            blocks: BlockPool::with_cache(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
             slots: SlotPool::new(state_slots),
             recurrent,
         })
@@ -109,6 +117,7 @@ impl Runner {
                 block_table: s.block_table.to_vec(),
                 state_slot: s.state_slot,
                 prompt: s.prompt,
+                snapshots: s.snapshots.clone(),
             });
         }
         let batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);

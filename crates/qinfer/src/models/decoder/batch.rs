@@ -141,6 +141,20 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 None if recurrent => return bad(format!("sequence {i} has no recurrent-state slot")),
                 _ => {}
             }
+            let mut last = 0;
+            for &(n, slot) in &s.snapshots {
+                if !recurrent || !s.prompt || n <= last || n > s.len() {
+                    return bad(format!(
+                        "sequence {i}: snapshot after {n} rows of {} (prompt rows only, increasing)",
+                        s.len()
+                    ));
+                }
+                if s.state_slot == Some(slot) || batch.seqs.iter().any(|o| o.state_slot == Some(slot)) {
+                    return bad(format!("sequence {i}: snapshot slot {slot} is a running sequence's"));
+                }
+                state.slot(slot)?;
+                last = n;
+            }
             let max = self.cfg.max_position_embeddings;
             if s.context_len() > max {
                 return bad(format!("sequence {i}: {} positions exceed the model's {max}", s.context_len()));
@@ -177,7 +191,12 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 }
                 Mixer::Linear(net) => {
                     let mut layer_states = slot_states(states, &slots, l)?;
-                    net.forward_batch(b, x, &mut layer_states, batch)
+                    let mut snapshots = Vec::new();
+                    let out = net.forward_batch(b, x, &mut layer_states, batch, &mut snapshots);
+                    for (slot, snapshot) in snapshots {
+                        states[slot as usize][l] = Some(snapshot);
+                    }
+                    out
                 }
             };
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
