@@ -167,6 +167,11 @@ pub struct EngineArgs {
     /// Hybrid models: memory for recurrent-state snapshots, in GiB.
     #[arg(long, default_value_t = 1.0)]
     pub state_snapshot_gib: f64,
+    /// Host memory for prefix-cache blocks and snapshots evicted from the
+    /// KV pool, in GiB (copied back on a later hit; 0: evicted ones are
+    /// dropped). On the CPU the pool is host memory already.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefix_cache_host_gb: f64,
 }
 
 impl EngineArgs {
@@ -176,8 +181,9 @@ impl EngineArgs {
         let gib = |g: f64| (g.max(0.0) * (1u64 << 30) as f64) as usize;
         let mut cfg =
             EngineConfig::for_model(lm, tokens, self.max_num_seqs, self.max_model_len, gib(self.kv_cache_gib));
-        cfg.prefix_cache = (!self.no_prefix_cache).then(|| {
-            PrefixCacheConfig::for_model(
+        cfg.prefix_cache = (!self.no_prefix_cache).then(|| PrefixCacheConfig {
+            host_bytes: gib(self.prefix_cache_host_gb),
+            ..PrefixCacheConfig::for_model(
                 lm,
                 self.state_snapshot_interval,
                 gib(self.state_snapshot_gib),

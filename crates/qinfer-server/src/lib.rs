@@ -184,7 +184,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let g = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
     let (used, total) = (g(&m.kv_blocks_used), g(&m.kv_blocks_total));
-    let rows: [(&str, &str, &str, f64); 16] = [
+    let rows: [(&str, &str, &str, f64); 19] = [
         ("num_requests_running", "gauge", "Requests in the running batch.", g(&m.running)),
         ("num_requests_waiting", "gauge", "Requests waiting to run.", g(&m.waiting)),
         ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks held.", if total > 0.0 { used / total } else { 0.0 }),
@@ -225,6 +225,19 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "counter",
             "Recurrent-state snapshots evicted to make room.",
             c(&m.state_snapshot_evictions_total),
+        ),
+        ("prefix_cache_host_bytes", "gauge", "Bytes in the prefix cache's host tier.", g(&m.host_tier_bytes)),
+        (
+            "prefix_cache_host_stored_total",
+            "counter",
+            "Blocks and snapshots copied to the host tier.",
+            c(&m.host_tier_stored_total),
+        ),
+        (
+            "prefix_cache_host_restored_total",
+            "counter",
+            "Blocks and snapshots copied back from the host tier.",
+            c(&m.host_tier_restored_total),
         ),
     ];
     let mut out = String::new();

@@ -143,7 +143,7 @@ fn batched_outputs_equal_alone_and_transformers() {
         assert!(core.preemptions() > 0, "{name}: the small pool should have forced a preemption");
         // The same with the prefix cache on (recomputes after preemption hit it).
         let mut cached = config(80, 4, 9);
-        cached.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 4 });
+        cached.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 4, host_bytes: 0 });
         let mut core_cached = EngineCore::new(model.clone(), None, cached).unwrap();
         let mixed_cached = run(&mut core_cached, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
         assert_eq!(alone, mixed_cached, "{name}: alone vs mixed with the prefix cache");

@@ -63,7 +63,11 @@ fn config(num_blocks: usize, cache: bool) -> EngineConfig {
         block_size: BLOCK,
         num_blocks,
         max_model_len: 512,
-        prefix_cache: cache.then_some(PrefixCacheConfig { snapshot_interval: SNAPSHOT_EVERY, snapshot_slots: 8 }),
+        prefix_cache: cache.then_some(PrefixCacheConfig {
+            snapshot_interval: SNAPSHOT_EVERY,
+            snapshot_slots: 8,
+            host_bytes: 0,
+        }),
     }
 }
 
@@ -215,10 +219,45 @@ fn evicted_prefixes_are_recomputed_and_requests_wait_for_blocks() {
 }
 
 #[test]
+fn evicted_prefixes_come_back_from_the_host_tier() {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let model = load(&dir);
+        let hybrid = model.config().gdn.is_some();
+        // A pool of 20 blocks and 2 snapshot slots, and a host tier for everything evicted.
+        let mut cfg = config(20, true);
+        cfg.prefix_cache =
+            Some(PrefixCacheConfig { snapshot_interval: SNAPSHOT_EVERY, snapshot_slots: 2, host_bytes: 1 << 30 });
+        let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+        let a = request(tokens(150, 21), 4, None);
+        run(&mut core, std::slice::from_ref(&a), &[0]);
+        let others: Vec<Request> = (0..3).map(|i| request(tokens(140, 30 + i), 20, None)).collect();
+        run(&mut core, &others, &[0, 0, 0]);
+        let (_, evicted) = core.cached_blocks();
+        let (_, stored, stats) = core.host_tier().unwrap();
+        assert!(evicted > 0 && stored > 0, "{name}: blocks should have gone to the host tier");
+        // A again, longer: its whole prefix hits, part of it copied back from the host.
+        let again = request([a.prompt.clone(), tokens(20, 22)].concat(), 4, None);
+        let got = run(&mut core, std::slice::from_ref(&again), &[0]);
+        let hit = expected_hit(again.prompt.len(), a.prompt.len(), hybrid, a.prompt.len());
+        assert_eq!(
+            got[0],
+            (alone(&model, std::slice::from_ref(&again))[0].clone(), hit),
+            "{name}: after the round trip"
+        );
+        let restored = core.host_tier().unwrap().2.restored - stats.restored;
+        assert!(restored > 0, "{name}: nothing came back from the host tier");
+        if hybrid {
+            assert!(core.snapshots().3 > 0, "{name}: the two snapshot slots should have evicted");
+        }
+    }
+}
+
+#[test]
 fn snapshot_intervals_off_the_chunk_are_refused() {
     let dir = fixtures().into_iter().find(|d| d.ends_with("qwen3_5")).expect("the qwen3_5 fixture");
     let mut cfg = config(64, true);
-    cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 48, snapshot_slots: 4 });
+    cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 48, snapshot_slots: 4, host_bytes: 0 });
     let err = EngineCore::new(load(&dir), None, cfg).err().expect("an interval of 48 is refused").to_string();
     assert!(err.contains("snapshot interval 48") && err.contains("64"), "{err}");
 }

@@ -17,6 +17,7 @@ use qinfer::sampling::{Sampler, SamplingParams};
 use qinfer::weights::random::WeightStorage;
 use serde_json::{Value, json};
 
+use crate::commands::multiturn::{self, Shape};
 use crate::common::open_model;
 
 #[derive(clap::Args)]
@@ -68,14 +69,36 @@ pub struct Args {
     /// cost of its bookkeeping alone).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Multi-turn conversations through the engine, with the prefix cache
+    /// and without: --conversations at once, each --turns turns, sharing a
+    /// --system-tokens prompt, each turn adding --turn-tokens and an answer
+    /// of -n tokens (time to first token and the share served from cache).
+    #[arg(long, conflicts_with = "concurrency")]
+    multi_turn: bool,
+    #[arg(long, default_value_t = 16)]
+    conversations: usize,
+    #[arg(long, default_value_t = 8)]
+    turns: usize,
+    #[arg(long, default_value_t = 2000)]
+    system_tokens: usize,
+    #[arg(long, default_value_t = 200)]
+    turn_tokens: usize,
 }
 
 /// One llama-bench test: context tokens first (untimed), then the timed tokens; tok/s out.
 type BenchFn = fn(&dyn LanguageModel, &[u32], &[u32]) -> Result<f64>;
 
 fn tokens(n: usize, vocab: usize) -> Vec<u32> {
-    // A fixed pseudo-random sequence: content does not change the work done.
-    let mut x = 0x9e37_79b9u32;
+    seeded_tokens(n, vocab, 0)
+}
+
+/// A fixed pseudo-random sequence for each seed: content does not change
+/// the work done.
+fn seeded_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut x = 0x9e37_79b9u32 ^ (seed as u32).wrapping_mul(0x85eb_ca6b) ^ ((seed >> 32) as u32);
+    if x == 0 {
+        x = 1;
+    }
     (0..n)
         .map(|_| {
             x ^= x << 13;
@@ -197,6 +220,58 @@ fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device:
     Ok(rows)
 }
 
+/// `--multi-turn`: the conversations with the prefix cache, then without.
+fn multi_turn_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: &Device) -> Result<Vec<Value>> {
+    let shape = Shape {
+        conversations: a.conversations.max(1),
+        turns: a.turns.max(1),
+        system_tokens: a.system_tokens,
+        turn_tokens: a.turn_tokens.max(1),
+        answer_tokens: a.n_gen.max(1),
+    };
+    let gpu = !matches!(device, Device::Cpu);
+    let budget = a.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
+    let longest = shape.system_tokens + shape.turns * (shape.turn_tokens + shape.answer_tokens);
+    ensure!(
+        longest < lm.config().max_position_embeddings,
+        "the conversations grow to {longest} tokens; the model holds {}",
+        lm.config().max_position_embeddings
+    );
+    // Room for every conversation at its longest, and as much again for the cache.
+    let block = qinfer::kv::blocks::DEFAULT_BLOCK_SIZE;
+    let num_blocks = 2 * shape.conversations * longest.div_ceil(block);
+    let mut rows = Vec::new();
+    for cache in [true, false] {
+        let cfg = EngineConfig {
+            max_batched_tokens: budget,
+            max_num_seqs: shape.conversations,
+            block_size: block,
+            num_blocks,
+            max_model_len: longest + 1,
+            prefix_cache: cache.then(|| {
+                PrefixCacheConfig::for_model(
+                    lm.as_ref(),
+                    64,
+                    PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES,
+                    num_blocks * block,
+                )
+            }),
+        };
+        let mut row = multiturn::run(lm, cfg, shape, &|n, seed| seeded_tokens(n, vocab, seed))?;
+        row["test"] = json!(format!(
+            "{}×{} turns, system {} +{}/turn, answer {}{}",
+            shape.conversations,
+            shape.turns,
+            shape.system_tokens,
+            shape.turn_tokens,
+            shape.answer_tokens,
+            if cache { "" } else { ", no prefix cache" }
+        ));
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let (file, vocab, lm) = match (&a.model, &a.config) {
         (Some(path), _) => {
@@ -213,6 +288,11 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         (None, None) => bail!("pass --model, or --config with --random-weights"),
     };
     let reps = a.repetitions.max(1);
+    if a.multi_turn {
+        let lm: Arc<dyn LanguageModel> = Arc::from(lm);
+        let rows = multi_turn_rows(&a, &lm, vocab, &device)?;
+        return print_rows(&a, &file, lm.as_ref(), 1, rows);
+    }
     if !a.concurrency.is_empty() {
         let lm: Arc<dyn LanguageModel> = Arc::from(lm);
         let rows = concurrency_rows(&a, &lm, vocab, &device)?;
@@ -248,6 +328,21 @@ fn print_rows(a: &Args, file: &str, lm: &dyn LanguageModel, reps: usize, rows: V
             "results": rows,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
+    } else if a.multi_turn {
+        println!("| model | backend | test | TTFT turn 1 ms | TTFT turns 2+ ms | ratio | cached / reusable |");
+        println!("| --- | --- | --- | ---: | ---: | ---: | ---: |");
+        for r in &rows {
+            let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            println!(
+                "| {file} | {} | {} | {:.1} | {:.1} | {:.3} | {:.3} |",
+                lm.device(),
+                r["test"].as_str().unwrap_or(""),
+                f("ttft_turn1_median_ms"),
+                f("ttft_later_turns_median_ms"),
+                f("later_over_first"),
+                f("cached_share_of_reusable")
+            );
+        }
     } else {
         println!("| model | backend | test | t/s |");
         println!("| --- | --- | ---: | ---: |");

@@ -3,6 +3,7 @@ pub mod bench;
 pub mod generate;
 pub mod inspect;
 pub mod kernels;
+pub mod multiturn;
 pub mod perplexity;
 pub mod quantize;
 pub mod run;

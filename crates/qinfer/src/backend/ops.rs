@@ -195,6 +195,16 @@ pub trait GdnOps: Backend {
         let _ = cfg;
         unsupported(self, "Gated DeltaNet layers")
     }
+    /// `state` copied to host memory (a snapshot leaving for the host tier).
+    fn gdn_state_to_host(&self, state: &Self::GdnState) -> Vec<u8> {
+        let _ = state;
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// Overwrites `state` with bytes [`GdnOps::gdn_state_to_host`] returned.
+    fn gdn_state_from_host(&self, state: &mut Self::GdnState, bytes: &[u8]) -> crate::Result<()> {
+        let _ = (state, bytes);
+        unsupported(self, "Gated DeltaNet layers")
+    }
     /// Zeroes `state` in place, as [`GdnOps::new_gdn_state`] makes it, on
     /// the buffers it has (a reused sequence's recorded steps address them).
     fn clear_gdn_state(&self, state: &mut Self::GdnState) {
@@ -329,6 +339,17 @@ pub trait BatchOps: FusedOps {
         batch: &BatchLayout,
     ) -> Self::Act {
         let _ = (q, pool, layer, shape, batch);
+        unsupported(self, "batched forwards")
+    }
+    /// Every layer's keys and values of `block`, copied to host memory (a
+    /// prefix-cache block leaving the pool for the host tier).
+    fn read_kv_block(&self, pool: &Self::KvPool, block: u32) -> Vec<u8> {
+        let _ = (pool, block);
+        unsupported(self, "batched forwards")
+    }
+    /// Writes bytes that [`BatchOps::read_kv_block`] returned back into `block`.
+    fn write_kv_block(&self, pool: &mut Self::KvPool, block: u32, bytes: &[u8]) -> crate::Result<()> {
+        let _ = (pool, block, bytes);
         unsupported(self, "batched forwards")
     }
     /// Rows `rows` of `x`.

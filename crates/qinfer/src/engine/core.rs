@@ -9,10 +9,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use super::prefix::{PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, register_full_blocks};
+use super::prefix::{
+    BlockAt, PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, SnapshotAt, register_full_blocks, spill,
+};
 use super::request::{FinishReason, Output, Request, RequestId};
 use super::sequence::Sequence;
 use crate::config::GdnConfig;
+use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
 use crate::runner::{Runner, RunnerConfig, StepSeq};
@@ -113,7 +116,7 @@ impl EngineCore {
             }
             _ => 0,
         };
-        let runner = Runner::new(
+        let mut runner = Runner::new(
             model,
             RunnerConfig {
                 num_blocks: cfg.num_blocks,
@@ -123,10 +126,15 @@ impl EngineCore {
                 prefix_cache: cfg.prefix_cache.is_some(),
             },
         )?;
-        let prefix = cfg.prefix_cache.map(|p| PrefixCache {
-            snapshots: recurrent
-                .then(|| SnapshotCache::new(p.snapshot_interval, cfg.max_num_seqs as u32, snapshot_slots)),
-            stats: PrefixStats::default(),
+        let prefix = cfg.prefix_cache.map(|p| {
+            let host = (p.host_bytes > 0).then(|| HostTier::new(p.host_bytes));
+            let mut snapshots =
+                recurrent.then(|| SnapshotCache::new(p.snapshot_interval, cfg.max_num_seqs as u32, snapshot_slots));
+            runner.blocks.set_spill(host.is_some());
+            if let Some(s) = &mut snapshots {
+                s.set_spill(host.is_some());
+            }
+            PrefixCache { snapshots, host, stats: PrefixStats::default() }
         });
         Ok(EngineCore {
             runner,
@@ -182,6 +190,12 @@ impl EngineCore {
     /// Blocks kept in the prefix cache, and cached blocks evicted so far.
     pub fn cached_blocks(&self) -> (usize, u64) {
         (self.runner.blocks.num_cached(), self.runner.blocks.evictions())
+    }
+
+    /// The host tier's bytes, entries and counters (None without one).
+    pub fn host_tier(&self) -> Option<(usize, usize, HostTierStats)> {
+        let host = self.prefix.as_ref()?.host.as_ref()?;
+        Some((host.bytes(), host.len(), host.stats()))
     }
 
     /// Recurrent-state snapshots kept, their slots, the bytes of one, and
@@ -300,20 +314,43 @@ impl EngineCore {
             if self.runner.recurrent() && self.runner.slots.num_free() == 0 {
                 break;
             }
+            if let Some(p) = &mut self.prefix {
+                // Blocks evicted so far this step reach the host tier before the lookup.
+                spill(p, &mut self.runner)?;
+            }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
-            let pool = &mut self.runner.blocks;
-            let hit = self.prefix.as_mut().and_then(|p| p.find(seq, pool));
+            let hit = self.prefix.as_mut().and_then(|p| p.find(seq, &self.runner.blocks));
             if let Some(hit) = &hit {
-                for &b in &hit.blocks {
-                    pool.retain(b);
+                // Take up the pool's blocks first, so that copying the host's
+                // back cannot evict them.
+                for b in &hit.blocks {
+                    if let BlockAt::Pool(b) = b {
+                        self.runner.blocks.retain(*b);
+                    }
                 }
-                seq.blocks.blocks.clone_from(&hit.blocks);
+                let prefix = self.prefix.as_mut().expect("a hit comes from the prefix cache");
+                for b in &hit.blocks {
+                    let block = match *b {
+                        BlockAt::Pool(b) => b,
+                        BlockAt::Host(h) => {
+                            let b = self.runner.blocks.allocate().expect("find counted the room");
+                            // It may have been a cached block: copied out before it is overwritten.
+                            spill(prefix, &mut self.runner)?;
+                            let host = prefix.host.as_mut().expect("host blocks come from the host tier");
+                            let bytes = host.take(Kind::Block, &h).expect("find saw it in the host tier");
+                            self.runner.write_block(b, &bytes)?;
+                            self.runner.blocks.register(b, h);
+                            b
+                        }
+                    };
+                    seq.blocks.blocks.push(block);
+                }
                 seq.computed = hit.tokens;
-                seq.registered = hit.blocks.len();
+                seq.registered = seq.blocks.blocks.len();
             }
             let n = chunk(seq, budget, self.align);
-            if n == 0 || !seq.blocks.grow_to(seq.computed + n, pool) {
-                seq.blocks.release(pool);
+            if n == 0 || !seq.blocks.grow_to(seq.computed + n, &mut self.runner.blocks) {
+                seq.blocks.release(&mut self.runner.blocks);
                 seq.computed = 0;
                 seq.registered = 0;
                 break;
@@ -321,8 +358,14 @@ impl EngineCore {
             if self.runner.recurrent() {
                 let slot = self.runner.take_slot()?.expect("a free slot was counted above");
                 seq.state_slot = Some(slot);
-                if let Some(snapshot) = hit.as_ref().and_then(|h| h.snapshot) {
-                    self.runner.copy_slot(snapshot, slot)?;
+                match hit.as_ref().and_then(|h| h.snapshot) {
+                    Some(SnapshotAt::Slot(snapshot)) => self.runner.copy_slot(snapshot, slot)?,
+                    Some(SnapshotAt::Host(h)) => {
+                        let host = self.prefix.as_mut().and_then(|p| p.host.as_mut());
+                        let bytes = host.and_then(|t| t.get(Kind::Snapshot, &h)).expect("find saw it in the host tier");
+                        self.runner.write_slot(slot, &bytes)?;
+                    }
+                    None => {}
                 }
             }
             if seq.cached_tokens.is_none() {
@@ -356,6 +399,22 @@ impl EngineCore {
         let snapshots: Vec<Vec<PlannedSnapshot>> = (taken.iter_mut())
             .map(|(seq, n)| self.prefix.as_mut().map_or_else(Vec::new, |p| p.plan_snapshots(seq, *n, bs)))
             .collect();
+        // What this step's allocations evicted, copied out before the forward writes over it.
+        let spilled = match &mut self.prefix {
+            Some(p) => spill(p, &mut self.runner),
+            None => Ok(()),
+        };
+        if let Err(e) = spilled {
+            for (seq, _) in taken {
+                self.seqs.insert(seq.id, seq);
+            }
+            if let Some(p) = &mut self.prefix {
+                for planned in snapshots {
+                    p.finish_snapshots(planned, false);
+                }
+            }
+            return Err(e);
+        }
         let result = {
             let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots))
                 .map(|((seq, n), snaps)| {

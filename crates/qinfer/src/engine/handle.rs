@@ -51,6 +51,11 @@ pub struct EngineMetrics {
     pub state_snapshots: AtomicUsize,
     pub state_snapshot_bytes: AtomicUsize,
     pub state_snapshot_evictions_total: AtomicU64,
+    /// The prefix cache's host tier: bytes held, entries copied in and
+    /// copied back.
+    pub host_tier_bytes: AtomicUsize,
+    pub host_tier_stored_total: AtomicU64,
+    pub host_tier_restored_total: AtomicU64,
 }
 
 /// A handle to the engine thread. Dropping it lets the thread finish the
@@ -84,6 +89,11 @@ fn publish(core: &EngineCore, metrics: &EngineMetrics) {
     metrics.state_snapshots.store(snapshots, Ordering::Relaxed);
     metrics.state_snapshot_bytes.store(snapshots * bytes, Ordering::Relaxed);
     metrics.state_snapshot_evictions_total.store(snapshots_evicted, Ordering::Relaxed);
+    if let Some((bytes, _, stats)) = core.host_tier() {
+        metrics.host_tier_bytes.store(bytes, Ordering::Relaxed);
+        metrics.host_tier_stored_total.store(stats.stored, Ordering::Relaxed);
+        metrics.host_tier_restored_total.store(stats.restored, Ordering::Relaxed);
+    }
 }
 
 /// What the engine thread reports when it stops.

@@ -5,10 +5,13 @@
 //! steps of hybrid models keep snapshots at every snapshot interval.
 
 use super::sequence::Sequence;
+use crate::Result;
 use crate::kv::blocks::BlockPool;
+use crate::kv::host_tier::{HostTier, Kind};
 use crate::kv::prefix::BlockHash;
 use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
+use crate::runner::Runner;
 
 /// How the prefix cache works for a model with recurrent layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +21,9 @@ pub struct PrefixCacheConfig {
     pub snapshot_interval: usize,
     /// Snapshots kept at most (hybrid models only).
     pub snapshot_slots: usize,
+    /// Host memory for blocks and snapshots evicted from the device's
+    /// pools, in bytes (0: none; evicted ones are dropped).
+    pub host_bytes: usize,
 }
 
 impl PrefixCacheConfig {
@@ -30,7 +36,7 @@ impl PrefixCacheConfig {
     pub fn for_model(model: &dyn LanguageModel, interval: usize, snapshot_bytes: usize, cached_tokens: usize) -> Self {
         let per = model.config().recurrent_state_values() * 4;
         let slots = snapshot_bytes.checked_div(per).map_or(0, |n| n.min(cached_tokens / interval.max(1)));
-        PrefixCacheConfig { snapshot_interval: interval, snapshot_slots: slots }
+        PrefixCacheConfig { snapshot_interval: interval, snapshot_slots: slots, host_bytes: 0 }
     }
 }
 
@@ -46,12 +52,29 @@ pub struct PrefixStats {
     pub hits: u64,
 }
 
-/// A usable cached prefix: its length, its blocks and (hybrids) the state
-/// slot of the snapshot at its end.
+/// Where a hit's recurrent-state snapshot is.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SnapshotAt {
+    /// In this state slot.
+    Slot(u32),
+    /// In the host tier, under this hash.
+    Host(BlockHash),
+}
+
+/// Where one block of a hit is.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum BlockAt {
+    Pool(u32),
+    /// In the host tier, under this hash (to copy back).
+    Host(BlockHash),
+}
+
+/// A usable cached prefix: its length, where each of its blocks is, and
+/// (hybrids) the snapshot at its end.
 pub(super) struct Hit {
     pub tokens: usize,
-    pub blocks: Vec<u32>,
-    pub snapshot: Option<u32>,
+    pub blocks: Vec<BlockAt>,
+    pub snapshot: Option<SnapshotAt>,
 }
 
 /// What a step will snapshot for one sequence: after `rows` of its rows,
@@ -60,11 +83,15 @@ pub(super) struct PlannedSnapshot {
     pub rows: usize,
     pub slot: u32,
     pub hash: BlockHash,
+    /// The prompt's last snapshot (where its next turn would resume).
+    pub last: bool,
 }
 
 pub(super) struct PrefixCache {
     /// Hybrid models: the snapshots.
     pub snapshots: Option<SnapshotCache>,
+    /// Blocks and snapshots evicted to host memory (when configured).
+    pub host: Option<HostTier>,
     pub stats: PrefixStats,
 }
 
@@ -75,12 +102,32 @@ impl PrefixCache {
     pub fn find(&mut self, seq: &mut Sequence, pool: &BlockPool) -> Option<Hit> {
         let bs = pool.block_size();
         seq.hashes.extend(&seq.tokens, bs);
+        let hashes = seq.hashes.as_slice();
         let usable = (seq.tokens.len() - 1) / bs;
+        // Blocks the pool holds, or else the host tier while the pool has
+        // room to take them back (cached blocks this hit takes up are no room).
+        let mut room = pool.num_free();
         let mut blocks = Vec::new();
-        for h in &seq.hashes.as_slice()[..usable] {
-            match pool.lookup(h) {
-                Some(b) => blocks.push(b),
-                None => break,
+        for h in &hashes[..usable] {
+            if let Some(b) = pool.lookup(h) {
+                if pool.ref_count(b) == 0 {
+                    room -= 1;
+                }
+                blocks.push(BlockAt::Pool(b));
+            } else if self.host.as_ref().is_some_and(|host| host.contains(Kind::Block, h)) {
+                blocks.push(BlockAt::Host(*h));
+            } else {
+                break;
+            }
+        }
+        let mut restores = 0;
+        for (i, b) in blocks.iter().enumerate() {
+            if matches!(b, BlockAt::Host(_)) {
+                if restores == room {
+                    blocks.truncate(i);
+                    break;
+                }
+                restores += 1;
             }
         }
         let mut snapshot = None;
@@ -88,15 +135,21 @@ impl PrefixCache {
             let per = snaps.interval() / bs;
             let mut n = blocks.len() / per * per;
             while n > 0 {
-                if let Some(slot) = snaps.lookup(&seq.hashes.as_slice()[n - 1]) {
-                    snapshot = Some(slot);
+                let h = &hashes[n - 1];
+                if let Some(slot) = snaps.lookup(h) {
+                    snapshot = Some(SnapshotAt::Slot(slot));
+                    break;
+                }
+                if self.host.as_ref().is_some_and(|host| host.contains(Kind::Snapshot, h)) {
+                    snapshot = Some(SnapshotAt::Host(*h));
                     break;
                 }
                 n -= per;
             }
             blocks.truncate(n);
         }
-        (!blocks.is_empty()).then(|| Hit { tokens: blocks.len() * bs, blocks, snapshot })
+        let tokens = blocks.len() * bs;
+        (tokens > 0).then_some(Hit { tokens, blocks, snapshot })
     }
 
     /// Counts an admission that found `hit` cached tokens.
@@ -125,7 +178,8 @@ impl PrefixCache {
             let hash = seq.hashes.as_slice()[at / block_size - 1];
             if !snaps.contains(&hash) {
                 let Some(slot) = snaps.reserve() else { break };
-                planned.push(PlannedSnapshot { rows: at - start, slot, hash });
+                let last = at + every > seq.prefill_len;
+                planned.push(PlannedSnapshot { rows: at - start, slot, hash, last });
             }
             at += every;
         }
@@ -137,7 +191,7 @@ impl PrefixCache {
         let Some(snaps) = &mut self.snapshots else { return };
         for p in planned {
             if ok {
-                snaps.commit(p.slot, p.hash);
+                snaps.commit(p.slot, p.hash, p.last);
             } else {
                 snaps.cancel(p.slot);
             }
@@ -147,6 +201,22 @@ impl PrefixCache {
     pub fn is_whole(&self) -> bool {
         self.snapshots.as_ref().is_none_or(SnapshotCache::is_whole)
     }
+}
+
+/// Copies the blocks and snapshots the pools evicted since the last call
+/// into the host tier (before anything overwrites them); without a host
+/// tier there is nothing to do.
+pub(super) fn spill(prefix: &mut PrefixCache, runner: &mut Runner) -> Result<()> {
+    let Some(host) = &mut prefix.host else { return Ok(()) };
+    for (block, hash) in runner.blocks.take_evicted() {
+        host.store(Kind::Block, hash, runner.read_block(block)?);
+    }
+    if let Some(snaps) = &mut prefix.snapshots {
+        for (slot, hash) in snaps.take_evicted() {
+            host.store(Kind::Snapshot, hash, runner.read_slot(slot)?);
+        }
+    }
+    Ok(())
 }
 
 /// Names `seq`'s blocks that its computed tokens now fill.

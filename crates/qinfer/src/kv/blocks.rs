@@ -32,6 +32,10 @@ pub struct BlockPool {
     released_at: Vec<u64>,
     clock: u64,
     evictions: u64,
+    /// Keep a list of the cached blocks evicted (for a host tier to copy
+    /// before they are overwritten).
+    spill: bool,
+    evicted: Vec<(u32, BlockHash)>,
 }
 
 impl BlockPool {
@@ -56,7 +60,21 @@ impl BlockPool {
             released_at: vec![0; num_blocks],
             clock: 0,
             evictions: 0,
+            spill: false,
+            evicted: Vec::new(),
         }
+    }
+
+    /// From now on, lists each cached block it evicts (see
+    /// [`BlockPool::take_evicted`]).
+    pub fn set_spill(&mut self, spill: bool) {
+        self.spill = spill;
+    }
+
+    /// The cached blocks evicted since the last call, with the hashes they
+    /// had: their contents are intact until the next forward writes them.
+    pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash)> {
+        std::mem::take(&mut self.evicted)
     }
 
     pub fn block_size(&self) -> usize {
@@ -102,6 +120,9 @@ impl BlockPool {
                 let hash = self.hashes[b as usize].take().expect("evictable blocks are cached");
                 self.by_hash.remove(&hash);
                 self.evictions += 1;
+                if self.spill {
+                    self.evicted.push((b, hash));
+                }
                 b
             }
         };
@@ -174,7 +195,10 @@ impl BlockPool {
         }
         let cached_consistent = self.by_hash.iter().all(|(h, &b)| self.hashes[b as usize] == Some(*h))
             && self.hashes.iter().filter(|h| h.is_some()).count() == self.by_hash.len();
-        self.ref_counts.iter().all(|&rc| rc == 0) && listed.iter().all(|&l| l) && cached_consistent
+        self.ref_counts.iter().all(|&rc| rc == 0)
+            && listed.iter().all(|&l| l)
+            && cached_consistent
+            && self.evicted.is_empty()
     }
 }
 
@@ -204,9 +228,11 @@ impl BlockTable {
         true
     }
 
-    /// Returns every block to `pool`.
+    /// Returns every block to `pool`, the last first: cached blocks are
+    /// evicted oldest first, so a prefix loses its tail before its head
+    /// (a shorter prefix stays usable).
     pub fn release(&mut self, pool: &mut BlockPool) {
-        for b in self.blocks.drain(..) {
+        for b in self.blocks.drain(..).rev() {
             pool.release(b);
         }
     }

@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod blocks;
 pub mod contiguous;
+pub mod host_tier;
 pub mod paged;
 pub mod prefix;
 pub mod snapshots;

@@ -6,7 +6,10 @@
 //! snapshot interval into snapshot slots (state slots of their own), named
 //! by the hash of the block ending there; a later request with that prefix
 //! copies the snapshot into its own slot and computes only the rest. Slots
-//! are few (a state is large), so the least recently used one is reused.
+//! are few (a state is large), so one is reused when none is free: first
+//! the least recently used of the snapshots nobody has used yet that end
+//! inside a prompt, then of the rest (a prompt's last snapshot, where its
+//! next turn resumes, and every snapshot that has served a hit).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -20,14 +23,19 @@ pub struct SnapshotCache {
     first_slot: u32,
     hashes: Vec<Option<BlockHash>>,
     by_hash: HashMap<BlockHash, u32>,
-    /// Snapshots by when they were last written or used (oldest first).
-    lru: BTreeMap<u64, u32>,
+    /// Snapshots by when they were last written or used (oldest first):
+    /// those evicted first, and the rest.
+    lru: [BTreeMap<u64, u32>; 2],
+    keep: Vec<bool>,
     used_at: Vec<u64>,
     clock: u64,
     free: Vec<u32>,
     /// Slots handed out for a step and not yet named or given back.
     reserved: usize,
     evictions: u64,
+    /// Keep a list of the snapshots evicted (for a host tier).
+    spill: bool,
+    evicted: Vec<(u32, BlockHash)>,
 }
 
 impl SnapshotCache {
@@ -39,13 +47,28 @@ impl SnapshotCache {
             first_slot,
             hashes: vec![None; num_slots],
             by_hash: HashMap::new(),
-            lru: BTreeMap::new(),
+            lru: [BTreeMap::new(), BTreeMap::new()],
+            keep: vec![false; num_slots],
             used_at: vec![0; num_slots],
             clock: 0,
             free: (0..n).rev().collect(),
             reserved: 0,
             evictions: 0,
+            spill: false,
+            evicted: Vec::new(),
         }
+    }
+
+    /// From now on, lists each snapshot it evicts (see
+    /// [`SnapshotCache::take_evicted`]).
+    pub fn set_spill(&mut self, spill: bool) {
+        self.spill = spill;
+    }
+
+    /// The state slots of the snapshots evicted since the last call, with
+    /// their hashes: intact until the next forward writes them.
+    pub fn take_evicted(&mut self) -> Vec<(u32, BlockHash)> {
+        std::mem::take(&mut self.evicted)
     }
 
     pub fn interval(&self) -> usize {
@@ -66,11 +89,14 @@ impl SnapshotCache {
         self.evictions
     }
 
-    fn touch(&mut self, i: u32) {
-        self.lru.remove(&self.used_at[i as usize]);
+    /// Marks snapshot `i` used now, kept longer from now on when `keep`.
+    fn touch(&mut self, i: u32, keep: bool) {
+        let s = i as usize;
+        self.lru[self.keep[s] as usize].remove(&self.used_at[s]);
+        self.keep[s] |= keep;
         self.clock += 1;
-        self.used_at[i as usize] = self.clock;
-        self.lru.insert(self.clock, i);
+        self.used_at[s] = self.clock;
+        self.lru[self.keep[s] as usize].insert(self.clock, i);
     }
 
     /// Whether a snapshot named `hash` is kept (without using it).
@@ -78,10 +104,11 @@ impl SnapshotCache {
         self.by_hash.contains_key(hash)
     }
 
-    /// The state slot of the snapshot named `hash`, now the most recently used.
+    /// The state slot of the snapshot named `hash`, now the most recently
+    /// used and kept longer (it has served a hit).
     pub fn lookup(&mut self, hash: &BlockHash) -> Option<u32> {
         let i = *self.by_hash.get(hash)?;
-        self.touch(i);
+        self.touch(i, true);
         Some(self.first_slot + i)
     }
 
@@ -92,10 +119,14 @@ impl SnapshotCache {
         let i = match self.free.pop() {
             Some(i) => i,
             None => {
-                let (_, i) = self.lru.pop_first()?;
+                let (_, i) = self.lru[0].pop_first().or_else(|| self.lru[1].pop_first())?;
+                self.keep[i as usize] = false;
                 let hash = self.hashes[i as usize].take().expect("listed snapshots are named");
                 self.by_hash.remove(&hash);
                 self.evictions += 1;
+                if self.spill {
+                    self.evicted.push((self.first_slot + i, hash));
+                }
                 i
             }
         };
@@ -103,9 +134,9 @@ impl SnapshotCache {
         Some(self.first_slot + i)
     }
 
-    /// Names the reserved `slot`, now written, by `hash`; a slot whose hash
-    /// is already kept goes back to the free list.
-    pub fn commit(&mut self, slot: u32, hash: BlockHash) {
+    /// Names the reserved `slot`, now written, by `hash` (kept longer when
+    /// `keep`); a slot whose hash is already kept goes back to the free list.
+    pub fn commit(&mut self, slot: u32, hash: BlockHash, keep: bool) {
         let i = self.index(slot);
         self.reserved -= 1;
         if self.by_hash.contains_key(&hash) {
@@ -114,7 +145,7 @@ impl SnapshotCache {
         }
         self.hashes[i as usize] = Some(hash);
         self.by_hash.insert(hash, i);
-        self.touch(i);
+        self.touch(i, keep);
     }
 
     /// Gives a reserved `slot` back unwritten (its step failed).
@@ -133,12 +164,15 @@ impl SnapshotCache {
     /// No slot is reserved and every slot is free or kept once.
     pub fn is_whole(&self) -> bool {
         let mut listed = vec![false; self.hashes.len()];
-        for &i in self.free.iter().chain(self.lru.values()) {
+        for &i in self.free.iter().chain(self.lru[0].values()).chain(self.lru[1].values()) {
             if std::mem::replace(&mut listed[i as usize], true) {
                 return false;
             }
         }
-        self.reserved == 0 && listed.iter().all(|&l| l) && self.lru.len() == self.by_hash.len()
+        self.reserved == 0
+            && listed.iter().all(|&l| l)
+            && self.lru[0].len() + self.lru[1].len() == self.by_hash.len()
+            && self.evicted.is_empty()
     }
 }
 
@@ -154,8 +188,8 @@ mod tests {
         assert_eq!((a, b), (10, 11));
         assert!(snaps.reserve().is_none(), "both slots are reserved");
         assert!(!snaps.is_whole());
-        snaps.commit(a, h(1));
-        snaps.commit(b, h(2));
+        snaps.commit(a, h(1), false);
+        snaps.commit(b, h(2), false);
         assert!(snaps.is_whole());
         assert_eq!(snaps.lookup(&h(1)), Some(a)); // now h(2) is the oldest
         let c = snaps.reserve().unwrap();
@@ -163,8 +197,18 @@ mod tests {
         snaps.cancel(c);
         assert!(snaps.is_whole());
         let d = snaps.reserve().unwrap();
-        snaps.commit(d, h(1)); // already kept: the slot is free again
+        snaps.commit(d, h(1), false); // already kept: the slot is free again
         assert_eq!((snaps.num_cached(), snaps.lookup(&h(1))), (1, Some(a)));
+        assert!(snaps.is_whole());
+        // A snapshot inside a prompt goes before an older one kept longer.
+        let e = snaps.reserve().unwrap();
+        snaps.commit(e, h(3), false);
+        let f = snaps.reserve().unwrap();
+        assert_eq!((f, snaps.contains(&h(1)), snaps.contains(&h(3))), (e, true, false));
+        snaps.commit(f, h(4), true);
+        let g = snaps.reserve().unwrap();
+        assert_eq!((g, snaps.contains(&h(1)), snaps.contains(&h(4))), (a, false, true));
+        snaps.cancel(g);
         assert!(snaps.is_whole());
     }
 }

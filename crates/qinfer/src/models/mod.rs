@@ -108,6 +108,27 @@ pub trait LanguageModel: Send + Sync {
         let _ = (state, from, to);
         Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
     }
+    /// Every attention layer's keys and values of KV block `block`, copied to
+    /// host memory (the prefix cache's host tier).
+    fn read_kv_block(&self, state: &mut dyn BatchState, block: u32) -> Result<Vec<u8>> {
+        let _ = (state, block);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// Writes bytes [`LanguageModel::read_kv_block`] returned back into `block`.
+    fn write_kv_block(&self, state: &mut dyn BatchState, block: u32, bytes: &[u8]) -> Result<()> {
+        let _ = (state, block, bytes);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// The recurrent states of `slot`, copied to host memory.
+    fn read_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<Vec<u8>> {
+        let _ = (state, slot);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
+    /// Writes bytes [`LanguageModel::read_state_slot`] returned into `slot`.
+    fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
+        let _ = (state, slot, bytes);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
     /// One forward over a ragged batch: `tokens` are the batch's rows, laid
     /// out as `batch` says; returns the logits of `batch.logits_rows`,
     /// `[logits_rows.len(), vocab]`.

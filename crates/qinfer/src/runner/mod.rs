@@ -93,6 +93,22 @@ impl Runner {
         self.model.copy_state_slot(self.state.as_mut(), from, to)
     }
 
+    /// KV block `block` copied to host memory, and back.
+    pub fn read_block(&mut self, block: u32) -> Result<Vec<u8>> {
+        self.model.read_kv_block(self.state.as_mut(), block)
+    }
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
+        self.model.write_kv_block(self.state.as_mut(), block, bytes)
+    }
+
+    /// State slot `slot` copied to host memory, and back.
+    pub fn read_slot(&mut self, slot: u32) -> Result<Vec<u8>> {
+        self.model.read_state_slot(self.state.as_mut(), slot)
+    }
+    pub fn write_slot(&mut self, slot: u32, bytes: &[u8]) -> Result<()> {
+        self.model.write_state_slot(self.state.as_mut(), slot, bytes)
+    }
+
     /// Runs one forward over `seqs` and returns, for each, the token its
     /// sampler picked (None where it did not sample).
     pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<Option<u32>>> {

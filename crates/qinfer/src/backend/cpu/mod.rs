@@ -351,6 +351,30 @@ impl GdnOps for CpuBackend {
         state.recurrent.fill(0.0);
     }
 
+    fn gdn_state_to_host(&self, state: &CpuGdnState) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 * (state.conv.len() + state.recurrent.len()));
+        for x in state.conv.iter().chain(&state.recurrent) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    fn gdn_state_from_host(&self, state: &mut CpuGdnState, bytes: &[u8]) -> Result<()> {
+        let n = state.conv.len() + state.recurrent.len();
+        if bytes.len() != 4 * n {
+            return Err(crate::Error::Invalid(format!(
+                "a Gated DeltaNet state of {} bytes for a layer whose state holds {}",
+                bytes.len(),
+                4 * n
+            )));
+        }
+        let mut values = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        for x in state.conv.iter_mut().chain(state.recurrent.iter_mut()) {
+            *x = values.next().expect("counted above");
+        }
+        Ok(())
+    }
+
     fn gdn_conv(&self, x: &CpuAct, weight: &CpuWeight, state: &mut CpuGdnState) -> CpuAct {
         let m = weight.matrix();
         assert_eq!(m.rows, x.cols, "gdn_conv: {} channels for a weight of {} rows", x.cols, m.rows);

@@ -62,6 +62,46 @@ impl<B: ModelBackend + 'static> DecoderBatchState<B> {
         Ok(())
     }
 
+    fn block(&self, block: u32) -> Result<()> {
+        if block as usize >= self.num_blocks {
+            return Err(Error::Invalid(format!("KV block {block} is past the pool's {}", self.num_blocks)));
+        }
+        Ok(())
+    }
+
+    pub(super) fn read_block(&self, backend: &B, block: u32) -> Result<Vec<u8>> {
+        self.block(block)?;
+        Ok(backend.read_kv_block(&self.pool, block))
+    }
+
+    pub(super) fn write_block(&mut self, backend: &B, block: u32, bytes: &[u8]) -> Result<()> {
+        self.block(block)?;
+        backend.write_kv_block(&mut self.pool, block, bytes)
+    }
+
+    /// Every recurrent layer's state in `slot`, layer after layer.
+    pub(super) fn read_slot(&self, backend: &B, slot: u32) -> Result<Vec<u8>> {
+        let s = self.slot(slot)?;
+        Ok(self.states[s].iter().flatten().flat_map(|st| backend.gdn_state_to_host(st)).collect())
+    }
+
+    pub(super) fn write_slot(&mut self, backend: &B, slot: u32, bytes: &[u8]) -> Result<()> {
+        let s = self.slot(slot)?;
+        let layers: Vec<&mut B::GdnState> = self.states[s].iter_mut().flatten().collect();
+        let per = bytes.len() / layers.len().max(1);
+        if layers.is_empty() || per * layers.len() != bytes.len() {
+            return Err(Error::Invalid(format!(
+                "recurrent states of {} bytes for {} layers",
+                bytes.len(),
+                layers.len()
+            )));
+        }
+        for (state, part) in layers.into_iter().zip(bytes.chunks_exact(per)) {
+            backend.gdn_state_from_host(state, part)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn copy_slot(&mut self, from: u32, to: u32) -> Result<()> {
         let (f, t) = (self.slot(from)?, self.slot(to)?);
         if f != t {

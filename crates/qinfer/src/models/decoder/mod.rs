@@ -394,6 +394,18 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn copy_state_slot(&self, state: &mut dyn BatchState, from: u32, to: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.copy_slot(from, to)
     }
+    fn read_kv_block(&self, state: &mut dyn BatchState, block: u32) -> Result<Vec<u8>> {
+        batch::DecoderBatchState::<B>::of(state)?.read_block(&self.backend, block)
+    }
+    fn write_kv_block(&self, state: &mut dyn BatchState, block: u32, bytes: &[u8]) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.write_block(&self.backend, block, bytes)
+    }
+    fn read_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<Vec<u8>> {
+        batch::DecoderBatchState::<B>::of(state)?.read_slot(&self.backend, slot)
+    }
+    fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.write_slot(&self.backend, slot, bytes)
+    }
     fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
