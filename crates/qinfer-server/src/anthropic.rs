@@ -105,7 +105,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let stream = b.bool("stream")?;
     state.admit(F, ready)?;
     let cache_salt = crate::openai::cache_salt(&b)?;
-    let mut subs = submit_n(ready, Request { prompt, sampling, stop, cache_salt }, 1, F)?;
+    let mut subs = submit_n(ready, Request { prompt, sampling, stop, cache_salt, ..Default::default() }, 1, F)?;
     let sub = subs.pop().expect("one submission");
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {

@@ -278,7 +278,13 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiRe
     let stop = StopConditions { max_tokens, stop_token_ids: ready.stop_token_ids.clone(), stop };
     let model = state.opts.served_model_name.clone();
     let cache_salt = cache_salt(b)?;
-    Ok(Ask { req: Request { prompt, sampling, stop, cache_salt }, n, stream, include_usage, model })
+    Ok(Ask {
+        req: Request { prompt, sampling, stop, cache_salt, ..Default::default() },
+        n,
+        stream,
+        include_usage,
+        model,
+    })
 }
 
 pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {

@@ -40,7 +40,7 @@ fn load(dir: &Path) -> Arc<dyn LanguageModel> {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() }, cache_salt: None }
+    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() }, ..Default::default() }
 }
 
 /// The requests each test mixes: transformers' greedy prompt first, then

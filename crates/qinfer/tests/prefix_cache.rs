@@ -53,6 +53,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, salt: Option<&str>) -> Request {
         sampling: SamplingParams::default(),
         stop: StopConditions { max_tokens, ..Default::default() },
         cache_salt: salt.map(str::to_string),
+        ..Default::default()
     }
 }
 

@@ -144,7 +144,7 @@ fn parse_line(
         Some(_) => return Err(wrong("cache_salt")),
     };
     let stop = StopConditions { max_tokens, stop_token_ids: stop_ids.to_vec(), stop };
-    Ok(Request { prompt, sampling, stop, cache_salt })
+    Ok(Request { prompt, sampling, stop, cache_salt, ..Default::default() })
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {

@@ -152,7 +152,7 @@ fn concurrent(core: &mut EngineCore, c: usize, p: usize, n: usize, vocab: usize,
     for (i, prompt) in all.chunks(p).enumerate() {
         let stop = StopConditions { max_tokens: n, ..Default::default() };
         let cache_salt = Some(format!("run {run}"));
-        let req = Request { prompt: prompt.to_vec(), sampling: SamplingParams::default(), stop, cache_salt };
+        let req = Request { prompt: prompt.to_vec(), stop, cache_salt, ..Default::default() };
         core.add(i as u64, req)?;
     }
     let t0 = Instant::now();

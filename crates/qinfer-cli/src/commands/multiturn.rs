@@ -13,7 +13,6 @@ use anyhow::{Result, ensure};
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::models::LanguageModel;
-use qinfer::sampling::SamplingParams;
 use serde_json::{Value, json};
 
 /// The conversation shape.
@@ -53,7 +52,7 @@ pub fn run(
     let mut convs: HashMap<u64, Conversation> = HashMap::new();
     let submit = |core: &mut EngineCore, id: u64, prompt: &[u32]| {
         let stop = StopConditions { max_tokens: shape.answer_tokens, ..Default::default() };
-        let req = Request { prompt: prompt.to_vec(), sampling: SamplingParams::default(), stop, cache_salt: None };
+        let req = Request { prompt: prompt.to_vec(), stop, ..Default::default() };
         core.add(id, req)
     };
     let t0 = Instant::now();

@@ -12,13 +12,13 @@ use std::sync::Arc;
 use super::prefix::{
     BlockAt, PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, SnapshotAt, register_full_blocks, spill,
 };
-use super::request::{FinishReason, Output, Request, RequestId};
+use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
 use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
-use crate::runner::{Runner, RunnerConfig, StepSeq};
+use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -267,6 +267,7 @@ impl EngineCore {
         self.free(&mut seq);
         seq.computed = 0;
         seq.prefill_len = seq.tokens.len();
+        seq.pooled.clear();
         seq.preemptions += 1;
         self.preemptions += 1;
         self.seqs.insert(id, seq);
@@ -319,7 +320,9 @@ impl EngineCore {
                 spill(p, &mut self.runner)?;
             }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
-            let hit = self.prefix.as_mut().and_then(|p| p.find(seq, &self.runner.blocks));
+            // Mean and first-position pooling need every row computed.
+            let every_row = matches!(seq.task, Task::Embed(Pooling::Mean | Pooling::Cls));
+            let hit = self.prefix.as_mut().filter(|_| !every_row).and_then(|p| p.find(seq, &self.runner.blocks));
             if let Some(hit) = &hit {
                 // Take up the pool's blocks first, so that copying the host's
                 // back cannot evict them.
@@ -419,8 +422,18 @@ impl EngineCore {
             let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots))
                 .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
-                    let samples = start + n == seq.tokens.len();
-                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, .. } = seq;
+                    let ends = start + n == seq.tokens.len();
+                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, task, .. } = seq;
+                    let task: &Task = task;
+                    let (hidden, scores) = match task {
+                        Task::Generate => (HiddenRows::None, None),
+                        Task::Embed(Pooling::Last) if ends => (HiddenRows::Last, None),
+                        Task::Embed(Pooling::Mean) => (HiddenRows::All, None),
+                        Task::Embed(Pooling::Cls) if start == 0 => (HiddenRows::All, None),
+                        Task::Embed(_) => (HiddenRows::None, None),
+                        Task::Score(ids) => (HiddenRows::None, ends.then_some(&ids[..])),
+                    };
+                    let generates = *task == Task::Generate;
                     StepSeq {
                         tokens: &tokens[start..start + n],
                         start,
@@ -428,7 +441,9 @@ impl EngineCore {
                         state_slot: *state_slot,
                         prompt: start < *prefill_len,
                         snapshots: snaps.iter().map(|p| (p.rows, p.slot)).collect(),
-                        sample: samples.then_some((sampler, &tokens[..])),
+                        sample: (ends && generates).then_some((sampler, &tokens[..])),
+                        hidden,
+                        scores,
                     }
                 })
                 .collect();
@@ -450,12 +465,25 @@ impl EngineCore {
         };
         let tok = self.tokenizer.clone();
         let mut outputs = Vec::new();
-        for ((mut seq, n), pick) in taken.into_iter().zip(picks) {
+        let width = self.runner.model().config().hidden_size;
+        for ((mut seq, n), step) in taken.into_iter().zip(picks) {
+            let start = seq.computed;
             seq.computed += n;
             if self.prefix.is_some() {
                 register_full_blocks(&mut seq, &mut self.runner.blocks);
             }
-            let Some(token) = pick else {
+            if seq.prompt_only() {
+                seq.pool(start, &step.hidden, width, step.scores);
+                if seq.computed == seq.prompt_len {
+                    outputs.push(seq.pooled_output());
+                    self.running.retain(|&r| r != seq.id);
+                    self.free(&mut seq);
+                } else {
+                    self.seqs.insert(seq.id, seq);
+                }
+                continue;
+            }
+            let Some(token) = step.token else {
                 self.seqs.insert(seq.id, seq);
                 continue;
             };
@@ -503,16 +531,28 @@ pub fn validate(req: &Request, cfg: &EngineConfig, vocab: usize) -> Result<()> {
     if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::Invalid(format!("prompt token id {t} is out of range for a vocabulary of {vocab}")));
     }
-    if req.stop.max_tokens == 0 {
-        return Err(Error::Invalid("max_tokens must be at least 1".into()));
+    if let Task::Score(ids) = &req.task
+        && let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab)
+    {
+        return Err(Error::Invalid(format!("score token id {t} is out of range for a vocabulary of {vocab}")));
     }
-    if n >= cfg.max_model_len {
-        return Err(Error::Invalid(format!(
-            "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
-            cfg.max_model_len
-        )));
-    }
-    let longest = (n + req.stop.max_tokens).min(cfg.max_model_len);
+    let longest = if req.task == Task::Generate {
+        if req.stop.max_tokens == 0 {
+            return Err(Error::Invalid("max_tokens must be at least 1".into()));
+        }
+        if n >= cfg.max_model_len {
+            return Err(Error::Invalid(format!(
+                "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
+                cfg.max_model_len
+            )));
+        }
+        (n + req.stop.max_tokens).min(cfg.max_model_len)
+    } else {
+        if n > cfg.max_model_len {
+            return Err(Error::Invalid(format!("the input has {n} tokens; the context holds {}", cfg.max_model_len)));
+        }
+        n
+    };
     let blocks = longest.div_ceil(cfg.block_size);
     if blocks > cfg.num_blocks {
         return Err(Error::Invalid(format!(

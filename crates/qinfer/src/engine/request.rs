@@ -19,8 +19,33 @@ pub struct StopConditions {
     pub stop: Vec<String>,
 }
 
+/// How a pooling request reduces its prompt's final hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last position's (Qwen3-Embedding).
+    Last,
+    /// The mean over every position.
+    Mean,
+    /// The first position's.
+    Cls,
+}
+
+/// What a request asks of the model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Task {
+    /// Generate tokens.
+    #[default]
+    Generate,
+    /// Run the prompt only and return its pooled final normed hidden state
+    /// (unnormalized: the caller normalizes and truncates).
+    Embed(Pooling),
+    /// Run the prompt only and return the last position's logits of these
+    /// token ids (a reranker's yes/no).
+    Score(Vec<u32>),
+}
+
 /// A request: prompt tokens, sampling, stop conditions.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
@@ -28,6 +53,9 @@ pub struct Request {
     /// Requests share cached prefixes only with requests of the same salt
     /// (None is a salt of its own).
     pub cache_salt: Option<String>,
+    /// Generation, or a prompt-only pooling request (sampling and stop
+    /// conditions then unused).
+    pub task: Task,
 }
 
 /// Why a request ended.
@@ -73,4 +101,7 @@ pub struct Output {
     /// The stop string that ended the request, when one did.
     pub stop_string: Option<String>,
     pub usage: Usage,
+    /// A pooling request's result (on its one and last output): the pooled
+    /// hidden state, or the scores.
+    pub pooled: Option<Vec<f32>>,
 }

@@ -2,7 +2,7 @@
 //! cache, the blocks and state slot that hold them, its sampler and the
 //! text streamed so far (held back where a stop string could still begin).
 
-use super::request::{FinishReason, Output, Request, RequestId, StopConditions, Usage};
+use super::request::{FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, Usage};
 use crate::Result;
 use crate::kv::blocks::BlockTable;
 use crate::kv::prefix::{BlockHashes, PrefixKeys};
@@ -31,6 +31,10 @@ pub struct Sequence {
     pub state_slot: Option<u32>,
     pub sampler: Sampler,
     pub stop: StopConditions,
+    pub task: Task,
+    /// Pooling: the sum of the rows' hidden states so far (mean), or the
+    /// pooled row (first, last).
+    pub pooled: Vec<f32>,
     /// Times it was preempted.
     pub preemptions: usize,
     decode: DecodeStream,
@@ -62,6 +66,8 @@ impl Sequence {
             state_slot: None,
             sampler,
             stop: req.stop,
+            task: req.task,
+            pooled: Vec::new(),
             preemptions: 0,
             decode: DecodeStream::new(true),
             text: String::new(),
@@ -86,6 +92,62 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.generated(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
+        }
+    }
+
+    /// Whether it runs its prompt only (pooling, scoring).
+    pub fn prompt_only(&self) -> bool {
+        self.task != Task::Generate
+    }
+
+    /// Takes a pooling step's hidden rows (`width` values each) of positions
+    /// `start..`, or a scoring step's scores.
+    pub fn pool(&mut self, start: usize, hidden: &[f32], width: usize, scores: Vec<f32>) {
+        match &self.task {
+            Task::Generate => {}
+            Task::Score(_) => {
+                if !scores.is_empty() {
+                    self.pooled = scores;
+                }
+            }
+            Task::Embed(Pooling::Last) => {
+                if !hidden.is_empty() {
+                    self.pooled = hidden.to_vec();
+                }
+            }
+            Task::Embed(Pooling::Cls) => {
+                if start == 0 && hidden.len() >= width {
+                    self.pooled = hidden[..width].to_vec();
+                }
+            }
+            Task::Embed(Pooling::Mean) => {
+                if self.pooled.is_empty() {
+                    self.pooled = vec![0.0; width];
+                }
+                for row in hidden.chunks_exact(width.max(1)) {
+                    for (s, x) in self.pooled.iter_mut().zip(row) {
+                        *s += x;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prompt-only request's one output, once its prompt is computed.
+    pub fn pooled_output(&mut self) -> Output {
+        let mut pooled = std::mem::take(&mut self.pooled);
+        if self.task == Task::Embed(Pooling::Mean) {
+            let n = self.prompt_len as f32;
+            pooled.iter_mut().for_each(|x| *x /= n);
+        }
+        Output {
+            id: self.id,
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish: Some(FinishReason::Stop),
+            stop_string: None,
+            usage: self.usage(),
+            pooled: Some(pooled),
         }
     }
 
@@ -159,6 +221,7 @@ impl Sequence {
             finish,
             stop_string: if finish.is_some() { self.stopped_by.clone() } else { None },
             usage: self.usage(),
+            pooled: None,
         })
     }
 }

@@ -52,6 +52,9 @@ pub struct BatchLayout {
     pub block_size: usize,
     /// The rows whose logits the step returns, in this order.
     pub logits_rows: Vec<usize>,
+    /// The rows whose final normed hidden states the step returns (pooling
+    /// requests), in this order.
+    pub hidden_rows: Vec<usize>,
 }
 
 impl BatchLayout {
@@ -67,7 +70,7 @@ impl BatchLayout {
                 slots.push(s.block_table[p / block_size] * block_size as u32 + (p % block_size) as u32);
             }
         }
-        BatchLayout { seqs, positions, slots, block_size, logits_rows }
+        BatchLayout { seqs, positions, slots, block_size, logits_rows, hidden_rows: Vec::new() }
     }
 
     pub fn rows(&self) -> usize {

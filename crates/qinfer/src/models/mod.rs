@@ -66,6 +66,15 @@ pub trait SequenceState: Any + Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// What a batched forward returns.
+#[derive(Debug, Clone, Default)]
+pub struct BatchOutput {
+    /// `[logits_rows, vocab]`.
+    pub logits: Vec<f32>,
+    /// `[hidden_rows, hidden_size]`: the last layer's output after the final norm.
+    pub hidden: Vec<f32>,
+}
+
 /// A model's storage for forwards over many sequences: the paged KV pool
 /// and the recurrent-state slots of Gated DeltaNet layers. Owned by the
 /// runner, opaque to it.
@@ -130,9 +139,9 @@ pub trait LanguageModel: Send + Sync {
         Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
     }
     /// One forward over a ragged batch: `tokens` are the batch's rows, laid
-    /// out as `batch` says; returns the logits of `batch.logits_rows`,
-    /// `[logits_rows.len(), vocab]`.
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+    /// out as `batch` says; returns the logits of `batch.logits_rows` and
+    /// the final normed hidden states of `batch.hidden_rows`.
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
         let _ = (state, tokens, batch);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
     }

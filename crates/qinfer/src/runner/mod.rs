@@ -42,6 +42,29 @@ pub struct StepSeq<'a> {
     /// Pick the token after these rows with this sampler, given the
     /// sequence's tokens so far (for the repetition penalty).
     pub sample: Option<(&'a mut Sampler, &'a [u32])>,
+    /// Return the final normed hidden states of these rows (pooling).
+    pub hidden: HiddenRows,
+    /// Return the last row's logits of these token ids (scoring).
+    pub scores: Option<&'a [u32]>,
+}
+
+/// Which of a sequence's rows a step returns hidden states of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HiddenRows {
+    None,
+    Last,
+    All,
+}
+
+/// What a step returns for one sequence.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOut {
+    /// The token its sampler picked.
+    pub token: Option<u32>,
+    /// `[rows, hidden_size]`, the rows its `hidden` named.
+    pub hidden: Vec<f32>,
+    /// The logits of its `scores` ids.
+    pub scores: Vec<f32>,
 }
 
 pub struct Runner {
@@ -110,22 +133,27 @@ impl Runner {
     }
 
     /// Runs one forward over `seqs` and returns, for each, the token its
-    /// sampler picked (None where it did not sample).
-    pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<Option<u32>>> {
+    /// sampler picked, the hidden states and the scores it asked for.
+    pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<StepOut>> {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
         let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.tokens.len()).sum());
         let mut parts = Vec::with_capacity(seqs.len());
-        let mut logits_rows = Vec::new();
+        let (mut logits_rows, mut hidden_rows) = (Vec::new(), Vec::new());
         for s in seqs.iter() {
             if s.tokens.is_empty() {
                 return Err(Error::Invalid("a scheduled sequence has no new tokens".into()));
             }
             let rows = tokens.len()..tokens.len() + s.tokens.len();
             tokens.extend_from_slice(s.tokens);
-            if s.sample.is_some() {
+            if s.sample.is_some() || s.scores.is_some() {
                 logits_rows.push(rows.end - 1);
+            }
+            match s.hidden {
+                HiddenRows::None => {}
+                HiddenRows::Last => hidden_rows.push(rows.end - 1),
+                HiddenRows::All => hidden_rows.extend(rows.clone()),
             }
             parts.push(BatchSeq {
                 rows,
@@ -136,20 +164,34 @@ impl Runner {
                 snapshots: s.snapshots.clone(),
             });
         }
-        let batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
-        let logits = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
-        let vocab = if batch.logits_rows.is_empty() { 0 } else { logits.len() / batch.logits_rows.len() };
-        let mut rows = logits.chunks_exact(vocab.max(1));
-        let mut picks = Vec::with_capacity(seqs.len());
+        let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
+        batch.hidden_rows = hidden_rows;
+        let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
+        let vocab = if batch.logits_rows.is_empty() { 0 } else { out.logits.len() / batch.logits_rows.len() };
+        let width = if batch.hidden_rows.is_empty() { 0 } else { out.hidden.len() / batch.hidden_rows.len() };
+        let mut logit_rows = out.logits.chunks_exact(vocab.max(1));
+        let mut hidden_at = 0;
+        let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
-            picks.push(match &mut s.sample {
-                Some((sampler, context)) => {
-                    let mut row = rows.next().expect("one logits row per sampling sequence").to_vec();
-                    Some(sampler.sample(&mut row, context))
+            let mut o = StepOut::default();
+            if s.sample.is_some() || s.scores.is_some() {
+                let row = logit_rows.next().expect("one logits row per sampling or scoring sequence");
+                if let Some(ids) = s.scores {
+                    o.scores = ids.iter().map(|&t| row.get(t as usize).copied().unwrap_or(f32::NAN)).collect();
                 }
-                None => None,
-            });
+                if let Some((sampler, context)) = &mut s.sample {
+                    o.token = Some(sampler.sample(&mut row.to_vec(), context));
+                }
+            }
+            let n = match s.hidden {
+                HiddenRows::None => 0,
+                HiddenRows::Last => 1,
+                HiddenRows::All => s.tokens.len(),
+            };
+            o.hidden = out.hidden[hidden_at * width..(hidden_at + n) * width].to_vec();
+            hidden_at += n;
+            outs.push(o);
         }
-        Ok(picks)
+        Ok(outs)
     }
 }

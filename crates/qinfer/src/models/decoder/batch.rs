@@ -200,20 +200,21 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 return bad(format!("sequence {i}: {} positions exceed the model's {max}", s.context_len()));
             }
         }
-        if let Some(&r) = batch.logits_rows.iter().find(|&&r| r >= batch.rows()) {
-            return bad(format!("logits row {r} of {} rows", batch.rows()));
+        if let Some(&r) = batch.logits_rows.iter().chain(&batch.hidden_rows).find(|&&r| r >= batch.rows()) {
+            return bad(format!("logits or hidden row {r} of {} rows", batch.rows()));
         }
         Ok(())
     }
 
     /// Embedding, every layer, the final norm and the head over the batch's
-    /// rows: the logits of `batch.logits_rows`.
+    /// rows: the logits of `batch.logits_rows`, and the final normed hidden
+    /// states of `batch.hidden_rows` (None when it names none).
     pub(super) fn forward_batch_of(
         &self,
         state: &mut DecoderBatchState<B>,
         tokens: &[u32],
         batch: &BatchLayout,
-    ) -> Result<B::Act> {
+    ) -> Result<(B::Act, Option<B::Act>)> {
         self.check_batch(state, tokens, batch)?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
@@ -250,10 +251,15 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let rows = &batch.logits_rows;
-        Ok(match normed {
+        let hidden = (!batch.hidden_rows.is_empty()).then(|| match &normed {
+            Some(x) => b.gather_rows(x, &batch.hidden_rows),
+            None => b.rms_norm(&b.gather_rows(&h, &batch.hidden_rows), &self.norm, eps),
+        });
+        let logits = match normed {
             Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
             None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
-        })
+        };
+        Ok((logits, hidden))
     }
 }
 

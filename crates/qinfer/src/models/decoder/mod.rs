@@ -21,7 +21,7 @@ use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
-use crate::models::{BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
+use crate::models::{BatchOutput, BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::sampling::Sampler;
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
@@ -406,14 +406,15 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.write_slot(&self.backend, slot, bytes)
     }
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
         b.run_pass(|| {
-            let logits = self.forward_batch_of(state, tokens, batch)?;
-            let host = b.to_host(&logits);
+            let (logits, hidden) = self.forward_batch_of(state, tokens, batch)?;
+            let out =
+                BatchOutput { logits: b.to_host(&logits), hidden: hidden.map(|h| b.to_host(&h)).unwrap_or_default() };
             b.check()?;
-            Ok(host)
+            Ok(out)
         })
     }
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState> {
