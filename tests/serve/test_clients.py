@@ -28,9 +28,10 @@ MODEL_ARGS = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []
 class Server:
     """A `qinfer serve` on a free loopback port, ready when constructed."""
 
-    def __init__(self, *extra, key=None):
+    def __init__(self, *extra, key=None, model_args=None):
+        model_args = MODEL_ARGS if model_args is None else model_args
         self.proc = subprocess.Popen(
-            [QINFER, "--threads", "2", "serve", "--port", "0", *MODEL_ARGS, *extra],
+            [QINFER, "--threads", "2", "serve", "--port", "0", *model_args, *extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -245,6 +246,88 @@ def check_prefix_cache(s):
     assert got == 400 and "cache_salt" in json.dumps(body), (got, body)
 
 
+POOLING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "pooling")
+
+
+def close(got, want, what):
+    assert len(got) == len(want), (what, len(got), len(want))
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= 1e-5, f"{what}: max abs difference {worst}"
+
+
+def renormalized(v):
+    n = sum(x * x for x in v) ** 0.5
+    return [x / n for x in v]
+
+
+def check_embeddings():
+    """The tiny Qwen3-Embedding-layout fixture against sentence-transformers' vectors."""
+    d = os.path.join(POOLING, "qwen3_embedding_last")
+    ref = json.load(open(os.path.join(d, "reference.json")))
+    s = Server(model_args=["--model", d])
+    try:
+        c = oa(s)
+        # The SDK asks for base64 unless told otherwise, and decodes it.
+        r = c.embeddings.create(model=s.name, input=ref["texts"])
+        assert [e.index for e in r.data] == list(range(len(ref["texts"])))
+        for e, want in zip(r.data, ref["embeddings"]):
+            close(e.embedding, want, "base64")
+        assert r.usage.prompt_tokens == sum(len(x) for x in ref["input_ids"]), r.usage
+        r = c.embeddings.create(model=s.name, input=ref["texts"][0], encoding_format="float")
+        close(r.data[0].embedding, ref["embeddings"][0], "float")
+        r = c.embeddings.create(model=s.name, input=ref["texts"][1], dimensions=16)
+        close(r.data[0].embedding, renormalized(ref["embeddings"][1][:16]), "dimensions=16")
+        # Token ids, and the model's named query prompt.
+        r = c.embeddings.create(model=s.name, input=ref["input_ids"][2], encoding_format="float")
+        close(r.data[0].embedding, ref["embeddings"][2], "token ids")
+        r = c.embeddings.create(model=s.name, input=ref["queries"], extra_body={"prompt_name": "query"})
+        for e, want in zip(r.data, ref["query_embeddings"]):
+            close(e.embedding, want, "query prompt")
+        cases = [
+            ("empty input", lambda: c.embeddings.create(model=s.name, input=[]), "input"),
+            ("dimensions too large", lambda: c.embeddings.create(model=s.name, input="a", dimensions=65), "dimensions"),
+            ("too long", lambda: c.embeddings.create(model=s.name, input="a" * 600), "input"),
+            ("chat on an embedding model", lambda: c.chat.completions.create(model=s.name, messages=ask("x")), None),
+        ]
+        for what, fn, field in cases:
+            got, body = status_of(fn)
+            assert got == 400, f"{what}: {got} {body}"
+            assert field is None or field in json.dumps(body), f"{what}: {body}"
+        r = c.embeddings.create(model=s.name, input="a" * 600, extra_body={"truncate_prompt_tokens": 8}, encoding_format="float")
+        assert r.usage.prompt_tokens == 8, r.usage
+    finally:
+        s.stop()
+
+
+def check_rerank():
+    """The tiny Qwen3-Reranker-style fixture against transformers' scores."""
+    d = os.path.join(POOLING, "qwen3_reranker")
+    ref = json.load(open(os.path.join(d, "reference.json")))
+    s = Server("--task", "rerank", model_args=["--model", d])
+    try:
+        pairs = ref["pairs"]
+        query = pairs[0]["query"]
+        docs = [p["document"] for p in pairs if p["query"] == query]
+        want = [sc for p, sc in zip(pairs, ref["scores"]) if p["query"] == query]
+        body = {"model": s.name, "query": query, "documents": docs, "top_n": 3, "return_documents": True}
+        req = urllib.request.Request(s.url + "/v1/rerank", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        r = json.load(urllib.request.urlopen(req))
+        order = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
+        assert [x["index"] for x in r["results"]] == order, (r, want)
+        for x in r["results"]:
+            assert abs(x["relevance_score"] - want[x["index"]]) <= 1e-5, (x, want)
+            assert x["document"]["text"] == docs[x["index"]]
+        bad = {"model": s.name, "query": query, "documents": []}
+        req = urllib.request.Request(s.url + "/rerank", data=json.dumps(bad).encode(), headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req)
+            raise AssertionError("empty documents accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and "documents" in e.read().decode()
+    finally:
+        s.stop()
+
+
 def status_of(fn):
     try:
         fn()
@@ -372,7 +455,7 @@ def main():
         raise
     finally:
         s.stop()
-    for check in (check_api_key, check_shutdown_ends_streams):
+    for check in (check_api_key, check_shutdown_ends_streams, check_embeddings, check_rerank):
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)

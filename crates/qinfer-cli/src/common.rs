@@ -193,3 +193,47 @@ impl EngineArgs {
         cfg
     }
 }
+
+/// What a model is run for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TaskKind {
+    /// Embed for sentence-transformers checkpoints (modules.json), else generate.
+    Auto,
+    Generate,
+    /// Pool as the checkpoint's sentence-transformers files say (last token,
+    /// normalized, without them).
+    Embed,
+    /// Score documents against a query, Qwen3-Reranker's way.
+    Rerank,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TaskArgs {
+    /// What to run the model for.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub task: TaskKind,
+}
+
+impl TaskArgs {
+    /// The task for the model at `path` with tokenizer `tok`.
+    pub fn resolve(&self, path: &std::path::Path, tok: Option<&Tokenizer>) -> Result<qinfer_server::ServedTask> {
+        use qinfer::engine::pooling::{PoolingConfig, RerankFormat};
+        use qinfer::engine::request::Pooling;
+        use qinfer_server::ServedTask;
+        let declared = if path.is_dir() { PoolingConfig::from_dir(path)? } else { None };
+        Ok(match (self.task, declared) {
+            (TaskKind::Auto, Some(cfg)) | (TaskKind::Embed, Some(cfg)) => ServedTask::Embed(cfg),
+            (TaskKind::Auto, None) | (TaskKind::Generate, _) => ServedTask::Generate,
+            (TaskKind::Embed, None) => ServedTask::Embed(PoolingConfig {
+                pooling: Pooling::Last,
+                normalize: true,
+                prompts: Default::default(),
+                default_prompt_name: None,
+            }),
+            (TaskKind::Rerank, _) => {
+                let tok = tok.ok_or_else(|| anyhow::anyhow!("--task rerank needs the model's tokenizer"))?;
+                ServedTask::Rerank(RerankFormat::for_tokenizer(tok)?)
+            }
+        })
+    }
+}

@@ -79,6 +79,7 @@ fn event(name: &str, v: Value) -> Event {
 
 pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
     let ready = state.ready(F)?;
+    ready.check_generates(F)?;
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;

@@ -10,6 +10,7 @@ mod bridge;
 mod error;
 mod openai;
 mod params;
+mod pooling;
 mod reasoning;
 
 use std::net::SocketAddr;
@@ -24,6 +25,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use qinfer::engine::handle::Engine;
+use qinfer::engine::pooling::{PoolingConfig, RerankFormat};
 use qinfer::engine::request::{FinishReason, SamplingParams};
 use serde_json::json;
 
@@ -46,6 +48,17 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
 }
 
+/// What the served model does: its endpoints follow.
+#[derive(Debug, Clone)]
+pub enum ServedTask {
+    /// Chat, completions, messages.
+    Generate,
+    /// `/v1/embeddings`, pooling as configured.
+    Embed(PoolingConfig),
+    /// `/v1/rerank`.
+    Rerank(RerankFormat),
+}
+
 /// What loading produces: the running engine and the model's defaults.
 pub struct Loaded {
     pub engine: Engine,
@@ -53,12 +66,29 @@ pub struct Loaded {
     pub defaults: SamplingParams,
     /// Token ids that end generation (the model's EOS ids).
     pub stop_token_ids: Vec<u32>,
+    pub task: ServedTask,
 }
 
 struct Ready {
     engine: Arc<Engine>,
     defaults: SamplingParams,
     stop_token_ids: Vec<u32>,
+    task: ServedTask,
+}
+
+impl Ready {
+    /// Refuses generation endpoints on a pooling model.
+    fn check_generates(&self, flavor: Flavor) -> Result<(), ApiError> {
+        match &self.task {
+            ServedTask::Generate => Ok(()),
+            ServedTask::Embed(_) => {
+                Err(ApiError::bad_request(flavor, None, "this server runs an embedding model: use /v1/embeddings"))
+            }
+            ServedTask::Rerank(_) => {
+                Err(ApiError::bad_request(flavor, None, "this server runs a reranking model: use /v1/rerank"))
+            }
+        }
+    }
 }
 
 pub(crate) struct AppState {
@@ -140,6 +170,9 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/embeddings", post(pooling::embeddings))
+        .route("/v1/rerank", post(pooling::rerank))
+        .route("/rerank", post(pooling::rerank))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/health", get(health))
@@ -264,7 +297,12 @@ where
     let loading = state.clone();
     tokio::task::spawn_blocking(move || match load() {
         Ok(l) => {
-            let ready = Ready { engine: Arc::new(l.engine), defaults: l.defaults, stop_token_ids: l.stop_token_ids };
+            let ready = Ready {
+                engine: Arc::new(l.engine),
+                defaults: l.defaults,
+                stop_token_ids: l.stop_token_ids,
+                task: l.task,
+            };
             let _ = loading.ready.set(ready);
         }
         Err(e) => {

@@ -289,6 +289,7 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiRe
 
 pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
     let ready = state.ready(F)?;
+    ready.check_generates(F)?;
     let v = Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
@@ -437,6 +438,7 @@ fn completion_prompt(b: &Body<'_>, tok: Option<&Tokenizer>, vocab: usize) -> Api
 
 pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
     let ready = state.ready(F)?;
+    ready.check_generates(F)?;
     let v = Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;

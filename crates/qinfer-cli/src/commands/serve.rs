@@ -8,7 +8,15 @@ use anyhow::{Context, Result};
 use qinfer::engine::handle::Engine;
 use qinfer_server::{Loaded, ServeOptions};
 
-use crate::common::{EngineArgs, open_model, stop_tokens};
+use crate::common::{EngineArgs, TaskArgs, open_model, stop_tokens};
+
+fn task_name(t: &qinfer_server::ServedTask) -> &'static str {
+    match t {
+        qinfer_server::ServedTask::Generate => "generating",
+        qinfer_server::ServedTask::Embed(_) => "embedding: /v1/embeddings",
+        qinfer_server::ServedTask::Rerank(_) => "reranking: /v1/rerank",
+    }
+}
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -34,6 +42,8 @@ pub struct Args {
     #[arg(long, default_value_t = 16)]
     max_n: usize,
     #[command(flatten)]
+    task: TaskArgs,
+    #[command(flatten)]
     engine: EngineArgs,
 }
 
@@ -53,15 +63,17 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         max_body_bytes: 32 << 20,
     };
     let engine_args = a.engine.clone();
+    let task = a.task.clone();
     let load = move || -> std::result::Result<Loaded, String> {
         let tok = model.tokenizer.take().map(Arc::new);
         let stop_token_ids = stop_tokens(&model, tok.as_deref());
         let lm: Arc<dyn qinfer::models::LanguageModel> =
             Arc::from(model.load(device, false).map_err(|e| format!("loading {}: {e}", model.path.display()))?);
+        let task = task.resolve(&model.path, tok.as_deref()).map_err(|e| e.to_string())?;
         let cfg = engine_args.config(lm.as_ref(), &device);
         let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
-        eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache)", engine.kv_bytes() >> 10);
-        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids })
+        eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache, {})", engine.kv_bytes() >> 10, task_name(&task));
+        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
