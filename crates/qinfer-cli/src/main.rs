@@ -46,6 +46,8 @@ enum Command {
     Batch(commands::batch::Args),
     /// Teacher-forced logits for a sequence, written as a .npy file.
     Score(commands::score::Args),
+    /// Embeddings of texts from a JSONL file (an embedding model), as JSONL or .npy.
+    Embed(commands::embed::Args),
     /// Perplexity of a text file (llama.cpp's llama-perplexity chunking).
     Perplexity(commands::perplexity::Args),
     /// OpenAI- and Anthropic-compatible HTTP server (continuous batching).
@@ -87,6 +89,7 @@ fn main() {
         Command::Generate(a) => commands::generate::main(a, device),
         Command::Batch(a) => commands::batch::main(a, device),
         Command::Score(a) => commands::score::main(a, device),
+        Command::Embed(a) => commands::embed::main(a, device),
         Command::Perplexity(a) => commands::perplexity::main(a, device),
         Command::Bench(a) => commands::bench::main(a, device),
         Command::Serve(a) => commands::serve::main(a, device),

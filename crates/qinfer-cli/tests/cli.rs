@@ -93,6 +93,37 @@ fn score_writes_reference_logits_as_npy() {
 }
 
 #[test]
+fn embed_writes_sentence_transformers_vectors() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/pooling/qwen3_embedding_mean");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tmp = temp_dir("embed");
+    // Strings and {"text"} objects, one per line.
+    let lines: Vec<String> = (r["texts"].as_array().unwrap().iter().enumerate())
+        .map(|(i, t)| if i % 2 == 0 { t.to_string() } else { serde_json::json!({"text": t}).to_string() })
+        .collect();
+    let input = tmp.join("texts.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let out = tmp.join("vectors.npy");
+    let args = ["embed", "--model", dir.to_str().unwrap(), "--input", input.to_str().unwrap(), "--output"];
+    let o = qinfer(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, got) = qinfer::npy::read_f32(&out).unwrap();
+    let want: Vec<f32> = (r["embeddings"].as_array().unwrap().iter())
+        .flat_map(|v| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<_>>())
+        .collect();
+    assert_eq!(shape, vec![lines.len(), want.len() / lines.len()]);
+    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d <= 1e-5, "max |Δ| {d}");
+    // A bad line fails the run, naming it, and writes nothing.
+    std::fs::write(&input, "\"fine\"\n42\n").unwrap();
+    let bad = tmp.join("bad.jsonl");
+    let o = qinfer(&[&args[..], &[bad.to_str().unwrap()]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("texts.jsonl:2"), "{}", stderr(&o));
+    assert!(!bad.exists());
+}
+
+#[test]
 fn score_into_a_missing_directory_fails_without_output() {
     let dir = fixture("llama");
     let out = temp_dir("noout").join("missing/sub/logits.npy");
