@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{Result, bail, ensure};
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::prefix::PrefixCacheConfig;
-use qinfer::engine::request::{Request, StopConditions};
+use qinfer::engine::request::{Pooling, Request, StopConditions, Task};
 use qinfer::loader::Device;
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::{Sampler, SamplingParams};
@@ -69,6 +69,10 @@ pub struct Args {
     /// cost of its bookkeeping alone).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// With --concurrency: last-token embedding requests of -p tokens
+    /// (prompt only, as an embedding model runs them): embedded tok/s.
+    #[arg(long, requires = "concurrency")]
+    embed: bool,
     /// Multi-turn conversations through the engine, with the prefix cache
     /// and without: --conversations at once, each --turns turns, sharing a
     /// --system-tokens prompt, each turn adding --turn-tokens and an answer
@@ -147,13 +151,29 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 /// the engine: (prefill tok/s, aggregate decode tok/s).
 /// Each run's requests carry a salt of their own, so a run finds nothing
 /// of the runs before it in the prefix cache.
-fn concurrent(core: &mut EngineCore, c: usize, p: usize, n: usize, vocab: usize, run: usize) -> Result<(f64, f64)> {
+/// With `embed`, the requests are last-token pooling requests instead
+/// (prompt only): (embedded tok/s, 0).
+fn concurrent(
+    core: &mut EngineCore,
+    (c, p, n): (usize, usize, usize),
+    vocab: usize,
+    run: usize,
+    embed: bool,
+) -> Result<(f64, f64)> {
     let all = tokens(c * p, vocab);
+    let task = if embed { Task::Embed(Pooling::Last) } else { Task::Generate };
     for (i, prompt) in all.chunks(p).enumerate() {
         let stop = StopConditions { max_tokens: n, ..Default::default() };
         let cache_salt = Some(format!("run {run}"));
-        let req = Request { prompt: prompt.to_vec(), stop, cache_salt, ..Default::default() };
+        let req = Request { prompt: prompt.to_vec(), stop, cache_salt, task: task.clone(), ..Default::default() };
         core.add(i as u64, req)?;
+    }
+    if embed {
+        let t0 = Instant::now();
+        while core.num_unfinished() > 0 {
+            core.step()?;
+        }
+        return Ok(((c * p) as f64 / t0.elapsed().as_secs_f64().max(1e-9), 0.0));
     }
     let t0 = Instant::now();
     let (mut first, mut t_first) = (0, None);
@@ -196,18 +216,23 @@ fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device:
             }),
         };
         let mut core = EngineCore::new(lm.clone(), None, cfg)?;
-        concurrent(&mut core, c, p, n, vocab, 0)?;
+        concurrent(&mut core, (c, p, n), vocab, 0, a.embed)?;
         let runs = (1..=a.repetitions.max(1))
-            .map(|run| concurrent(&mut core, c, p, n, vocab, run))
+            .map(|run| concurrent(&mut core, (c, p, n), vocab, run, a.embed))
             .collect::<Result<Vec<_>>>()?;
         if let Some(stats) = core.prefix_stats() {
             ensure!(stats.hit_tokens == 0, "benchmark runs must not find each other's prompts in the prefix cache");
         }
         let kv = core.kv_bytes();
-        for (test, samples) in [
-            (format!("pp{p}"), runs.iter().map(|r| r.0).collect::<Vec<_>>()),
-            (format!("tg{n}"), runs.iter().map(|r| r.1).collect()),
-        ] {
+        let tests = if a.embed {
+            vec![(format!("embed{p}"), runs.iter().map(|r| r.0).collect::<Vec<_>>())]
+        } else {
+            vec![
+                (format!("pp{p}"), runs.iter().map(|r| r.0).collect::<Vec<_>>()),
+                (format!("tg{n}"), runs.iter().map(|r| r.1).collect()),
+            ]
+        };
+        for (test, samples) in tests {
             let (m, s) = mean_std(&samples);
             let mut row = json!({"test": test, "concurrency": c, "n_prompt": p, "n_gen": n, "avg_ts": m,
                 "stddev_ts": s, "samples_ts": samples, "kv_cache_bytes": kv, "max_batched_tokens": budget});
