@@ -216,11 +216,21 @@ pub struct TaskArgs {
 
 impl TaskArgs {
     /// The task for the model at `path` with tokenizer `tok`.
-    pub fn resolve(&self, path: &std::path::Path, tok: Option<&Tokenizer>) -> Result<qinfer_server::ServedTask> {
+    /// `gguf_pooling_type` is a GGUF's declared pooling, if any.
+    pub fn resolve(
+        &self,
+        path: &std::path::Path,
+        gguf_pooling_type: Option<u64>,
+        tok: Option<&Tokenizer>,
+    ) -> Result<qinfer_server::ServedTask> {
         use qinfer::engine::pooling::{PoolingConfig, RerankFormat};
         use qinfer::engine::request::Pooling;
         use qinfer_server::ServedTask;
-        let declared = if path.is_dir() { PoolingConfig::from_dir(path)? } else { None };
+        let declared = match gguf_pooling_type {
+            _ if path.is_dir() => PoolingConfig::from_dir(path)?,
+            Some(t) if self.task != TaskKind::Generate => PoolingConfig::from_gguf_pooling_type(t)?,
+            _ => None,
+        };
         Ok(match (self.task, declared) {
             (TaskKind::Auto, Some(cfg)) | (TaskKind::Embed, Some(cfg)) => ServedTask::Embed(cfg),
             (TaskKind::Auto, None) | (TaskKind::Generate, _) => ServedTask::Generate,

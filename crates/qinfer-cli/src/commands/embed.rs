@@ -69,7 +69,9 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let inputs = texts(&a.input)?;
     let mut model = open_model(a.model.as_ref())?;
     let tok = model.tokenizer.take().context("`qinfer embed` needs a model with a tokenizer")?;
-    let ServedTask::Embed(cfg) = (TaskArgs { task: TaskKind::Embed }).resolve(&model.path, Some(&tok))? else {
+    let ServedTask::Embed(cfg) =
+        (TaskArgs { task: TaskKind::Embed }).resolve(&model.path, model.gguf_pooling_type, Some(&tok))?
+    else {
         unreachable!("the embed task resolves to pooling")
     };
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);

@@ -69,7 +69,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         let stop_token_ids = stop_tokens(&model, tok.as_deref());
         let lm: Arc<dyn qinfer::models::LanguageModel> =
             Arc::from(model.load(device, false).map_err(|e| format!("loading {}: {e}", model.path.display()))?);
-        let task = task.resolve(&model.path, tok.as_deref()).map_err(|e| e.to_string())?;
+        let task = task.resolve(&model.path, model.gguf_pooling_type, tok.as_deref()).map_err(|e| e.to_string())?;
         let cfg = engine_args.config(lm.as_ref(), &device);
         let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
         eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache, {})", engine.kv_bytes() >> 10, task_name(&task));

@@ -73,6 +73,28 @@ impl PoolingConfig {
         Ok(Some(PoolingConfig { pooling, normalize, prompts, default_prompt_name }))
     }
 
+    /// The pooling a GGUF declares (`{arch}.pooling_type`, llama.cpp's
+    /// numbering; its server L2-normalizes embeddings by default): None for
+    /// 0 (no pooling: a generative model). Rank pooling (llama.cpp's
+    /// rerankers, a classifier head made from the yes/no rows) is refused.
+    pub fn from_gguf_pooling_type(pooling_type: u64) -> Result<Option<Self>> {
+        let pooling = match pooling_type {
+            0 => return Ok(None),
+            1 => Pooling::Mean,
+            2 => Pooling::Cls,
+            3 => Pooling::Last,
+            4 => {
+                return Err(Error::Invalid(
+                    "this GGUF declares rank pooling (a reranker converted by llama.cpp), which is not supported: \
+                     serve the Hugging Face checkpoint with --task rerank"
+                        .into(),
+                ));
+            }
+            other => return Err(Error::Invalid(format!("unknown GGUF pooling_type {other}"))),
+        };
+        Ok(Some(PoolingConfig { pooling, normalize: true, prompts: BTreeMap::new(), default_prompt_name: None }))
+    }
+
     /// The text a model embeds for `input`: the named prompt (or the default
     /// one) before it, or Qwen3-Embedding's instruction format when a task
     /// description is given.
@@ -201,6 +223,14 @@ mod tests {
         assert!(finish_embedding(vec![1.0], true, Some(2)).is_err());
         assert!(finish_embedding(vec![1.0], true, Some(0)).is_err());
         assert_eq!(finish_embedding(vec![0.0, 0.0], true, None).unwrap(), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn gguf_pooling_types_follow_llama_cpp() {
+        let p = |t| PoolingConfig::from_gguf_pooling_type(t).unwrap().map(|c| c.pooling);
+        assert_eq!([p(0), p(1), p(2), p(3)], [None, Some(Pooling::Mean), Some(Pooling::Cls), Some(Pooling::Last)]);
+        assert!(PoolingConfig::from_gguf_pooling_type(4).unwrap_err().to_string().contains("rank pooling"));
+        assert!(PoolingConfig::from_gguf_pooling_type(9).is_err());
     }
 
     #[test]
