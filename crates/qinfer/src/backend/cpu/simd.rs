@@ -241,16 +241,12 @@ mod tests {
             assert!((super::dot_portable(&a, &b) as f64 - r).abs() < 1e-4 * (1.0 + r.abs()), "n={n}");
         }
     }
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod register_tests {
-    use super::*;
 
     /// The register form gives the bits of the loop it stands for.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn dot_in_registers_matches_the_loop() {
-        if !has_avx2() {
+        if !super::has_avx2() {
             return;
         }
         let mut x = 0x2545_f491u32;
@@ -263,9 +259,9 @@ mod register_tests {
         for n in [0, 1, 15, 16, 17, 64, 100, 128, 131] {
             let a: Vec<f32> = (0..n).map(|_| rnd()).collect();
             let b: Vec<f32> = (0..n).map(|_| rnd()).collect();
-            let want: f32 = dot_body!(&a[..], &b[..], fused);
+            let want: f32 = dot_body!(&a[..], &b[..], super::fused);
             // SAFETY: avx2 and fma are present (checked above).
-            let got = unsafe { dot_avx2(&a, &b) };
+            let got = unsafe { super::dot_avx2(&a, &b) };
             assert_eq!(got.to_bits(), want.to_bits(), "n = {n}");
         }
     }
