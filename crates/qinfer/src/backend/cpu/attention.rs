@@ -21,7 +21,7 @@ pub fn causal_attention(
     let kv_dim = nkv * hd;
     debug_assert_eq!(q.len(), n * nh * hd);
     debug_assert!(keys.len() >= (start + n) * kv_dim && values.len() >= (start + n) * kv_dim);
-    let tiles = tiles_of(0, 0..n, nkv);
+    let tiles = spread(tiles_of(0, 0..n, nkv, nh / nkv), rayon::current_num_threads());
     let work = n * nh * (start + n) * hd;
     run_tiles(
         q,
@@ -49,25 +49,43 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
 /// every row of the tile and every query head of its key head.
 const TILE_ROWS: usize = 16;
 
-/// A unit of work: query rows `rows` (of sequence `seq`) for key head `kvh`.
+/// A unit of work: query rows `rows` (of sequence `seq`) for key head
+/// `kvh` and its query heads `heads` (indices within its group).
 struct Tile {
     seq: usize,
     rows: std::ops::Range<usize>,
     kvh: usize,
+    heads: std::ops::Range<usize>,
 }
 
-/// `rows` of sequence `seq` in tiles of [`TILE_ROWS`], for each key head.
-fn tiles_of(seq: usize, rows: std::ops::Range<usize>, nkv: usize) -> Vec<Tile> {
+/// `rows` of sequence `seq` in tiles of [`TILE_ROWS`], for each key head
+/// and all its `group` query heads.
+fn tiles_of(seq: usize, rows: std::ops::Range<usize>, nkv: usize, group: usize) -> Vec<Tile> {
     let mut tiles = Vec::new();
     for kvh in 0..nkv {
         let mut r = rows.start;
         while r < rows.end {
             let end = (r + TILE_ROWS).min(rows.end);
-            tiles.push(Tile { seq, rows: r..end, kvh });
+            tiles.push(Tile { seq, rows: r..end, kvh, heads: 0..group });
             r = end;
         }
     }
     tiles
+}
+
+/// Tiles of one query head each when there are fewer tiles than threads
+/// (a decode step of few sequences): more parallel work, each key row read
+/// once per head instead of once per group. The bits do not change.
+fn spread(tiles: Vec<Tile>, threads: usize) -> Vec<Tile> {
+    if tiles.len() >= threads {
+        return tiles;
+    }
+    tiles
+        .into_iter()
+        .flat_map(|t| {
+            t.heads.clone().map(move |g| Tile { seq: t.seq, rows: t.rows.clone(), kvh: t.kvh, heads: g..g + 1 })
+        })
+        .collect()
 }
 
 /// Runs `tiles` (on the calling thread when `work` is small: a rayon
@@ -96,9 +114,10 @@ fn run_tiles<'a>(
     let results: Vec<Vec<f32>> =
         if work < 1 << 16 { tiles.iter().map(run).collect() } else { tiles.par_iter().map(run).collect() };
     for (t, o) in tiles.iter().zip(results) {
+        let width = t.heads.len() * hd;
         for (i, r) in t.rows.clone().enumerate() {
-            let at = r * nh * hd + t.kvh * group * hd;
-            out[at..at + group * hd].copy_from_slice(&o[i * group * hd..(i + 1) * group * hd]);
+            let at = r * nh * hd + (t.kvh * group + t.heads.start) * hd;
+            out[at..at + width].copy_from_slice(&o[i * width..(i + 1) * width]);
         }
     }
 }
@@ -107,7 +126,7 @@ fn run_tiles<'a>(
 /// softmax of the scaled dot products over positions `lo..=pos`, then the
 /// weighted sum of values. Every (row, head) sums in position order, as
 /// [`attend_one`] does alone, so tiling changes no bit; only each key and
-/// value row is read once for the whole tile. Returns `[rows, group·hd]`.
+/// value row is read once for the whole tile. Returns `[rows, heads·hd]`.
 #[inline(always)]
 fn attend_tile<'a>(
     q: &[f32],
@@ -126,7 +145,7 @@ fn attend_tile<'a>(
         .clone()
         .flat_map(|r| {
             let p = pos(t.seq, r);
-            std::iter::repeat_n((window_start(p, s.window), p), group)
+            std::iter::repeat_n((window_start(p, s.window), p), t.heads.len())
         })
         .collect();
     let offsets: Vec<usize> = spans
@@ -141,8 +160,9 @@ fn attend_tile<'a>(
     let mut scores = vec![0f32; total];
     let first = spans.iter().map(|s| s.0).min().unwrap_or(0);
     let last = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    let heads = t.heads.len();
     let query = |i: usize| {
-        let (r, g) = (t.rows.start + i / group, i % group);
+        let (r, g) = (t.rows.start + i / heads, t.heads.start + i % heads);
         let h = t.kvh * group + g;
         &q[r * nh * hd + h * hd..r * nh * hd + (h + 1) * hd]
     };
@@ -237,7 +257,8 @@ pub fn paged_attention(
     let kv_dim = nkv * hd;
     let bs = batch.block_size;
     let tiles: Vec<Tile> =
-        batch.seqs.iter().enumerate().flat_map(|(i, seq)| tiles_of(i, seq.rows.clone(), nkv)).collect();
+        batch.seqs.iter().enumerate().flat_map(|(i, seq)| tiles_of(i, seq.rows.clone(), nkv, nh / nkv)).collect();
+    let tiles = spread(tiles, rayon::current_num_threads());
     let work: usize = batch.seqs.iter().map(|x| x.len() * x.context_len()).sum::<usize>() * nh * hd;
     let pos = |i: usize, r: usize| {
         let seq = &batch.seqs[i];
@@ -287,6 +308,24 @@ mod tests {
             let v: Vec<f32> = (0..(start + n) * kv_dim).map(|_| rnd()).collect();
             let mut out = vec![f32::NAN; q.len()];
             causal_attention(&q, n, start, &k, &v, &s, &mut out);
+            // One query head per tile (as when tiles are fewer than threads): the same bits.
+            let mut spread_out = vec![f32::NAN; q.len()];
+            let tiles = spread(tiles_of(0, 0..n, 2, 3), usize::MAX);
+            assert_eq!(tiles.len(), 2 * 3 * n.div_ceil(TILE_ROWS));
+            run_tiles(
+                &q,
+                &s,
+                &tiles,
+                0,
+                &mut spread_out,
+                |_, r| start + r,
+                |_, j, kvh| {
+                    let at = j * kv_dim + kvh * 8;
+                    (&k[at..at + 8], &v[at..at + 8])
+                },
+            );
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&spread_out), bits(&out));
             for t in 0..n {
                 for h in 0..6 {
                     let kvh = h / 3;
