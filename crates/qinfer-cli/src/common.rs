@@ -3,8 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use qinfer::engine::core::EngineConfig;
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::loader::{self, LoadedModel};
 use qinfer::sampling::SamplingParams;
+use qinfer::tokenizer::Tokenizer;
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -119,9 +122,9 @@ impl InputArgs {
 }
 
 /// Stop tokens: the config's eos ids plus the tokenizer's eos.
-pub fn stop_tokens(model: &LoadedModel) -> Vec<u32> {
+pub fn stop_tokens(model: &LoadedModel, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
     let mut s = model.config.eos_token_ids.clone();
-    if let Some(t) = &model.tokenizer {
+    if let Some(t) = tokenizer.or(model.tokenizer.as_ref()) {
         for id in t.eos_token_ids() {
             if !s.contains(&id) {
                 s.push(id);
@@ -134,4 +137,113 @@ pub fn stop_tokens(model: &LoadedModel) -> Vec<u32> {
 /// Errors writing streamed output, inside generation callbacks.
 pub fn stdout_error(e: std::io::Error) -> qinfer::Error {
     qinfer::Error::Invalid(format!("writing to stdout: {e}"))
+}
+
+/// How the continuous-batching engine batches (`batch`, `bench --concurrency`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Tokens one engine step computes (decode tokens first, then prefill
+    /// chunks). Default: 8192 on CUDA, 2048 on the CPU.
+    #[arg(long)]
+    pub max_batched_tokens: Option<usize>,
+    /// Most positions one sequence may hold (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Memory for the KV cache's blocks, in GiB (default 4): at most this
+    /// much, and no more than max_num_seqs sequences of max_model_len need.
+    #[arg(long, default_value_t = 4.0)]
+    pub kv_cache_gib: f64,
+    /// Turn the prefix cache off (on by default: requests that repeat a
+    /// cached prefix compute only the rest).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+    /// Hybrid models: positions between the recurrent-state snapshots kept
+    /// for the prefix cache (a multiple of 64, the recurrent chunk).
+    #[arg(long, default_value_t = 64)]
+    pub state_snapshot_interval: usize,
+    /// Hybrid models: memory for recurrent-state snapshots, in GiB.
+    #[arg(long, default_value_t = 1.0)]
+    pub state_snapshot_gib: f64,
+    /// Host memory for prefix-cache blocks and snapshots evicted from the
+    /// KV pool, in GiB (copied back on a later hit; 0: evicted ones are
+    /// dropped). On the CPU the pool is host memory already.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefix_cache_host_gb: f64,
+}
+
+impl EngineArgs {
+    pub fn config(&self, lm: &dyn qinfer::models::LanguageModel, device: &qinfer::loader::Device) -> EngineConfig {
+        let gpu = !matches!(device, qinfer::loader::Device::Cpu);
+        let tokens = self.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
+        let gib = |g: f64| (g.max(0.0) * (1u64 << 30) as f64) as usize;
+        let mut cfg =
+            EngineConfig::for_model(lm, tokens, self.max_num_seqs, self.max_model_len, gib(self.kv_cache_gib));
+        cfg.prefix_cache = (!self.no_prefix_cache).then(|| PrefixCacheConfig {
+            host_bytes: gib(self.prefix_cache_host_gb),
+            ..PrefixCacheConfig::for_model(
+                lm,
+                self.state_snapshot_interval,
+                gib(self.state_snapshot_gib),
+                cfg.num_blocks * cfg.block_size,
+            )
+        });
+        cfg
+    }
+}
+
+/// What a model is run for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TaskKind {
+    /// Embed for sentence-transformers checkpoints (modules.json), else generate.
+    Auto,
+    Generate,
+    /// Pool as the checkpoint's sentence-transformers files say (last token,
+    /// normalized, without them).
+    Embed,
+    /// Score documents against a query, Qwen3-Reranker's way.
+    Rerank,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TaskArgs {
+    /// What to run the model for.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub task: TaskKind,
+}
+
+impl TaskArgs {
+    /// The task for the model at `path` with tokenizer `tok`.
+    /// `gguf_pooling_type` is a GGUF's declared pooling, if any.
+    pub fn resolve(
+        &self,
+        path: &std::path::Path,
+        gguf_pooling_type: Option<u64>,
+        tok: Option<&Tokenizer>,
+    ) -> Result<qinfer_server::ServedTask> {
+        use qinfer::engine::pooling::{PoolingConfig, RerankFormat};
+        use qinfer::engine::request::Pooling;
+        use qinfer_server::ServedTask;
+        let declared = match gguf_pooling_type {
+            _ if path.is_dir() => PoolingConfig::from_dir(path)?,
+            Some(t) if self.task != TaskKind::Generate => PoolingConfig::from_gguf_pooling_type(t)?,
+            _ => None,
+        };
+        Ok(match (self.task, declared) {
+            (TaskKind::Auto, Some(cfg)) | (TaskKind::Embed, Some(cfg)) => ServedTask::Embed(cfg),
+            (TaskKind::Auto, None) | (TaskKind::Generate, _) => ServedTask::Generate,
+            (TaskKind::Embed, None) => ServedTask::Embed(PoolingConfig {
+                pooling: Pooling::Last,
+                normalize: true,
+                prompts: Default::default(),
+                default_prompt_name: None,
+            }),
+            (TaskKind::Rerank, _) => {
+                let tok = tok.ok_or_else(|| anyhow::anyhow!("--task rerank needs the model's tokenizer"))?;
+                ServedTask::Rerank(RerankFormat::for_tokenizer(tok)?)
+            }
+        })
+    }
 }

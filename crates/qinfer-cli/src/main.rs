@@ -41,10 +41,17 @@ enum Command {
     Run(commands::run::Args),
     /// Raw continuation of tokens or text (no chat template).
     Generate(commands::generate::Args),
+    /// Many requests from a JSONL file at once (continuous batching), results
+    /// in input order.
+    Batch(commands::batch::Args),
     /// Teacher-forced logits for a sequence, written as a .npy file.
     Score(commands::score::Args),
+    /// Embeddings of texts from a JSONL file (an embedding model), as JSONL or .npy.
+    Embed(commands::embed::Args),
     /// Perplexity of a text file (llama.cpp's llama-perplexity chunking).
     Perplexity(commands::perplexity::Args),
+    /// OpenAI- and Anthropic-compatible HTTP server (continuous batching).
+    Serve(commands::serve::Args),
     /// Prompt-processing and token-generation throughput (llama-bench style).
     Bench(commands::bench::Args),
     /// Architecture, shapes, dtypes, parameter count and file sizes.
@@ -80,9 +87,12 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),
         Command::Generate(a) => commands::generate::main(a, device),
+        Command::Batch(a) => commands::batch::main(a, device),
         Command::Score(a) => commands::score::main(a, device),
+        Command::Embed(a) => commands::embed::main(a, device),
         Command::Perplexity(a) => commands::perplexity::main(a, device),
         Command::Bench(a) => commands::bench::main(a, device),
+        Command::Serve(a) => commands::serve::main(a, device),
         Command::Inspect(a) => commands::inspect::main(a),
         Command::Quantize(a) => commands::quantize::main(a),
         Command::Kernels(a) => commands::kernels::main(a),

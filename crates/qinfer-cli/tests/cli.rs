@@ -93,6 +93,37 @@ fn score_writes_reference_logits_as_npy() {
 }
 
 #[test]
+fn embed_writes_sentence_transformers_vectors() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/pooling/qwen3_embedding_mean");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let tmp = temp_dir("embed");
+    // Strings and {"text"} objects, one per line.
+    let lines: Vec<String> = (r["texts"].as_array().unwrap().iter().enumerate())
+        .map(|(i, t)| if i % 2 == 0 { t.to_string() } else { serde_json::json!({"text": t}).to_string() })
+        .collect();
+    let input = tmp.join("texts.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    let out = tmp.join("vectors.npy");
+    let args = ["embed", "--model", dir.to_str().unwrap(), "--input", input.to_str().unwrap(), "--output"];
+    let o = qinfer(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (shape, got) = qinfer::npy::read_f32(&out).unwrap();
+    let want: Vec<f32> = (r["embeddings"].as_array().unwrap().iter())
+        .flat_map(|v| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<_>>())
+        .collect();
+    assert_eq!(shape, vec![lines.len(), want.len() / lines.len()]);
+    let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d <= 1e-5, "max |Δ| {d}");
+    // A bad line fails the run, naming it, and writes nothing.
+    std::fs::write(&input, "\"fine\"\n42\n").unwrap();
+    let bad = tmp.join("bad.jsonl");
+    let o = qinfer(&[&args[..], &[bad.to_str().unwrap()]].concat());
+    assert!(!o.status.success() && stderr(&o).contains("texts.jsonl:2"), "{}", stderr(&o));
+    assert!(!bad.exists());
+}
+
+#[test]
 fn score_into_a_missing_directory_fails_without_output() {
     let dir = fixture("llama");
     let out = temp_dir("noout").join("missing/sub/logits.npy");
@@ -238,4 +269,78 @@ fn bench_json_reports_pp_and_tg() {
     for r in v["results"].as_array().unwrap() {
         assert!(r["avg_ts"].as_f64().unwrap() > 0.0);
     }
+}
+
+#[test]
+fn bench_concurrency_reports_aggregate_and_per_sequence_rates() {
+    let dir = fixture("qwen3_next");
+    let o = qinfer(&[
+        "bench",
+        "--model",
+        dir.to_str().unwrap(),
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--concurrency",
+        "1,3",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    let got: Vec<(String, u64)> =
+        rows.iter().map(|r| (r["test"].as_str().unwrap().to_string(), r["concurrency"].as_u64().unwrap())).collect();
+    let want = [("pp16", 1), ("tg4", 1), ("pp16", 3), ("tg4", 3)].map(|(t, c)| (t.to_string(), c));
+    assert_eq!(got, want);
+    for r in rows {
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0 && r["kv_cache_bytes"].as_u64().unwrap() > 0);
+        if r["test"] == "tg4" {
+            let (agg, per) = (r["avg_ts"].as_f64().unwrap(), r["per_seq_ts"].as_f64().unwrap());
+            assert!((agg / r["concurrency"].as_f64().unwrap() - per).abs() < 1e-6 * agg);
+        }
+    }
+}
+
+#[test]
+fn batch_runs_every_valid_line_in_input_order_and_names_bad_ones() {
+    let Some(model) = default_model() else { return };
+    let model = model.to_str().unwrap();
+    let dir = temp_dir("batch");
+    let input = dir.join("requests.jsonl");
+    let output = dir.join("results.jsonl");
+    let lines = [
+        r#"{"id": "raw", "prompt": "The capital of France is", "max_tokens": 16}"#,
+        r#"{"id": 7, "prompt": 5}"#,
+        r#"{"id": "chat", "messages": [{"role": "user", "content": "Name the capital city of France."}], "max_tokens": 24}"#,
+        r#"{"id": "stop", "prompt": "The capital of France is", "max_tokens": 16, "stop": ["\n"]}"#,
+        "not json",
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let o =
+        qinfer(&["batch", "--model", model, "--input", input.to_str().unwrap(), "--output", output.to_str().unwrap()]);
+    assert!(!o.status.success(), "two lines are bad: the exit status says so");
+    let err = stderr(&o);
+    assert!(err.contains(":2: field `prompt` must be a string") && err.contains(":5: not JSON"), "{err}");
+    let rows: Vec<serde_json::Value> =
+        std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ids: Vec<String> = rows.iter().map(|r| r["id"].to_string()).collect();
+    assert_eq!(ids, ["\"raw\"", "7", "\"chat\"", "\"stop\"", "null"]);
+    assert!(rows[1]["error"].as_str().unwrap().contains("line 2"));
+    // The raw prompt continues as `generate` continues it (the one-sequence path).
+    let g =
+        qinfer(&["generate", "--model", model, "--prompt", "The capital of France is", "--max-tokens", "16", "--json"]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    let g: serde_json::Value = serde_json::from_slice(&g.stdout).unwrap();
+    assert_eq!(rows[0]["tokens"], g["tokens"]);
+    assert_eq!(rows[0]["text"], g["text"]);
+    assert_eq!(rows[0]["usage"]["completion_tokens"], 16);
+    assert!(rows[2]["text"].as_str().unwrap().contains("Paris"), "{}", rows[2]);
+    // The stop string ends the text before it; the finish says so.
+    let full = rows[0]["text"].as_str().unwrap();
+    let cut = &full[..full.find('\n').expect("the continuation has a line break")];
+    assert_eq!((rows[3]["text"].as_str().unwrap(), rows[3]["finish_reason"].as_str().unwrap()), (cut, "stop"));
+    assert!(!dir.join("results.partial").exists());
 }

@@ -20,6 +20,7 @@ use qinfer::backend::{AttentionShape, Backend, QkvShape};
 use qinfer::config::rope::Rope;
 use qinfer::config::{RopeConfig, RopeStyle};
 use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::kv::KvPrecision;
 use qinfer::kv::batch::{BatchLayout, BatchSeq};
@@ -49,7 +50,14 @@ fn shuffled_layout(r: &mut Rng, parts: &[(usize, usize)], block_size: usize, spa
     let mut seqs = Vec::new();
     for (&(n, start), &k) in parts.iter().zip(&need) {
         let block_table = ids[at..at + k].to_vec();
-        seqs.push(BatchSeq { rows: row..row + n, start, block_table, state_slot: None, prompt: n > 1 });
+        seqs.push(BatchSeq {
+            rows: row..row + n,
+            start,
+            block_table,
+            state_slot: None,
+            prompt: n > 1,
+            snapshots: Vec::new(),
+        });
         at += k;
         row += n;
     }
@@ -276,7 +284,12 @@ fn paged_prologue_matches_cpu() {
 
 /// A request: greedy, `max_tokens` new tokens.
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, sampling: SamplingParams::default(), stop: StopConditions { max_tokens, ..Default::default() } }
+    Request {
+        prompt,
+        sampling: SamplingParams::default(),
+        stop: StopConditions { max_tokens, ..Default::default() },
+        ..Default::default()
+    }
 }
 
 /// Runs `reqs` through `core`, request `i` joining before step `joins[i]`;
@@ -367,57 +380,78 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
             greedy(text[..150].to_vec(), 5),
             greedy(text[20..53].to_vec(), 16),
             greedy(text[5..70].to_vec(), 20),
+            // Joins after the 150-token prompt is in: with the prefix cache
+            // on, its first 128 positions come from there (a snapshot at 128
+            // on the hybrid).
+            greedy(text[..140].to_vec(), 6),
         ];
-        let joins = [0, 0, 1, 1, 3, 6];
+        let joins = [0, 0, 1, 1, 3, 6, 9];
         // A pool of 16 blocks of 16 (two sequences' worth): preemptions.
-        let config = EngineConfig {
-            max_batched_tokens: 80,
-            max_num_seqs: 4,
-            block_size: 16,
-            num_blocks: 16,
-            max_model_len: 512,
-        };
-        let mut core_c = EngineCore::new(cpu.clone(), None, config).unwrap();
-        let want = run(&mut core_c, &reqs, &joins);
-        let mut core_g = EngineCore::new(gpu.clone(), None, config).unwrap();
-        let got = run(&mut core_g, &reqs, &joins);
-        println!("{name}: {} preemptions on the GPU, {} on the CPU", core_g.preemptions(), core_c.preemptions());
-        for (i, ((q, w), g)) in reqs.iter().zip(&want).zip(&got).enumerate() {
-            assert_eq!((w.len(), g.len()), (q.stop.max_tokens, q.stop.max_tokens), "{name}: request {i}'s lengths");
-            let Some(at) = w.iter().zip(g).position(|(a, b)| a != b) else {
-                println!("{name}: request {i} (prompt of {}): {} tokens equal", q.prompt.len(), w.len());
-                continue;
+        // Without and with the prefix cache (snapshots every 64 positions
+        // on the hybrid).
+        // A host tier takes what the small pool evicts: blocks and snapshots
+        // cross to the host and back.
+        let cache = PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 2, host_bytes: 64 << 20 };
+        for prefix_cache in [None, Some(cache)] {
+            let config = EngineConfig {
+                max_batched_tokens: 80,
+                max_num_seqs: 4,
+                block_size: 16,
+                num_blocks: 16,
+                max_model_len: 512,
+                prefix_cache,
             };
-            // The first divergence: the CPU's margin there, and the GPU's
-            // logit error at the same context on the one-sequence path.
-            let context = [&q.prompt[..], &w[..at]].concat();
-            let logits = |m: &Arc<dyn LanguageModel>| {
-                let mut s = m.new_sequence(context.len() + 1);
-                m.forward(s.as_mut(), &context, Logits::Last).unwrap()
-            };
-            let (lc, lg) = (logits(&cpu), logits(&gpu));
-            let (top, top_margin) = top2(&lc);
-            // How much the CPU prefers its pick to the GPU's there.
-            let margin = lc[w[at] as usize] - lc[g[at] as usize];
-            let err = max_abs(&lg, &lc);
-            println!(
-                "{name}: request {i} (prompt of {}): the first {at} of {} tokens equal, then CPU {} GPU {}: \
+            let name = if prefix_cache.is_some() { format!("{name} (prefix cache)") } else { name.to_string() };
+            let mut core_c = EngineCore::new(cpu.clone(), None, config).unwrap();
+            let want = run(&mut core_c, &reqs, &joins);
+            let mut core_g = EngineCore::new(gpu.clone(), None, config).unwrap();
+            let got = run(&mut core_g, &reqs, &joins);
+            println!("{name}: {} preemptions on the GPU, {} on the CPU", core_g.preemptions(), core_c.preemptions());
+            if prefix_cache.is_some() {
+                println!(
+                    "{name}: prefix cache on the GPU {:?}, its host tier {:?}; on the CPU {:?}",
+                    core_g.prefix_stats(),
+                    core_g.host_tier(),
+                    core_c.prefix_stats()
+                );
+            }
+            for (i, ((q, w), g)) in reqs.iter().zip(&want).zip(&got).enumerate() {
+                assert_eq!((w.len(), g.len()), (q.stop.max_tokens, q.stop.max_tokens), "{name}: request {i}'s lengths");
+                let Some(at) = w.iter().zip(g).position(|(a, b)| a != b) else {
+                    println!("{name}: request {i} (prompt of {}): {} tokens equal", q.prompt.len(), w.len());
+                    continue;
+                };
+                // The first divergence: the CPU's margin there, and the GPU's
+                // logit error at the same context on the one-sequence path.
+                let context = [&q.prompt[..], &w[..at]].concat();
+                let logits = |m: &Arc<dyn LanguageModel>| {
+                    let mut s = m.new_sequence(context.len() + 1);
+                    m.forward(s.as_mut(), &context, Logits::Last).unwrap()
+                };
+                let (lc, lg) = (logits(&cpu), logits(&gpu));
+                let (top, top_margin) = top2(&lc);
+                // How much the CPU prefers its pick to the GPU's there.
+                let margin = lc[w[at] as usize] - lc[g[at] as usize];
+                let err = max_abs(&lg, &lc);
+                println!(
+                    "{name}: request {i} (prompt of {}): the first {at} of {} tokens equal, then CPU {} GPU {}: \
                  the CPU's logits there: top-2 margin {top_margin:.3e} (top {top}), CPU pick over GPU pick \
                  {margin:.3e}; the GPU's logit error there {err:.3e}",
-                q.prompt.len(),
-                w.len(),
-                w[at],
-                g[at]
-            );
-            assert!(
-                margin.abs() <= TIE_FACTOR * err,
-                "{name}: request {i} (prompt of {}): only the first {at} tokens compared equal; the pick after them \
+                    q.prompt.len(),
+                    w.len(),
+                    w[at],
+                    g[at]
+                );
+                assert!(
+                    margin.abs() <= TIE_FACTOR * err,
+                    "{name}: request {i} (prompt of {}): only the first {at} tokens compared equal; the pick after them \
                  differs (CPU {}, GPU {}) although the CPU prefers its pick by {margin:.3e} (top-2 margin \
                  {top_margin:.3e}), more than {TIE_FACTOR}× the GPU's logit error {err:.3e} there: not a near-tie",
-                q.prompt.len(),
-                w[at],
-                g[at]
-            );
+                    q.prompt.len(),
+                    w[at],
+                    g[at]
+                );
+            }
         }
     }
     std::fs::remove_dir_all(&dir).ok();

@@ -15,29 +15,15 @@ use std::sync::Arc;
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::handle::Engine;
+use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{FinishReason, Request, StopConditions};
 use qinfer::loader;
 use qinfer::models::LanguageModel;
 use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
-const FIXTURES: [&str; 12] = [
-    "llama",
-    "llama3_rope_mha",
-    "qwen2",
-    "qwen2_sliding",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_5_gdn128",
-    "qwen3_5_moe",
-    "qwen3_moe",
-    "qwen3_moe_norm",
-    "qwen3_mqa",
-    "qwen3_next",
-];
-
 fn fixtures() -> Vec<PathBuf> {
-    common::exact_fixture_dirs("tiny", &FIXTURES, "reference.json")
+    common::exact_fixture_dirs("tiny", &common::TINY_FIXTURES, "reference.json")
 }
 
 fn reference(dir: &Path) -> Value {
@@ -54,7 +40,7 @@ fn load(dir: &Path) -> Arc<dyn LanguageModel> {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() } }
+    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() }, ..Default::default() }
 }
 
 /// The requests each test mixes: transformers' greedy prompt first, then
@@ -76,8 +62,16 @@ fn requests(r: &Value) -> Vec<Request> {
     ]
 }
 
+/// Without the prefix cache: the tests of that cache compare against this.
 fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize) -> EngineConfig {
-    EngineConfig { max_batched_tokens, max_num_seqs, block_size: 16, num_blocks, max_model_len: 1024 }
+    EngineConfig {
+        max_batched_tokens,
+        max_num_seqs,
+        block_size: 16,
+        num_blocks,
+        max_model_len: 1024,
+        prefix_cache: None,
+    }
 }
 
 /// Runs `reqs` through `core`, request `i` joining before step `joins[i]`;
@@ -138,12 +132,28 @@ fn batched_outputs_equal_alone_and_transformers() {
         // hybrids), four at a time, joining at different steps, and a pool
         // too small for all four (preemption).
         let mut core = EngineCore::new(model.clone(), None, config(80, 4, 9)).unwrap();
+        // The pool holds keys and values of the attention layers only.
+        let cfg = model.config();
+        let attention = cfg.layer_kinds.iter().filter(|k| **k == qinfer::config::LayerKind::Attention).count();
+        assert_eq!(core.kv_bytes(), 9 * 16 * 2 * attention * cfg.kv_dim() * 4, "{name}: KV pool bytes");
         let mixed = run(&mut core, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
         for (i, (a, m)) in alone.iter().zip(&mixed).enumerate() {
             assert_eq!(a, m, "{name}: request {i} (prompt of {}) alone vs mixed", reqs[i].prompt.len());
         }
         assert!(core.preemptions() > 0, "{name}: the small pool should have forced a preemption");
-        println!("{name}: {} requests equal alone and mixed, {} preemptions", reqs.len(), core.preemptions());
+        // The same with the prefix cache on (recomputes after preemption hit it).
+        let mut cached = config(80, 4, 9);
+        cached.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 4, host_bytes: 0 });
+        let mut core_cached = EngineCore::new(model.clone(), None, cached).unwrap();
+        let mixed_cached = run(&mut core_cached, &reqs, &[0, 0, 1, 1, 3, 6, 9]);
+        assert_eq!(alone, mixed_cached, "{name}: alone vs mixed with the prefix cache");
+        println!(
+            "{name}: {} requests equal alone and mixed, {} preemptions ({} with the prefix cache, {:?})",
+            reqs.len(),
+            core.preemptions(),
+            core_cached.preemptions(),
+            core_cached.prefix_stats().unwrap()
+        );
     }
 }
 

@@ -13,24 +13,8 @@ use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::SamplingParams;
 use serde_json::Value;
 
-/// Every tiny model scripts/make_fixtures.py and make_fixtures_hybrid.py write.
-const FIXTURES: [&str; 12] = [
-    "llama",
-    "llama3_rope_mha",
-    "qwen2",
-    "qwen2_sliding",
-    "qwen3",
-    "qwen3_5",
-    "qwen3_5_gdn128",
-    "qwen3_5_moe",
-    "qwen3_moe",
-    "qwen3_moe_norm",
-    "qwen3_mqa",
-    "qwen3_next",
-];
-
 fn fixtures() -> Vec<PathBuf> {
-    common::exact_fixture_dirs("tiny", &FIXTURES, "reference.json")
+    common::exact_fixture_dirs("tiny", &common::TINY_FIXTURES, "reference.json")
 }
 
 fn reference(dir: &Path) -> Value {

@@ -1,8 +1,12 @@
+pub mod batch;
 pub mod bench;
+pub mod embed;
 pub mod generate;
 pub mod inspect;
 pub mod kernels;
+pub mod multiturn;
 pub mod perplexity;
 pub mod quantize;
 pub mod run;
 pub mod score;
+pub mod serve;

@@ -92,13 +92,20 @@ pub trait FusedOps: Backend {
         cache: &mut Self::Cache,
         layer: usize,
     ) -> (Self::Act, Option<Self::Act>) {
+        let (projected, k, v) = self.split_qkv(qkv, shape);
+        self.attention_prologue(projected, k, &v, shape, norms, eps, positions, rope, cache, layer)
+    }
+    /// A stacked q|k|v projection's three parts: the queries (with their
+    /// gates when `shape.output_gate`), the keys and the values.
+    fn split_qkv(&self, qkv: &Self::Act, shape: &QkvShape) -> (Self::Act, Self::Act, Self::Act) {
         let (q, kv) = (shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim);
         let q_rows = if shape.output_gate { 2 * q } else { q };
         let all = q_rows + 2 * kv;
-        let projected = self.gather_columns(qkv, all, 0, q_rows);
-        let k = self.gather_columns(qkv, all, q_rows, kv);
-        let v = self.gather_columns(qkv, all, q_rows + kv, kv);
-        self.attention_prologue(projected, k, &v, shape, norms, eps, positions, rope, cache, layer)
+        (
+            self.gather_columns(qkv, all, 0, q_rows),
+            self.gather_columns(qkv, all, q_rows, kv),
+            self.gather_columns(qkv, all, q_rows + kv, kv),
+        )
     }
     /// [`FusedOps::qkv_prologue`], then [`Backend::attention`] of its queries
     /// over the cache: the attention's output and the gate. A backend may
@@ -126,7 +133,7 @@ pub trait FusedOps: Backend {
     fn attention_prologue(
         &self,
         projected: Self::Act,
-        mut k: Self::Act,
+        k: Self::Act,
         v: &Self::Act,
         shape: &QkvShape,
         norms: Option<(&Self::Weight, &Self::Weight)>,
@@ -136,6 +143,25 @@ pub trait FusedOps: Backend {
         cache: &mut Self::Cache,
         layer: usize,
     ) -> (Self::Act, Option<Self::Act>) {
+        let (q, k, gate) = self.split_norm_rope(projected, k, shape, norms, eps, positions, rope);
+        self.write_kv(cache, layer, &k, v);
+        (q, gate)
+    }
+    /// The part of a prologue before the keys and values are stored: the
+    /// gate split off the queries, queries and keys RMS-normed per head
+    /// (when `norms` are given) and rotated at `positions`. Returns the
+    /// queries, the keys and the gate.
+    #[allow(clippy::too_many_arguments)]
+    fn split_norm_rope(
+        &self,
+        projected: Self::Act,
+        mut k: Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[usize],
+        rope: &Rope,
+    ) -> (Self::Act, Self::Act, Option<Self::Act>) {
         let hd = shape.head_dim;
         let (mut q, gate) = if shape.output_gate {
             (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
@@ -148,8 +174,7 @@ pub trait FusedOps: Backend {
         }
         self.rope(&mut q, hd, positions, rope);
         self.rope(&mut k, hd, positions, rope);
-        self.write_kv(cache, layer, &k, v);
-        (q, gate)
+        (q, k, gate)
     }
 }
 
@@ -168,6 +193,16 @@ pub trait GdnOps: Backend {
 
     fn new_gdn_state(&self, cfg: &GdnConfig) -> Self::GdnState {
         let _ = cfg;
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// `state` copied to host memory (a snapshot leaving for the host tier).
+    fn gdn_state_to_host(&self, state: &Self::GdnState) -> Vec<u8> {
+        let _ = state;
+        unsupported(self, "Gated DeltaNet layers")
+    }
+    /// Overwrites `state` with bytes [`GdnOps::gdn_state_to_host`] returned.
+    fn gdn_state_from_host(&self, state: &mut Self::GdnState, bytes: &[u8]) -> crate::Result<()> {
+        let _ = (state, bytes);
         unsupported(self, "Gated DeltaNet layers")
     }
     /// Zeroes `state` in place, as [`GdnOps::new_gdn_state`] makes it, on
@@ -242,7 +277,7 @@ pub trait GdnOps: Backend {
 /// per-sequence ops (Gated DeltaNet's recurrence) need. A backend without
 /// it implements `type KvPool = ();` and leaves
 /// [`super::Capabilities::batched`] false.
-pub trait BatchOps: Backend {
+pub trait BatchOps: FusedOps {
     /// Every layer's keys and values for `num_blocks · block_size` slots.
     type KvPool: Send + 'static;
 
@@ -255,6 +290,11 @@ pub trait BatchOps: Backend {
     ) -> crate::Result<Self::KvPool> {
         let _ = (num_layers, kv_dim, num_blocks, block_size);
         unsupported(self, "batched forwards")
+    }
+    /// Bytes one stored key or value takes in a pool (f32 unless a backend
+    /// stores them narrower).
+    fn kv_value_bytes(&self) -> usize {
+        4
     }
     /// Bytes `pool` holds on its device.
     fn kv_pool_bytes(&self, pool: &Self::KvPool) -> usize {
@@ -269,7 +309,7 @@ pub trait BatchOps: Backend {
     fn paged_prologue(
         &self,
         projected: Self::Act,
-        mut k: Self::Act,
+        k: Self::Act,
         v: &Self::Act,
         shape: &QkvShape,
         norms: Option<(&Self::Weight, &Self::Weight)>,
@@ -279,18 +319,7 @@ pub trait BatchOps: Backend {
         layer: usize,
         batch: &BatchLayout,
     ) -> (Self::Act, Option<Self::Act>) {
-        let hd = shape.head_dim;
-        let (mut q, gate) = if shape.output_gate {
-            (self.gather_columns(&projected, 2 * hd, 0, hd), Some(self.gather_columns(&projected, 2 * hd, hd, hd)))
-        } else {
-            (projected, None)
-        };
-        if let Some((qn, kn)) = norms {
-            q = self.rms_norm(&q, qn, eps);
-            k = self.rms_norm(&k, kn, eps);
-        }
-        self.rope(&mut q, hd, &batch.positions, rope);
-        self.rope(&mut k, hd, &batch.positions, rope);
+        let (q, k, gate) = self.split_norm_rope(projected, k, shape, norms, eps, &batch.positions, rope);
         self.write_kv_paged(pool, layer, &k, v, &batch.slots);
         (q, gate)
     }
@@ -310,6 +339,17 @@ pub trait BatchOps: Backend {
         batch: &BatchLayout,
     ) -> Self::Act {
         let _ = (q, pool, layer, shape, batch);
+        unsupported(self, "batched forwards")
+    }
+    /// Every layer's keys and values of `block`, copied to host memory (a
+    /// prefix-cache block leaving the pool for the host tier).
+    fn read_kv_block(&self, pool: &Self::KvPool, block: u32) -> Vec<u8> {
+        let _ = (pool, block);
+        unsupported(self, "batched forwards")
+    }
+    /// Writes bytes that [`BatchOps::read_kv_block`] returned back into `block`.
+    fn write_kv_block(&self, pool: &mut Self::KvPool, block: u32, bytes: &[u8]) -> crate::Result<()> {
+        let _ = (pool, block, bytes);
         unsupported(self, "batched forwards")
     }
     /// Rows `rows` of `x`.

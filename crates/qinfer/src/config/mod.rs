@@ -469,6 +469,19 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+    /// Layers with softmax attention (the ones a KV cache holds).
+    pub fn num_attention_layers(&self) -> usize {
+        self.layer_kinds.iter().filter(|k| **k == LayerKind::Attention).count()
+    }
+
+    /// Values one sequence's recurrent state holds over every Gated DeltaNet
+    /// layer: the last `kernel - 1` conv inputs and a `[dk, dv]` matrix per
+    /// value head (0 for models without such layers).
+    pub fn recurrent_state_values(&self) -> usize {
+        let Some(g) = &self.gdn else { return 0 };
+        let linear = self.layer_kinds.iter().filter(|k| **k == LayerKind::LinearAttention).count();
+        linear * (g.conv_dim() * (g.conv_kernel - 1) + g.num_v_heads * g.k_head_dim * g.v_head_dim)
+    }
 }
 
 #[cfg(test)]

@@ -9,11 +9,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use super::request::{FinishReason, Output, Request, RequestId};
+use super::prefix::{
+    BlockAt, PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, SnapshotAt, register_full_blocks, spill,
+};
+use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
 use crate::config::GdnConfig;
+use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
+use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
-use crate::runner::{Runner, RunnerConfig, StepSeq};
+use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -30,13 +35,17 @@ pub struct EngineConfig {
     pub num_blocks: usize,
     /// Most positions one sequence may hold (prompt and generated).
     pub max_model_len: usize,
+    /// Share computed prefixes between requests (None: off).
+    pub prefix_cache: Option<PrefixCacheConfig>,
 }
 
 impl EngineConfig {
     /// Defaults for `model`: `max_model_len` from its config (at most
     /// `max_model_len` when given), and enough blocks for `max_num_seqs`
     /// sequences of that length or `kv_bytes` of KV storage, whichever is
-    /// less (but at least one full-length sequence).
+    /// less (but at least one full-length sequence); the prefix cache on,
+    /// hybrids snapshotting every recurrent chunk into up to
+    /// [`PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES`].
     pub fn for_model(
         model: &dyn LanguageModel,
         max_batched_tokens: usize,
@@ -47,12 +56,17 @@ impl EngineConfig {
         let cfg = model.config();
         let max_model_len = max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let block_size = crate::kv::blocks::DEFAULT_BLOCK_SIZE;
-        let attention_layers = cfg.layer_kinds.iter().filter(|k| **k == crate::config::LayerKind::Attention).count();
-        let per_token = (2 * attention_layers * cfg.kv_dim() * 4).max(1);
+        let per_token = model.kv_bytes_per_token().max(1);
         let per_seq = max_model_len.div_ceil(block_size);
         let by_memory = kv_bytes / (per_token * block_size);
         let num_blocks = (per_seq * max_num_seqs).min(by_memory).max(per_seq);
-        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len }
+        let prefix_cache = Some(PrefixCacheConfig::for_model(
+            model,
+            GdnConfig::CHUNK_SIZE,
+            PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES,
+            num_blocks * block_size,
+        ));
+        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len, prefix_cache }
     }
 }
 
@@ -69,6 +83,7 @@ pub struct EngineCore {
     align: usize,
     vocab: usize,
     preemptions: usize,
+    prefix: Option<PrefixCache>,
 }
 
 impl EngineCore {
@@ -87,10 +102,40 @@ impl EngineCore {
             )));
         }
         let vocab = model.config().vocab_size;
-        let runner = Runner::new(
+        let snapshot_slots = match cfg.prefix_cache {
+            Some(p) if recurrent => {
+                let every = lcm(cfg.block_size, align);
+                if p.snapshot_interval == 0 || p.snapshot_interval % every != 0 {
+                    return Err(Error::Invalid(format!(
+                        "the state snapshot interval {} is not a multiple of {every} (the block size {} and the \
+                         recurrent chunk {align})",
+                        p.snapshot_interval, cfg.block_size
+                    )));
+                }
+                p.snapshot_slots
+            }
+            _ => 0,
+        };
+        let mut runner = Runner::new(
             model,
-            RunnerConfig { num_blocks: cfg.num_blocks, block_size: cfg.block_size, state_slots: cfg.max_num_seqs },
+            RunnerConfig {
+                num_blocks: cfg.num_blocks,
+                block_size: cfg.block_size,
+                state_slots: cfg.max_num_seqs,
+                snapshot_slots,
+                prefix_cache: cfg.prefix_cache.is_some(),
+            },
         )?;
+        let prefix = cfg.prefix_cache.map(|p| {
+            let host = (p.host_bytes > 0).then(|| HostTier::new(p.host_bytes));
+            let mut snapshots =
+                recurrent.then(|| SnapshotCache::new(p.snapshot_interval, cfg.max_num_seqs as u32, snapshot_slots));
+            runner.blocks.set_spill(host.is_some());
+            if let Some(s) = &mut snapshots {
+                s.set_spill(host.is_some());
+            }
+            PrefixCache { snapshots, host, stats: PrefixStats::default() }
+        });
         Ok(EngineCore {
             runner,
             tokenizer,
@@ -101,6 +146,7 @@ impl EngineCore {
             align,
             vocab,
             preemptions: 0,
+            prefix,
         })
     }
 
@@ -126,9 +172,56 @@ impl EngineCore {
         self.running.len()
     }
 
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// KV blocks held by requests, and the pool's size.
+    pub fn blocks_used(&self) -> (usize, usize) {
+        let pool = &self.runner.blocks;
+        (pool.num_held(), pool.num_blocks())
+    }
+
+    /// The prefix cache's counters (None when it is off).
+    pub fn prefix_stats(&self) -> Option<PrefixStats> {
+        self.prefix.as_ref().map(|p| p.stats)
+    }
+
+    /// Blocks kept in the prefix cache, and cached blocks evicted so far.
+    pub fn cached_blocks(&self) -> (usize, u64) {
+        (self.runner.blocks.num_cached(), self.runner.blocks.evictions())
+    }
+
+    /// The host tier's bytes, entries and counters (None without one).
+    pub fn host_tier(&self) -> Option<(usize, usize, HostTierStats)> {
+        let host = self.prefix.as_ref()?.host.as_ref()?;
+        Some((host.bytes(), host.len(), host.stats()))
+    }
+
+    /// Recurrent-state snapshots kept, their slots, the bytes of one, and
+    /// snapshots evicted so far (zeros without them).
+    pub fn snapshots(&self) -> (usize, usize, usize, u64) {
+        match self.prefix.as_ref().and_then(|p| p.snapshots.as_ref()) {
+            Some(s) => (
+                s.num_cached(),
+                s.num_slots(),
+                self.runner.model().config().recurrent_state_values() * 4,
+                s.evictions(),
+            ),
+            None => (0, 0, 0, 0),
+        }
+    }
+
+    /// Every request's id, waiting or running.
+    pub fn request_ids(&self) -> Vec<RequestId> {
+        self.seqs.keys().copied().collect()
+    }
+
     /// Every block and state slot is free (true once no request is left).
     pub fn pools_whole(&self) -> bool {
-        self.runner.blocks.is_whole() && self.runner.slots.is_whole()
+        self.runner.blocks.is_whole()
+            && self.runner.slots.is_whole()
+            && self.prefix.as_ref().is_none_or(PrefixCache::is_whole)
     }
 
     /// Checks `req` against the engine's limits: an error names the limit.
@@ -160,6 +253,7 @@ impl EngineCore {
 
     fn free(&mut self, seq: &mut Sequence) {
         seq.blocks.release(&mut self.runner.blocks);
+        seq.registered = 0;
         if let Some(slot) = seq.state_slot.take() {
             self.runner.slots.release(slot);
         }
@@ -173,21 +267,11 @@ impl EngineCore {
         self.free(&mut seq);
         seq.computed = 0;
         seq.prefill_len = seq.tokens.len();
+        seq.pooled.clear();
         seq.preemptions += 1;
         self.preemptions += 1;
         self.seqs.insert(id, seq);
         self.waiting.push_front(id);
-    }
-
-    /// Tokens `seq` computes this step out of `budget`: all it has pending
-    /// if they fit, else a chunk (ending at a multiple of `align`).
-    fn chunk(&self, seq: &Sequence, budget: usize) -> usize {
-        let pending = seq.pending();
-        if pending <= budget {
-            return pending;
-        }
-        let end = (seq.computed + budget) / self.align * self.align;
-        end.saturating_sub(seq.computed)
     }
 
     /// This step's plan: (request, tokens to compute), running ones first.
@@ -197,7 +281,7 @@ impl EngineCore {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let n = self.chunk(&self.seqs[&id], budget);
+            let n = chunk(&self.seqs[&id], budget, self.align);
             if n == 0 {
                 i += 1;
                 continue;
@@ -224,21 +308,75 @@ impl EngineCore {
             budget -= n;
             i += 1;
         }
-        // Admit waiting requests in arrival order while everything they need is free.
+        // Admit waiting requests in arrival order while everything they need
+        // is free, each starting after the longest prefix cached for it.
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
-            let n = self.chunk(&self.seqs[&id], budget);
-            if n == 0 || (self.runner.recurrent() && self.runner.slots.num_free() == 0) {
+            if self.runner.recurrent() && self.runner.slots.num_free() == 0 {
                 break;
             }
+            if let Some(p) = &mut self.prefix {
+                // Blocks evicted so far this step reach the host tier before the lookup.
+                spill(p, &mut self.runner)?;
+            }
             let seq = self.seqs.get_mut(&id).expect("waiting sequences are known");
-            let target = seq.computed + n;
-            if !seq.blocks.grow_to(target, &mut self.runner.blocks) {
+            // Mean and first-position pooling need every row computed.
+            let every_row = matches!(seq.task, Task::Embed(Pooling::Mean | Pooling::Cls));
+            let hit = self.prefix.as_mut().filter(|_| !every_row).and_then(|p| p.find(seq, &self.runner.blocks));
+            if let Some(hit) = &hit {
+                // Take up the pool's blocks first, so that copying the host's
+                // back cannot evict them.
+                for b in &hit.blocks {
+                    if let BlockAt::Pool(b) = b {
+                        self.runner.blocks.retain(*b);
+                    }
+                }
+                let prefix = self.prefix.as_mut().expect("a hit comes from the prefix cache");
+                for b in &hit.blocks {
+                    let block = match *b {
+                        BlockAt::Pool(b) => b,
+                        BlockAt::Host(h) => {
+                            let b = self.runner.blocks.allocate().expect("find counted the room");
+                            // It may have been a cached block: copied out before it is overwritten.
+                            spill(prefix, &mut self.runner)?;
+                            let host = prefix.host.as_mut().expect("host blocks come from the host tier");
+                            let bytes = host.take(Kind::Block, &h).expect("find saw it in the host tier");
+                            self.runner.write_block(b, &bytes)?;
+                            self.runner.blocks.register(b, h);
+                            b
+                        }
+                    };
+                    seq.blocks.blocks.push(block);
+                }
+                seq.computed = hit.tokens;
+                seq.registered = seq.blocks.blocks.len();
+            }
+            let n = chunk(seq, budget, self.align);
+            if n == 0 || !seq.blocks.grow_to(seq.computed + n, &mut self.runner.blocks) {
+                seq.blocks.release(&mut self.runner.blocks);
+                seq.computed = 0;
+                seq.registered = 0;
                 break;
             }
             if self.runner.recurrent() {
-                let slot = self.runner.take_slot()?;
-                self.seqs.get_mut(&id).expect("known").state_slot = slot;
+                let slot = self.runner.take_slot()?.expect("a free slot was counted above");
+                seq.state_slot = Some(slot);
+                match hit.as_ref().and_then(|h| h.snapshot) {
+                    Some(SnapshotAt::Slot(snapshot)) => self.runner.copy_slot(snapshot, slot)?,
+                    Some(SnapshotAt::Host(h)) => {
+                        let host = self.prefix.as_mut().and_then(|p| p.host.as_mut());
+                        let bytes = host.and_then(|t| t.get(Kind::Snapshot, &h)).expect("find saw it in the host tier");
+                        self.runner.write_slot(slot, &bytes)?;
+                    }
+                    None => {}
+                }
+            }
+            if seq.cached_tokens.is_none() {
+                let cached = hit.as_ref().map_or(0, |h| h.tokens);
+                seq.cached_tokens = Some(cached);
+                if let Some(p) = &mut self.prefix {
+                    p.count(seq.prompt_len, cached);
+                }
             }
             self.waiting.pop_front();
             self.running.push(id);
@@ -260,25 +398,62 @@ impl EngineCore {
         }
         let mut taken: Vec<(Sequence, usize)> =
             plan.iter().map(|&(id, n)| (self.seqs.remove(&id).expect("planned sequences are known"), n)).collect();
+        let bs = self.cfg.block_size;
+        let snapshots: Vec<Vec<PlannedSnapshot>> = (taken.iter_mut())
+            .map(|(seq, n)| self.prefix.as_mut().map_or_else(Vec::new, |p| p.plan_snapshots(seq, *n, bs)))
+            .collect();
+        // What this step's allocations evicted, copied out before the forward writes over it.
+        let spilled = match &mut self.prefix {
+            Some(p) => spill(p, &mut self.runner),
+            None => Ok(()),
+        };
+        if let Err(e) = spilled {
+            for (seq, _) in taken {
+                self.seqs.insert(seq.id, seq);
+            }
+            if let Some(p) = &mut self.prefix {
+                for planned in snapshots {
+                    p.finish_snapshots(planned, false);
+                }
+            }
+            return Err(e);
+        }
         let result = {
-            let mut step: Vec<StepSeq<'_>> = taken
-                .iter_mut()
-                .map(|(seq, n)| {
+            let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots))
+                .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
-                    let samples = start + n == seq.tokens.len();
-                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, .. } = seq;
+                    let ends = start + n == seq.tokens.len();
+                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, task, .. } = seq;
+                    let task: &Task = task;
+                    let (hidden, scores) = match task {
+                        Task::Generate => (HiddenRows::None, None),
+                        Task::Embed(Pooling::Last) if ends => (HiddenRows::Last, None),
+                        Task::Embed(Pooling::Mean) => (HiddenRows::All, None),
+                        Task::Embed(Pooling::Cls) if start == 0 => (HiddenRows::All, None),
+                        Task::Embed(_) => (HiddenRows::None, None),
+                        Task::Score(ids) => (HiddenRows::None, ends.then_some(&ids[..])),
+                    };
+                    let generates = *task == Task::Generate;
                     StepSeq {
                         tokens: &tokens[start..start + n],
                         start,
                         block_table: &blocks.blocks,
                         state_slot: *state_slot,
                         prompt: start < *prefill_len,
-                        sample: samples.then_some((sampler, &tokens[..])),
+                        snapshots: snaps.iter().map(|p| (p.rows, p.slot)).collect(),
+                        sample: (ends && generates).then_some((sampler, &tokens[..])),
+                        hidden,
+                        scores,
                     }
                 })
                 .collect();
             self.runner.step(&mut step)
         };
+        if let Some(p) = &mut self.prefix {
+            for planned in snapshots {
+                p.finish_snapshots(planned, result.is_ok());
+            }
+        }
         let picks = match result {
             Ok(p) => p,
             Err(e) => {
@@ -290,9 +465,25 @@ impl EngineCore {
         };
         let tok = self.tokenizer.clone();
         let mut outputs = Vec::new();
-        for ((mut seq, n), pick) in taken.into_iter().zip(picks) {
+        let width = self.runner.model().config().hidden_size;
+        for ((mut seq, n), step) in taken.into_iter().zip(picks) {
+            let start = seq.computed;
             seq.computed += n;
-            let Some(token) = pick else {
+            if self.prefix.is_some() {
+                register_full_blocks(&mut seq, &mut self.runner.blocks);
+            }
+            if seq.prompt_only() {
+                seq.pool(start, &step.hidden, width, step.scores);
+                if seq.computed == seq.prompt_len {
+                    outputs.push(seq.pooled_output());
+                    self.running.retain(|&r| r != seq.id);
+                    self.free(&mut seq);
+                } else {
+                    self.seqs.insert(seq.id, seq);
+                }
+                continue;
+            }
+            let Some(token) = step.token else {
                 self.seqs.insert(seq.id, seq);
                 continue;
             };
@@ -310,6 +501,27 @@ impl EngineCore {
     }
 }
 
+/// Tokens `seq` computes this step out of `budget`: all it has pending if
+/// they fit, else a chunk ending at a multiple of `align`.
+fn chunk(seq: &Sequence, budget: usize, align: usize) -> usize {
+    let pending = seq.pending();
+    if pending <= budget {
+        return pending;
+    }
+    let end = (seq.computed + budget) / align * align;
+    end.saturating_sub(seq.computed)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
+}
+
 /// `req` against `cfg`'s limits and the vocabulary.
 pub fn validate(req: &Request, cfg: &EngineConfig, vocab: usize) -> Result<()> {
     let n = req.prompt.len();
@@ -319,16 +531,28 @@ pub fn validate(req: &Request, cfg: &EngineConfig, vocab: usize) -> Result<()> {
     if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::Invalid(format!("prompt token id {t} is out of range for a vocabulary of {vocab}")));
     }
-    if req.stop.max_tokens == 0 {
-        return Err(Error::Invalid("max_tokens must be at least 1".into()));
+    if let Task::Score(ids) = &req.task
+        && let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab)
+    {
+        return Err(Error::Invalid(format!("score token id {t} is out of range for a vocabulary of {vocab}")));
     }
-    if n >= cfg.max_model_len {
-        return Err(Error::Invalid(format!(
-            "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
-            cfg.max_model_len
-        )));
-    }
-    let longest = (n + req.stop.max_tokens).min(cfg.max_model_len);
+    let longest = if req.task == Task::Generate {
+        if req.stop.max_tokens == 0 {
+            return Err(Error::Invalid("max_tokens must be at least 1".into()));
+        }
+        if n >= cfg.max_model_len {
+            return Err(Error::Invalid(format!(
+                "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
+                cfg.max_model_len
+            )));
+        }
+        (n + req.stop.max_tokens).min(cfg.max_model_len)
+    } else {
+        if n > cfg.max_model_len {
+            return Err(Error::Invalid(format!("the input has {n} tokens; the context holds {}", cfg.max_model_len)));
+        }
+        n
+    };
     let blocks = longest.div_ceil(cfg.block_size);
     if blocks > cfg.num_blocks {
         return Err(Error::Invalid(format!(

@@ -4,7 +4,7 @@
 //! receiver is dropped is aborted, so a client that goes away frees its
 //! blocks at the next step.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -24,6 +24,38 @@ pub type Sink = Box<dyn FnMut(StreamItem) -> bool + Send>;
 enum Command {
     Add(RequestId, Request, Sink),
     Abort(RequestId),
+    AbortAll,
+}
+
+/// What the engine is doing, updated by its thread after every step (for
+/// `/metrics`).
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub kv_blocks_used: AtomicUsize,
+    pub kv_blocks_total: AtomicUsize,
+    pub prompt_tokens_total: AtomicU64,
+    pub generation_tokens_total: AtomicU64,
+    pub preemptions_total: AtomicU64,
+    pub requests_finished_total: AtomicU64,
+    pub requests_aborted_total: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found.
+    pub prefix_cache_queried_tokens_total: AtomicU64,
+    pub prefix_cache_hit_tokens_total: AtomicU64,
+    /// KV blocks kept in the prefix cache, and those evicted so far.
+    pub prefix_cache_blocks: AtomicUsize,
+    pub prefix_cache_evictions_total: AtomicU64,
+    /// Recurrent-state snapshots kept (hybrid models), their bytes, and
+    /// those evicted so far.
+    pub state_snapshots: AtomicUsize,
+    pub state_snapshot_bytes: AtomicUsize,
+    pub state_snapshot_evictions_total: AtomicU64,
+    /// The prefix cache's host tier: bytes held, entries copied in and
+    /// copied back.
+    pub host_tier_bytes: AtomicUsize,
+    pub host_tier_stored_total: AtomicU64,
+    pub host_tier_restored_total: AtomicU64,
 }
 
 /// A handle to the engine thread. Dropping it lets the thread finish the
@@ -37,6 +69,31 @@ pub struct Engine {
     kv_bytes: usize,
     tokenizer: Option<Arc<Tokenizer>>,
     model: Arc<dyn LanguageModel>,
+    metrics: Arc<EngineMetrics>,
+}
+
+/// Copies the core's gauges into `metrics`.
+fn publish(core: &EngineCore, metrics: &EngineMetrics) {
+    metrics.running.store(core.num_running(), Ordering::Relaxed);
+    metrics.waiting.store(core.num_waiting(), Ordering::Relaxed);
+    metrics.kv_blocks_used.store(core.blocks_used().0, Ordering::Relaxed);
+    metrics.preemptions_total.store(core.preemptions() as u64, Ordering::Relaxed);
+    if let Some(p) = core.prefix_stats() {
+        metrics.prefix_cache_queried_tokens_total.store(p.queried_tokens, Ordering::Relaxed);
+        metrics.prefix_cache_hit_tokens_total.store(p.hit_tokens, Ordering::Relaxed);
+    }
+    let (cached, evicted) = core.cached_blocks();
+    metrics.prefix_cache_blocks.store(cached, Ordering::Relaxed);
+    metrics.prefix_cache_evictions_total.store(evicted, Ordering::Relaxed);
+    let (snapshots, _, bytes, snapshots_evicted) = core.snapshots();
+    metrics.state_snapshots.store(snapshots, Ordering::Relaxed);
+    metrics.state_snapshot_bytes.store(snapshots * bytes, Ordering::Relaxed);
+    metrics.state_snapshot_evictions_total.store(snapshots_evicted, Ordering::Relaxed);
+    if let Some((bytes, _, stats)) = core.host_tier() {
+        metrics.host_tier_bytes.store(bytes, Ordering::Relaxed);
+        metrics.host_tier_stored_total.store(stats.stored, Ordering::Relaxed);
+        metrics.host_tier_restored_total.store(stats.restored, Ordering::Relaxed);
+    }
 }
 
 /// What the engine thread reports when it stops.
@@ -56,9 +113,12 @@ impl Engine {
         let kv_bytes = core.kv_bytes();
         let vocab = model.config().vocab_size;
         let (tx, rx) = channel();
+        let metrics = Arc::new(EngineMetrics::default());
+        metrics.kv_blocks_total.store(core.blocks_used().1, Ordering::Relaxed);
+        let m = metrics.clone();
         let thread = std::thread::Builder::new()
             .name("qinfer-engine".into())
-            .spawn(move || step_loop(core, rx))
+            .spawn(move || step_loop(core, rx, &m))
             .map_err(|e| Error::Invalid(format!("starting the engine thread: {e}")))?;
         Ok(Engine {
             commands: Mutex::new(Some(tx)),
@@ -69,7 +129,13 @@ impl Engine {
             kv_bytes,
             tokenizer,
             model,
+            metrics,
         })
+    }
+
+    /// Counters and gauges the engine thread keeps up to date.
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -112,6 +178,11 @@ impl Engine {
         let _ = self.send(Command::Abort(id));
     }
 
+    /// Aborts every request the engine has (a server shutting down).
+    pub fn abort_all(&self) {
+        let _ = self.send(Command::AbortAll);
+    }
+
     fn send(&self, cmd: Command) -> Result<()> {
         let guard = self.commands.lock().map_err(|_| Error::Invalid("the engine handle is poisoned".into()))?;
         match guard.as_ref() {
@@ -136,13 +207,15 @@ impl Drop for Engine {
     }
 }
 
-fn step_loop(mut core: EngineCore, rx: Receiver<Command>) -> EngineStats {
+fn step_loop(mut core: EngineCore, rx: Receiver<Command>, metrics: &EngineMetrics) -> EngineStats {
     let mut sinks: std::collections::HashMap<RequestId, Sink> = std::collections::HashMap::new();
     let mut open = true;
     loop {
         // Take every command waiting; when idle, sleep until one comes.
         loop {
             let cmd = if core.num_unfinished() == 0 && open {
+                // Idle: the gauges say so before the thread sleeps.
+                publish(&core, metrics);
                 match rx.recv() {
                     Ok(c) => c,
                     Err(_) => {
@@ -171,11 +244,21 @@ fn step_loop(mut core: EngineCore, rx: Receiver<Command>) -> EngineStats {
                 },
                 Command::Abort(id) => {
                     if let (Some(out), Some(mut sink)) = (core.abort(id), sinks.remove(&id)) {
+                        metrics.requests_aborted_total.fetch_add(1, Ordering::Relaxed);
                         sink(Ok(out));
+                    }
+                }
+                Command::AbortAll => {
+                    for id in core.request_ids() {
+                        if let (Some(out), Some(mut sink)) = (core.abort(id), sinks.remove(&id)) {
+                            metrics.requests_aborted_total.fetch_add(1, Ordering::Relaxed);
+                            sink(Ok(out));
+                        }
                     }
                 }
             }
         }
+        publish(&core, metrics);
         if core.num_unfinished() == 0 {
             if open {
                 continue;
@@ -186,14 +269,24 @@ fn step_loop(mut core: EngineCore, rx: Receiver<Command>) -> EngineStats {
             Ok(outputs) => {
                 for out in outputs {
                     let (id, done) = (out.id, out.finish.is_some());
+                    metrics.generation_tokens_total.fetch_add(out.token_ids.len() as u64, Ordering::Relaxed);
+                    if done {
+                        metrics.requests_finished_total.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // A request's first output (its prompt has just been computed).
+                    if out.usage.completion_tokens == out.token_ids.len() && !out.token_ids.is_empty() {
+                        metrics.prompt_tokens_total.fetch_add(out.usage.prompt_tokens as u64, Ordering::Relaxed);
+                    }
                     let listening = sinks.get_mut(&id).is_some_and(|sink| sink(Ok(out)));
                     if done {
                         sinks.remove(&id);
                     } else if !listening {
                         sinks.remove(&id);
                         core.abort(id);
+                        metrics.requests_aborted_total.fetch_add(1, Ordering::Relaxed);
                     }
                 }
+                publish(&core, metrics);
             }
             Err(e) => {
                 // A failed step ends every request it had: report the error to each.

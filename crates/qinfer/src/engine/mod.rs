@@ -6,5 +6,7 @@ pub mod core;
 pub mod generate;
 pub mod handle;
 pub mod perplexity;
+pub mod pooling;
+pub mod prefix;
 pub mod request;
 pub mod sequence;

@@ -2,7 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
-use crate::sampling::SamplingParams;
+pub use crate::sampling::SamplingParams;
 
 /// A request's id, unique within one engine.
 pub type RequestId = u64;
@@ -19,12 +19,43 @@ pub struct StopConditions {
     pub stop: Vec<String>,
 }
 
+/// How a pooling request reduces its prompt's final hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last position's (Qwen3-Embedding).
+    Last,
+    /// The mean over every position.
+    Mean,
+    /// The first position's.
+    Cls,
+}
+
+/// What a request asks of the model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Task {
+    /// Generate tokens.
+    #[default]
+    Generate,
+    /// Run the prompt only and return its pooled final normed hidden state
+    /// (unnormalized: the caller normalizes and truncates).
+    Embed(Pooling),
+    /// Run the prompt only and return the last position's logits of these
+    /// token ids (a reranker's yes/no).
+    Score(Vec<u32>),
+}
+
 /// A request: prompt tokens, sampling, stop conditions.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: StopConditions,
+    /// Requests share cached prefixes only with requests of the same salt
+    /// (None is a salt of its own).
+    pub cache_salt: Option<String>,
+    /// Generation, or a prompt-only pooling request (sampling and stop
+    /// conditions then unused).
+    pub task: Task,
 }
 
 /// Why a request ended.
@@ -54,6 +85,8 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache, not computed.
+    pub cached_tokens: usize,
 }
 
 /// One piece of a request's stream: the tokens generated since the last
@@ -65,5 +98,10 @@ pub struct Output {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// The stop string that ended the request, when one did.
+    pub stop_string: Option<String>,
     pub usage: Usage,
+    /// A pooling request's result (on its one and last output): the pooled
+    /// hidden state, or the scores.
+    pub pooled: Option<Vec<f32>>,
 }

@@ -2,9 +2,10 @@
 //! cache, the blocks and state slot that hold them, its sampler and the
 //! text streamed so far (held back where a stop string could still begin).
 
-use super::request::{FinishReason, Output, Request, RequestId, StopConditions, Usage};
+use super::request::{FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, Usage};
 use crate::Result;
 use crate::kv::blocks::BlockTable;
+use crate::kv::prefix::{BlockHashes, PrefixKeys};
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
 use crate::tokenizer::stream::DecodeStream;
@@ -20,9 +21,20 @@ pub struct Sequence {
     /// recurrent layers): the prompt, or everything known at a recompute.
     pub prefill_len: usize,
     pub blocks: BlockTable,
+    /// The prefix hashes of its full blocks (known tokens).
+    pub hashes: BlockHashes,
+    /// Its first blocks already named in the prefix cache.
+    pub registered: usize,
+    /// Prompt tokens its first admission took from the prefix cache (None
+    /// before it is admitted).
+    pub cached_tokens: Option<usize>,
     pub state_slot: Option<u32>,
     pub sampler: Sampler,
     pub stop: StopConditions,
+    pub task: Task,
+    /// Pooling: the sum of the rows' hidden states so far (mean), or the
+    /// pooled row (first, last).
+    pub pooled: Vec<f32>,
     /// Times it was preempted.
     pub preemptions: usize,
     decode: DecodeStream,
@@ -33,8 +45,8 @@ pub struct Sequence {
     unsent_tokens: Vec<u32>,
     /// Longest stop string, in bytes (text held back from the stream).
     hold: usize,
-    /// A stop string ended it (its text is already cut).
-    stopped_by_string: bool,
+    /// The stop string that ended it (its text is already cut).
+    stopped_by: Option<String>,
 }
 
 impl Sequence {
@@ -48,16 +60,21 @@ impl Sequence {
             tokens: req.prompt,
             computed: 0,
             blocks: BlockTable::default(),
+            hashes: BlockHashes::new(&PrefixKeys { cache_salt: req.cache_salt }),
+            registered: 0,
+            cached_tokens: None,
             state_slot: None,
             sampler,
             stop: req.stop,
+            task: req.task,
+            pooled: Vec::new(),
             preemptions: 0,
             decode: DecodeStream::new(true),
             text: String::new(),
             sent: 0,
             unsent_tokens: Vec::new(),
             hold,
-            stopped_by_string: false,
+            stopped_by: None,
         })
     }
 
@@ -71,7 +88,67 @@ impl Sequence {
     }
 
     pub fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_len, completion_tokens: self.generated() }
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated(),
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+        }
+    }
+
+    /// Whether it runs its prompt only (pooling, scoring).
+    pub fn prompt_only(&self) -> bool {
+        self.task != Task::Generate
+    }
+
+    /// Takes a pooling step's hidden rows (`width` values each) of positions
+    /// `start..`, or a scoring step's scores.
+    pub fn pool(&mut self, start: usize, hidden: &[f32], width: usize, scores: Vec<f32>) {
+        match &self.task {
+            Task::Generate => {}
+            Task::Score(_) => {
+                if !scores.is_empty() {
+                    self.pooled = scores;
+                }
+            }
+            Task::Embed(Pooling::Last) => {
+                if !hidden.is_empty() {
+                    self.pooled = hidden.to_vec();
+                }
+            }
+            Task::Embed(Pooling::Cls) => {
+                if start == 0 && hidden.len() >= width {
+                    self.pooled = hidden[..width].to_vec();
+                }
+            }
+            Task::Embed(Pooling::Mean) => {
+                if self.pooled.is_empty() {
+                    self.pooled = vec![0.0; width];
+                }
+                for row in hidden.chunks_exact(width.max(1)) {
+                    for (s, x) in self.pooled.iter_mut().zip(row) {
+                        *s += x;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prompt-only request's one output, once its prompt is computed.
+    pub fn pooled_output(&mut self) -> Output {
+        let mut pooled = std::mem::take(&mut self.pooled);
+        if self.task == Task::Embed(Pooling::Mean) {
+            let n = self.prompt_len as f32;
+            pooled.iter_mut().for_each(|x| *x /= n);
+        }
+        Output {
+            id: self.id,
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish: Some(FinishReason::Stop),
+            stop_string: None,
+            usage: self.usage(),
+            pooled: Some(pooled),
+        }
     }
 
     /// Appends a sampled token; returns why the sequence finishes, if it does.
@@ -86,9 +163,9 @@ impl Sequence {
             && let Some(piece) = self.decode.push(tok, token)?
         {
             self.text.push_str(&piece);
-            if let Some(at) = self.find_stop() {
+            if let Some((at, stop)) = self.find_stop() {
                 self.text.truncate(at);
-                self.stopped_by_string = true;
+                self.stopped_by = Some(stop);
                 return Ok(Some(FinishReason::Stop));
             }
         }
@@ -100,16 +177,13 @@ impl Sequence {
 
     /// Where the first stop string begins in the text not yet sent, if any
     /// (a stop string may start inside text held back, never before it).
-    fn find_stop(&self) -> Option<usize> {
+    fn find_stop(&self) -> Option<(usize, String)> {
         let from = self.sent.saturating_sub(self.hold);
         let from = (0..=from).rev().find(|&i| self.text.is_char_boundary(i)).unwrap_or(0);
-        self.stop
-            .stop
-            .iter()
+        (self.stop.stop.iter())
             .filter(|s| !s.is_empty())
-            .filter_map(|s| self.text[from..].find(s.as_str()))
-            .min()
-            .map(|i| i + from)
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| (i + from, s.clone())))
+            .min_by_key(|(i, _)| *i)
     }
 
     /// The output since the last one: on `finish`, all that is left (the
@@ -118,13 +192,14 @@ impl Sequence {
     pub fn take_output(&mut self, finish: Option<FinishReason>, tok: Option<&Tokenizer>) -> Result<Output> {
         let end = match finish {
             Some(_) => {
-                if !self.stopped_by_string
+                if self.stopped_by.is_none()
                     && let Some(tok) = tok
                     && let Some(rest) = self.decode.finish(tok)?
                 {
                     self.text.push_str(&rest);
-                    if let Some(at) = self.find_stop() {
+                    if let Some((at, stop)) = self.find_stop() {
                         self.text.truncate(at);
+                        self.stopped_by = Some(stop);
                     }
                 }
                 self.text.len()
@@ -144,7 +219,9 @@ impl Sequence {
             token_ids: std::mem::take(&mut self.unsent_tokens),
             text,
             finish,
+            stop_string: if finish.is_some() { self.stopped_by.clone() } else { None },
             usage: self.usage(),
+            pooled: None,
         })
     }
 }

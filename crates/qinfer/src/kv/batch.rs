@@ -22,6 +22,10 @@ pub struct BatchSeq {
     /// form over them however few they are, so a prompt split across steps
     /// computes as it does in one piece; decode tokens step one at a time.
     pub prompt: bool,
+    /// Prompt rows only: after the first `n` of its rows, copy its recurrent
+    /// states into state slot `slot`, for each `(n, slot)` (in increasing
+    /// `n`; prefix-cache snapshots).
+    pub snapshots: Vec<(usize, u32)>,
 }
 
 impl BatchSeq {
@@ -48,6 +52,9 @@ pub struct BatchLayout {
     pub block_size: usize,
     /// The rows whose logits the step returns, in this order.
     pub logits_rows: Vec<usize>,
+    /// The rows whose final normed hidden states the step returns (pooling
+    /// requests), in this order.
+    pub hidden_rows: Vec<usize>,
 }
 
 impl BatchLayout {
@@ -63,7 +70,7 @@ impl BatchLayout {
                 slots.push(s.block_table[p / block_size] * block_size as u32 + (p % block_size) as u32);
             }
         }
-        BatchLayout { seqs, positions, slots, block_size, logits_rows }
+        BatchLayout { seqs, positions, slots, block_size, logits_rows, hidden_rows: Vec::new() }
     }
 
     pub fn rows(&self) -> usize {

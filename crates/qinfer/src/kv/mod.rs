@@ -7,7 +7,10 @@
 pub mod batch;
 pub mod blocks;
 pub mod contiguous;
+pub mod host_tier;
 pub mod paged;
+pub mod prefix;
+pub mod snapshots;
 
 /// Per-sequence key/value storage for every layer. Positions `[0, len())` are
 /// committed; a forward writes rows past `len()` and then commits them.

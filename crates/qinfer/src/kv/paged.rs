@@ -17,8 +17,10 @@ impl PagedKv {
             kv_dim,
             block_size,
             num_slots,
-            keys: vec![vec![0.0; num_slots * kv_dim]; num_layers],
-            values: vec![vec![0.0; num_slots * kv_dim]; num_layers],
+            // One zeroed allocation per layer (not clones of one, which would
+            // touch every page): memory is committed as blocks are written.
+            keys: (0..num_layers).map(|_| vec![0.0; num_slots * kv_dim]).collect(),
+            values: (0..num_layers).map(|_| vec![0.0; num_slots * kv_dim]).collect(),
         }
     }
 
@@ -45,6 +47,34 @@ impl PagedKv {
     /// Keys and values of `layer`, `[slots, kv_dim]` row-major.
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.keys[layer], &self.values[layer])
+    }
+
+    /// Values one block holds over every layer (keys, then values, per layer).
+    pub fn block_values(&self) -> usize {
+        2 * self.keys.len() * self.block_size * self.kv_dim
+    }
+
+    /// Every layer's keys and values of `block`, layer by layer.
+    pub fn read_block(&self, block: u32) -> Vec<f32> {
+        let n = self.block_size * self.kv_dim;
+        let at = block as usize * n;
+        let mut out = Vec::with_capacity(self.block_values());
+        for (k, v) in self.keys.iter().zip(&self.values) {
+            out.extend_from_slice(&k[at..at + n]);
+            out.extend_from_slice(&v[at..at + n]);
+        }
+        out
+    }
+
+    /// Writes what [`PagedKv::read_block`] read back into `block`.
+    pub fn write_block(&mut self, block: u32, data: &[f32]) {
+        assert_eq!(data.len(), self.block_values(), "one block's keys and values");
+        let n = self.block_size * self.kv_dim;
+        let at = block as usize * n;
+        for (l, (k, v)) in self.keys.iter_mut().zip(self.values.iter_mut()).enumerate() {
+            k[at..at + n].copy_from_slice(&data[2 * l * n..(2 * l + 1) * n]);
+            v[at..at + n].copy_from_slice(&data[(2 * l + 1) * n..(2 * l + 2) * n]);
+        }
     }
 
     /// Bytes the storage holds.

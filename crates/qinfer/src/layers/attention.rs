@@ -85,19 +85,9 @@ impl<B: ModelBackend> Attention<B> {
         })
     }
 
-    /// Attends from `input`; the o projection is left for the caller to add
-    /// into the residual stream.
-    pub fn forward(
-        &self,
-        b: &B,
-        cfg: &ModelConfig,
-        rope: &Rope,
-        input: BlockInput<'_, B>,
-        cache: &mut B::Cache,
-        positions: &[usize],
-    ) -> BlockOutput<'_, B> {
-        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
-        let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+    /// The projection's heads and the attention's shape for this layer.
+    fn shapes(&self, cfg: &ModelConfig) -> (QkvShape, AttentionShape) {
+        let hd = cfg.head_dim;
         let shape = QkvShape {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
@@ -111,6 +101,23 @@ impl<B: ModelBackend> Attention<B> {
             window: self.window,
             scale: 1.0 / (hd as f32).sqrt(),
         };
+        (shape, attention)
+    }
+
+    /// Attends from `input`; the o projection is left for the caller to add
+    /// into the residual stream.
+    pub fn forward(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        rope: &Rope,
+        input: BlockInput<'_, B>,
+        cache: &mut B::Cache,
+        positions: &[usize],
+    ) -> BlockOutput<'_, B> {
+        let eps = cfg.rms_norm_eps;
+        let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let (shape, attention) = self.shapes(cfg);
         let (mut o, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
                 let qkv = input.linear(b, w, bias.as_ref());
@@ -133,7 +140,9 @@ impl<B: ModelBackend> Attention<B> {
 
     /// [`Attention::forward`] over a ragged batch of sequences: keys and
     /// values go to `pool` through the batch's slot mapping, each sequence's
-    /// rows attend over its context through its block table.
+    /// rows attend over its context through its block table. `pool_layer`
+    /// is this layer's place in the pool, which holds attention layers only.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_batch(
         &self,
         b: &B,
@@ -141,41 +150,25 @@ impl<B: ModelBackend> Attention<B> {
         rope: &Rope,
         input: BlockInput<'_, B>,
         pool: &mut B::KvPool,
+        pool_layer: usize,
         batch: &BatchLayout,
     ) -> BlockOutput<'_, B> {
-        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
+        let eps = cfg.rms_norm_eps;
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
-        let shape = QkvShape {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: hd,
-            output_gate: self.output_gate,
-        };
-        let attention = AttentionShape {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: hd,
-            window: self.window,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let (shape, attention) = self.shapes(cfg);
         let (q, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
                 let qkv = input.linear(b, w, bias.as_ref());
-                let (q, kv) = (shape.num_heads * hd, shape.num_kv_heads * hd);
-                let q_rows = if shape.output_gate { 2 * q } else { q };
-                let all = q_rows + 2 * kv;
-                let projected = b.gather_columns(&qkv, all, 0, q_rows);
-                let k = b.gather_columns(&qkv, all, q_rows, kv);
-                let v = b.gather_columns(&qkv, all, q_rows + kv, kv);
-                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+                let (projected, k, v) = b.split_qkv(&qkv, &shape);
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
                 let projected = b.linear(x, q, q_bias.as_ref());
                 let (k, v) = (b.linear(x, k, k_bias.as_ref()), b.linear(x, v, v_bias.as_ref()));
-                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, self.layer, batch)
+                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
             }),
         };
-        let mut o = b.paged_attention(&q, pool, self.layer, &attention, batch);
+        let mut o = b.paged_attention(&q, pool, pool_layer, &attention, batch);
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }

@@ -100,26 +100,31 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         input: BlockInput<'_, B>,
         states: &mut [&mut B::GdnState],
         batch: &BatchLayout,
+        snapshots: &mut Vec<(u32, B::GdnState)>,
     ) -> BlockOutput<'_, B> {
         let projected = self.project(bk, input);
-        let o = if let [seq] = batch.seqs.as_slice() {
+        let o = if let [seq] = batch.seqs.as_slice()
+            && seq.snapshots.is_empty()
+        {
             self.mix(bk, &projected, states[0], seq.prompt)
         } else {
-            let parts: Vec<B::Act> = batch
-                .seqs
-                .iter()
-                .zip(states.iter_mut())
-                .map(|(seq, state)| {
-                    let rows = |x: &B::Act| bk.slice_rows(x, seq.rows.clone());
-                    let part = match &projected {
-                        Projected::Mixed(m) => Projected::Mixed(rows(m)),
-                        Projected::Parts { qkv, z, b, a } => {
-                            Projected::Parts { qkv: rows(qkv), z: rows(z), b: rows(b), a: rows(a) }
-                        }
-                    };
-                    self.mix(bk, &part, state, seq.prompt)
-                })
-                .collect();
+            let mut parts: Vec<B::Act> = Vec::with_capacity(batch.seqs.len());
+            for (seq, state) in batch.seqs.iter().zip(states.iter_mut()) {
+                // Split at each snapshot: segments start at multiples of the
+                // chunk, so they compute as the whole would.
+                let mut from = 0;
+                let ends = seq.snapshots.iter().map(|&(n, slot)| (n, Some(slot)));
+                for (to, slot) in ends.chain(std::iter::once((seq.len(), None))) {
+                    if to > from {
+                        let rows = seq.rows.start + from..seq.rows.start + to;
+                        parts.push(self.mix(bk, &projected.rows(bk, rows), state, seq.prompt));
+                    }
+                    if let Some(slot) = slot {
+                        snapshots.push((slot, (**state).clone()));
+                    }
+                    from = to;
+                }
+            }
             bk.concat_rows(&parts)
         };
         BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
@@ -197,4 +202,15 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
 enum Projected<B: ModelBackend> {
     Mixed(B::Act),
     Parts { qkv: B::Act, z: B::Act, b: B::Act, a: B::Act },
+}
+
+impl<B: ModelBackend> Projected<B> {
+    /// These rows of every projection.
+    fn rows(&self, bk: &B, rows: std::ops::Range<usize>) -> Self {
+        let r = |x: &B::Act| bk.slice_rows(x, rows.clone());
+        match self {
+            Projected::Mixed(m) => Projected::Mixed(r(m)),
+            Projected::Parts { qkv, z, b, a } => Projected::Parts { qkv: r(qkv), z: r(z), b: r(b), a: r(a) },
+        }
+    }
 }

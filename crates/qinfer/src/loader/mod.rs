@@ -38,6 +38,9 @@ pub struct LoadedModel {
     pub sampling_defaults: SamplingParams,
     /// Weight files and their sizes in bytes.
     pub files: Vec<(PathBuf, u64)>,
+    /// A GGUF's `{arch}.pooling_type` (llama.cpp's: 0 none, 1 mean, 2 cls,
+    /// 3 last, 4 rank), as embedding models converted by llama.cpp declare it.
+    pub gguf_pooling_type: Option<u64>,
 }
 
 /// transformers' `GenerationConfig` semantics: sampling only when `do_sample` is true.
@@ -72,12 +75,16 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
             tokenizer,
             sampling_defaults,
             files,
+            gguf_pooling_type: None,
         })
     } else if path.is_file() {
         let gguf = GgufFile::open(path)?;
         let config = gguf.model_config()?;
         let tokenizer = crate::tokenizer::gguf::from_file(&gguf)?;
         let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+        let gguf_pooling_type = (gguf.architecture())
+            .and_then(|arch| gguf.metadata().get(&format!("{arch}.pooling_type")))
+            .and_then(|v| v.as_u64());
         Ok(LoadedModel {
             path: path.to_path_buf(),
             format: ModelFormat::Gguf,
@@ -86,6 +93,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
             tokenizer,
             sampling_defaults: SamplingParams::default(),
             files: vec![(path.to_path_buf(), size)],
+            gguf_pooling_type,
         })
     } else {
         Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such model file or directory")))

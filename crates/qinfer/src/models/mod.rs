@@ -66,6 +66,15 @@ pub trait SequenceState: Any + Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// What a batched forward returns.
+#[derive(Debug, Clone, Default)]
+pub struct BatchOutput {
+    /// `[logits_rows, vocab]`.
+    pub logits: Vec<f32>,
+    /// `[hidden_rows, hidden_size]`: the last layer's output after the final norm.
+    pub hidden: Vec<f32>,
+}
+
 /// A model's storage for forwards over many sequences: the paged KV pool
 /// and the recurrent-state slots of Gated DeltaNet layers. Owned by the
 /// runner, opaque to it.
@@ -88,6 +97,16 @@ pub trait LanguageModel: Send + Sync {
         let _ = (num_blocks, block_size, state_slots);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
     }
+    /// Bytes of KV pool one token takes (keys and values of every attention
+    /// layer), for sizing a pool.
+    fn kv_bytes_per_token(&self) -> usize {
+        let cfg = self.config();
+        2 * cfg.num_attention_layers() * cfg.kv_dim() * self.kv_value_bytes()
+    }
+    /// Bytes one stored key or value takes in the batch KV pool.
+    fn kv_value_bytes(&self) -> usize {
+        4
+    }
     /// Zeroes the recurrent states in `slot` (a new sequence starts there).
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         let _ = (state, slot);
@@ -98,10 +117,31 @@ pub trait LanguageModel: Send + Sync {
         let _ = (state, from, to);
         Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
     }
+    /// Every attention layer's keys and values of KV block `block`, copied to
+    /// host memory (the prefix cache's host tier).
+    fn read_kv_block(&self, state: &mut dyn BatchState, block: u32) -> Result<Vec<u8>> {
+        let _ = (state, block);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// Writes bytes [`LanguageModel::read_kv_block`] returned back into `block`.
+    fn write_kv_block(&self, state: &mut dyn BatchState, block: u32, bytes: &[u8]) -> Result<()> {
+        let _ = (state, block, bytes);
+        Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// The recurrent states of `slot`, copied to host memory.
+    fn read_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<Vec<u8>> {
+        let _ = (state, slot);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
+    /// Writes bytes [`LanguageModel::read_state_slot`] returned into `slot`.
+    fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
+        let _ = (state, slot, bytes);
+        Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
+    }
     /// One forward over a ragged batch: `tokens` are the batch's rows, laid
-    /// out as `batch` says; returns the logits of `batch.logits_rows`,
-    /// `[logits_rows.len(), vocab]`.
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+    /// out as `batch` says; returns the logits of `batch.logits_rows` and
+    /// the final normed hidden states of `batch.hidden_rows`.
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
         let _ = (state, tokens, batch);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
     }

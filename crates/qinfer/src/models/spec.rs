@@ -19,6 +19,11 @@ pub struct TextRoot {
 /// Transformers' text checkpoints (and GGUFs, whose names read as these).
 pub const TEXT_MODEL: TextRoot = TextRoot { root: "model.", lm_head: "lm_head.weight" };
 
+/// The base model saved alone (transformers' `Qwen3Model`, as
+/// sentence-transformers writes embedding checkpoints such as
+/// Qwen3-Embedding): no prefix, and no head unless tied.
+pub const BARE_MODEL: TextRoot = TextRoot { root: "", lm_head: "lm_head.weight" };
+
 /// The feed-forward block of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FeedForwardKind {

@@ -17,8 +17,14 @@ use crate::{Error, Result};
 pub struct RunnerConfig {
     pub num_blocks: usize,
     pub block_size: usize,
-    /// Recurrent-state slots (models with Gated DeltaNet layers; ignored otherwise).
+    /// Recurrent-state slots for running sequences (models with Gated
+    /// DeltaNet layers; ignored otherwise).
     pub state_slots: usize,
+    /// Further state slots for prefix-cache snapshots, numbered after the
+    /// sequences' (ignored without recurrent layers).
+    pub snapshot_slots: usize,
+    /// Keep full blocks cached under their prefix hashes.
+    pub prefix_cache: bool,
 }
 
 /// One sequence's part of a step.
@@ -31,9 +37,34 @@ pub struct StepSeq<'a> {
     pub state_slot: Option<u32>,
     /// The rows are part of a prompt (or a recompute), not a decode step.
     pub prompt: bool,
+    /// Copy its recurrent states into these slots after so many of its rows.
+    pub snapshots: Vec<(usize, u32)>,
     /// Pick the token after these rows with this sampler, given the
     /// sequence's tokens so far (for the repetition penalty).
     pub sample: Option<(&'a mut Sampler, &'a [u32])>,
+    /// Return the final normed hidden states of these rows (pooling).
+    pub hidden: HiddenRows,
+    /// Return the last row's logits of these token ids (scoring).
+    pub scores: Option<&'a [u32]>,
+}
+
+/// Which of a sequence's rows a step returns hidden states of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HiddenRows {
+    None,
+    Last,
+    All,
+}
+
+/// What a step returns for one sequence.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOut {
+    /// The token its sampler picked.
+    pub token: Option<u32>,
+    /// `[rows, hidden_size]`, the rows its `hidden` named.
+    pub hidden: Vec<f32>,
+    /// The logits of its `scores` ids.
+    pub scores: Vec<f32>,
 }
 
 pub struct Runner {
@@ -47,12 +78,12 @@ pub struct Runner {
 impl Runner {
     pub fn new(model: Arc<dyn LanguageModel>, cfg: RunnerConfig) -> Result<Self> {
         let recurrent = model.config().gdn.is_some();
-        let state_slots = if recurrent { cfg.state_slots } else { 0 };
-        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots)?;
+        let (state_slots, snapshot_slots) = if recurrent { (cfg.state_slots, cfg.snapshot_slots) } else { (0, 0) };
+        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots + snapshot_slots)?;
         Ok(Runner {
             model,
             state,
-            blocks: BlockPool::new(cfg.num_blocks, cfg.block_size),
+            blocks: BlockPool::with_cache(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
             slots: SlotPool::new(state_slots),
             recurrent,
         })
@@ -85,23 +116,44 @@ impl Runner {
         self.model.copy_state_slot(self.state.as_mut(), from, to)
     }
 
+    /// KV block `block` copied to host memory, and back.
+    pub fn read_block(&mut self, block: u32) -> Result<Vec<u8>> {
+        self.model.read_kv_block(self.state.as_mut(), block)
+    }
+    pub fn write_block(&mut self, block: u32, bytes: &[u8]) -> Result<()> {
+        self.model.write_kv_block(self.state.as_mut(), block, bytes)
+    }
+
+    /// State slot `slot` copied to host memory, and back.
+    pub fn read_slot(&mut self, slot: u32) -> Result<Vec<u8>> {
+        self.model.read_state_slot(self.state.as_mut(), slot)
+    }
+    pub fn write_slot(&mut self, slot: u32, bytes: &[u8]) -> Result<()> {
+        self.model.write_state_slot(self.state.as_mut(), slot, bytes)
+    }
+
     /// Runs one forward over `seqs` and returns, for each, the token its
-    /// sampler picked (None where it did not sample).
-    pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<Option<u32>>> {
+    /// sampler picked, the hidden states and the scores it asked for.
+    pub fn step(&mut self, seqs: &mut [StepSeq<'_>]) -> Result<Vec<StepOut>> {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
         let mut tokens = Vec::with_capacity(seqs.iter().map(|s| s.tokens.len()).sum());
         let mut parts = Vec::with_capacity(seqs.len());
-        let mut logits_rows = Vec::new();
+        let (mut logits_rows, mut hidden_rows) = (Vec::new(), Vec::new());
         for s in seqs.iter() {
             if s.tokens.is_empty() {
                 return Err(Error::Invalid("a scheduled sequence has no new tokens".into()));
             }
             let rows = tokens.len()..tokens.len() + s.tokens.len();
             tokens.extend_from_slice(s.tokens);
-            if s.sample.is_some() {
+            if s.sample.is_some() || s.scores.is_some() {
                 logits_rows.push(rows.end - 1);
+            }
+            match s.hidden {
+                HiddenRows::None => {}
+                HiddenRows::Last => hidden_rows.push(rows.end - 1),
+                HiddenRows::All => hidden_rows.extend(rows.clone()),
             }
             parts.push(BatchSeq {
                 rows,
@@ -109,22 +161,37 @@ impl Runner {
                 block_table: s.block_table.to_vec(),
                 state_slot: s.state_slot,
                 prompt: s.prompt,
+                snapshots: s.snapshots.clone(),
             });
         }
-        let batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
-        let logits = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
-        let vocab = if batch.logits_rows.is_empty() { 0 } else { logits.len() / batch.logits_rows.len() };
-        let mut rows = logits.chunks_exact(vocab.max(1));
-        let mut picks = Vec::with_capacity(seqs.len());
+        let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
+        batch.hidden_rows = hidden_rows;
+        let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
+        let vocab = if batch.logits_rows.is_empty() { 0 } else { out.logits.len() / batch.logits_rows.len() };
+        let width = if batch.hidden_rows.is_empty() { 0 } else { out.hidden.len() / batch.hidden_rows.len() };
+        let mut logit_rows = out.logits.chunks_exact(vocab.max(1));
+        let mut hidden_at = 0;
+        let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
-            picks.push(match &mut s.sample {
-                Some((sampler, context)) => {
-                    let mut row = rows.next().expect("one logits row per sampling sequence").to_vec();
-                    Some(sampler.sample(&mut row, context))
+            let mut o = StepOut::default();
+            if s.sample.is_some() || s.scores.is_some() {
+                let row = logit_rows.next().expect("one logits row per sampling or scoring sequence");
+                if let Some(ids) = s.scores {
+                    o.scores = ids.iter().map(|&t| row.get(t as usize).copied().unwrap_or(f32::NAN)).collect();
                 }
-                None => None,
-            });
+                if let Some((sampler, context)) = &mut s.sample {
+                    o.token = Some(sampler.sample(&mut row.to_vec(), context));
+                }
+            }
+            let n = match s.hidden {
+                HiddenRows::None => 0,
+                HiddenRows::Last => 1,
+                HiddenRows::All => s.tokens.len(),
+            };
+            o.hidden = out.hidden[hidden_at * width..(hidden_at + n) * width].to_vec();
+            hidden_at += n;
+            outs.push(o);
         }
-        Ok(picks)
+        Ok(outs)
     }
 }

@@ -87,6 +87,23 @@ pub fn default_model() -> Option<PathBuf> {
 /// The fixture directories under `tests/fixtures/<under>`, which must be
 /// exactly `expected` (sorted), each holding `file`: a missing, extra or
 /// incomplete fixture fails instead of shrinking what is checked.
+/// Every tiny model scripts/make_fixtures.py and make_fixtures_hybrid.py
+/// write under tests/fixtures/tiny.
+pub const TINY_FIXTURES: [&str; 12] = [
+    "llama",
+    "llama3_rope_mha",
+    "qwen2",
+    "qwen2_sliding",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_gdn128",
+    "qwen3_5_moe",
+    "qwen3_moe",
+    "qwen3_moe_norm",
+    "qwen3_mqa",
+    "qwen3_next",
+];
+
 pub fn exact_fixture_dirs(under: &str, expected: &[&str], file: &str) -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(under);
     let mut found: Vec<String> = std::fs::read_dir(&root)

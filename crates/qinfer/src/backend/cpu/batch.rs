@@ -4,11 +4,11 @@
 use std::ops::Range;
 
 use super::{CpuAct, CpuBackend, attention};
-use crate::Result;
 use crate::backend::AttentionShape;
 use crate::backend::ops::BatchOps;
 use crate::kv::batch::BatchLayout;
 use crate::kv::paged::PagedKv;
+use crate::{Error, Result};
 
 impl BatchOps for CpuBackend {
     type KvPool = PagedKv;
@@ -19,6 +19,23 @@ impl BatchOps for CpuBackend {
 
     fn kv_pool_bytes(&self, pool: &PagedKv) -> usize {
         pool.bytes()
+    }
+
+    fn read_kv_block(&self, pool: &PagedKv, block: u32) -> Vec<u8> {
+        bytemuck::cast_slice(&pool.read_block(block)).to_vec()
+    }
+
+    fn write_kv_block(&self, pool: &mut PagedKv, block: u32, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != pool.block_values() * 4 {
+            return Err(Error::Invalid(format!(
+                "a KV block of {} bytes for a pool whose blocks hold {}",
+                bytes.len(),
+                pool.block_values() * 4
+            )));
+        }
+        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
+        pool.write_block(block, &values);
+        Ok(())
     }
 
     fn write_kv_paged(&self, pool: &mut PagedKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[u32]) {

@@ -351,6 +351,30 @@ impl GdnOps for CpuBackend {
         state.recurrent.fill(0.0);
     }
 
+    fn gdn_state_to_host(&self, state: &CpuGdnState) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 * (state.conv.len() + state.recurrent.len()));
+        for x in state.conv.iter().chain(&state.recurrent) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    fn gdn_state_from_host(&self, state: &mut CpuGdnState, bytes: &[u8]) -> Result<()> {
+        let n = state.conv.len() + state.recurrent.len();
+        if bytes.len() != 4 * n {
+            return Err(crate::Error::Invalid(format!(
+                "a Gated DeltaNet state of {} bytes for a layer whose state holds {}",
+                bytes.len(),
+                4 * n
+            )));
+        }
+        let mut values = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        for x in state.conv.iter_mut().chain(state.recurrent.iter_mut()) {
+            *x = values.next().expect("counted above");
+        }
+        Ok(())
+    }
+
     fn gdn_conv(&self, x: &CpuAct, weight: &CpuWeight, state: &mut CpuGdnState) -> CpuAct {
         let m = weight.matrix();
         assert_eq!(m.rows, x.cols, "gdn_conv: {} channels for a weight of {} rows", x.cols, m.rows);
@@ -373,15 +397,8 @@ impl GdnOps for CpuBackend {
         dt_bias: &CpuWeight,
         state: &mut CpuGdnState,
     ) -> CpuAct {
-        let cfg = &state.cfg;
-        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
         // The reference steps token by token only for single-token decode.
-        let out = if v.rows == 1 {
-            gdn::recurrent(cfg, &x, &v.data, &mut state.recurrent)
-        } else {
-            gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
-        };
-        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+        delta_rule(q, k, v, a, b, a_log, dt_bias, state, v.rows != 1)
     }
 
     fn gated_delta_rule_prompt(
@@ -395,10 +412,7 @@ impl GdnOps for CpuBackend {
         dt_bias: &CpuWeight,
         state: &mut CpuGdnState,
     ) -> CpuAct {
-        let cfg = &state.cfg;
-        let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
-        let out = gdn::chunked(cfg, &x, &v.data, &mut state.recurrent);
-        CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+        delta_rule(q, k, v, a, b, a_log, dt_bias, state, true)
     }
 }
 
@@ -434,6 +448,30 @@ impl MoeOps for CpuBackend {
 }
 
 impl SamplingOps for CpuBackend {}
+
+/// The gated delta rule in its chunked form (prompts) or its recurrent one
+/// (one decode token at a time).
+#[allow(clippy::too_many_arguments)]
+fn delta_rule(
+    q: &CpuAct,
+    k: &CpuAct,
+    v: &CpuAct,
+    a: &CpuAct,
+    b: &CpuAct,
+    a_log: &CpuWeight,
+    dt_bias: &CpuWeight,
+    state: &mut CpuGdnState,
+    chunked: bool,
+) -> CpuAct {
+    let cfg = &state.cfg;
+    let x = gdn::prepare(cfg, &q.data, &k.data, &a.data, &b.data, a_log.vector(), dt_bias.vector());
+    let out = if chunked {
+        gdn::chunked(cfg, &x, &v.data, &mut state.recurrent)
+    } else {
+        gdn::recurrent(cfg, &x, &v.data, &mut state.recurrent)
+    };
+    CpuAct::from_vec(v.rows, cfg.value_dim(), out)
+}
 
 fn axpy_into(dst: &mut [f32], src: &[f32], w: f32) {
     for (d, s) in dst.iter_mut().zip(src) {

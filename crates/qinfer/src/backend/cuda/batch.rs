@@ -92,6 +92,13 @@ impl CudaKvPool {
         self.num_blocks * self.block_size
     }
 
+    /// The byte range of `block` in each layer's key (and value) buffer.
+    fn block_bytes(&self, block: u32) -> Range<usize> {
+        let n = self.block_size * self.kv_dim * self.precision.bytes();
+        assert!((block as usize) < self.num_blocks, "block {block} of a pool of {}", self.num_blocks);
+        block as usize * n..(block as usize + 1) * n
+    }
+
     /// Bytes the pool holds on the device.
     pub fn bytes(&self) -> usize {
         2 * self.layers.len() * self.num_slots() * self.kv_dim * self.precision.bytes()
@@ -165,6 +172,48 @@ impl CudaBackend {
             layers.push(pair.map_err(|e| err(format!("allocating {num_layers} × 2 × {bytes} bytes: {e}")))?);
         }
         Ok(CudaKvPool { kv_dim, block_size, num_blocks, precision, layers })
+    }
+
+    /// [`crate::backend::ops::BatchOps::read_kv_block`]: per layer the
+    /// block's keys then its values, in the pool's storage; empty, the error
+    /// recorded, when a copy fails.
+    pub(super) fn read_kv_block_op(&self, pool: &CudaKvPool, block: u32) -> Vec<u8> {
+        let range = pool.block_bytes(block);
+        let mut out = Vec::with_capacity(2 * pool.layers.len() * range.len());
+        for (keys, values) in &pool.layers {
+            for buf in [keys, values] {
+                match self.stream.clone_dtoh(&buf.slice(range.clone())) {
+                    Ok(bytes) => out.extend_from_slice(&bytes),
+                    Err(e) => {
+                        self.record(Err(e), "copying a KV block to the host");
+                        return Vec::new();
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// [`crate::backend::ops::BatchOps::write_kv_block`].
+    pub(super) fn write_kv_block_op(&self, pool: &mut CudaKvPool, block: u32, bytes: &[u8]) -> Result<()> {
+        let range = pool.block_bytes(block);
+        let want = 2 * pool.layers.len() * range.len();
+        if bytes.len() != want {
+            return Err(Error::Invalid(format!(
+                "a KV block of {} bytes for a pool whose blocks hold {want}",
+                bytes.len()
+            )));
+        }
+        let mut parts = bytes.chunks_exact(range.len());
+        for (keys, values) in &mut pool.layers {
+            for buf in [keys, values] {
+                let part = parts.next().expect("counted above");
+                self.stream
+                    .memcpy_htod(part, &mut buf.slice_mut(range.clone()))
+                    .map_err(|e| Error::Invalid(format!("cuda:{}: restoring a KV block: {e}", self.ordinal)))?;
+            }
+        }
+        Ok(())
     }
 
     /// Keys and values of `layer` in `pool` as f32, `[slots, kv_dim]` each
@@ -475,7 +524,7 @@ mod tests {
     use crate::kv::batch::BatchSeq;
 
     fn seq(rows: Range<usize>, start: usize, block_table: Vec<u32>) -> BatchSeq {
-        BatchSeq { rows, start, block_table, state_slot: None, prompt: false }
+        BatchSeq { rows, start, block_table, state_slot: None, prompt: false, snapshots: Vec::new() }
     }
 
     /// The table lays out positions, sequences, slots, block-table starts

@@ -8,9 +8,9 @@ use cudarc::driver::CudaSlice;
 use super::kernels::{Resolve, blocks, cfg, kernel_args, resolve_n};
 use super::linear::{FloatType, GEMV_MAX_ROWS};
 use super::{CudaAct, CudaBackend, CudaGdnState, CudaWeight};
-use crate::Result;
 use crate::backend::GdnWeights;
 use crate::config::GdnConfig;
+use crate::{Error, Result};
 
 /// Device addresses of the gated delta rule's inputs: rows of q and k
 /// `qk_stride` floats apart, of v `v_stride`, of a and b `ab_stride` (each
@@ -176,6 +176,39 @@ impl CudaBackend {
         self.record(conv, "clearing a Gated DeltaNet state");
         let recurrent = self.stream.memset_zeros(&mut state.recurrent);
         self.record(recurrent, "clearing a Gated DeltaNet state");
+    }
+
+    /// [`crate::backend::ops::GdnOps::gdn_state_to_host`]: the conv window
+    /// then the recurrent state, f32 little-endian (as the CPU's); empty,
+    /// the error recorded, when the copy fails.
+    pub(super) fn gdn_state_to_host_op(&self, state: &CudaGdnState) -> Vec<u8> {
+        let read = |buf: &CudaSlice<f32>| self.stream.clone_dtoh(buf);
+        match read(&state.conv).and_then(|c| read(&state.recurrent).map(|r| (c, r))) {
+            Ok((conv, recurrent)) => conv.iter().chain(&recurrent).flat_map(|x| x.to_le_bytes()).collect(),
+            Err(e) => {
+                self.record(Err(e), "copying a Gated DeltaNet state to the host");
+                Vec::new()
+            }
+        }
+    }
+
+    /// [`crate::backend::ops::GdnOps::gdn_state_from_host`].
+    pub(super) fn gdn_state_from_host_op(&self, state: &mut CudaGdnState, bytes: &[u8]) -> Result<()> {
+        let (nc, nr) = (state.conv.len(), state.recurrent.len());
+        if bytes.len() != 4 * (nc + nr) {
+            return Err(Error::Invalid(format!(
+                "a Gated DeltaNet state of {} bytes for a layer whose state holds {}",
+                bytes.len(),
+                4 * (nc + nr)
+            )));
+        }
+        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let copy = |e: cudarc::driver::DriverError| {
+            Error::Invalid(format!("cuda:{}: restoring a Gated DeltaNet state: {e}", self.ordinal))
+        };
+        self.stream.memcpy_htod(&values[..nc], &mut state.conv).map_err(copy)?;
+        self.stream.memcpy_htod(&values[nc..], &mut state.recurrent).map_err(copy)?;
+        Ok(())
     }
 
     /// [`crate::backend::ops::GdnOps::gated_delta_rule`].

@@ -352,6 +352,14 @@ impl GdnOps for CudaBackend {
         self.clear_gdn_state_op(state)
     }
 
+    fn gdn_state_to_host(&self, state: &CudaGdnState) -> Vec<u8> {
+        self.gdn_state_to_host_op(state)
+    }
+
+    fn gdn_state_from_host(&self, state: &mut CudaGdnState, bytes: &[u8]) -> Result<()> {
+        self.gdn_state_from_host_op(state, bytes)
+    }
+
     fn gdn_conv(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState) -> CudaAct {
         let out = self.act(x.rows, x.cols);
         self.conv_columns(x, weight, state, &out);
@@ -410,6 +418,14 @@ impl BatchOps for CudaBackend {
 
     fn kv_pool_bytes(&self, pool: &CudaKvPool) -> usize {
         pool.bytes()
+    }
+
+    fn read_kv_block(&self, pool: &CudaKvPool, block: u32) -> Vec<u8> {
+        self.read_kv_block_op(pool, block)
+    }
+
+    fn write_kv_block(&self, pool: &mut CudaKvPool, block: u32, bytes: &[u8]) -> Result<()> {
+        self.write_kv_block_op(pool, block, bytes)
     }
 
     fn paged_prologue(

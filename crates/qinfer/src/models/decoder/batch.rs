@@ -12,10 +12,13 @@ use crate::layers::block::BlockInput;
 use crate::models::BatchState;
 use crate::{Error, Result};
 
-/// The paged KV pool and, per recurrent-state slot, the Gated DeltaNet
-/// state of every linear-attention layer (None for attention layers).
+/// The paged KV pool (attention layers only, in order) and, per
+/// recurrent-state slot, the Gated DeltaNet state of every linear-attention
+/// layer (None for attention layers).
 pub(super) struct DecoderBatchState<B: ModelBackend> {
     pool: B::KvPool,
+    /// Each model layer's place in the pool (attention layers).
+    pool_layers: Vec<Option<usize>>,
     kv_bytes: usize,
     block_size: usize,
     num_blocks: usize,
@@ -32,6 +35,14 @@ impl<B: ModelBackend + 'static> BatchState for DecoderBatchState<B> {
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
+}
+
+/// What a batched forward hands back, on the device: the logits of the
+/// rows the batch asks logits of, and the final normed hidden states of the
+/// rows it asks those of (None where it asks none).
+pub(super) struct BatchHeads<A> {
+    pub logits: Option<A>,
+    pub hidden: Option<A>,
 }
 
 impl<B: ModelBackend + 'static> DecoderBatchState<B> {
@@ -59,6 +70,46 @@ impl<B: ModelBackend + 'static> DecoderBatchState<B> {
         Ok(())
     }
 
+    fn block(&self, block: u32) -> Result<()> {
+        if block as usize >= self.num_blocks {
+            return Err(Error::Invalid(format!("KV block {block} is past the pool's {}", self.num_blocks)));
+        }
+        Ok(())
+    }
+
+    pub(super) fn read_block(&self, backend: &B, block: u32) -> Result<Vec<u8>> {
+        self.block(block)?;
+        Ok(backend.read_kv_block(&self.pool, block))
+    }
+
+    pub(super) fn write_block(&mut self, backend: &B, block: u32, bytes: &[u8]) -> Result<()> {
+        self.block(block)?;
+        backend.write_kv_block(&mut self.pool, block, bytes)
+    }
+
+    /// Every recurrent layer's state in `slot`, layer after layer.
+    pub(super) fn read_slot(&self, backend: &B, slot: u32) -> Result<Vec<u8>> {
+        let s = self.slot(slot)?;
+        Ok(self.states[s].iter().flatten().flat_map(|st| backend.gdn_state_to_host(st)).collect())
+    }
+
+    pub(super) fn write_slot(&mut self, backend: &B, slot: u32, bytes: &[u8]) -> Result<()> {
+        let s = self.slot(slot)?;
+        let layers: Vec<&mut B::GdnState> = self.states[s].iter_mut().flatten().collect();
+        let per = bytes.len() / layers.len().max(1);
+        if layers.is_empty() || per * layers.len() != bytes.len() {
+            return Err(Error::Invalid(format!(
+                "recurrent states of {} bytes for {} layers",
+                bytes.len(),
+                layers.len()
+            )));
+        }
+        for (state, part) in layers.into_iter().zip(bytes.chunks_exact(per)) {
+            backend.gdn_state_from_host(state, part)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn copy_slot(&mut self, from: u32, to: u32) -> Result<()> {
         let (f, t) = (self.slot(from)?, self.slot(to)?);
         if f != t {
@@ -80,7 +131,16 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         if !b.capabilities().batched {
             return Err(Error::Invalid(format!("the {} backend does not run batched forwards yet", b.name())));
         }
-        let pool = b.new_kv_pool(self.cfg.num_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
+        let mut attention_layers = 0;
+        let pool_layers = (self.cfg.layer_kinds.iter())
+            .map(|k| {
+                (*k == LayerKind::Attention).then(|| {
+                    attention_layers += 1;
+                    attention_layers - 1
+                })
+            })
+            .collect();
+        let pool = b.new_kv_pool(attention_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
         let kv_bytes = b.kv_pool_bytes(&pool);
         let recurrent = self.cfg.layer_kinds.contains(&LayerKind::LinearAttention);
         let states = (0..if recurrent { state_slots } else { 0 })
@@ -95,7 +155,7 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                     .collect()
             })
             .collect();
-        Ok(DecoderBatchState { pool, kv_bytes, block_size, num_blocks, states })
+        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states })
     }
 
     /// Checks `batch` against the pool and the model before any work: rows
@@ -129,30 +189,46 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 None if recurrent => return bad(format!("sequence {i} has no recurrent-state slot")),
                 _ => {}
             }
+            let mut last = 0;
+            for &(n, slot) in &s.snapshots {
+                if !recurrent || !s.prompt || n <= last || n > s.len() {
+                    return bad(format!(
+                        "sequence {i}: snapshot after {n} rows of {} (prompt rows only, increasing)",
+                        s.len()
+                    ));
+                }
+                if s.state_slot == Some(slot) || batch.seqs.iter().any(|o| o.state_slot == Some(slot)) {
+                    return bad(format!("sequence {i}: snapshot slot {slot} is a running sequence's"));
+                }
+                state.slot(slot)?;
+                last = n;
+            }
             let max = self.cfg.max_position_embeddings;
             if s.context_len() > max {
                 return bad(format!("sequence {i}: {} positions exceed the model's {max}", s.context_len()));
             }
         }
-        if let Some(&r) = batch.logits_rows.iter().find(|&&r| r >= batch.rows()) {
-            return bad(format!("logits row {r} of {} rows", batch.rows()));
+        if let Some(&r) = batch.logits_rows.iter().chain(&batch.hidden_rows).find(|&&r| r >= batch.rows()) {
+            return bad(format!("logits or hidden row {r} of {} rows", batch.rows()));
         }
         Ok(())
     }
 
     /// Embedding, every layer, the final norm and the head over the batch's
-    /// rows: the logits of `batch.logits_rows`, None when it names no row
-    /// (a step of prompt chunks only: no zero-row head for a device to run).
+    /// rows: the logits of `batch.logits_rows` (None when it names no row:
+    /// a step of prompt chunks only runs no zero-row head on a device), and
+    /// the final normed hidden states of `batch.hidden_rows` (None when it
+    /// names none).
     pub(super) fn forward_batch_of(
         &self,
         state: &mut DecoderBatchState<B>,
         tokens: &[u32],
         batch: &BatchLayout,
-    ) -> Result<Option<B::Act>> {
+    ) -> Result<BatchHeads<B::Act>> {
         self.check_batch(state, tokens, batch)?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
-        let DecoderBatchState { pool, states, .. } = state;
+        let DecoderBatchState { pool, pool_layers, states, .. } = state;
         // Each sequence's slot, in batch order (slots are distinct).
         let slots: Vec<usize> = batch.seqs.iter().filter_map(|s| s.state_slot.map(|x| x as usize)).collect();
         let mut h = b.embed(&self.embed_tokens, tokens)?;
@@ -160,10 +236,18 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
             let out = match &layer.mixer {
-                Mixer::Attention(at) => at.forward_batch(b, &self.cfg, &self.rope, x, pool, batch),
+                Mixer::Attention(at) => {
+                    let pool_layer = pool_layers[l].expect("attention layers have a place in the pool");
+                    at.forward_batch(b, &self.cfg, &self.rope, x, pool, pool_layer, batch)
+                }
                 Mixer::Linear(net) => {
                     let mut layer_states = slot_states(states, &slots, l)?;
-                    net.forward_batch(b, x, &mut layer_states, batch)
+                    let mut snapshots = Vec::new();
+                    let out = net.forward_batch(b, x, &mut layer_states, batch, &mut snapshots);
+                    for (slot, snapshot) in snapshots {
+                        states[slot as usize][l] = Some(snapshot);
+                    }
+                    out
                 }
             };
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
@@ -177,13 +261,15 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let rows = &batch.logits_rows;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(match normed {
+        let hidden = (!batch.hidden_rows.is_empty()).then(|| match &normed {
+            Some(x) => b.gather_rows(x, &batch.hidden_rows),
+            None => b.rms_norm(&b.gather_rows(&h, &batch.hidden_rows), &self.norm, eps),
+        });
+        let logits = (!rows.is_empty()).then(|| match normed {
             Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
             None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
-        }))
+        });
+        Ok(BatchHeads { logits, hidden })
     }
 }
 

@@ -21,7 +21,7 @@ use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
-use crate::models::{BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
+use crate::models::{BatchOutput, BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::sampling::Sampler;
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
@@ -385,20 +385,38 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
     }
+    fn kv_value_bytes(&self) -> usize {
+        self.backend.kv_value_bytes()
+    }
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.reset_slot(&self.backend, slot)
     }
     fn copy_state_slot(&self, state: &mut dyn BatchState, from: u32, to: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.copy_slot(from, to)
     }
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<Vec<f32>> {
+    fn read_kv_block(&self, state: &mut dyn BatchState, block: u32) -> Result<Vec<u8>> {
+        batch::DecoderBatchState::<B>::of(state)?.read_block(&self.backend, block)
+    }
+    fn write_kv_block(&self, state: &mut dyn BatchState, block: u32, bytes: &[u8]) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.write_block(&self.backend, block, bytes)
+    }
+    fn read_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<Vec<u8>> {
+        batch::DecoderBatchState::<B>::of(state)?.read_slot(&self.backend, slot)
+    }
+    fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
+        batch::DecoderBatchState::<B>::of(state)?.write_slot(&self.backend, slot, bytes)
+    }
+    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
         b.run_pass(|| {
-            let logits = self.forward_batch_of(state, tokens, batch)?;
-            let host = logits.map(|l| b.to_host(&l)).unwrap_or_default();
+            let batch::BatchHeads { logits, hidden } = self.forward_batch_of(state, tokens, batch)?;
+            let out = BatchOutput {
+                logits: logits.map(|l| b.to_host(&l)).unwrap_or_default(),
+                hidden: hidden.map(|h| b.to_host(&h)).unwrap_or_default(),
+            };
             b.check()?;
-            Ok(host)
+            Ok(out)
         })
     }
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState> {

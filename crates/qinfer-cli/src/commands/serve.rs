@@ -1,0 +1,108 @@
+//! `qinfer serve`: the OpenAI- and Anthropic-compatible server (qinfer-server)
+//! over the continuous-batching engine, on loopback unless told otherwise.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use qinfer::engine::handle::Engine;
+use qinfer_server::{Loaded, ServeOptions};
+
+use crate::common::{EngineArgs, TaskArgs, open_model, stop_tokens};
+
+fn task_name(t: &qinfer_server::ServedTask) -> &'static str {
+    match t {
+        qinfer_server::ServedTask::Generate => "generating",
+        qinfer_server::ServedTask::Embed(_) => "embedding: /v1/embeddings",
+        qinfer_server::ServedTask::Rerank(_) => "reranking: /v1/rerank",
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory or .gguf file (default: the fetched SmolLM2).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The model's name in requests and /v1/models (default: the file or
+    /// directory name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on /v1/*.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests that may wait for a place in the batch; more get 503.
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
+    /// Most choices (`n`) one request may ask for.
+    #[arg(long, default_value_t = 16)]
+    max_n: usize,
+    #[command(flatten)]
+    task: TaskArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
+    let mut model = open_model(a.model.as_ref())?;
+    let name = a
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model.path.file_name().map_or_else(|| "model".into(), |f| f.to_string_lossy().into_owned()));
+    let opts = ServeOptions {
+        host: a.host.clone(),
+        port: a.port,
+        served_model_name: name.clone(),
+        api_key: a.api_key.clone(),
+        max_waiting: a.max_waiting,
+        max_n: a.max_n,
+        max_body_bytes: 32 << 20,
+    };
+    let engine_args = a.engine.clone();
+    let task = a.task.clone();
+    let load = move || -> std::result::Result<Loaded, String> {
+        let tok = model.tokenizer.take().map(Arc::new);
+        let stop_token_ids = stop_tokens(&model, tok.as_deref());
+        let lm: Arc<dyn qinfer::models::LanguageModel> =
+            Arc::from(model.load(device, false).map_err(|e| format!("loading {}: {e}", model.path.display()))?);
+        let task = task.resolve(&model.path, model.gguf_pooling_type, tok.as_deref()).map_err(|e| e.to_string())?;
+        let cfg = engine_args.config(lm.as_ref(), &device);
+        let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
+        eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache, {})", engine.kv_bytes() >> 10, task_name(&task));
+        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task })
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let bound =
+            |addr: std::net::SocketAddr| eprintln!("qinfer serve: listening on http://{addr} (loading the model)");
+        qinfer_server::serve(opts, load, bound, shutdown_signal()).await
+    })
+    .with_context(|| format!("serving on {}:{}", a.host, a.port))
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("qinfer serve: shutting down");
+}

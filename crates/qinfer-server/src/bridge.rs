@@ -1,0 +1,33 @@
+//! Between async handlers and the engine thread: a request's outputs arrive
+//! on a channel the handler awaits, and a request whose handler goes away
+//! (client disconnected, response dropped) is aborted at once.
+
+use std::sync::Arc;
+
+use qinfer::engine::handle::{Engine, StreamItem};
+use qinfer::engine::request::{Request, RequestId};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+/// A request in the engine: its outputs, and the guard that aborts it when dropped.
+pub struct Submitted {
+    pub rx: UnboundedReceiver<StreamItem>,
+    pub guard: AbortOnDrop,
+}
+
+pub struct AbortOnDrop {
+    engine: Arc<Engine>,
+    id: RequestId,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        // A finished request is no longer known to the engine: a no-op then.
+        self.engine.abort(self.id);
+    }
+}
+
+pub fn submit(engine: &Arc<Engine>, req: Request) -> qinfer::Result<Submitted> {
+    let (tx, rx) = unbounded_channel();
+    let id = engine.add_with_sink(req, Box::new(move |item| tx.send(item).is_ok()))?;
+    Ok(Submitted { rx, guard: AbortOnDrop { engine: engine.clone(), id } })
+}

@@ -1,0 +1,504 @@
+//! OpenAI's `/v1/models`, `/v1/chat/completions` and `/v1/completions`,
+//! streamed as `data: {chunk}` frames ending in `data: [DONE]`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use qinfer::engine::request::{FinishReason, Output, Request, SamplingParams, StopConditions, Usage};
+use qinfer::tokenizer::{ChatMessage, ChatOptions, Tokenizer};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
+
+use crate::bridge::{AbortOnDrop, Submitted, submit};
+use crate::error::{ApiError, ApiResult, Flavor};
+use crate::params::Body;
+use crate::reasoning::{ReasoningSplitter, Split, has_reasoning_tags};
+use crate::{AppState, Ready, fresh_seed, now_secs, openai_finish};
+
+const F: Flavor = Flavor::OpenAi;
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let name = &state.opts.served_model_name;
+    axum::Json(json!({"object": "list", "data": [
+        {"id": name, "object": "model", "created": now_secs(), "owned_by": "qinfer"}
+    ]}))
+    .into_response()
+}
+
+/// Sampling from the fields both APIs share, over the model's defaults.
+pub fn sampling(b: &Body<'_>, defaults: &SamplingParams, max_temperature: f32) -> ApiResult<SamplingParams> {
+    let mut p = defaults.clone();
+    if let Some(t) = b.f32_in("temperature", 0.0, max_temperature)? {
+        p.temperature = t;
+    }
+    if let Some(x) = b.f32_in("top_p", 0.0, 1.0)? {
+        if x == 0.0 {
+            return Err(b.bad("top_p", "must be above 0"));
+        }
+        p.top_p = x;
+    }
+    if let Some(k) = b.i64("top_k")? {
+        // -1 and 0 both mean off (vLLM's and Anthropic's conventions).
+        p.top_k = match k {
+            -1 | 0 => 0,
+            k if k > 0 => k as usize,
+            _ => return Err(b.bad("top_k", "must be -1, 0 or a positive integer")),
+        };
+    }
+    if let Some(x) = b.f32_in("min_p", 0.0, 1.0)? {
+        p.min_p = x;
+    }
+    if let Some(x) = b.f32_in("repetition_penalty", f32::MIN_POSITIVE, 100.0)? {
+        p.repetition_penalty = x;
+    }
+    p.seed = match b.i64("seed")? {
+        Some(s) => s as u64,
+        None => fresh_seed(),
+    };
+    Ok(p)
+}
+
+/// The fields this server does not implement: refused by name unless they
+/// ask for nothing.
+fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    b.refuse("presence_penalty", zero, "only 0 (use repetition_penalty)")?;
+    b.refuse("frequency_penalty", zero, "only 0 (use repetition_penalty)")?;
+    b.refuse("logprobs", |v| v == &json!(false) || v.as_u64() == Some(0), "log probabilities are not returned yet")?;
+    b.refuse("top_logprobs", |v| v.as_u64() == Some(0), "log probabilities are not returned yet")?;
+    b.refuse("logit_bias", |v| v.as_object().is_some_and(|o| o.is_empty()), "logit bias is not applied yet")?;
+    b.refuse("response_format", |v| v.get("type") == Some(&json!("text")), "only {\"type\": \"text\"}")?;
+    b.refuse("tools", |v| v.as_array().is_some_and(|a| a.is_empty()), "tool calls are not parsed yet")?;
+    b.refuse("tool_choice", |v| v == &json!("none"), "tool calls are not parsed yet")?;
+    b.refuse("echo", |v| v == &json!(false), "the prompt is not echoed")?;
+    b.refuse("suffix", |v| v.as_str() == Some(""), "no suffix insertion")?;
+    b.refuse("best_of", |v| v.as_u64() == Some(1), "only 1")
+}
+
+/// The chat messages as the template takes them: string content, or text
+/// parts joined.
+fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
+    let items = b.get("messages").and_then(Value::as_array).ok_or_else(|| b.bad("messages", "must be an array"))?;
+    if items.is_empty() {
+        return Err(b.bad("messages", "must hold at least one message"));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = format!("messages[{i}]");
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| b.bad(&field, "needs a string `role`"))?;
+            let content = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                None | Some(Value::Null) => String::new(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => Ok(t),
+                        (Some(kind), _) => {
+                            Err(b.bad(&field, format!("has a `{kind}` part; only text parts are supported")))
+                        }
+                        _ => Err(b.bad(&field, "has a content part without `type`")),
+                    })
+                    .collect::<ApiResult<Vec<&str>>>()?
+                    .concat(),
+                Some(_) => return Err(b.bad(&field, "`content` must be a string or an array of parts")),
+            };
+            Ok(ChatMessage::new(role, content))
+        })
+        .collect()
+}
+
+/// Prompt tokens of a chat through the model's template.
+pub fn chat_prompt(
+    tok: &Tokenizer,
+    msgs: &[ChatMessage],
+    thinking: Option<bool>,
+    flavor: Flavor,
+) -> ApiResult<Vec<u32>> {
+    rendered_prompt(tok, msgs, thinking, flavor).map(|(ids, _)| ids)
+}
+
+/// The chat through the model's template: its tokens and its text.
+pub fn rendered_prompt(
+    tok: &Tokenizer,
+    msgs: &[ChatMessage],
+    thinking: Option<bool>,
+    flavor: Flavor,
+) -> ApiResult<(Vec<u32>, String)> {
+    if !tok.has_chat_template() {
+        return Err(ApiError::bad_request(flavor, Some("messages"), "this model has no chat template"));
+    }
+    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: thinking };
+    let text = tok
+        .apply_chat_template(msgs, &opts)
+        .map_err(|e| ApiError::bad_request(flavor, Some("messages"), format!("the chat template failed: {e}")))?;
+    let ids = tok.encode(&text, false).map_err(|e| ApiError::bad_request(flavor, Some("messages"), e.to_string()))?;
+    Ok((ids, text))
+}
+
+pub fn tokenizer(ready: &Ready, flavor: Flavor) -> ApiResult<&Tokenizer> {
+    ready
+        .engine
+        .tokenizer()
+        .map(|t| t.as_ref())
+        .ok_or_else(|| ApiError::bad_request(flavor, None, "this model has no tokenizer"))
+}
+
+/// Submits `n` copies of a request (seeds `seed`, `seed + 1`, …): engine
+/// errors (a prompt over the context, say) are the client's, named.
+pub fn submit_n(ready: &Ready, req: Request, n: usize, flavor: Flavor) -> ApiResult<Vec<Submitted>> {
+    (0..n)
+        .map(|i| {
+            let mut r = req.clone();
+            r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
+            submit(&ready.engine, r).map_err(|e| ApiError::bad_request(flavor, None, e.to_string()))
+        })
+        .collect()
+}
+
+/// A request's whole result.
+pub struct Collected {
+    pub text: String,
+    pub finish: FinishReason,
+    pub stop_string: Option<String>,
+    pub usage: Usage,
+}
+
+pub async fn collect(mut s: Submitted, flavor: Flavor) -> ApiResult<Collected> {
+    let mut text = String::new();
+    while let Some(item) = s.rx.recv().await {
+        let out = item.map_err(|e| ApiError::with_status(flavor, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
+        text.push_str(&out.text);
+        if let Some(finish) = out.finish {
+            return Ok(Collected { text, finish, stop_string: out.stop_string, usage: out.usage });
+        }
+    }
+    Err(ApiError::with_status(flavor, axum::http::StatusCode::SERVICE_UNAVAILABLE, "the engine stopped"))
+}
+
+/// Every choice's outputs on one stream, tagged with the choice's index.
+pub fn merged(
+    subs: Vec<Submitted>,
+) -> (impl futures_util::Stream<Item = (usize, Result<Output, String>)> + Send + 'static, Vec<AbortOnDrop>) {
+    let mut streams = Vec::new();
+    let mut guards = Vec::new();
+    for (i, s) in subs.into_iter().enumerate() {
+        streams.push(UnboundedReceiverStream::new(s.rx).map(move |item| (i, item)));
+        guards.push(s.guard);
+    }
+    (futures_util::stream::select_all(streams), guards)
+}
+
+/// An SSE response whose events `produce` sends; when the client goes away
+/// the sender fails and `produce` ends, dropping what it holds.
+pub fn sse<Fut>(produce: impl FnOnce(mpsc::Sender<Event>) -> Fut) -> Response
+where
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel::<Event>(64);
+    tokio::spawn(produce(tx));
+    Sse::new(ReceiverStream::new(rx).map(Ok::<_, Infallible>)).keep_alive(KeepAlive::default()).into_response()
+}
+
+fn data(v: Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// The usage of a request's choices (one prompt, counted once; the prefix
+/// cache's share as the first choice found it).
+fn usage_json(choices: &[Usage]) -> Value {
+    let first = choices.first().copied().unwrap_or_default();
+    let (prompt, completion) = (first.prompt_tokens, choices.iter().map(|u| u.completion_tokens).sum::<usize>());
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    })
+}
+
+/// `cache_salt` (vLLM's extension): requests share cached prefixes only
+/// with requests of the same salt.
+pub fn cache_salt(b: &Body<'_>) -> ApiResult<Option<String>> {
+    match b.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+        Some(_) => Err(b.bad("cache_salt", "must be a non-empty string")),
+    }
+}
+
+/// What a chat or completion request asks for, read before any work.
+struct Ask {
+    req: Request,
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+    model: String,
+}
+
+fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiResult<Ask> {
+    refuse_unsupported(b)?;
+    let sampling = sampling(b, &ready.defaults, 2.0)?;
+    let n = b.u64("n")?.unwrap_or(1) as usize;
+    if n == 0 || n > state.opts.max_n {
+        return Err(b.bad("n", format!("must be between 1 and {}", state.opts.max_n)));
+    }
+    let limit = ready.engine.config().max_model_len;
+    let max_tokens = match (b.i64("max_completion_tokens")?, b.i64("max_tokens")?) {
+        (Some(m), _) | (None, Some(m)) if m < 1 => {
+            let field = if b.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+            return Err(b.bad(field, "must be at least 1"));
+        }
+        (Some(m), _) | (None, Some(m)) => m as usize,
+        (None, None) => limit.saturating_sub(prompt.len()).max(1),
+    };
+    if prompt.len() + max_tokens > limit {
+        return Err(ApiError::bad_request(
+            F,
+            Some(if b.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" }),
+            format!(
+                "this model's context holds {limit} tokens; the prompt has {} and {max_tokens} more were asked for",
+                prompt.len()
+            ),
+        ));
+    }
+    let stop = b.strings("stop")?;
+    let stream = b.bool("stream")?;
+    let include_usage = match b.get("stream_options") {
+        Some(o) => o.get("include_usage").and_then(Value::as_bool).unwrap_or(false),
+        None => false,
+    };
+    let stop = StopConditions { max_tokens, stop_token_ids: ready.stop_token_ids.clone(), stop };
+    let model = state.opts.served_model_name.clone();
+    let cache_salt = cache_salt(b)?;
+    Ok(Ask {
+        req: Request { prompt, sampling, stop, cache_salt, ..Default::default() },
+        n,
+        stream,
+        include_usage,
+        model,
+    })
+}
+
+pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
+    let ready = state.ready(F)?;
+    ready.check_generates(F)?;
+    let v = Body::parse(&body, F)?;
+    let b = Body::new(&v, F);
+    state.check_model(F, b.str("model")?)?;
+    let thinking = match b.get("chat_template_kwargs") {
+        None => None,
+        Some(Value::Object(kw)) => {
+            if let Some(k) = kw.keys().find(|k| *k != "enable_thinking") {
+                return Err(b.bad("chat_template_kwargs", format!("has `{k}`; only `enable_thinking` is passed on")));
+            }
+            kw.get("enable_thinking")
+                .map(|t| {
+                    t.as_bool().ok_or_else(|| b.bad("chat_template_kwargs", "`enable_thinking` must be a boolean"))
+                })
+                .transpose()?
+        }
+        Some(_) => return Err(b.bad("chat_template_kwargs", "must be an object")),
+    };
+    let tok = tokenizer(ready, F)?;
+    let (prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, F)?;
+    // Reasoning is split out where the vocabulary has Qwen's tags.
+    let splitter = has_reasoning_tags(|t| tok.token_to_id(t)).then(|| ReasoningSplitter::new(&prompt_text));
+    let a = ask(&state, ready, &b, prompt)?;
+    state.admit(F, ready)?;
+    let subs = submit_n(ready, a.req, a.n, F)?;
+    let (id, created) = (state.id("chatcmpl"), now_secs());
+    if !a.stream {
+        let mut choices = Vec::new();
+        let mut usage = Vec::new();
+        for (i, s) in subs.into_iter().enumerate() {
+            let c = collect(s, F).await?;
+            usage.push(c.usage);
+            let mut message = json!({"role": "assistant", "content": c.text});
+            if let Some(mut split) = splitter.clone() {
+                let (a, b) = (split.push(&c.text), split.finish());
+                let reasoning = a.reasoning + &b.reasoning;
+                message["content"] = json!(a.content + &b.content);
+                message["reasoning_content"] = if reasoning.is_empty() { Value::Null } else { json!(reasoning) };
+            }
+            choices.push(json!({
+                "index": i,
+                "message": message,
+                "finish_reason": openai_finish(c.finish),
+                "logprobs": null,
+            }));
+        }
+        return Ok(axum::Json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": a.model,
+            "choices": choices, "usage": usage_json(&usage),
+        }))
+        .into_response());
+    }
+    let (stream, guards) = merged(subs);
+    let n = a.n;
+    Ok(sse(move |tx| async move {
+        let _guards = guards;
+        let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
+        for i in 0..n {
+            let first = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
+            if tx.send(data(chunk(first))).await.is_err() {
+                return;
+            }
+        }
+        let (mut usage, mut done) = (vec![Usage::default(); n], 0);
+        let mut splitters = vec![splitter; n];
+        futures_util::pin_mut!(stream);
+        while let Some((i, item)) = stream.next().await {
+            let out = match item {
+                Ok(o) => o,
+                Err(e) => {
+                    let _ = tx
+                        .send(data(ApiError::with_status(F, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e).body()))
+                        .await;
+                    return;
+                }
+            };
+            usage[i] = out.usage;
+            let parts = match &mut splitters[i] {
+                Some(split) => {
+                    let mut p = split.push(&out.text);
+                    if out.finish.is_some() {
+                        let rest = split.finish();
+                        p.reasoning += &rest.reasoning;
+                        p.content += &rest.content;
+                    }
+                    p
+                }
+                None => Split { reasoning: String::new(), content: out.text.clone() },
+            };
+            for (field, text) in [("reasoning_content", parts.reasoning), ("content", parts.content)] {
+                if text.is_empty() {
+                    continue;
+                }
+                let delta = json!([{"index": i, "delta": {field: text}, "finish_reason": null, "logprobs": null}]);
+                if tx.send(data(chunk(delta))).await.is_err() {
+                    return;
+                }
+            }
+            if let Some(f) = out.finish {
+                let end = json!([{"index": i, "delta": {}, "finish_reason": openai_finish(f), "logprobs": null}]);
+                if tx.send(data(chunk(end))).await.is_err() {
+                    return;
+                }
+                done += 1;
+                if done == n {
+                    break;
+                }
+            }
+        }
+        if a.include_usage {
+            let mut last = chunk(json!([]));
+            last["usage"] = usage_json(&usage);
+            let _ = tx.send(data(last)).await;
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    }))
+}
+
+/// The prompt of `/v1/completions`: a string, one-string array, or token ids.
+fn completion_prompt(b: &Body<'_>, tok: Option<&Tokenizer>, vocab: usize) -> ApiResult<Vec<u32>> {
+    let text = |s: &str| -> ApiResult<Vec<u32>> {
+        let tok = tok.ok_or_else(|| b.bad("prompt", "must be token ids: this model has no tokenizer"))?;
+        tok.encode(s, true).map_err(|e| b.bad("prompt", e))
+    };
+    let ids = match b.get("prompt") {
+        Some(Value::String(s)) => text(s)?,
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => text(a[0].as_str().unwrap_or_default())?,
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
+            a.iter().map(|t| t.as_u64().unwrap_or(u64::MAX) as u32).collect()
+        }
+        Some(Value::Array(_)) => {
+            return Err(b.bad(
+                "prompt",
+                "must be a string, an array of one string, or an array of token ids (one prompt per request)",
+            ));
+        }
+        _ => return Err(b.bad("prompt", "is required (a string or token ids)")),
+    };
+    if ids.is_empty() {
+        return Err(b.bad("prompt", "is empty"));
+    }
+    if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(b.bad("prompt", format!("holds token id {t}, outside the vocabulary of {vocab}")));
+    }
+    Ok(ids)
+}
+
+pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
+    let ready = state.ready(F)?;
+    ready.check_generates(F)?;
+    let v = Body::parse(&body, F)?;
+    let b = Body::new(&v, F);
+    state.check_model(F, b.str("model")?)?;
+    let vocab = ready.engine.model().config().vocab_size;
+    let prompt = completion_prompt(&b, ready.engine.tokenizer().map(|t| t.as_ref()), vocab)?;
+    let a = ask(&state, ready, &b, prompt)?;
+    state.admit(F, ready)?;
+    let subs = submit_n(ready, a.req, a.n, F)?;
+    let (id, created) = (state.id("cmpl"), now_secs());
+    if !a.stream {
+        let mut choices = Vec::new();
+        let mut usage = Vec::new();
+        for (i, s) in subs.into_iter().enumerate() {
+            let c = collect(s, F).await?;
+            usage.push(c.usage);
+            choices
+                .push(json!({"index": i, "text": c.text, "finish_reason": openai_finish(c.finish), "logprobs": null}));
+        }
+        return Ok(axum::Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": a.model,
+            "choices": choices, "usage": usage_json(&usage),
+        }))
+        .into_response());
+    }
+    let (stream, guards) = merged(subs);
+    let n = a.n;
+    Ok(sse(move |tx| async move {
+        let _guards = guards;
+        let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": a.model, "choices": choices});
+        let (mut usage, mut done) = (vec![Usage::default(); n], 0);
+        futures_util::pin_mut!(stream);
+        while let Some((i, item)) = stream.next().await {
+            let Ok(out) = item else {
+                let _ = tx.send(data(json!({"error": {"message": "the engine failed", "type": "server_error"}}))).await;
+                return;
+            };
+            usage[i] = out.usage;
+            let finish = out.finish.map(openai_finish);
+            if (!out.text.is_empty() || finish.is_some())
+                && tx
+                    .send(data(chunk(
+                        json!([{"index": i, "text": out.text, "finish_reason": finish, "logprobs": null}]),
+                    )))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+            if finish.is_some() {
+                done += 1;
+                if done == n {
+                    break;
+                }
+            }
+        }
+        if a.include_usage {
+            let mut last = chunk(json!([]));
+            last["usage"] = usage_json(&usage);
+            let _ = tx.send(data(last)).await;
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    }))
+}

@@ -1,0 +1,465 @@
+"""`qinfer serve` driven by the official `openai` and `anthropic` SDKs, on the
+default model (SmolLM2-135M-Instruct), on 127.0.0.1. Run by .ci/run:
+
+    python tests/serve/test_clients.py path/to/qinfer [model]
+
+Each check starts from a running server and says what failed; the script
+exits non-zero on the first failure and stops every server it started.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+
+QINFER = sys.argv[1]
+MODEL_ARGS = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []
+
+
+class Server:
+    """A `qinfer serve` on a free loopback port, ready when constructed."""
+
+    def __init__(self, *extra, key=None, model_args=None):
+        model_args = MODEL_ARGS if model_args is None else model_args
+        self.proc = subprocess.Popen(
+            [QINFER, "--threads", "2", "serve", "--port", "0", *model_args, *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.log = []
+        try:
+            self._start(key)
+        except BaseException:
+            self.proc.kill()
+            raise
+
+    def _start(self, key):
+        line = self._line()
+        m = re.search(r"listening on (http://[0-9.:]+)", line)
+        assert m, f"no address in {line!r}"
+        self.url = m.group(1)
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health") as r:
+                    if r.status == 200:
+                        break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503, f"/health while loading: {e.code}"
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the server did not become ready")
+        req = urllib.request.Request(self.url + "/v1/models", headers={"x-api-key": key} if key else {})
+        self.name = json.load(urllib.request.urlopen(req))["data"][0]["id"]
+
+    def _line(self):
+        line = self.proc.stderr.readline()
+        self.log.append(line)
+        return line
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def metrics(self):
+        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
+        return {k: float(v) for k, v in re.findall(r"^qinfer:(\w+) (\S+)$", text, re.M)}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise AssertionError("the server did not stop on SIGTERM")
+
+
+def oa(s, **kw):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=kw.pop("key", "none"), max_retries=0, **kw)
+
+
+def an(s, **kw):
+    return anthropic.Anthropic(base_url=s.url, api_key=kw.pop("key", "none"), max_retries=0, **kw)
+
+
+def ask(content):
+    return [{"role": "user", "content": content}]
+
+
+def check_chat(s):
+    c = oa(s)
+    r = c.chat.completions.create(model=s.name, messages=ask("Name the capital city of France."), max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content, r
+    assert r.usage.completion_tokens <= 24 and r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # Streaming: the deltas concatenate to the same text; the last chunk has the usage.
+    chunks = list(
+        c.chat.completions.create(
+            model=s.name,
+            messages=ask("Name the capital city of France."),
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content, (text, r.choices[0].message.content)
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+
+
+def check_completions(s):
+    r = oa(s).completions.create(model=s.name, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text, r
+    parts = list(
+        oa(s).completions.create(model=s.name, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in parts if p.choices) == r.choices[0].text
+
+
+def check_seed_n_and_stop(s):
+    c = oa(s)
+    kw = dict(model=s.name, messages=ask("Write a short poem about the sea."), max_tokens=30, temperature=1.0)
+    a = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    b = c.chat.completions.create(seed=42, **kw).choices[0].message.content
+    assert a == b, (a, b)
+    two = c.chat.completions.create(seed=7, n=2, **kw)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    # A stop string ends the text before it, wherever the tokens split it
+    # (here across a token boundary, in the middle of both tokens).
+    kw = dict(model=s.name, prompt="The capital of France is", max_tokens=24, temperature=0)
+    full = c.completions.create(**kw).choices[0].text
+    words = re.findall(r"[A-Za-z]{4,}", full)
+    assert len(words) >= 3, full
+    a, b = words[1], words[2]
+    at = full.index(a) + len(a) - 2
+    stop = full[at : full.index(b, at) + 2]
+    for stream in (False, True):
+        if stream:
+            got = "".join(p.choices[0].text for p in c.completions.create(stop=[stop], stream=True, **kw) if p.choices)
+        else:
+            cut = c.completions.create(stop=[stop], **kw)
+            got = cut.choices[0].text
+            assert cut.choices[0].finish_reason == "stop"
+        assert got == full[:at], (got, full, stop)
+
+
+def check_anthropic(s):
+    c = an(s)
+    m = c.messages.create(model=s.name, max_tokens=24, system="Answer briefly.", messages=ask("Name the capital city of France."))
+    assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+    assert m.stop_reason in ("end_turn", "max_tokens"), m.stop_reason
+    assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 24
+    events = []
+    with c.messages.stream(model=s.name, max_tokens=24, system="Answer briefly.", messages=ask("Name the capital city of France.")) as st:
+        for e in st:
+            events.append(e.type)
+        final = st.get_final_message()
+    raw = [e for e in events if e in ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop")]
+    assert raw[:2] == ["message_start", "content_block_start"] and raw[-3:] == ["content_block_stop", "message_delta", "message_stop"], events
+    assert final.content[0].text == m.content[0].text
+    n = c.messages.count_tokens(model=s.name, messages=ask("Hello"))
+    assert n.input_tokens > 0
+    # A stop sequence ends the text before it, and the message says which one.
+    kw = dict(model=s.name, max_tokens=40, messages=ask("Tell me about Paris."))
+    full = c.messages.create(**kw).content[0].text
+    words = re.findall(r"[A-Za-z]{4,}", full)
+    assert len(words) >= 3, full
+    at = full.index(words[2])
+    stop = full[at : at + 3]
+    first = full.index(stop)
+    cut = c.messages.create(stop_sequences=["zzzz", stop], **kw)
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop), cut
+    assert cut.content[0].text == full[:first], (cut.content[0].text, full, stop)
+
+
+SYSTEM = (
+    "You are a careful assistant for a small bookshop in Lyon. The shop sells new and used books, "
+    "mostly French and English novels, some poetry, travel guides and children's books. It opens "
+    "from ten in the morning to seven in the evening, Tuesday to Saturday, and is closed on Sundays "
+    "and Mondays. Orders can be collected in the shop or sent by post within France. Answer in one "
+    "or two short sentences, politely, and never invent a price or a title that the customer did not mention."
+)
+
+
+def turns(c, name, salt=None):
+    """A three-turn chat on the shared system prompt: each turn's texts and cached prompt tokens."""
+    msgs = [{"role": "system", "content": SYSTEM}]
+    got = []
+    for q in ("When are you open?", "Do you sell poetry?", "Can you post a book to Paris?"):
+        msgs.append({"role": "user", "content": q})
+        extra = {"cache_salt": salt} if salt else None
+        r = c.chat.completions.create(model=name, messages=msgs, max_tokens=20, temperature=0, extra_body=extra)
+        text = r.choices[0].message.content
+        got.append((text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        msgs.append({"role": "assistant", "content": text})
+    return got
+
+
+def check_prefix_cache(s):
+    before = s.metrics()
+    c = oa(s)
+    first = turns(c, s.name, salt="check_prefix_cache")
+    # Later turns resend the earlier ones: whole 16-token blocks of them come from the cache.
+    assert first[0][2] == 0, first
+    for text, prompt, cached in first[1:]:
+        assert 0 < cached < prompt and cached % 16 == 0, first
+    # Another salt shares nothing with the first conversation.
+    other = turns(c, s.name, salt="another tenant")
+    assert other[0][2] == 0 and [t[0] for t in other] == [t[0] for t in first], (first, other)
+    # The same answers from a server without the cache.
+    plain = Server("--no-prefix-cache")
+    try:
+        without = turns(oa(plain), plain.name)
+        assert [t[0] for t in without] == [t[0] for t in first], (first, without)
+        assert all(t[2] == 0 for t in without), without
+    finally:
+        plain.stop()
+    # Anthropic: the cached part is reported apart from the rest of the input.
+    a = an(s)
+    kw = dict(model=s.name, max_tokens=8, system=SYSTEM, messages=ask("Is there a children's section?"))
+    total = a.messages.count_tokens(model=s.name, system=SYSTEM, messages=ask("Is there a children's section?")).input_tokens
+    a.messages.create(**kw)
+    m = a.messages.create(**kw)
+    assert m.usage.cache_read_input_tokens > 0 and m.usage.input_tokens + m.usage.cache_read_input_tokens == total, (m.usage, total)
+    with a.messages.stream(**kw) as st:
+        final = st.get_final_message()
+    assert final.usage.cache_read_input_tokens == m.usage.cache_read_input_tokens, final.usage
+    m = s.metrics()
+    assert m["prefix_cache_hits_total"] > before.get("prefix_cache_hits_total", 0), m
+    assert m["prefix_cache_queries_total"] > m["prefix_cache_hits_total"], m
+    # A salt that is not a non-empty string is refused.
+    got, body = status_of(lambda: c.chat.completions.create(model=s.name, messages=ask("x"), extra_body={"cache_salt": ""}))
+    assert got == 400 and "cache_salt" in json.dumps(body), (got, body)
+
+
+POOLING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "pooling")
+
+
+def close(got, want, what):
+    assert len(got) == len(want), (what, len(got), len(want))
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= 1e-5, f"{what}: max abs difference {worst}"
+
+
+def renormalized(v):
+    n = sum(x * x for x in v) ** 0.5
+    return [x / n for x in v]
+
+
+def check_embeddings():
+    """The tiny Qwen3-Embedding-layout fixture against sentence-transformers' vectors."""
+    d = os.path.join(POOLING, "qwen3_embedding_last")
+    ref = json.load(open(os.path.join(d, "reference.json")))
+    s = Server(model_args=["--model", d])
+    try:
+        c = oa(s)
+        # The SDK asks for base64 unless told otherwise, and decodes it.
+        r = c.embeddings.create(model=s.name, input=ref["texts"])
+        assert [e.index for e in r.data] == list(range(len(ref["texts"])))
+        for e, want in zip(r.data, ref["embeddings"]):
+            close(e.embedding, want, "base64")
+        assert r.usage.prompt_tokens == sum(len(x) for x in ref["input_ids"]), r.usage
+        r = c.embeddings.create(model=s.name, input=ref["texts"][0], encoding_format="float")
+        close(r.data[0].embedding, ref["embeddings"][0], "float")
+        r = c.embeddings.create(model=s.name, input=ref["texts"][1], dimensions=16)
+        close(r.data[0].embedding, renormalized(ref["embeddings"][1][:16]), "dimensions=16")
+        # Token ids, and the model's named query prompt.
+        r = c.embeddings.create(model=s.name, input=ref["input_ids"][2], encoding_format="float")
+        close(r.data[0].embedding, ref["embeddings"][2], "token ids")
+        r = c.embeddings.create(model=s.name, input=ref["queries"], extra_body={"prompt_name": "query"})
+        for e, want in zip(r.data, ref["query_embeddings"]):
+            close(e.embedding, want, "query prompt")
+        cases = [
+            ("empty input", lambda: c.embeddings.create(model=s.name, input=[]), "input"),
+            ("dimensions too large", lambda: c.embeddings.create(model=s.name, input="a", dimensions=65), "dimensions"),
+            ("too long", lambda: c.embeddings.create(model=s.name, input="a" * 600), "input"),
+            ("chat on an embedding model", lambda: c.chat.completions.create(model=s.name, messages=ask("x")), None),
+        ]
+        for what, fn, field in cases:
+            got, body = status_of(fn)
+            assert got == 400, f"{what}: {got} {body}"
+            assert field is None or field in json.dumps(body), f"{what}: {body}"
+        r = c.embeddings.create(model=s.name, input="a" * 600, extra_body={"truncate_prompt_tokens": 8}, encoding_format="float")
+        assert r.usage.prompt_tokens == 8, r.usage
+    finally:
+        s.stop()
+
+
+def check_rerank():
+    """The tiny Qwen3-Reranker-style fixture against transformers' scores."""
+    d = os.path.join(POOLING, "qwen3_reranker")
+    ref = json.load(open(os.path.join(d, "reference.json")))
+    s = Server("--task", "rerank", model_args=["--model", d])
+    try:
+        pairs = ref["pairs"]
+        query = pairs[0]["query"]
+        docs = [p["document"] for p in pairs if p["query"] == query]
+        want = [sc for p, sc in zip(pairs, ref["scores"]) if p["query"] == query]
+        body = {"model": s.name, "query": query, "documents": docs, "top_n": 3, "return_documents": True}
+        req = urllib.request.Request(s.url + "/v1/rerank", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        r = json.load(urllib.request.urlopen(req))
+        order = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
+        assert [x["index"] for x in r["results"]] == order, (r, want)
+        for x in r["results"]:
+            assert abs(x["relevance_score"] - want[x["index"]]) <= 1e-5, (x, want)
+            assert x["document"]["text"] == docs[x["index"]]
+        bad = {"model": s.name, "query": query, "documents": []}
+        req = urllib.request.Request(s.url + "/rerank", data=json.dumps(bad).encode(), headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req)
+            raise AssertionError("empty documents accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and "documents" in e.read().decode()
+    finally:
+        s.stop()
+
+
+def status_of(fn):
+    try:
+        fn()
+    except (openai.APIStatusError, anthropic.APIStatusError) as e:
+        return e.status_code, e.body
+    return 200, None
+
+
+def check_errors(s):
+    c, a = oa(s), an(s)
+    cases = [
+        ("negative temperature", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), temperature=-1), 400),
+        ("top_p above 1", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), top_p=1.5), 400),
+        ("negative max_tokens", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), max_tokens=-5), 400),
+        ("unknown model", lambda: c.chat.completions.create(model="nope", messages=ask("x")), 404),
+        ("prompt over the context", lambda: c.completions.create(model=s.name, prompt="hi " * 20000, max_tokens=4), 400),
+        ("n over the limit", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), n=1000), 400),
+        ("wrong type", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), extra_body={"top_k": "many"}), 400),
+        ("empty messages", lambda: c.chat.completions.create(model=s.name, messages=[]), 400),
+        ("tools not parsed yet", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
+        ("anthropic temperature above 1", lambda: a.messages.create(model=s.name, max_tokens=5, messages=ask("x"), extra_body={"temperature": 1.5}), 400),
+        ("anthropic unknown model", lambda: a.messages.create(model="nope", max_tokens=5, messages=ask("x")), 404),
+        ("anthropic bad role", lambda: a.messages.create(model=s.name, max_tokens=5, messages=[{"role": "robot", "content": "x"}]), 400),
+    ]
+    for what, fn, want in cases:
+        got, body = status_of(fn)
+        assert got == want, f"{what}: {got} (wanted {want}): {body}"
+        assert body, f"{what}: no error body"
+    # Bad JSON, in each API's shape.
+    for path, shape in (("/v1/chat/completions", "error"), ("/v1/messages", "type")):
+        req = urllib.request.Request(s.url + path, data=b"{not json", headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req)
+            raise AssertionError(f"{path}: bad JSON accepted")
+        except urllib.error.HTTPError as e:
+            body = json.loads(e.read())
+            assert e.code == 400 and shape in body, (path, e.code, body)
+
+
+def check_cancel_and_concurrency(s):
+    before = s.metrics()
+    stream = oa(s).chat.completions.create(model=s.name, messages=ask("Tell me a long story."), max_tokens=2000, temperature=1.0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = s.metrics()
+        if m["num_requests_running"] == 0 and m["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the cancelled request still holds blocks: {m}")
+    assert m["request_aborted_total"] > before.get("request_aborted_total", 0), m
+    # 32 concurrent streams all finish, each with its tokens.
+    results = [None] * 32
+
+    def one(i):
+        chunks = list(oa(s).chat.completions.create(model=s.name, messages=ask(f"Say the number {i}."), max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        results[i] = chunks[-1].usage.completion_tokens
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    assert all(r and r > 0 for r in results), results
+    m = s.metrics()
+    assert m["kv_blocks_used"] == 0 and m["num_requests_running"] == 0, m
+
+
+def check_api_key():
+    s = Server("--api-key", "sesame", key="sesame")
+    try:
+        got, _ = status_of(lambda: oa(s).models.list())
+        assert got == 401, got
+        assert oa(s, key="sesame").models.list().data[0].id == s.name
+        m = an(s, key="sesame").messages.create(model=s.name, max_tokens=4, messages=ask("Hi"))
+        assert m.usage.output_tokens > 0
+        got, _ = status_of(lambda: an(s, key="wrong").messages.create(model=s.name, max_tokens=4, messages=ask("Hi")))
+        assert got == 401, got
+    finally:
+        s.stop()
+
+
+def check_shutdown_ends_streams():
+    s = Server()
+    seen = []
+
+    def reader():
+        try:
+            for ch in oa(s).chat.completions.create(model=s.name, messages=ask("Tell me a long story."), max_tokens=4000, temperature=1.0, stream=True):
+                seen.append(ch)
+        except Exception as e:  # the stream may end with an error: that is allowed, hanging is not
+            seen.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    while len(seen) < 3:
+        time.sleep(0.05)
+    t0 = time.time()
+    s.stop()
+    t.join(timeout=20)
+    assert not t.is_alive(), "a stream hung after SIGTERM"
+    assert time.time() - t0 < 20
+
+
+def main():
+    s = Server()
+    checks = [
+        check_chat,
+        check_completions,
+        check_seed_n_and_stop,
+        check_anthropic,
+        check_prefix_cache,
+        check_errors,
+        check_cancel_and_concurrency,
+    ]
+    try:
+        for check in checks:
+            t = time.time()
+            check(s)
+            print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
+    except BaseException:
+        print("".join(s.log[-20:]), file=sys.stderr)
+        raise
+    finally:
+        s.stop()
+    for check in (check_api_key, check_shutdown_ends_streams, check_embeddings, check_rerank):
+        t = time.time()
+        check()
+        print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
