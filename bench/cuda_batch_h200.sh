@@ -19,7 +19,9 @@ mkdir -p "$QINFER_CACHE"
 : "${GEN:=128}"
 if [ "$TESTS" = 1 ]; then
   : > "$OUT/tests.log"
-  for t in .device/cuda_batch $(ls .device/cuda_* | grep -v -e cuda_batch -e cuda_profile) .device/kernel_sources; do
+  # TEST_BINS: the test binaries to run (default: all, cuda_batch first).
+  : "${TEST_BINS:=.device/cuda_batch $(ls .device/cuda_* | grep -v -e cuda_batch -e cuda_profile) .device/kernel_sources}"
+  for t in $TEST_BINS; do
     case "$t" in .device/cuda_profile) continue ;; esac
     echo "== $t" >> "$OUT/tests.log"
     QINFER_REQUIRE_GPU=1 timeout 150 "$t" --test-threads=1 --nocapture >> "$OUT/tests.log" 2>&1

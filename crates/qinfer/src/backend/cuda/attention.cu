@@ -255,15 +255,19 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 template <typename T>
 __host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }
 // Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
-// `ks` and values to `vs` (HD values a row), in one cp.async group.
-template <int HD, typename T>
+// `ks` and values to `vs` (HD values a row), in one cp.async group. PAGED:
+// key j sits in slot blocks[j / block_size]·block_size + j % block_size of
+// a paged pool; else at row j of a contiguous cache.
+template <int HD, bool PAGED, typename T>
 __device__ __forceinline__ void decode_stage_rows(const T* keys, const T* values, T* ks, T* vs, int lo, int j0,
-                                                  int j1, int kv_dim, int kvh) {
+                                                  int j1, int kv_dim, int kvh, const int* blocks, int block_size) {
     constexpr int PER = 16 / (int)sizeof(T);  // values a 16-byte piece
     constexpr int PIECES = HD / PER;         // pieces a row
     for (int i = j0 * PIECES + threadIdx.x; i < j1 * PIECES; i += DECODE_THREADS) {
         int j = i / PIECES, p = i % PIECES;
-        size_t src = (size_t)(lo + j) * kv_dim + kvh * HD + PER * p;
+        size_t key = lo + j;
+        if constexpr (PAGED) key = (size_t)__ldg(blocks + key / block_size) * block_size + key % block_size;
+        size_t src = key * kv_dim + kvh * HD + PER * p;
         cp_async<16>(ks + j * HD + PER * p, keys + src, true);
         cp_async<16>(vs + j * HD + PER * p, values + src, true);
     }
@@ -330,10 +334,14 @@ struct DecodePrologue {
     int output_gate, rotary_dim, style;
 };
 
-template <int HD, bool FUSED, int HEADS, typename T>
+// PAGED: rows of a batch over a paged pool. `step` is then the batch table
+// (batch.cu): row t's position is table[t] and its sequence's block table
+// is found through it; every key, this pass's too, was written before.
+template <int HD, bool FUSED, bool PAGED, int HEADS, typename T>
 __device__ void attention_decode(const float* q, T* keys, T* values, float* part_o, float* part_ml, float* direct,
                                  const int* step, int num_heads, int num_kv_heads, int window, float scale,
-                                 int splits, int chunk, DecodePrologue pro) {
+                                 int splits, int chunk, DecodePrologue pro, int rows = 0, int block_size = 0) {
+    static_assert(!(FUSED && PAGED), "the paged form takes the prologue's rows from the pool");
     constexpr int WARPS = DECODE_THREADS / 32;
     constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // 4-value groups per lane per value row
     static_assert(HEADS <= DECODE_HEADS, "the value sums must fit the keys' space");
@@ -349,15 +357,24 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
     int t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads, split = blockIdx.y;
     int g0 = blockIdx.z * HEADS, gh = min(HEADS, group - g0);
     int h0 = kvh * group + g0;  // first query head of this block
-    int start = __ldcg(step);
-    int pos = start + t;
+    const int* blocks = nullptr;
+    int start, pos;
+    if constexpr (PAGED) {
+        pos = __ldg(step + t);
+        blocks = step + __ldg(step + 3 * rows + __ldg(step + rows + t));
+        start = 0;
+    } else {
+        start = __ldcg(step);
+        pos = start + t;
+    }
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int lo = max(first, split * chunk), hi = min(pos + 1, (split + 1) * chunk);
     int n = hi - lo;
     int kv_dim = num_kv_heads * HD;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
-    if (earlier > 0) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
+    if (earlier > 0)
+        decode_stage_rows<HD, PAGED, T>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh, blocks, block_size);
     DecodeHeadWeights<HD> hw;
     if constexpr (FUSED) decode_head_weights<HD>(hw, warp < HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
                                                  pro.rotary_dim / 2);
@@ -403,7 +420,8 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
             }
         }
     } else {
-        if (earlier < n) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
+        if (earlier < n)
+            decode_stage_rows<HD, PAGED, T>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh, blocks, block_size);
         for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
             qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
     }
@@ -551,19 +569,29 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##SUFFIX(                     \
         const float* q, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,        \
         int window, float scale, int splits, int chunk) {                                                          \
-        attention_decode<HD, false, DECODE_HEADS, T>(q, k, v, po, pml, direct, step, nh, nkv, window, scale,       \
-                                                     splits, chunk,                                                \
-                                                     DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, 0, 0, \
-                                                                    0});                                           \
+        attention_decode<HD, false, false, DECODE_HEADS, T>(q, k, v, po, pml, direct, step, nh, nkv, window,      \
+                                                            scale, splits, chunk,                                  \
+                                                            DecodePrologue{nullptr, nullptr, nullptr, nullptr,     \
+                                                                           0.0f, 0, 0, 0});                        \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue##SUFFIX(          \
         const float* qkv, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,      \
         int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,                  \
         const float* inv_freq, float* gate, float eps, int output_gate, int rotary_dim, int style) {               \
-        attention_decode<HD, true, DECODE_FUSED_HEADS, T>(qkv, k, v, po, pml, direct, step, nh, nkv, window,       \
-                                                          scale, splits, chunk,                                    \
-                                                          DecodePrologue{q_norm, k_norm, inv_freq, gate, eps,      \
-                                                                         output_gate, rotary_dim, style});         \
+        attention_decode<HD, true, false, DECODE_FUSED_HEADS, T>(qkv, k, v, po, pml, direct, step, nh, nkv,        \
+                                                                 window, scale, splits, chunk,                     \
+                                                                 DecodePrologue{q_norm, k_norm, inv_freq, gate,    \
+                                                                                eps, output_gate, rotary_dim,      \
+                                                                                style});                           \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_paged##SUFFIX(             \
+        const float* q, T* k, T* v, float* po, float* pml, float* direct, const int* table, int nh, int nkv,       \
+        int window, float scale, int splits, int chunk, int rows, int block_size) {                                \
+        attention_decode<HD, false, true, DECODE_HEADS, T>(q, k, v, po, pml, direct, table, nh, nkv, window,       \
+                                                           scale, splits, chunk,                                   \
+                                                           DecodePrologue{nullptr, nullptr, nullptr, nullptr,      \
+                                                                          0.0f, 0, 0, 0},                          \
+                                                           rows, block_size);                                      \
     }
 ATTENTION_DECODE(64, , float)
 ATTENTION_DECODE(128, , float)
