@@ -277,19 +277,40 @@ fn paged_prologue_matches_cpu() {
                 1,
                 &layout,
             );
-            let what = format!("paged_prologue {nh}/{nkv}×{hd} gate {output_gate} rot {rot} {style:?} {kv:?}");
-            p.check(&what, &qc, &qg, 1e-5);
-            assert_eq!(gc.is_some(), gg.is_some(), "{what}: gate");
-            if let (Some(gc), Some(gg)) = (gc, gg) {
-                p.check(&format!("{what} gate"), &gc, &gg, 0.0);
-            }
-            // The rows written: f32 as computed; f16 within its rounding.
-            let (keys_g, values_g) = p.gpu.kv_pool_to_host(&pool_g, 1).unwrap();
-            let (keys_c, values_c) = pool_c.layer(1);
-            let tol = if kv == KvPrecision::F16 { 1e-3 } else { 1e-5 };
-            for (name, got, want) in [("keys", &keys_g, keys_c), ("values", &values_g, values_c)] {
-                let e = rel(got, want);
-                assert!(e <= tol, "{what}: {name} in the pool: rel err {e} > {tol}");
+            // The same from the stacked q|k|v projection in one kernel.
+            let stacked: Vec<f32> = (0..rows)
+                .flat_map(|i| {
+                    let row = |x: &[f32], w: usize| x[i * w..(i + 1) * w].to_vec();
+                    [row(&pq, q_cols), row(&k, kv_dim), row(&v, kv_dim)].concat()
+                })
+                .collect();
+            let mut pool_s = p.gpu.new_kv_pool(2, kv_dim, num_blocks, 16).unwrap();
+            let (qs, gs) = p.gpu.paged_qkv_prologue(
+                &p.gpu.act_from_host(rows, q_cols + 2 * kv_dim, &stacked),
+                &shape,
+                norms_g,
+                1e-6,
+                &rope,
+                &mut pool_s,
+                1,
+                &layout,
+            );
+            for (form, qg, gg, pool_g) in [("", qg, gg, &pool_g), (" (stacked)", qs, gs, &pool_s)] {
+                let what =
+                    format!("paged_prologue{form} {nh}/{nkv}×{hd} gate {output_gate} rot {rot} {style:?} {kv:?}");
+                p.check(&what, &qc, &qg, 1e-5);
+                assert_eq!(gc.is_some(), gg.is_some(), "{what}: gate");
+                if let (Some(gc), Some(gg)) = (&gc, gg) {
+                    p.check(&format!("{what} gate"), gc, &gg, 0.0);
+                }
+                // The rows written: f32 as computed; f16 within its rounding.
+                let (keys_g, values_g) = p.gpu.kv_pool_to_host(pool_g, 1).unwrap();
+                let (keys_c, values_c) = pool_c.layer(1);
+                let tol = if kv == KvPrecision::F16 { 1e-3 } else { 1e-5 };
+                for (name, got, want) in [("keys", &keys_g, keys_c), ("values", &values_g, values_c)] {
+                    let e = rel(got, want);
+                    assert!(e <= tol, "{what}: {name} in the pool: rel err {e} > {tol}");
+                }
             }
         }
     }

@@ -15,11 +15,14 @@
 // beside it. Same arithmetic as rms_norm then rope then kv_append. The norm
 // weight and the rotation frequency of each thread's first value are read
 // before the wait for the kernel before (no kernel writes them).
-template <typename T>
+// PAGED: the rows of a batch (batch.cu), `step` its batch table: row t at
+// position table[t], its key and value to slot table[2·rows + t] of a paged
+// pool.
+template <typename T, bool PAGED>
 __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,
                                   const float* q_norm, const float* k_norm, const float* inv_freq, const int* step,
                                   int num_heads, int num_kv_heads, int head_dim, int output_gate, float eps,
-                                  int rotary_dim, int style) {
+                                  int rotary_dim, int style, int rows = 0) {
     extern __shared__ float head[];
     int t = blockIdx.x, hh = blockIdx.y;
     int q_rows = num_heads * head_dim * (output_gate ? 2 : 1), kv_dim = num_kv_heads * head_dim;
@@ -31,11 +34,18 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
     int half = rotary_dim / 2, c0 = threadIdx.x;
     float w0 = w && c0 < head_dim ? w[c0] : 1.0f, freq0 = c0 < half ? inv_freq[c0] : 0.0f;
     grid_dependency_wait();
-    int pos = step[0] + t;
+    int pos, dst;  // the row's position, and the cache row or pool slot it writes
+    if constexpr (PAGED) {
+        pos = step[t];
+        dst = step[2 * rows + t];
+    } else {
+        pos = step[0] + t;
+        dst = pos;
+    }
     if (!is_q) {
         const float* v = row + q_rows + kv_dim + kh * head_dim;
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
-            kv_store(values + (size_t)pos * kv_dim + kh * head_dim + c, v[c]);
+            kv_store(values + (size_t)dst * kv_dim + kh * head_dim + c, v[c]);
     } else if (output_gate) {
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
             gate_out[((size_t)t * num_heads + hh) * head_dim + c] = src[head_dim + c];
@@ -56,8 +66,8 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
         float* dst = q_out + ((size_t)t * num_heads + hh) * head_dim;
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
     } else {
-        T* dst = keys + (size_t)pos * kv_dim + kh * head_dim;
-        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) kv_store(dst + c, head[c]);
+        T* out = keys + (size_t)dst * kv_dim + kh * head_dim;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) kv_store(out + c, head[c]);
     }
 }
 
@@ -66,8 +76,15 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
                                     const float* q_norm, const float* k_norm, const float* inv_freq,             \
                                     const int* step, int num_heads, int num_kv_heads, int head_dim,              \
                                     int output_gate, float eps, int rotary_dim, int style) {                     \
-        qkv_prologue_head<T>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads,       \
-                             num_kv_heads, head_dim, output_gate, eps, rotary_dim, style);                        \
+        qkv_prologue_head<T, false>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads, \
+                                    num_kv_heads, head_dim, output_gate, eps, rotary_dim, style);                 \
+    }                                                                                                              \
+    extern "C" __global__ void NAME##_paged(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,  \
+                                            const float* q_norm, const float* k_norm, const float* inv_freq,     \
+                                            const int* table, int num_heads, int num_kv_heads, int head_dim,     \
+                                            int output_gate, float eps, int rotary_dim, int style, int rows) {   \
+        qkv_prologue_head<T, true>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, table, num_heads, \
+                                   num_kv_heads, head_dim, output_gate, eps, rotary_dim, style, rows);            \
     }
 QKV_PROLOGUE(qkv_prologue, float)
 QKV_PROLOGUE(qkv_prologue_f16, __half)

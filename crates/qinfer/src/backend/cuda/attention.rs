@@ -37,6 +37,8 @@ pub(super) struct AttentionKernels<K> {
     pub(super) combine: K,
     kv_append: [K; 2],
     qkv_prologue: [K; 2],
+    /// `qkv_prologue{kv}_paged` (for batch.rs).
+    pub(super) qkv_prologue_paged: [K; 2],
     /// `flash_prefill{head_dim}` (flash.cu).
     pub(super) flash: [K; 3],
     /// `flash_prefill{head_dim}_paged` (flash.cu, for batch.rs).
@@ -66,6 +68,7 @@ impl<K> AttentionKernels<K> {
             combine: get(U, "attention_combine".into())?,
             kv_append: resolve_n(get, U, |i| format!("kv_append{}", kv(i)))?,
             qkv_prologue: resolve_n(get, U, |i| format!("qkv_prologue{}", kv(i)))?,
+            qkv_prologue_paged: resolve_n(get, U, |i| format!("qkv_prologue{}_paged", kv(i)))?,
             flash: resolve_n(get, "flash.cu", |h| format!("flash_prefill{}", HEAD_DIMS[h]))?,
             flash_paged: resolve_n(get, "flash.cu", |h| format!("flash_prefill{}_paged", HEAD_DIMS[h]))?,
             kv_to_half: get("flash.cu", "kv_to_half".into())?,

@@ -74,6 +74,13 @@ kernel_args! {
     }
 }
 kernel_args! {
+    /// `qkv_prologue{kv}_paged` (attention.cu).
+    PagedQkvPrologueArgs {
+        qkv: u64, q: u64, gate: u64, keys: u64, values: u64, q_norm: u64, k_norm: u64, inv_freq: u64, table: u64,
+        heads: i32, kv_heads: i32, head_dim: i32, output_gate: i32, eps: f32, rotary_dim: i32, style: i32, rows: i32,
+    }
+}
+kernel_args! {
     /// `paged_attention{kv}`.
     PagedAttentionArgs {
         q: u64, keys: u64, values: u64, out: u64, table: u64, rows: i32, heads: i32, kv_heads: i32, head_dim: i32,
@@ -337,6 +344,83 @@ impl CudaBackend {
         self.rope_at(&mut q, hd, table, rope);
         self.rope_at(&mut k, hd, table, rope);
         self.write_kv_slots(pool, layer, &k, v, table + (2 * batch.rows() * 4) as u64, &batch.slots);
+        (q, gate)
+    }
+
+    /// [`crate::backend::ops::BatchOps::paged_qkv_prologue`] in one kernel
+    /// (`qkv_prologue{kv}_paged`, a block per row and head): the gate split,
+    /// the per-head norms and RoPE at the rows' positions, the queries out
+    /// and the keys and values to their slots.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_qkv_prologue_op(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (CudaAct, Option<CudaAct>) {
+        let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let q = self.act(qkv.rows, nh * hd);
+        let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
+        let q_cols = nh * hd * if shape.output_gate { 2 } else { 1 };
+        let bad = if qkv.cols != q_cols + 2 * nkv * hd || qkv.rows != batch.rows() {
+            Some(format!("q|k|v of {}×{} for {} rows of shape {shape:?}", qkv.rows, qkv.cols, batch.rows()))
+        } else if layer >= pool.layers.len() || pool.kv_dim != nkv * hd {
+            Some(format!(
+                "layer {layer} of {} KV dims {} in a pool of {} dims",
+                pool.layers.len(),
+                nkv * hd,
+                pool.kv_dim
+            ))
+        } else {
+            batch
+                .slots
+                .iter()
+                .find(|&&s| s as usize >= pool.num_slots())
+                .map(|s| format!("slot {s} of {}", pool.num_slots()))
+        };
+        if let Some(e) = bad {
+            self.record(Err(e), "paged_qkv_prologue");
+            return (q, gate);
+        }
+        if qkv.rows == 0 {
+            return (q, gate);
+        }
+        let (Some(table), Some(inv_freq)) = (self.batch_table_ptr(batch), self.rope_table(rope)) else {
+            return (q, gate);
+        };
+        let norm_ptr = |w: &CudaWeight| match w {
+            CudaWeight::Vector(v) => self.p(v),
+            _ => 0,
+        };
+        let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
+        let (keys, values) = &pool.layers[layer];
+        let args = PagedQkvPrologueArgs {
+            qkv: self.p(&qkv.buf),
+            q: self.p(&q.buf),
+            gate: gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
+            keys: self.p(keys),
+            values: self.p(values),
+            q_norm,
+            k_norm,
+            inv_freq,
+            table,
+            heads: nh as i32,
+            kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            output_gate: shape.output_gate as i32,
+            eps,
+            rotary_dim: rope.rotary_dim as i32,
+            style: rope_style(rope),
+            rows: qkv.rows as i32,
+        };
+        let threads = (hd.div_ceil(32) * 32).min(256) as u32;
+        let c = cfg((qkv.rows as u32, (nh + nkv) as u32, 1), threads, (hd * 4) as u32);
+        self.launch(&self.k.attention.qkv_prologue_paged[kv_slot(pool.precision)], c, &args);
         (q, gate)
     }
 
