@@ -157,6 +157,24 @@ def check_seed_n_and_stop(s):
         assert got == full[:at], (got, full, stop)
 
 
+def check_penalties_and_bias(s):
+    c = oa(s)
+    kw = dict(model=s.name, prompt="The capital of France is", temperature=0)
+    # A bias of +100 makes one token the pick at every step: the text of four
+    # steps is the text of one, four times.
+    bias = {"1000": 100}
+    one = c.completions.create(max_tokens=1, logit_bias=bias, **kw).choices[0].text
+    four = c.completions.create(max_tokens=4, logit_bias=bias, **kw).choices[0].text
+    assert one and four == one * 4, (one, four)
+    # The greedy text under penalties is accepted; penalties of 0 leave it as is.
+    plain = c.completions.create(max_tokens=12, **kw).choices[0].text
+    zero = c.completions.create(max_tokens=12, presence_penalty=0, frequency_penalty=0, **kw).choices[0].text
+    assert zero == plain, (zero, plain)
+    c.chat.completions.create(
+        model=s.name, messages=ask("Say hello."), max_tokens=8, presence_penalty=1.5, frequency_penalty=-0.5
+    )
+
+
 def check_anthropic(s):
     c = an(s)
     m = c.messages.create(model=s.name, max_tokens=24, system="Answer briefly.", messages=ask("Name the capital city of France."))
@@ -347,6 +365,10 @@ def check_errors(s):
         ("n over the limit", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), n=1000), 400),
         ("wrong type", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), extra_body={"top_k": "many"}), 400),
         ("empty messages", lambda: c.chat.completions.create(model=s.name, messages=[]), 400),
+        ("presence_penalty above 2", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), presence_penalty=2.5), 400),
+        ("logit_bias key not a token id", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"word": 5}), 400),
+        ("logit_bias id past the vocabulary", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"99999999": 5}), 400),
+        ("logit_bias above 100", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"5": 101}), 400),
         ("tools not parsed yet", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
         ("anthropic temperature above 1", lambda: a.messages.create(model=s.name, max_tokens=5, messages=ask("x"), extra_body={"temperature": 1.5}), 400),
         ("anthropic unknown model", lambda: a.messages.create(model="nope", max_tokens=5, messages=ask("x")), 404),
@@ -440,6 +462,7 @@ def main():
         check_chat,
         check_completions,
         check_seed_n_and_stop,
+        check_penalties_and_bias,
         check_anthropic,
         check_prefix_cache,
         check_errors,

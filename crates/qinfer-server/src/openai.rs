@@ -64,15 +64,41 @@ pub fn sampling(b: &Body<'_>, defaults: &SamplingParams, max_temperature: f32) -
     Ok(p)
 }
 
+/// OpenAI's `presence_penalty`, `frequency_penalty` (each in [-2, 2]) and
+/// `logit_bias` (token ids as strings, each bias in [-100, 100]).
+fn penalties(b: &Body<'_>, p: &mut SamplingParams, vocab: usize) -> ApiResult<()> {
+    if let Some(x) = b.f32_in("presence_penalty", -2.0, 2.0)? {
+        p.presence_penalty = x;
+    }
+    if let Some(x) = b.f32_in("frequency_penalty", -2.0, 2.0)? {
+        p.frequency_penalty = x;
+    }
+    match b.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(map)) => {
+            p.logit_bias = map
+                .iter()
+                .map(|(k, v)| {
+                    let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab).ok_or_else(|| {
+                        b.bad("logit_bias", format!("key {k:?} is not a token id below the vocabulary's {vocab}"))
+                    })?;
+                    let bias = v.as_f64().filter(|x| (-100.0..=100.0).contains(x)).ok_or_else(|| {
+                        b.bad("logit_bias", format!("the bias of token {k} must be a number between -100 and 100"))
+                    })?;
+                    Ok((id, bias as f32))
+                })
+                .collect::<ApiResult<_>>()?;
+        }
+        Some(_) => return Err(b.bad("logit_bias", "must be an object of token ids to biases")),
+    }
+    Ok(())
+}
+
 /// The fields this server does not implement: refused by name unless they
 /// ask for nothing.
 fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
-    let zero = |v: &Value| v.as_f64() == Some(0.0);
-    b.refuse("presence_penalty", zero, "only 0 (use repetition_penalty)")?;
-    b.refuse("frequency_penalty", zero, "only 0 (use repetition_penalty)")?;
     b.refuse("logprobs", |v| v == &json!(false) || v.as_u64() == Some(0), "log probabilities are not returned yet")?;
     b.refuse("top_logprobs", |v| v.as_u64() == Some(0), "log probabilities are not returned yet")?;
-    b.refuse("logit_bias", |v| v.as_object().is_some_and(|o| o.is_empty()), "logit bias is not applied yet")?;
     b.refuse("response_format", |v| v.get("type") == Some(&json!("text")), "only {\"type\": \"text\"}")?;
     b.refuse("tools", |v| v.as_array().is_some_and(|a| a.is_empty()), "tool calls are not parsed yet")?;
     b.refuse("tool_choice", |v| v == &json!("none"), "tool calls are not parsed yet")?;
@@ -245,7 +271,8 @@ struct Ask {
 
 fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiResult<Ask> {
     refuse_unsupported(b)?;
-    let sampling = sampling(b, &ready.defaults, 2.0)?;
+    let mut sampling = sampling(b, &ready.defaults, 2.0)?;
+    penalties(b, &mut sampling, ready.engine.model().config().vocab_size)?;
     let n = b.u64("n")?.unwrap_or(1) as usize;
     if n == 0 || n > state.opts.max_n {
         return Err(b.bad("n", format!("must be between 1 and {}", state.opts.max_n)));

@@ -1,5 +1,9 @@
 //! Token sampling, in the order transformers applies its logits processors:
-//! repetition penalty, then temperature, top-k, top-p, min-p.
+//! repetition penalty, then temperature, top-k, top-p, min-p. The OpenAI
+//! API's logit bias and presence and frequency penalties come before them,
+//! as vLLM applies them: the bias added to the logits, then each token this
+//! sampler has picked lowered by `presence_penalty` once and
+//! `frequency_penalty` per pick (generated tokens only, not the prompt's).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -18,12 +22,30 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// 1.0 disables; >1 discourages tokens already in the context.
     pub repetition_penalty: f32,
+    /// Subtracted once from the logit of each token already generated
+    /// (0 disables; OpenAI's range is [-2, 2]).
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of each generated token once per time it
+    /// was generated (0 disables; [-2, 2]).
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids ([-100, 100] each).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            seed: 0,
+        }
     }
 }
 
@@ -42,7 +64,25 @@ impl SamplingParams {
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return bad("repetition_penalty", "must be a finite number > 0");
         }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", "must be between -2 and 2");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", "must be between -2 and 2");
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(Error::Invalid(format!(
+                "logit_bias: the bias of token {t} must be between -100 and 100, got {b}"
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether picking needs what only the host sampler keeps (the logit
+    /// bias and the counts of generated tokens): device pickers then read
+    /// the logits back instead.
+    pub fn host_only(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
     }
 }
 
@@ -50,6 +90,9 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// How often each token was picked (with presence or frequency
+    /// penalties only).
+    picked: std::collections::HashMap<u32, u32>,
 }
 
 /// Index of the largest value; the first one on ties (as torch.argmax).
@@ -67,7 +110,7 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
         let rng = StdRng::seed_from_u64(params.seed);
-        Ok(Sampler { params, rng })
+        Ok(Sampler { params, rng, picked: Default::default() })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -93,9 +136,34 @@ impl Sampler {
 
     /// Picks the next token from `logits`, given the tokens of the context so far.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
+        self.adjust(logits);
         let penalized = self.penalized(context);
         let u = self.draw();
-        pick(&self.params, logits, &penalized, u)
+        let token = pick(&self.params, logits, &penalized, u);
+        self.record(token);
+        token
+    }
+
+    /// Applies the logit bias, then the presence and frequency penalties of
+    /// the tokens picked so far.
+    pub fn adjust(&self, logits: &mut [f32]) {
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        for (&t, &n) in &self.picked {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= self.params.frequency_penalty * n as f32 + self.params.presence_penalty;
+            }
+        }
+    }
+
+    /// Counts a pick made elsewhere (on a device) for the penalties.
+    pub fn record(&mut self, token: u32) {
+        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
+            *self.picked.entry(token).or_insert(0) += 1;
+        }
     }
 }
 
@@ -167,6 +235,69 @@ pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The OpenAI penalties as vLLM applies them, written out: the logit
+    /// minus frequency × count minus presence × (count > 0), over the
+    /// tokens generated so far, after the bias.
+    fn reference_adjust(logits: &[f32], p: &SamplingParams, generated: &[u32]) -> Vec<f32> {
+        let mut out = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            out[t as usize] += b;
+        }
+        for (t, l) in out.iter_mut().enumerate() {
+            let n = generated.iter().filter(|&&g| g as usize == t).count() as f32;
+            *l -= p.frequency_penalty * n + p.presence_penalty * if n > 0.0 { 1.0 } else { 0.0 };
+        }
+        out
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_lower_generated_tokens() {
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.75,
+            logit_bias: vec![(2, 1.5), (4, -3.0)],
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p.clone()).unwrap();
+        let base = [2.0f32, 1.0, -0.5, 0.25, 3.0, 1.9];
+        let mut generated = Vec::new();
+        for _ in 0..8 {
+            let want_logits = reference_adjust(&base, &p, &generated);
+            let mut got_logits = base.to_vec();
+            s.adjust(&mut got_logits);
+            assert_eq!(got_logits, want_logits, "after {generated:?}");
+            let t = s.sample(&mut base.to_vec(), &[]);
+            assert_eq!(t, argmax(&want_logits), "after {generated:?}");
+            generated.push(t);
+        }
+        // The greedy picks rotate as each pick is penalized.
+        assert!(generated.iter().collect::<std::collections::HashSet<_>>().len() > 1, "{generated:?}");
+        // The prompt's tokens are not penalized: only the sampler's picks.
+        let mut fresh = Sampler::new(p.clone()).unwrap();
+        assert_eq!(fresh.sample(&mut base.to_vec(), &[0, 0, 0, 5]), argmax(&reference_adjust(&base, &p, &[])));
+    }
+
+    #[test]
+    fn a_large_logit_bias_forces_its_token() {
+        let p = SamplingParams { temperature: 1.0, logit_bias: vec![(3, 100.0)], seed: 9, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap();
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut [5.0, 4.0, 6.0, -2.0], &[]), 3);
+        }
+    }
+
+    #[test]
+    fn penalties_and_biases_out_of_range_are_refused() {
+        for p in [
+            SamplingParams { presence_penalty: 2.5, ..Default::default() },
+            SamplingParams { frequency_penalty: -2.01, ..Default::default() },
+            SamplingParams { frequency_penalty: f32::NAN, ..Default::default() },
+            SamplingParams { logit_bias: vec![(1, 101.0)], ..Default::default() },
+        ] {
+            assert!(Sampler::new(p.clone()).is_err(), "{p:?}");
+        }
+    }
 
     #[test]
     fn greedy_takes_first_max() {

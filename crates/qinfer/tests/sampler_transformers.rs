@@ -33,6 +33,7 @@ fn params(c: &Value) -> SamplingParams {
         min_p: f("min_p"),
         repetition_penalty: f("repetition_penalty"),
         seed: 0,
+        ..Default::default()
     }
 }
 

@@ -22,7 +22,7 @@ pub type StreamItem = std::result::Result<Output, String>;
 pub type Sink = Box<dyn FnMut(StreamItem) -> bool + Send>;
 
 enum Command {
-    Add(RequestId, Request, Sink),
+    Add(RequestId, Box<Request>, Sink),
     Abort(RequestId),
     AbortAll,
 }
@@ -160,7 +160,7 @@ impl Engine {
     pub fn add_with_sink(&self, req: Request, sink: Sink) -> Result<RequestId> {
         validate(&req, &self.cfg, self.vocab)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.send(Command::Add(id, req, sink))?;
+        self.send(Command::Add(id, Box::new(req), sink))?;
         Ok(id)
     }
 
@@ -234,7 +234,7 @@ fn step_loop(mut core: EngineCore, rx: Receiver<Command>, metrics: &EngineMetric
                 }
             };
             match cmd {
-                Command::Add(id, req, mut sink) => match core.add(id, req) {
+                Command::Add(id, req, mut sink) => match core.add(id, *req) {
                     Ok(()) => {
                         sinks.insert(id, sink);
                     }

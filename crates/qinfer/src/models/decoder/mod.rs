@@ -458,9 +458,16 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         context: &[u32],
     ) -> Result<u32> {
         let seq = DecoderSequence::<B>::of(seq)?;
+        let b = &self.backend;
+        if sampler.params().host_only() {
+            // The bias and the counts of generated tokens live on the host.
+            let mut logits =
+                b.run_pass(|| self.forward_seq(seq, tokens, Logits::Last, true, &mut |out| Ok(b.to_host(out))))?;
+            return Ok(sampler.sample(&mut logits, context));
+        }
         let penalized = sampler.penalized(context);
         let u = sampler.draw();
-        let (b, params) = (&self.backend, sampler.params());
+        let params = sampler.params();
         b.run_pass(|| {
             self.forward_seq(seq, tokens, Logits::Last, true, &mut |out| b.sample(out, params, &penalized, u))
         })
@@ -477,10 +484,11 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         let dseq = DecoderSequence::<B>::of(seq)?;
         // A step started past the last accepted pick is left out by rolling
         // the cache back; Gated DeltaNet states cannot roll back, and the
-        // repetition penalty needs each pick on the host before the next.
+        // penalties need each pick on the host before the next.
         let ahead = self.backend.capabilities().sample_ahead
             && dseq.gdn.iter().all(Option::is_none)
-            && sampler.params().repetition_penalty == 1.0;
+            && sampler.params().repetition_penalty == 1.0
+            && !sampler.params().host_only();
         if !ahead {
             return decode_on_host(self, dseq, first, feeds, sampler, context, on_pick);
         }
