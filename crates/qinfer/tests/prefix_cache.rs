@@ -249,7 +249,7 @@ fn evicted_prefixes_come_back_from_the_host_tier() {
         let restored = core.host_tier().unwrap().2.restored - stats.restored;
         assert!(restored > 0, "{name}: nothing came back from the host tier");
         if hybrid {
-            assert!(core.snapshots().3 > 0, "{name}: the two snapshot slots should have evicted");
+            assert!(core.snapshots().evicted > 0, "{name}: the two snapshot slots should have evicted");
         }
     }
 }

@@ -113,6 +113,7 @@ pub fn run(
     let seconds = t0.elapsed().as_secs_f64();
     let (first, later) = (median(&mut ttft_first), median(&mut ttft_later));
     let stats = core.prefix_stats();
+    let snapshots = core.snapshots();
     Ok(json!({
         "prefix_cache": cfg.prefix_cache.is_some(),
         "ttft_turn1_median_ms": first,
@@ -124,9 +125,9 @@ pub fn run(
         "prompt_tokens_computed": computed_prompt,
         "seconds": seconds,
         "prefix_stats": stats.map(|s| json!({"queried_tokens": s.queried_tokens, "hit_tokens": s.hit_tokens})),
-        "snapshots": core.snapshots().0,
-        "snapshot_slots": core.snapshots().1,
-        "snapshot_evictions": core.snapshots().3,
+        "snapshots": snapshots.kept,
+        "snapshot_slots": snapshots.slots,
+        "snapshot_evictions": snapshots.evicted,
         "block_evictions": core.cached_blocks().1,
     }))
 }

@@ -23,6 +23,18 @@ use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 /// How an engine batches.
+/// What [`EngineCore::snapshots`] reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotStats {
+    /// Snapshots kept, and the state slots that may hold them.
+    pub kept: usize,
+    pub slots: usize,
+    /// Bytes of one snapshot (every recurrent layer's state).
+    pub bytes_each: usize,
+    /// Snapshots evicted so far.
+    pub evicted: u64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
     /// Tokens one step computes, decode tokens first, prefill chunks after.
@@ -198,17 +210,17 @@ impl EngineCore {
         Some((host.bytes(), host.len(), host.stats()))
     }
 
-    /// Recurrent-state snapshots kept, their slots, the bytes of one, and
-    /// snapshots evicted so far (zeros without them).
-    pub fn snapshots(&self) -> (usize, usize, usize, u64) {
+    /// The recurrent-state snapshots of the prefix cache (all zero without
+    /// them).
+    pub fn snapshots(&self) -> SnapshotStats {
         match self.prefix.as_ref().and_then(|p| p.snapshots.as_ref()) {
-            Some(s) => (
-                s.num_cached(),
-                s.num_slots(),
-                self.runner.model().config().recurrent_state_values() * 4,
-                s.evictions(),
-            ),
-            None => (0, 0, 0, 0),
+            Some(s) => SnapshotStats {
+                kept: s.num_cached(),
+                slots: s.num_slots(),
+                bytes_each: self.runner.model().config().recurrent_state_values() * 4,
+                evicted: s.evictions(),
+            },
+            None => SnapshotStats::default(),
         }
     }
 

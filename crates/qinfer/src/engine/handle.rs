@@ -85,10 +85,10 @@ fn publish(core: &EngineCore, metrics: &EngineMetrics) {
     let (cached, evicted) = core.cached_blocks();
     metrics.prefix_cache_blocks.store(cached, Ordering::Relaxed);
     metrics.prefix_cache_evictions_total.store(evicted, Ordering::Relaxed);
-    let (snapshots, _, bytes, snapshots_evicted) = core.snapshots();
-    metrics.state_snapshots.store(snapshots, Ordering::Relaxed);
-    metrics.state_snapshot_bytes.store(snapshots * bytes, Ordering::Relaxed);
-    metrics.state_snapshot_evictions_total.store(snapshots_evicted, Ordering::Relaxed);
+    let snapshots = core.snapshots();
+    metrics.state_snapshots.store(snapshots.kept, Ordering::Relaxed);
+    metrics.state_snapshot_bytes.store(snapshots.kept * snapshots.bytes_each, Ordering::Relaxed);
+    metrics.state_snapshot_evictions_total.store(snapshots.evicted, Ordering::Relaxed);
     if let Some((bytes, _, stats)) = core.host_tier() {
         metrics.host_tier_bytes.store(bytes, Ordering::Relaxed);
         metrics.host_tier_stored_total.store(stats.stored, Ordering::Relaxed);
