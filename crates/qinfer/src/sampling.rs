@@ -146,7 +146,7 @@ impl Sampler {
 
     /// Applies the logit bias, then the presence and frequency penalties of
     /// the tokens picked so far.
-    pub fn adjust(&self, logits: &mut [f32]) {
+    fn adjust(&self, logits: &mut [f32]) {
         for &(t, b) in &self.params.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
@@ -159,8 +159,10 @@ impl Sampler {
         }
     }
 
-    /// Counts a pick made elsewhere (on a device) for the penalties.
-    pub fn record(&mut self, token: u32) {
+    /// Counts a pick for the presence and frequency penalties (kept only
+    /// when one is set; parameters with either always pick on the host,
+    /// [`SamplingParams::host_only`]).
+    fn record(&mut self, token: u32) {
         if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
             *self.picked.entry(token).or_insert(0) += 1;
         }
