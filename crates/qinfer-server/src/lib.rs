@@ -12,6 +12,7 @@ mod openai;
 mod params;
 mod pooling;
 mod reasoning;
+mod tool_parser;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -161,7 +161,7 @@ pub fn rendered_prompt(
     if !tok.has_chat_template() {
         return Err(ApiError::bad_request(flavor, Some("messages"), "this model has no chat template"));
     }
-    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: thinking };
+    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: thinking, tools: None };
     let text = tok
         .apply_chat_template(msgs, &opts)
         .map_err(|e| ApiError::bad_request(flavor, Some("messages"), format!("the chat template failed: {e}")))?;

@@ -5,9 +5,17 @@
 //! the output, so the split starts in reasoning when the prompt ends in an
 //! open tag. Works on streamed text: a tag split across deltas is held back
 //! until it is whole or cannot be one.
+//!
+//! With tools offered, a `<tool_call>` inside the reasoning ends it: Qwen3
+//! models sometimes call a tool before closing their thinking, and such a
+//! call belongs with the calls, not in the reasoning. The `</think>` that may
+//! follow later is then dropped from the content.
+
+use crate::tool_parser::partial_suffix;
 
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
+const TOOL_CALL: &str = "<tool_call>";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -23,6 +31,10 @@ pub struct ReasoningSplitter {
     mode: Mode,
     /// Text held back: it may be the start of the tag looked for.
     held: String,
+    /// A `<tool_call>` ends the reasoning.
+    tools: bool,
+    /// The reasoning ended at a tool call: drop the first `</think>` of the content.
+    stray_close: bool,
 }
 
 /// What one piece of text adds to each part.
@@ -37,7 +49,18 @@ impl ReasoningSplitter {
     /// (whitespace aside) starts the output in reasoning.
     pub fn new(prompt_text: &str) -> Self {
         let opened = prompt_text.trim_end().ends_with(OPEN);
-        ReasoningSplitter { mode: if opened { Mode::Reasoning } else { Mode::Start }, held: String::new() }
+        ReasoningSplitter {
+            mode: if opened { Mode::Reasoning } else { Mode::Start },
+            held: String::new(),
+            tools: false,
+            stray_close: false,
+        }
+    }
+
+    /// The same, with a `<tool_call>` inside the reasoning ending it.
+    pub fn with_tool_calls(mut self) -> Self {
+        self.tools = true;
+        self
     }
 
     /// Adds `text`; returns what is now known of each part.
@@ -58,20 +81,38 @@ impl ReasoningSplitter {
                         self.mode = Mode::Content;
                     }
                 }
-                Mode::Reasoning => match self.held.find(CLOSE) {
-                    Some(at) => {
+                Mode::Reasoning => match (self.held.find(CLOSE), self.tool_call_at()) {
+                    (close, Some(at)) if close.is_none_or(|c| at < c) => {
+                        out.reasoning.push_str(&self.held[..at]);
+                        self.held.drain(..at);
+                        self.mode = Mode::Content;
+                        self.stray_close = true;
+                    }
+                    (Some(at), _) => {
                         out.reasoning.push_str(&self.held[..at]);
                         self.held.drain(..at + CLOSE.len());
                         self.mode = Mode::Content;
                     }
-                    None => {
-                        let keep = partial_suffix(&self.held, CLOSE);
+                    (None, _) => {
+                        let tool = if self.tools { partial_suffix(&self.held, TOOL_CALL) } else { 0 };
+                        let keep = partial_suffix(&self.held, CLOSE).max(tool);
                         let cut = self.held.len() - keep;
                         out.reasoning.push_str(&self.held[..cut]);
                         self.held.drain(..cut);
                         return out;
                     }
                 },
+                Mode::Content if self.stray_close => {
+                    if let Some(at) = self.held.find(CLOSE) {
+                        self.held.replace_range(at..at + CLOSE.len(), "");
+                        self.stray_close = false;
+                        continue;
+                    }
+                    let cut = self.held.len() - partial_suffix(&self.held, CLOSE);
+                    out.content.push_str(&self.held[..cut]);
+                    self.held.drain(..cut);
+                    return out;
+                }
                 Mode::Content => {
                     out.content.push_str(&self.held);
                     self.held.clear();
@@ -79,6 +120,10 @@ impl ReasoningSplitter {
                 }
             }
         }
+    }
+
+    fn tool_call_at(&self) -> Option<usize> {
+        if self.tools { self.held.find(TOOL_CALL) } else { None }
     }
 
     /// Flushes what is held at the end of the output.
@@ -89,14 +134,6 @@ impl ReasoningSplitter {
             Mode::Start | Mode::Content => Split { reasoning: String::new(), content: held },
         }
     }
-}
-
-/// Bytes at the end of `s` that begin `tag` (a tag that may still complete).
-fn partial_suffix(s: &str, tag: &str) -> usize {
-    (1..tag.len().min(s.len() + 1))
-        .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
-        .unwrap_or(0)
 }
 
 /// Whether a tokenizer's vocabulary has Qwen's reasoning tags as tokens:
@@ -112,8 +149,12 @@ mod tests {
     /// `text` fed in pieces cut at every pair of byte positions gives the
     /// same parts as fed whole.
     fn check(prompt: &str, text: &str, reasoning: &str, content: &str) {
+        check_with(ReasoningSplitter::new(prompt), text, reasoning, content)
+    }
+
+    fn check_with(splitter: ReasoningSplitter, text: &str, reasoning: &str, content: &str) {
         let whole = {
-            let mut s = ReasoningSplitter::new(prompt);
+            let mut s = splitter.clone();
             let (a, b) = (s.push(text), s.finish());
             (a.reasoning + &b.reasoning, a.content + &b.content)
         };
@@ -121,7 +162,7 @@ mod tests {
         let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
         for &i in &cuts {
             for &j in cuts.iter().filter(|&&j| j >= i) {
-                let mut s = ReasoningSplitter::new(prompt);
+                let mut s = splitter.clone();
                 let (mut r, mut c) = (String::new(), String::new());
                 for piece in [&text[..i], &text[i..j], &text[j..]] {
                     let p = s.push(piece);
@@ -146,6 +187,20 @@ mod tests {
     fn a_prompt_that_opens_the_tag() {
         check("<|im_start|>assistant\n<think>\n", "a < b, so</think>\n\nyes", "a < b, so", "\n\nyes");
         check("<think>", "never closed <", "never closed <", "");
+    }
+
+    #[test]
+    fn a_tool_call_inside_the_reasoning_ends_it() {
+        let tools = || ReasoningSplitter::new("<think>\n").with_tool_calls();
+        check_with(
+            tools(),
+            "I should look.\n<tool_call>\n{}\n</tool_call>\n</think>\n\nok",
+            "I should look.\n",
+            "<tool_call>\n{}\n</tool_call>\n\n\nok",
+        );
+        check_with(tools(), "plain</think>x<tool_call>", "plain", "x<tool_call>");
+        // Without tools the tag is reasoning text like any other.
+        check("<think>\n", "a<tool_call>b</think>c", "a<tool_call>b", "c");
     }
 
     #[test]

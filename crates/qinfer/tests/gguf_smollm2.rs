@@ -125,7 +125,7 @@ fn chat_template_renders() {
     assert!(tok.has_chat_template());
     let msgs = [ChatMessage::new("user", "Hi")];
     let out =
-        tok.apply_chat_template(&msgs, &ChatOptions { add_generation_prompt: true, enable_thinking: None }).unwrap();
+        tok.apply_chat_template(&msgs, &ChatOptions { add_generation_prompt: true, ..Default::default() }).unwrap();
     eprintln!("{out:?}");
     assert!(out.contains("<|im_start|>user\nHi<|im_end|>\n"), "{out:?}");
     assert!(out.ends_with("<|im_start|>assistant\n"), "{out:?}");

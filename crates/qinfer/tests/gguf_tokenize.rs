@@ -74,6 +74,7 @@ fn matches_transformers_conversion() {
         let opts = ChatOptions {
             add_generation_prompt: c["add_generation_prompt"].as_bool().unwrap(),
             enable_thinking: c["enable_thinking"].as_bool(),
+            ..Default::default()
         };
         assert_eq!(tok.apply_chat_template(&msgs, &opts).unwrap(), c["rendered"].as_str().unwrap());
     }

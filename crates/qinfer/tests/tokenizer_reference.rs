@@ -87,6 +87,7 @@ fn chat_template_matches_transformers() {
             let opts = ChatOptions {
                 add_generation_prompt: c["add_generation_prompt"].as_bool().unwrap(),
                 enable_thinking: c["enable_thinking"].as_bool(),
+                ..Default::default()
             };
             let rendered = tok.apply_chat_template(&msgs, &opts).unwrap();
             assert_eq!(rendered, c["rendered"].as_str().unwrap(), "{}: {opts:?} {msgs:?}", dir.display());

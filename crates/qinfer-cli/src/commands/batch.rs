@@ -104,7 +104,7 @@ fn parse_line(
             if !tok.has_chat_template() {
                 return Err("`messages` needs a chat template; this model has none (use `prompt`)".into());
             }
-            let opts = ChatOptions { add_generation_prompt: true, enable_thinking: None };
+            let opts = ChatOptions { add_generation_prompt: true, ..Default::default() };
             let text = tok.apply_chat_template(&messages, &opts).map_err(|e| e.to_string())?;
             tok.encode(&text, false).map_err(|e| e.to_string())?
         }

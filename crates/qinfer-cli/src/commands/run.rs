@@ -41,7 +41,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         messages.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
         tok.apply_chat_template(
             &messages,
-            &ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking },
+            &ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() },
         )?
     } else {
         a.prompt.clone()

@@ -16,24 +16,44 @@ use super::specials::SpecialTokens;
 use super::strftime::DateTime;
 use crate::{Error, Result};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One message as chat templates see it (OpenAI's shape): fields left
+/// unset are undefined in the template, as when transformers is given a
+/// message dict without them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's earlier reasoning (Qwen3's templates render it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// An assistant turn's calls: `{"id", "type": "function", "function":
+    /// {"name", "arguments"}}` with `arguments` an object (templates iterate
+    /// it or print it with `tojson`; vLLM parses OpenAI's JSON string the same way).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A tool result's call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatOptions {
     /// Append the prompt that starts the assistant's turn.
     pub add_generation_prompt: bool,
     /// Passed to the template as `enable_thinking` only when set (Qwen3).
     pub enable_thinking: Option<bool>,
+    /// The tools the template renders (`{"type": "function", "function":
+    /// {...}}` each, as given by the client); None leaves `tools` none.
+    pub tools: Option<Vec<serde_json::Value>>,
 }
 
 const NAME: &str = "chat_template";
@@ -148,7 +168,7 @@ impl ChatTemplate {
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", Value::from_serialize(messages)),
             ("add_generation_prompt", Value::from(opts.add_generation_prompt)),
-            ("tools", Value::from(())),
+            ("tools", opts.tools.as_ref().map_or(Value::from(()), Value::from_serialize)),
             ("documents", Value::from(())),
         ];
         // transformers passes the tokenizer's special tokens that are set.
@@ -191,7 +211,7 @@ mod tests {
     fn chatml_with_trim_and_lstrip_blocks() {
         let src = "{% for message in messages %}\n    {{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}\n{% endfor %}\n{% if add_generation_prompt %}\n{{ '<|im_start|>assistant\\n' }}\n{% endif %}\n";
         let msgs = [ChatMessage::new("user", "Hi")];
-        let out = render(src, &msgs, ChatOptions { add_generation_prompt: true, enable_thinking: None });
+        let out = render(src, &msgs, ChatOptions { add_generation_prompt: true, ..Default::default() });
         // lstrip_blocks strips before `{% %}` only, so the indented `{{ }}` line
         // keeps its indentation and newline, as in Jinja2.
         assert_eq!(out, "    <|im_start|>user\nHi<|im_end|>\n\n<|im_start|>assistant\n\n");
@@ -201,7 +221,11 @@ mod tests {
     fn python_methods_and_globals() {
         let src = "{{ bos_token }}{% for m in messages %}{{ m.content.strip().split(' ')[-1] }}|{{ m.content.startswith('  a') }}{% endfor %}{{ tools }}{% if enable_thinking is defined and enable_thinking is false %}NT{% endif %}{{ {'a': [1, 2.0, none]} | tojson }}";
         let msgs = [ChatMessage::new("user", "  a b c ")];
-        let out = render(src, &msgs, ChatOptions { add_generation_prompt: false, enable_thinking: Some(false) });
+        let out = render(
+            src,
+            &msgs,
+            ChatOptions { add_generation_prompt: false, enable_thinking: Some(false), ..Default::default() },
+        );
         assert_eq!(out, "<s>c|TrueNoneNT{\"a\": [1, 2.0, null]}");
     }
 

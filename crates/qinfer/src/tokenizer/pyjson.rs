@@ -45,7 +45,7 @@ pub(crate) fn tojson_filter(value: &Value, kwargs: Kwargs) -> Result<Value, Erro
     Ok(Value::from_safe_string(out))
 }
 
-#[cfg(test)]
+/// `json.dumps(value, ensure_ascii=False)`.
 pub(crate) fn dumps(value: &Value) -> Result<String, Error> {
     let style = Style { indent: None, item_sep: ", ".into(), key_sep: ": ".into(), sort_keys: false };
     let mut out = String::new();
