@@ -13,9 +13,12 @@ use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
 use crate::AppState;
+use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
-use crate::openai::{chat_prompt, collect, sampling, sse, submit_n, tokenizer};
+use crate::openai::{chat_format, collect, rendered_prompt, sampling, sse, submit_n, tokenizer};
 use crate::params::Body;
+use crate::tool_parser::arguments_object;
+use crate::tools::Tools;
 
 const F: Flavor = Flavor::Anthropic;
 
@@ -27,13 +30,72 @@ fn text_of(b: &Body<'_>, field: &str, v: &Value) -> ApiResult<String> {
             .iter()
             .map(|blk| match (blk.get("type").and_then(Value::as_str), blk.get("text").and_then(Value::as_str)) {
                 (Some("text"), Some(t)) => Ok(t.to_string()),
-                (Some(kind), _) => Err(b.bad(field, format!("has a `{kind}` block; only text blocks are supported"))),
+                (Some(kind), _) => {
+                    Err(b.bad(field, format!("has a `{kind}` block; only text blocks are supported here")))
+                }
                 _ => Err(b.bad(field, "has a block without `type`")),
             })
             .collect::<ApiResult<Vec<String>>>()
             .map(|t| t.concat()),
         _ => Err(b.bad(field, "must be a string or an array of content blocks")),
     }
+}
+
+/// One turn's blocks as chat messages: a user turn's `tool_result` blocks
+/// become `tool` messages (in order, text between them a user message); an
+/// assistant turn's `thinking` becomes its reasoning and its `tool_use`
+/// blocks its calls.
+fn turn(b: &Body<'_>, field: &str, role: &str, content: &Value, out: &mut Vec<ChatMessage>) -> ApiResult<()> {
+    let Value::Array(blocks) = content else {
+        out.push(ChatMessage::new(role, text_of(b, field, content)?));
+        return Ok(());
+    };
+    let mut msg = ChatMessage::new(role, "");
+    let mut has_text = false;
+    for (k, blk) in blocks.iter().enumerate() {
+        let at = format!("{field}[{k}]");
+        let s = |key: &str| blk.get(key).and_then(Value::as_str);
+        match (role, s("type")) {
+            (_, Some("text")) => {
+                msg.content.push_str(s("text").ok_or_else(|| b.bad(&at, "needs `text`"))?);
+                has_text = true;
+            }
+            ("assistant", Some("thinking")) => {
+                let t = s("thinking").ok_or_else(|| b.bad(&at, "needs `thinking`"))?;
+                msg.reasoning_content.get_or_insert_with(String::new).push_str(t);
+            }
+            ("assistant", Some("redacted_thinking")) => {}
+            ("assistant", Some("tool_use")) => {
+                let id = s("id").ok_or_else(|| b.bad(&at, "needs `id`"))?;
+                let name = s("name").ok_or_else(|| b.bad(&at, "needs `name`"))?;
+                let input = blk.get("input").cloned().unwrap_or_else(|| json!({}));
+                msg.tool_calls
+                    .push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
+            }
+            ("user", Some("tool_result")) => {
+                if has_text {
+                    out.push(std::mem::replace(&mut msg, ChatMessage::new(role, "")));
+                    has_text = false;
+                }
+                let id = s("tool_use_id").ok_or_else(|| b.bad(&at, "needs `tool_use_id`"))?;
+                let text = match blk.get("content") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(c) => text_of(b, &format!("{at}.content"), c)?,
+                };
+                let mut m = ChatMessage::new("tool", text);
+                m.tool_call_id = Some(id.to_string());
+                out.push(m);
+            }
+            (_, Some(kind)) => {
+                return Err(b.bad(&at, format!("is a `{kind}` block, which a {role} turn here cannot hold")));
+            }
+            (_, None) => return Err(b.bad(&at, "has no `type`")),
+        }
+    }
+    if has_text || role == "assistant" {
+        out.push(msg);
+    }
+    Ok(())
 }
 
 /// The conversation as the chat template takes it: `system` first, then the turns.
@@ -53,19 +115,21 @@ fn conversation(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
             _ => return Err(b.bad(&field, "needs `role` \"user\" or \"assistant\"")),
         };
         let content = m.get("content").ok_or_else(|| b.bad(&field, "needs `content`"))?;
-        out.push(ChatMessage::new(role, text_of(b, &format!("{field}.content"), content)?));
+        turn(b, &format!("{field}.content"), role, content, &mut out)?;
     }
     Ok(out)
 }
 
-fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
-    b.refuse("tools", |v| v.as_array().is_some_and(|a| a.is_empty()), "tool use is not parsed yet")?;
-    b.refuse("tool_choice", |v| v.get("type") == Some(&json!("none")), "tool use is not parsed yet")?;
-    b.refuse("thinking", |v| v.get("type") == Some(&json!("disabled")), "thinking budgets are not enforced yet")
+/// `thinking`: `{"type": "disabled"}` turns the template's thinking off;
+/// budgets are not enforced, so `enabled` is refused.
+fn thinking(b: &Body<'_>) -> ApiResult<Option<bool>> {
+    b.refuse("thinking", |v| v.get("type") == Some(&json!("disabled")), "thinking budgets are not enforced yet")?;
+    Ok(b.get("thinking").map(|_| false))
 }
 
-fn stop_reason(finish: FinishReason, stop: &Option<String>) -> &'static str {
+fn stop_reason(finish: FinishReason, stop: &Option<String>, called: bool) -> &'static str {
     match (finish, stop) {
+        (FinishReason::Stop, _) if called => "tool_use",
         (FinishReason::Stop, Some(_)) => "stop_sequence",
         (FinishReason::Stop, None) => "end_turn",
         (FinishReason::Length, _) => "max_tokens",
@@ -77,19 +141,28 @@ fn event(name: &str, v: Value) -> Event {
     Event::default().event(name).data(v.to_string())
 }
 
+/// The prompt, and how to read the output.
+fn prompt(ready: &crate::Ready, b: &Body<'_>) -> ApiResult<(Vec<u32>, ChatFormat)> {
+    let tok = tokenizer(ready, F)?;
+    let tools = crate::tools::anthropic(b)?;
+    let rendered = tools.as_ref().and_then(Tools::rendered);
+    let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, thinking(b)?, rendered, F)?;
+    let format = chat_format(tok, b, tools.as_ref(), &mut prompt, &text)?;
+    Ok((prompt, format))
+}
+
 pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
     let ready = state.ready(F)?;
     ready.check_generates(F)?;
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
-    refuse_unsupported(&b)?;
     let max_tokens = match b.i64("max_tokens")? {
         Some(m) if m >= 1 => m as usize,
         Some(_) => return Err(b.bad("max_tokens", "must be at least 1")),
         None => return Err(b.bad("max_tokens", "is required")),
     };
-    let prompt = chat_prompt(tokenizer(ready, F)?, &conversation(&b)?, None, F)?;
+    let (prompt, format) = prompt(ready, &b)?;
     let limit = ready.engine.config().max_model_len;
     if prompt.len() + max_tokens > limit {
         return Err(b.bad(
@@ -111,18 +184,35 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {
         let c = collect(sub, F).await?;
+        let (mut cs, mut pieces) = ChatStream::new(&format);
+        pieces.extend(cs.push(&c.text));
+        pieces.extend(cs.finish());
+        let w = fold(pieces);
+        let mut content = Vec::new();
+        if !w.reasoning.is_empty() {
+            content.push(json!({"type": "thinking", "thinking": w.reasoning, "signature": ""}));
+        }
+        if !w.content.is_empty() || w.calls.is_empty() {
+            content.push(json!({"type": "text", "text": w.content}));
+        }
+        for (name, args) in &w.calls {
+            content.push(
+                json!({"type": "tool_use", "id": state.id("toolu"), "name": name, "input": arguments_object(args)}),
+            );
+        }
         return Ok(axum::Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": c.text}],
-            "stop_reason": stop_reason(c.finish, &c.stop_string),
-            "stop_sequence": c.stop_string,
+            "content": content,
+            "stop_reason": stop_reason(c.finish, &c.stop_string, cs.called()),
+            "stop_sequence": if cs.called() { None } else { c.stop_string },
             "usage": usage_json(&c.usage),
         }))
         .into_response());
     }
     Ok(sse(move |tx| async move {
         let mut sub = sub;
-        let send = |name: &str, v: Value| event(name, v);
+        let (mut cs, mut pending) = ChatStream::new(&format);
+        let mut blocks = Blocks::default();
         // The message starts with the first output, once the prefix cache's
         // share of the prompt is known.
         let mut started = false;
@@ -131,10 +221,11 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                 Ok(o) => o,
                 Err(e) => {
                     let err = ApiError::with_status(F, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e);
-                    let _ = tx.send(send("error", err.body())).await;
+                    let _ = tx.send(event("error", err.body())).await;
                     return;
                 }
             };
+            let mut events = Vec::new();
             if !std::mem::replace(&mut started, true) {
                 let mut usage = usage_json(&out.usage);
                 usage["output_tokens"] = json!(0);
@@ -142,44 +233,100 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
                     "stop_reason": null, "stop_sequence": null, "usage": usage,
                 }});
-                let block =
-                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
-                for e in [
-                    send("message_start", start),
-                    send("content_block_start", block),
-                    send("ping", json!({"type": "ping"})),
-                ] {
-                    if tx.send(e).await.is_err() {
-                        return;
-                    }
-                }
+                events.push(event("message_start", start));
+                events.push(event("ping", json!({"type": "ping"})));
             }
-            if !out.text.is_empty() {
-                let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}});
-                if tx.send(send("content_block_delta", delta)).await.is_err() {
+            pending.extend(cs.push(&out.text));
+            if out.finish.is_some() {
+                pending.extend(cs.finish());
+            }
+            for p in pending.drain(..) {
+                blocks.piece(p, &state, &mut events);
+            }
+            if let Some(f) = out.finish {
+                blocks.close(&mut events);
+                if blocks.next == 0 {
+                    // Every message holds at least one block.
+                    blocks.open("text", json!({"type": "text", "text": ""}), &mut events);
+                    blocks.close(&mut events);
+                }
+                let called = cs.called();
+                events.push(event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(f, &out.stop_string, called),
+                        "stop_sequence": if called { None } else { out.stop_string.clone() }},
+                    "usage": usage_json(&out.usage)}),
+                ));
+                events.push(event("message_stop", json!({"type": "message_stop"})));
+            }
+            for e in events {
+                if tx.send(e).await.is_err() {
                     return;
                 }
             }
-            if let Some(f) = out.finish {
-                let end = [
-                    send("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
-                    send(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(f, &out.stop_string), "stop_sequence": out.stop_string},
-                        "usage": usage_json(&out.usage)}),
-                    ),
-                    send("message_stop", json!({"type": "message_stop"})),
-                ];
-                for e in end {
-                    if tx.send(e).await.is_err() {
-                        return;
-                    }
-                }
+            if out.finish.is_some() {
                 return;
             }
         }
     }))
+}
+
+/// The content blocks of a streamed message: each piece continues the open
+/// block or closes it and opens one of its own kind.
+#[derive(Default)]
+struct Blocks {
+    /// The open block's kind ("thinking", "text", "tool_use").
+    open: Option<&'static str>,
+    next: usize,
+}
+
+impl Blocks {
+    fn open(&mut self, kind: &'static str, block: Value, events: &mut Vec<Event>) {
+        self.close(events);
+        let start = json!({"type": "content_block_start", "index": self.next, "content_block": block});
+        events.push(event("content_block_start", start));
+        self.open = Some(kind);
+        self.next += 1;
+    }
+
+    fn close(&mut self, events: &mut Vec<Event>) {
+        if self.open.take().is_some() {
+            events.push(event("content_block_stop", json!({"type": "content_block_stop", "index": self.next - 1})));
+        }
+    }
+
+    fn delta(&self, delta: Value, events: &mut Vec<Event>) {
+        let d = json!({"type": "content_block_delta", "index": self.next - 1, "delta": delta});
+        events.push(event("content_block_delta", d));
+    }
+
+    fn piece(&mut self, p: Piece, state: &AppState, events: &mut Vec<Event>) {
+        match p {
+            Piece::Reasoning(t) => {
+                if self.open != Some("thinking") {
+                    self.open("thinking", json!({"type": "thinking", "thinking": "", "signature": ""}), events);
+                }
+                self.delta(json!({"type": "thinking_delta", "thinking": t}), events);
+            }
+            Piece::Content(t) => {
+                if self.open != Some("text") {
+                    self.open("text", json!({"type": "text", "text": ""}), events);
+                }
+                self.delta(json!({"type": "text_delta", "text": t}), events);
+            }
+            Piece::ToolStart { name, .. } => {
+                let block = json!({"type": "tool_use", "id": state.id("toolu"), "name": name, "input": {}});
+                self.open("tool_use", block, events);
+            }
+            Piece::ToolArgs { delta, .. } => {
+                if self.open == Some("tool_use") {
+                    self.delta(json!({"type": "input_json_delta", "partial_json": delta}), events);
+                }
+            }
+            Piece::ToolEnd { .. } => self.close(events),
+        }
+    }
 }
 
 pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
@@ -187,8 +334,7 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Ap
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
-    refuse_unsupported(&b)?;
-    let prompt = chat_prompt(tokenizer(ready, F)?, &conversation(&b)?, None, F)?;
+    let (prompt, _) = prompt(ready, &b)?;
     Ok(axum::Json(json!({"input_tokens": prompt.len()})).into_response())
 }
 

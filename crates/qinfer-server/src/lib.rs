@@ -7,12 +7,14 @@
 
 mod anthropic;
 mod bridge;
+mod chat_stream;
 mod error;
 mod openai;
 mod params;
 mod pooling;
 mod reasoning;
 mod tool_parser;
+mod tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

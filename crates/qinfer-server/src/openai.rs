@@ -16,9 +16,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 
 use crate::bridge::{AbortOnDrop, Submitted, submit};
+use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::params::Body;
-use crate::reasoning::{ReasoningSplitter, Split, has_reasoning_tags};
+use crate::reasoning::has_reasoning_tags;
+use crate::tool_parser::param_types;
+use crate::tools::{ToolChoice, Tools, call_format, forced_start};
 use crate::{AppState, Ready, fresh_seed, now_secs, openai_finish};
 
 const F: Flavor = Flavor::OpenAi;
@@ -100,15 +103,57 @@ fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
     b.refuse("logprobs", |v| v == &json!(false) || v.as_u64() == Some(0), "log probabilities are not returned yet")?;
     b.refuse("top_logprobs", |v| v.as_u64() == Some(0), "log probabilities are not returned yet")?;
     b.refuse("response_format", |v| v.get("type") == Some(&json!("text")), "only {\"type\": \"text\"}")?;
-    b.refuse("tools", |v| v.as_array().is_some_and(|a| a.is_empty()), "tool calls are not parsed yet")?;
-    b.refuse("tool_choice", |v| v == &json!("none"), "tool calls are not parsed yet")?;
     b.refuse("echo", |v| v == &json!(false), "the prompt is not echoed")?;
     b.refuse("suffix", |v| v.as_str() == Some(""), "no suffix insertion")?;
     b.refuse("best_of", |v| v.as_u64() == Some(1), "only 1")
 }
 
-/// The chat messages as the template takes them: string content, or text
-/// parts joined.
+/// Text of a message's `content`: a string, null, or text parts joined.
+fn content_text(b: &Body<'_>, field: &str, v: Option<&Value>) -> ApiResult<String> {
+    match v {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::Array(parts)) => Ok(parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("text"), Some(t)) => Ok(t),
+                (Some(kind), _) => Err(b.bad(field, format!("has a `{kind}` part; only text parts are supported"))),
+                _ => Err(b.bad(field, "has a content part without `type`")),
+            })
+            .collect::<ApiResult<Vec<&str>>>()?
+            .concat()),
+        Some(_) => Err(b.bad(field, "`content` must be a string or an array of parts")),
+    }
+}
+
+/// An assistant message's `tool_calls`, with each call's `arguments` JSON
+/// string parsed into the object templates expect.
+fn tool_calls(b: &Body<'_>, field: &str, v: Option<&Value>) -> ApiResult<Vec<Value>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+    let calls = v.as_array().ok_or_else(|| b.bad(field, "`tool_calls` must be an array"))?;
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let at = format!("{field}.tool_calls[{j}]");
+            let f = c.get("function").ok_or_else(|| b.bad(&at, "needs `function`"))?;
+            let name = f.get("name").and_then(Value::as_str).ok_or_else(|| b.bad(&at, "needs `function.name`"))?;
+            let arguments = match f.get("arguments") {
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                    .map_err(|e| b.bad(&at, format!("`function.arguments` is not valid JSON: {e}")))?,
+                None | Some(Value::Null) => json!({}),
+                Some(v) => v.clone(),
+            };
+            let mut call = json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+            if let Some(id) = c.get("id") {
+                call["id"] = id.clone();
+            }
+            Ok(call)
+        })
+        .collect()
+}
+
+/// The chat messages as the template takes them.
 fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
     let items = b.get("messages").and_then(Value::as_array).ok_or_else(|| b.bad("messages", "must be an array"))?;
     if items.is_empty() {
@@ -120,35 +165,18 @@ fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
         .map(|(i, m)| {
             let field = format!("messages[{i}]");
             let role = m.get("role").and_then(Value::as_str).ok_or_else(|| b.bad(&field, "needs a string `role`"))?;
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                None | Some(Value::Null) => String::new(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => Ok(t),
-                        (Some(kind), _) => {
-                            Err(b.bad(&field, format!("has a `{kind}` part; only text parts are supported")))
-                        }
-                        _ => Err(b.bad(&field, "has a content part without `type`")),
-                    })
-                    .collect::<ApiResult<Vec<&str>>>()?
-                    .concat(),
-                Some(_) => return Err(b.bad(&field, "`content` must be a string or an array of parts")),
-            };
-            Ok(ChatMessage::new(role, content))
+            let text = |k: &str| m.get(k).and_then(Value::as_str).map(str::to_string);
+            Ok(ChatMessage {
+                role: role.to_string(),
+                content: content_text(b, &field, m.get("content"))?,
+                // SGLang and llama.cpp name it `reasoning_content`; vLLM now `reasoning`.
+                reasoning_content: text("reasoning_content").or_else(|| text("reasoning")),
+                tool_calls: tool_calls(b, &field, m.get("tool_calls"))?,
+                tool_call_id: text("tool_call_id"),
+                name: text("name"),
+            })
         })
         .collect()
-}
-
-/// Prompt tokens of a chat through the model's template.
-pub fn chat_prompt(
-    tok: &Tokenizer,
-    msgs: &[ChatMessage],
-    thinking: Option<bool>,
-    flavor: Flavor,
-) -> ApiResult<Vec<u32>> {
-    rendered_prompt(tok, msgs, thinking, flavor).map(|(ids, _)| ids)
 }
 
 /// The chat through the model's template: its tokens and its text.
@@ -156,12 +184,13 @@ pub fn rendered_prompt(
     tok: &Tokenizer,
     msgs: &[ChatMessage],
     thinking: Option<bool>,
+    tools: Option<Vec<Value>>,
     flavor: Flavor,
 ) -> ApiResult<(Vec<u32>, String)> {
     if !tok.has_chat_template() {
         return Err(ApiError::bad_request(flavor, Some("messages"), "this model has no chat template"));
     }
-    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: thinking, tools: None };
+    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: thinking, tools };
     let text = tok
         .apply_chat_template(msgs, &opts)
         .map_err(|e| ApiError::bad_request(flavor, Some("messages"), format!("the chat template failed: {e}")))?;
@@ -335,30 +364,42 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         Some(_) => return Err(b.bad("chat_template_kwargs", "must be an object")),
     };
     let tok = tokenizer(ready, F)?;
-    let (prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, F)?;
-    // Reasoning is split out where the vocabulary has Qwen's tags.
-    let splitter = has_reasoning_tags(|t| tok.token_to_id(t)).then(|| ReasoningSplitter::new(&prompt_text));
+    let tools = crate::tools::openai(&b)?;
+    let rendered = tools.as_ref().and_then(Tools::rendered);
+    let (mut prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, rendered, F)?;
+    let format = chat_format(tok, &b, tools.as_ref(), &mut prompt, &prompt_text)?;
     let a = ask(&state, ready, &b, prompt)?;
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;
     let (id, created) = (state.id("chatcmpl"), now_secs());
+    let reasoning = format.reasoning_prompt.is_some();
     if !a.stream {
         let mut choices = Vec::new();
         let mut usage = Vec::new();
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
             usage.push(c.usage);
-            let mut message = json!({"role": "assistant", "content": c.text});
-            if let Some(mut split) = splitter.clone() {
-                let (a, b) = (split.push(&c.text), split.finish());
-                let reasoning = a.reasoning + &b.reasoning;
-                message["content"] = json!(a.content + &b.content);
-                message["reasoning_content"] = if reasoning.is_empty() { Value::Null } else { json!(reasoning) };
+            let (mut cs, mut pieces) = ChatStream::new(&format);
+            pieces.extend(cs.push(&c.text));
+            pieces.extend(cs.finish());
+            let w = fold(pieces);
+            let mut message = json!({"role": "assistant", "content": w.content});
+            if reasoning {
+                message["reasoning_content"] = if w.reasoning.is_empty() { Value::Null } else { json!(w.reasoning) };
+            }
+            if !w.calls.is_empty() {
+                if w.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                let calls: Vec<Value> = (w.calls.iter())
+                    .map(|(name, args)| json!({"id": state.id("call"), "type": "function", "function": {"name": name, "arguments": args}}))
+                    .collect();
+                message["tool_calls"] = json!(calls);
             }
             choices.push(json!({
                 "index": i,
                 "message": message,
-                "finish_reason": openai_finish(c.finish),
+                "finish_reason": chat_finish(c.finish, cs.called()),
                 "logprobs": null,
             }));
         }
@@ -373,14 +414,26 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     Ok(sse(move |tx| async move {
         let _guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
+        let mut streams = Vec::with_capacity(n);
+        let mut call_ids: Vec<Vec<String>> = vec![Vec::new(); n];
         for i in 0..n {
-            let first = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
-            if tx.send(data(chunk(first))).await.is_err() {
-                return;
+            let (cs, first) = ChatStream::new(&format);
+            streams.push(cs);
+            let role = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
+            let mut events = vec![data(chunk(role))];
+            for p in first {
+                if let Some(d) = delta(&p, &mut call_ids[i], &state) {
+                    events
+                        .push(data(chunk(json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": null}]))));
+                }
+            }
+            for e in events {
+                if tx.send(e).await.is_err() {
+                    return;
+                }
             }
         }
         let (mut usage, mut done) = (vec![Usage::default(); n], 0);
-        let mut splitters = vec![splitter; n];
         futures_util::pin_mut!(stream);
         while let Some((i, item)) = stream.next().await {
             let out = match item {
@@ -393,29 +446,20 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                 }
             };
             usage[i] = out.usage;
-            let parts = match &mut splitters[i] {
-                Some(split) => {
-                    let mut p = split.push(&out.text);
-                    if out.finish.is_some() {
-                        let rest = split.finish();
-                        p.reasoning += &rest.reasoning;
-                        p.content += &rest.content;
-                    }
-                    p
-                }
-                None => Split { reasoning: String::new(), content: out.text.clone() },
-            };
-            for (field, text) in [("reasoning_content", parts.reasoning), ("content", parts.content)] {
-                if text.is_empty() {
-                    continue;
-                }
-                let delta = json!([{"index": i, "delta": {field: text}, "finish_reason": null, "logprobs": null}]);
-                if tx.send(data(chunk(delta))).await.is_err() {
+            let mut pieces = streams[i].push(&out.text);
+            if out.finish.is_some() {
+                pieces.extend(streams[i].finish());
+            }
+            for p in pieces {
+                let Some(d) = delta(&p, &mut call_ids[i], &state) else { continue };
+                let c = json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": null}]);
+                if tx.send(data(chunk(c))).await.is_err() {
                     return;
                 }
             }
             if let Some(f) = out.finish {
-                let end = json!([{"index": i, "delta": {}, "finish_reason": openai_finish(f), "logprobs": null}]);
+                let reason = chat_finish(f, streams[i].called());
+                let end = json!([{"index": i, "delta": {}, "finish_reason": reason, "logprobs": null}]);
                 if tx.send(data(chunk(end))).await.is_err() {
                     return;
                 }
@@ -432,6 +476,55 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
     }))
+}
+
+/// How a chat's output is read: reasoning split out where the vocabulary
+/// has the tags, tool calls parsed where tools are offered; a required or
+/// named call's opening appended to `prompt`.
+pub fn chat_format(
+    tok: &Tokenizer,
+    b: &Body<'_>,
+    tools: Option<&Tools>,
+    prompt: &mut Vec<u32>,
+    prompt_text: &str,
+) -> ApiResult<ChatFormat> {
+    let mut f = ChatFormat::default();
+    let mut text = prompt_text.to_string();
+    if let Some(t) = tools.filter(|t| t.choice != ToolChoice::None) {
+        let form = call_format(tok, b)?;
+        let (appended, forced) = forced_start(&t.choice, form, prompt_text);
+        if !appended.is_empty() {
+            prompt.extend(tok.encode(&appended, false).map_err(|e| b.bad("tool_choice", e))?);
+            text.push_str(&appended);
+        }
+        f.tools = Some(param_types(&t.list));
+        f.forced = forced;
+        f.single_call = !t.parallel;
+    }
+    if has_reasoning_tags(|t| tok.token_to_id(t)) {
+        f.reasoning_prompt = Some(text);
+    }
+    Ok(f)
+}
+
+/// `tool_calls` when the answer called a tool and ended by itself.
+fn chat_finish(f: FinishReason, called: bool) -> &'static str {
+    if called && f == FinishReason::Stop { "tool_calls" } else { openai_finish(f) }
+}
+
+/// A piece of a choice as a streamed delta (a call's id given at its start).
+fn delta(p: &Piece, ids: &mut Vec<String>, state: &AppState) -> Option<Value> {
+    Some(match p {
+        Piece::Reasoning(r) => json!({"reasoning_content": r}),
+        Piece::Content(c) => json!({"content": c}),
+        Piece::ToolStart { index, name } => {
+            ids.push(state.id("call"));
+            json!({"tool_calls": [{"index": index, "id": ids[ids.len() - 1], "type": "function",
+                "function": {"name": name, "arguments": ""}}]})
+        }
+        Piece::ToolArgs { index, delta } => json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}),
+        Piece::ToolEnd { .. } => return None,
+    })
 }
 
 /// The prompt of `/v1/completions`: a string, one-string array, or token ids.

@@ -12,6 +12,9 @@
 //! number, boolean, else JSON), `null` being null; a Hermes body that is not
 //! JSON with a `name` is given back as content.
 //!
+//! As llama.cpp's Hermes parser does, an output that begins with a bare
+//! `{"name": …` object (small models often drop the tags) is a call too.
+//!
 //! Streaming: a call starts (its name known) as soon as the name is whole;
 //! Hermes arguments stream as their JSON text arrives, XML arguments one
 //! parameter at a time.
@@ -95,6 +98,8 @@ struct Call {
     xml_open: bool,
     /// XML: the open function's name.
     xml_name: String,
+    /// A bare JSON call without tags: it ends where its object ends.
+    bare: bool,
 }
 
 /// Splits a stream of text into content and tool calls.
@@ -108,11 +113,13 @@ pub struct ToolCallParser {
     /// Whitespace after a call: sent only if more text follows (the
     /// newlines between and after calls are not content).
     gap: String,
+    /// Nothing has come out yet: a bare `{"name"` object would be a call.
+    at_start: bool,
 }
 
 impl ToolCallParser {
     pub fn new(types: ParamTypes) -> Self {
-        ToolCallParser { types, held: String::new(), call: None, calls: 0, gap: String::new() }
+        ToolCallParser { types, held: String::new(), call: None, calls: 0, gap: String::new(), at_start: true }
     }
 
     /// How many calls have started.
@@ -127,6 +134,19 @@ impl ToolCallParser {
             match &mut self.call {
                 None => {
                     self.held.push_str(&text);
+                    if self.at_start {
+                        match bare_start(&self.held) {
+                            Bare::Undecided => return out,
+                            Bare::Yes => {
+                                let body = std::mem::take(&mut self.held);
+                                self.call = Some(Call { bare: true, ..Call::default() });
+                                self.at_start = false;
+                                text = body;
+                                continue;
+                            }
+                            Bare::No => self.at_start = false,
+                        }
+                    }
                     if let Some(at) = self.held.find(OPEN) {
                         let before: String = self.held.drain(..at).collect();
                         self.content(&mut out, before);
@@ -144,15 +164,22 @@ impl ToolCallParser {
                 }
                 Some(call) => {
                     call.body.push_str(&text);
-                    if let Some(at) = call.body.find(CLOSE) {
-                        let rest = call.body[at + CLOSE.len()..].to_string();
+                    let end = if call.bare {
+                        let from = call.body.len() - call.body.trim_start().len();
+                        value_end(call.body.as_bytes(), from).map(|e| (e, e))
+                    } else {
+                        call.body.find(CLOSE).map(|at| (at, at + CLOSE.len()))
+                    };
+                    if let Some((at, next)) = end {
+                        let rest = call.body[next..].to_string();
                         call.body.truncate(at);
                         let call = self.call.take().expect("open call");
                         self.close(call, &mut out);
                         text = rest;
                         continue;
                     }
-                    let visible = call.body.len() - partial_suffix(&call.body, CLOSE);
+                    let held = if call.bare { 0 } else { partial_suffix(&call.body, CLOSE) };
+                    let visible = call.body.len() - held;
                     let mut call = self.call.take().expect("open call");
                     self.progress(&mut call, visible, &mut out);
                     self.call = Some(call);
@@ -188,6 +215,7 @@ impl ToolCallParser {
     }
 
     fn start(&mut self, call: &mut Call, name: String, out: &mut Vec<ToolEvent>) {
+        self.at_start = false;
         let index = self.calls;
         self.calls += 1;
         call.started.push(index);
@@ -226,6 +254,7 @@ impl ToolCallParser {
                 let parsed = serde_json::from_str::<Value>(body.trim()).ok();
                 let name = parsed.as_ref().and_then(|v| v.get("name")).and_then(Value::as_str).map(str::to_string);
                 match (name, call.started.last().copied()) {
+                    (None, None) if call.bare => push_content(out, body),
                     (None, None) => push_content(out, format!("{OPEN}{body}{CLOSE}")),
                     (name, started) => {
                         let index = match started {
@@ -325,6 +354,29 @@ impl ToolCallParser {
         out.push(ToolEvent::Args { index, delta: close.into() });
         out.push(ToolEvent::End { index });
         call.xml_open = false;
+    }
+}
+
+enum Bare {
+    Yes,
+    No,
+    Undecided,
+}
+
+/// Whether text at the start of an output begins a bare `{"name"` call.
+fn bare_start(s: &str) -> Bare {
+    let t = s.trim_start();
+    let Some(rest) = t.strip_prefix('{') else {
+        return if t.is_empty() { Bare::Undecided } else { Bare::No };
+    };
+    let rest = rest.trim_start();
+    const KEY: &str = "\"name\"";
+    if rest.starts_with(KEY) {
+        Bare::Yes
+    } else if KEY.starts_with(rest) {
+        Bare::Undecided
+    } else {
+        Bare::No
     }
 }
 
@@ -502,7 +554,8 @@ fn convert(raw: &str, param: &str, types: Option<&HashMap<String, String>>) -> V
     serde_json::from_str::<Value>(v).unwrap_or_else(|_| text())
 }
 
-/// The calls and content of a whole output (the non-streaming response).
+/// The calls and content of a whole output.
+#[cfg(test)]
 #[derive(Debug, Default, PartialEq)]
 pub struct Parsed {
     pub content: String,
@@ -510,6 +563,7 @@ pub struct Parsed {
     pub calls: Vec<(String, String)>,
 }
 
+#[cfg(test)]
 pub fn parse_whole(types: ParamTypes, text: &str) -> Parsed {
     let mut p = ToolCallParser::new(types);
     let mut events = p.push(text);
@@ -518,6 +572,7 @@ pub fn parse_whole(types: ParamTypes, text: &str) -> Parsed {
 }
 
 /// Folds events into content and calls.
+#[cfg(test)]
 pub fn collect(events: impl IntoIterator<Item = ToolEvent>) -> Parsed {
     let mut out = Parsed::default();
     for e in events {
@@ -594,6 +649,18 @@ mod tests {
         check("<tool_call>{\"arguments\": [1, 2], \"name\": \"é\"}</tool_call>", parsed("", &[("é", "[1, 2]")]));
         check("<tool_call>{\"name\": \"f\"}</tool_call>", parsed("", &[("f", "{}")]));
         check("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n", parsed("", &[("f", "{\"a\": 1}")]));
+    }
+
+    #[test]
+    fn a_bare_call_at_the_start() {
+        check(
+            "\n{\"name\": \"f\", \"arguments\": {\"s\": \"}\"}}\nThat is all.",
+            parsed("\nThat is all.", &[("f", "{\"s\": \"}\"}")]),
+        );
+        check("{\"name\": 1}", parsed("{\"name\": 1}", &[]));
+        check("{\"nam", parsed("{\"nam", &[]));
+        check("{\"x\": 1}", parsed("{\"x\": 1}", &[]));
+        check("Text {\"name\": \"f\"}", parsed("Text {\"name\": \"f\"}", &[]));
     }
 
     #[test]

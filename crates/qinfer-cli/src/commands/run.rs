@@ -36,9 +36,9 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let text = if tok.has_chat_template() {
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
-            messages.push(ChatMessage { role: "system".into(), content: s.clone() });
+            messages.push(ChatMessage::new("system", s.clone()));
         }
-        messages.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        messages.push(ChatMessage::new("user", a.prompt.clone()));
         tok.apply_chat_template(
             &messages,
             &ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() },

@@ -1,0 +1,141 @@
+//! One chat choice's output as both APIs present it: the text split into
+//! reasoning and content (where the vocabulary has Qwen's reasoning tags),
+//! and the content into text and tool calls (where tools were offered).
+
+use crate::reasoning::ReasoningSplitter;
+use crate::tool_parser::{ParamTypes, ToolCallParser, ToolEvent};
+
+/// A piece of a choice's output, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    Reasoning(String),
+    Content(String),
+    ToolStart { index: usize, name: String },
+    ToolArgs { index: usize, delta: String },
+    ToolEnd { index: usize },
+}
+
+#[derive(Debug)]
+pub struct ChatStream {
+    splitter: Option<ReasoningSplitter>,
+    parser: Option<ToolCallParser>,
+    /// Only the first call is kept (`parallel_tool_calls: false`).
+    single_call: bool,
+}
+
+/// How a chat's output is read.
+#[derive(Debug, Clone, Default)]
+pub struct ChatFormat {
+    /// The rendered prompt (with any forced start), when reasoning is split
+    /// out (the vocabulary has the tags): it tells whether the output starts
+    /// inside `<think>`.
+    pub reasoning_prompt: Option<String>,
+    /// The offered tools' parameter types, when tool calls are parsed.
+    pub tools: Option<ParamTypes>,
+    /// Text forced at the start of the output (a required call's opening):
+    /// already in the prompt, read as if generated.
+    pub forced: String,
+    pub single_call: bool,
+}
+
+impl ChatStream {
+    /// The stream, and the pieces its forced start makes.
+    pub fn new(f: &ChatFormat) -> (ChatStream, Vec<Piece>) {
+        let tools = f.tools.is_some();
+        let splitter = f.reasoning_prompt.as_ref().map(|p| {
+            let s = ReasoningSplitter::new(p);
+            if tools { s.with_tool_calls() } else { s }
+        });
+        let mut s =
+            ChatStream { splitter, parser: f.tools.clone().map(ToolCallParser::new), single_call: f.single_call };
+        let first = if f.forced.is_empty() { Vec::new() } else { s.content(f.forced.clone()) };
+        (s, first)
+    }
+
+    /// Whether any tool call started.
+    pub fn called(&self) -> bool {
+        self.parser.as_ref().is_some_and(|p| p.calls() > 0)
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        let (reasoning, content) = match &mut self.splitter {
+            Some(s) => {
+                let p = s.push(text);
+                (p.reasoning, p.content)
+            }
+            None => (String::new(), text.to_string()),
+        };
+        let mut out = Vec::new();
+        if !reasoning.is_empty() {
+            out.push(Piece::Reasoning(reasoning));
+        }
+        out.extend(self.content(content));
+        out
+    }
+
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        if let Some(s) = &mut self.splitter {
+            let p = s.finish();
+            if !p.reasoning.is_empty() {
+                out.push(Piece::Reasoning(p.reasoning));
+            }
+            out.extend(self.content(p.content));
+        }
+        if let Some(p) = &mut self.parser {
+            let events = p.finish();
+            out.extend(self.pieces(events));
+        }
+        out
+    }
+
+    fn content(&mut self, text: String) -> Vec<Piece> {
+        match &mut self.parser {
+            Some(p) => {
+                let events = p.push(&text);
+                self.pieces(events)
+            }
+            None if text.is_empty() => Vec::new(),
+            None => vec![Piece::Content(text)],
+        }
+    }
+
+    fn pieces(&self, events: Vec<ToolEvent>) -> Vec<Piece> {
+        let keep = |i: usize| !self.single_call || i == 0;
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                ToolEvent::Content(c) => Some(Piece::Content(c)),
+                ToolEvent::Start { index, name } => keep(index).then_some(Piece::ToolStart { index, name }),
+                ToolEvent::Args { index, delta } => keep(index).then_some(Piece::ToolArgs { index, delta }),
+                ToolEvent::End { index } => keep(index).then_some(Piece::ToolEnd { index }),
+            })
+            .collect()
+    }
+}
+
+/// A whole choice: reasoning, content, and each call's name and arguments.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Whole {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<(String, String)>,
+}
+
+pub fn fold(pieces: impl IntoIterator<Item = Piece>) -> Whole {
+    let mut w = Whole::default();
+    for p in pieces {
+        match p {
+            Piece::Reasoning(r) => w.reasoning.push_str(&r),
+            Piece::Content(c) => w.content.push_str(&c),
+            Piece::ToolStart { name, .. } => w.calls.push((name, String::new())),
+            Piece::ToolArgs { delta, .. } => {
+                if let Some(c) = w.calls.last_mut() {
+                    c.1.push_str(&delta)
+                }
+            }
+            Piece::ToolEnd { .. } => {}
+        }
+    }
+    w
+}

@@ -1,0 +1,214 @@
+//! The tools a request offers and how it lets the model use them, read from
+//! OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` and Anthropic's
+//! `tools` / `tool_choice`, kept in OpenAI's shape (what chat templates
+//! render). A required or named call is enforced by starting the output with
+//! the call's opening in the template's own format (`<tool_call>` JSON or the
+//! XML form), so the model cannot answer without calling.
+
+use qinfer::tokenizer::Tokenizer;
+use serde_json::{Value, json};
+
+use crate::error::ApiResult;
+use crate::params::Body;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// No calls: the tools are not shown to the model.
+    None,
+    Auto,
+    /// At least one call, of any tool.
+    Required,
+    /// A call of this tool.
+    Named(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// `{"type": "function", "function": {"name", "description"?, "parameters"?}}` each.
+    pub list: Vec<Value>,
+    pub choice: ToolChoice,
+    /// More than one call per answer.
+    pub parallel: bool,
+}
+
+impl Tools {
+    /// The tools the template renders (none when calls are off).
+    pub fn rendered(&self) -> Option<Vec<Value>> {
+        (self.choice != ToolChoice::None).then(|| self.list.clone())
+    }
+
+    fn names(&self) -> impl Iterator<Item = &str> {
+        self.list.iter().filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+    }
+
+    fn check_named(&self, b: &Body<'_>, field: &str) -> ApiResult<()> {
+        if let ToolChoice::Named(n) = &self.choice
+            && !self.names().any(|t| t == n)
+        {
+            return Err(b.bad(field, format!("names the tool `{n}`, which is not among `tools`")));
+        }
+        Ok(())
+    }
+}
+
+/// OpenAI's fields; None when the request offers no tools.
+pub fn openai(b: &Body<'_>) -> ApiResult<Option<Tools>> {
+    let list = match b.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let field = format!("tools[{i}]");
+                if t.get("type").and_then(Value::as_str) != Some("function") {
+                    return Err(b.bad(&field, "must have `type` \"function\""));
+                }
+                let f = t.get("function").ok_or_else(|| b.bad(&field, "needs `function`"))?;
+                check_function(b, &field, f)?;
+                Ok(t.clone())
+            })
+            .collect::<ApiResult<_>>()?,
+        Some(_) => return Err(b.bad("tools", "must be an array")),
+    };
+    let choice = match b.get("tool_choice") {
+        None if list.is_empty() => ToolChoice::None,
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => return Err(b.bad("tool_choice", "must be \"none\", \"auto\", \"required\" or a named function")),
+        },
+        Some(v @ Value::Object(_)) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(n) if v.get("type").and_then(Value::as_str) == Some("function") => ToolChoice::Named(n.to_string()),
+            _ => {
+                return Err(b.bad(
+                    "tool_choice",
+                    "as an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ));
+            }
+        },
+        Some(_) => return Err(b.bad("tool_choice", "must be a string or an object")),
+    };
+    let parallel = match b.get("parallel_tool_calls") {
+        None => true,
+        Some(v) => v.as_bool().ok_or_else(|| b.bad("parallel_tool_calls", "must be true or false"))?,
+    };
+    finish(b, "tool_choice", Tools { list, choice, parallel })
+}
+
+/// Anthropic's fields (`{name, description?, input_schema}` tools; `tool_choice`
+/// `{type: auto|any|tool|none, name?, disable_parallel_tool_use?}`), in OpenAI's shape.
+pub fn anthropic(b: &Body<'_>) -> ApiResult<Option<Tools>> {
+    let list = match b.get("tools") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let field = format!("tools[{i}]");
+                match t.get("type").and_then(Value::as_str) {
+                    None | Some("custom") => {}
+                    Some(other) => {
+                        return Err(b.bad(&field, format!("has type `{other}`; only custom (client) tools are served")));
+                    }
+                }
+                let name = t.get("name").ok_or_else(|| b.bad(&field, "needs `name`"))?;
+                let schema = t.get("input_schema").ok_or_else(|| b.bad(&field, "needs `input_schema`"))?;
+                let mut f = json!({"name": name});
+                if let Some(d) = t.get("description") {
+                    f["description"] = d.clone();
+                }
+                f["parameters"] = schema.clone();
+                check_function(b, &field, &f)?;
+                Ok(json!({"type": "function", "function": f}))
+            })
+            .collect::<ApiResult<_>>()?,
+        Some(_) => return Err(b.bad("tools", "must be an array")),
+    };
+    let (choice, parallel) = match b.get("tool_choice") {
+        None => (if list.is_empty() { ToolChoice::None } else { ToolChoice::Auto }, true),
+        Some(v @ Value::Object(_)) => {
+            let parallel = match v.get("disable_parallel_tool_use") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(d)) => !d,
+                Some(_) => return Err(b.bad("tool_choice", "`disable_parallel_tool_use` must be a boolean")),
+            };
+            let choice = match (v.get("type").and_then(Value::as_str), v.get("name").and_then(Value::as_str)) {
+                (Some("auto"), _) => ToolChoice::Auto,
+                (Some("any"), _) => ToolChoice::Required,
+                (Some("none"), _) => ToolChoice::None,
+                (Some("tool"), Some(n)) => ToolChoice::Named(n.to_string()),
+                (Some("tool"), None) => return Err(b.bad("tool_choice", "of type `tool` needs `name`")),
+                _ => return Err(b.bad("tool_choice", "`type` must be \"auto\", \"any\", \"tool\" or \"none\"")),
+            };
+            (choice, parallel)
+        }
+        Some(_) => return Err(b.bad("tool_choice", "must be an object")),
+    };
+    finish(b, "tool_choice", Tools { list, choice, parallel })
+}
+
+fn check_function(b: &Body<'_>, field: &str, f: &Value) -> ApiResult<()> {
+    match f.get("name").and_then(Value::as_str) {
+        Some(n) if !n.is_empty() => {}
+        _ => return Err(b.bad(field, "needs a non-empty string `name`")),
+    }
+    match f.get("parameters") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => Ok(()),
+        Some(_) => Err(b.bad(field, "`parameters` must be a JSON Schema object")),
+    }
+}
+
+fn finish(b: &Body<'_>, field: &str, t: Tools) -> ApiResult<Option<Tools>> {
+    if t.list.is_empty() {
+        return match t.choice {
+            ToolChoice::None | ToolChoice::Auto => Ok(None),
+            _ => Err(b.bad(field, "asks for a tool call but `tools` is empty")),
+        };
+    }
+    t.check_named(b, field)?;
+    Ok(Some(t))
+}
+
+/// How the model's template writes a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFormat {
+    /// `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`
+    Hermes,
+    /// `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>`
+    Xml,
+}
+
+/// The template's call format; a template that renders no tools, or shows
+/// no call format, cannot serve them (an error naming why).
+pub fn call_format(tok: &Tokenizer, b: &Body<'_>) -> ApiResult<CallFormat> {
+    let src = tok.chat_template().unwrap_or_default();
+    if !src.contains("tools") {
+        return Err(b.bad("tools", "cannot be used with this model: its chat template does not render tools"));
+    }
+    if src.contains("<function=") {
+        Ok(CallFormat::Xml)
+    } else if src.contains("<tool_call>") {
+        Ok(CallFormat::Hermes)
+    } else {
+        Err(b.bad("tools", "cannot be used with this model: its chat template shows no <tool_call> format to parse"))
+    }
+}
+
+/// The text the output must start with for `choice` (after the prompt's
+/// `prompt_text`): `(appended to the prompt, read as the output's start)`.
+/// A prompt that leaves `<think>` open has it closed first.
+pub fn forced_start(choice: &ToolChoice, format: CallFormat, prompt_text: &str) -> (String, String) {
+    let call = match (choice, format) {
+        (ToolChoice::None | ToolChoice::Auto, _) => return (String::new(), String::new()),
+        (ToolChoice::Required, CallFormat::Hermes) => "<tool_call>\n{\"name\": \"".to_string(),
+        (ToolChoice::Named(n), CallFormat::Hermes) => {
+            format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", qinfer::tokenizer::python_json(&json!(n)))
+        }
+        (ToolChoice::Required, CallFormat::Xml) => "<tool_call>\n<function=".to_string(),
+        (ToolChoice::Named(n), CallFormat::Xml) => format!("<tool_call>\n<function={n}>\n"),
+    };
+    let close = if prompt_text.trim_end().ends_with("<think>") { "</think>\n\n" } else { "" };
+    (format!("{close}{call}"), call)
+}
