@@ -1,7 +1,7 @@
 """`qinfer serve` driven by the official `openai` and `anthropic` SDKs, on the
 default model (SmolLM2-135M-Instruct), on 127.0.0.1. Run by .ci/run:
 
-    python tests/serve/test_clients.py path/to/qinfer [model]
+    python tests/serve/test_clients.py path/to/qinfer [model] [qwen-coder.gguf]
 
 Each check starts from a running server and says what failed; the script
 exits non-zero on the first failure and stops every server it started.
@@ -22,7 +22,9 @@ import anthropic
 import openai
 
 QINFER = sys.argv[1]
-MODEL_ARGS = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []
+MODEL_ARGS = ["--model", sys.argv[2]] if len(sys.argv) > 2 and sys.argv[2] else []
+# Qwen2.5-Coder-0.5B-Instruct's GGUF (scripts/fetch_qwen_coder.sh), for the tool-call checks.
+CODER = sys.argv[3] if len(sys.argv) > 3 else None
 
 
 class Server:
@@ -204,6 +206,125 @@ def check_anthropic(s):
     assert cut.content[0].text == full[:first], (cut.content[0].text, full, stop)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+WEATHER_Q = "What is the weather like in Paris today?"
+
+
+def check_tools_openai(s):
+    """A tool-call round trip on Qwen2.5-Coder-0.5B (its template renders
+    tools): the call parsed, streamed deltas accumulating to the same call,
+    the tool's result answered in words; required and named choices."""
+    c = oa(s)
+    kw = dict(model=s.name, temperature=0, max_tokens=60, tools=[WEATHER, TIME])
+    r = c.chat.completions.create(messages=ask(WEATHER_Q), **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", r
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id, call
+    args = json.loads(call.function.arguments)
+    assert args["city"] == "Paris", args
+    # The same request streamed, through the SDK's accumulating helper.
+    with c.chat.completions.stream(messages=ask(WEATHER_Q), **kw) as st:
+        final = st.get_final_completion()
+    (scall,) = final.choices[0].message.tool_calls
+    assert (scall.function.name, json.loads(scall.function.arguments)) == ("get_weather", args), scall
+    assert final.choices[0].finish_reason == "tool_calls"
+    # The round trip: the call and its result go back. With tools still on
+    # offer this 0.5B model calls again (as it does under transformers); with
+    # `none` it answers from the result.
+    history = ask(WEATHER_Q) + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_celsius": 21, "sky": "sunny"})},
+    ]
+    r2 = c.chat.completions.create(messages=history, **dict(kw, tool_choice="none"))
+    answer = r2.choices[0].message
+    assert not answer.tool_calls and answer.content and "21" in answer.content, answer
+    assert r2.choices[0].finish_reason == "stop"
+    # The tools shown in the prompt cost tokens; `none` hides them.
+    none = c.chat.completions.create(messages=ask(WEATHER_Q), tool_choice="none", **kw)
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+    assert none.usage.prompt_tokens < r.usage.prompt_tokens
+    # Required: a call even for a question the model would answer in words;
+    # named: that tool's call, streamed as raw chunks.
+    req = c.chat.completions.create(messages=ask("Say hello to Lyon."), tool_choice="required", **kw)
+    assert req.choices[0].message.tool_calls and req.choices[0].finish_reason == "tool_calls", req
+    chunks = list(
+        c.chat.completions.create(
+            messages=ask(WEATHER_Q), tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True, **kw
+        )
+    )
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_time", deltas[0]
+    assert len(deltas) > 2, "arguments did not stream"
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(streamed)["city"] == "Paris", streamed
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    cases = [
+        ("named tool not offered", dict(tool_choice={"type": "function", "function": {"name": "nope"}})),
+        ("tool without a name", dict(tools=[{"type": "function", "function": {"parameters": {}}}])),
+        ("tool_choice without tools", dict(tools=None, tool_choice="required")),
+        ("arguments that are not JSON", dict(messages=ask("x") + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}])),
+    ]
+    for what, extra in cases:
+        body = dict(kw, messages=ask("x"))
+        body.update(extra)
+        if body.get("tools") is None:
+            body.pop("tools")
+        got, err = status_of(lambda: c.chat.completions.create(**body))
+        assert got == 400, f"{what}: {got} {err}"
+
+
+def check_tools_anthropic(s):
+    c = an(s)
+    tools = [{"name": "get_weather", "description": "Get the current weather in a city", "input_schema": WEATHER["function"]["parameters"]}]
+    kw = dict(model=s.name, max_tokens=60, tools=tools, extra_body={"temperature": 0})
+    m = c.messages.create(messages=ask(WEATHER_Q), **kw)
+    assert m.stop_reason == "tool_use", m
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "get_weather" and use[0].input["city"] == "Paris", m.content
+    # Streamed: a tool_use block whose input arrives as input_json_delta.
+    kinds = []
+    with c.messages.stream(messages=ask(WEATHER_Q), **kw) as st:
+        for e in st:
+            if e.type in ("content_block_start", "content_block_delta"):
+                kinds.append(e.content_block.type if e.type == "content_block_start" else e.delta.type)
+        final = st.get_final_message()
+    assert "tool_use" in kinds and "input_json_delta" in kinds, kinds
+    fuse = [b for b in final.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in fuse] == [(b.name, b.input) for b in use], final.content
+    assert final.stop_reason == "tool_use"
+    # The result goes back as a tool_result block; the answer is text.
+    history = ask(WEATHER_Q) + [
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": "21 degrees Celsius, sunny"}]},
+    ]
+    m2 = c.messages.create(messages=history, tool_choice={"type": "none"}, **kw)
+    assert m2.stop_reason == "end_turn" and "21" in m2.content[0].text, m2
+    forced = c.messages.create(messages=ask("Say hello to Lyon."), tool_choice={"type": "any"}, **kw)
+    assert forced.stop_reason == "tool_use" and any(b.type == "tool_use" for b in forced.content), forced
+    got, _ = status_of(lambda: c.messages.create(messages=ask("x"), tool_choice={"type": "tool", "name": "nope"}, **kw))
+    assert got == 400
+
+
 SYSTEM = (
     "You are a careful assistant for a small bookshop in Lyon. The shop sells new and used books, "
     "mostly French and English novels, some poetry, travel guides and children's books. It opens "
@@ -369,7 +490,7 @@ def check_errors(s):
         ("logit_bias key not a token id", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"word": 5}), 400),
         ("logit_bias id past the vocabulary", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"99999999": 5}), 400),
         ("logit_bias above 100", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), logit_bias={"5": 101}), 400),
-        ("tools not parsed yet", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
+        ("tools on a model whose template does not render them", lambda: c.chat.completions.create(model=s.name, messages=ask("x"), tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
         ("anthropic temperature above 1", lambda: a.messages.create(model=s.name, max_tokens=5, messages=ask("x"), extra_body={"temperature": 1.5}), 400),
         ("anthropic unknown model", lambda: a.messages.create(model="nope", max_tokens=5, messages=ask("x")), 404),
         ("anthropic bad role", lambda: a.messages.create(model=s.name, max_tokens=5, messages=[{"role": "robot", "content": "x"}]), 400),
@@ -482,6 +603,18 @@ def main():
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
+    if CODER:
+        coder = Server(model_args=["--model", CODER])
+        try:
+            for check in (check_tools_openai, check_tools_anthropic):
+                t = time.time()
+                check(coder)
+                print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
+        except BaseException:
+            print("".join(coder.log[-20:]), file=sys.stderr)
+            raise
+        finally:
+            coder.stop()
 
 
 if __name__ == "__main__":

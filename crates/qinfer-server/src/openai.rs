@@ -416,13 +416,13 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
         let mut streams = Vec::with_capacity(n);
         let mut call_ids: Vec<Vec<String>> = vec![Vec::new(); n];
-        for i in 0..n {
+        for (i, ids) in call_ids.iter_mut().enumerate() {
             let (cs, first) = ChatStream::new(&format);
             streams.push(cs);
             let role = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
             let mut events = vec![data(chunk(role))];
             for p in first {
-                if let Some(d) = delta(&p, &mut call_ids[i], &state) {
+                if let Some(d) = delta(&p, ids, &state) {
                     events
                         .push(data(chunk(json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": null}]))));
                 }

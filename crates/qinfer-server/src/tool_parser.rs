@@ -13,7 +13,8 @@
 //! JSON with a `name` is given back as content.
 //!
 //! As llama.cpp's Hermes parser does, an output that begins with a bare
-//! `{"name": …` object (small models often drop the tags) is a call too.
+//! `{"name": …` object, or one fenced as a ```` ```json ```` block, is a call
+//! too: small models often drop the tags.
 //!
 //! Streaming: a call starts (its name known) as soon as the name is whole;
 //! Hermes arguments stream as their JSON text arrives, XML arguments one
@@ -100,6 +101,8 @@ struct Call {
     xml_name: String,
     /// A bare JSON call without tags: it ends where its object ends.
     bare: bool,
+    /// The bare call opened a code fence.
+    fenced: bool,
 }
 
 /// Splits a stream of text into content and tool calls.
@@ -115,11 +118,21 @@ pub struct ToolCallParser {
     gap: String,
     /// Nothing has come out yet: a bare `{"name"` object would be a call.
     at_start: bool,
+    /// A fenced bare call ended: its closing fence is not content.
+    eat_fence: bool,
 }
 
 impl ToolCallParser {
     pub fn new(types: ParamTypes) -> Self {
-        ToolCallParser { types, held: String::new(), call: None, calls: 0, gap: String::new(), at_start: true }
+        ToolCallParser {
+            types,
+            held: String::new(),
+            call: None,
+            calls: 0,
+            gap: String::new(),
+            at_start: true,
+            eat_fence: false,
+        }
     }
 
     /// How many calls have started.
@@ -134,12 +147,23 @@ impl ToolCallParser {
             match &mut self.call {
                 None => {
                     self.held.push_str(&text);
+                    if self.eat_fence {
+                        let t = self.held.trim_start();
+                        if t.len() < FENCE.len() && FENCE.starts_with(t) {
+                            return out;
+                        }
+                        if let Some(rest) = t.strip_prefix(FENCE) {
+                            self.held = rest.to_string();
+                        }
+                        self.eat_fence = false;
+                    }
                     if self.at_start {
                         match bare_start(&self.held) {
                             Bare::Undecided => return out,
-                            Bare::Yes => {
-                                let body = std::mem::take(&mut self.held);
-                                self.call = Some(Call { bare: true, ..Call::default() });
+                            Bare::Yes { from, fenced } => {
+                                let body = self.held.split_off(from);
+                                self.held.clear();
+                                self.call = Some(Call { bare: true, fenced, ..Call::default() });
                                 self.at_start = false;
                                 text = body;
                                 continue;
@@ -174,6 +198,7 @@ impl ToolCallParser {
                         let rest = call.body[next..].to_string();
                         call.body.truncate(at);
                         let call = self.call.take().expect("open call");
+                        self.eat_fence = call.fenced;
                         self.close(call, &mut out);
                         text = rest;
                         continue;
@@ -357,22 +382,42 @@ impl ToolCallParser {
     }
 }
 
+const FENCE: &str = "```";
+
 enum Bare {
-    Yes,
+    /// The call's object starts at byte `from`.
+    Yes {
+        from: usize,
+        fenced: bool,
+    },
     No,
     Undecided,
 }
 
-/// Whether text at the start of an output begins a bare `{"name"` call.
+/// Whether text at the start of an output begins a bare `{"name"` call,
+/// possibly inside a ```` ``` ````, ```` ```json ```` or ```` ```xml ```` fence.
 fn bare_start(s: &str) -> Bare {
-    let t = s.trim_start();
+    let mut t = s.trim_start();
+    let mut fenced = false;
+    if t.starts_with(FENCE) || (t.len() < FENCE.len() && FENCE.starts_with(t) && !t.is_empty()) {
+        let Some(nl) = t.find('\n') else {
+            let tag = &t[t.len().min(FENCE.len())..];
+            return if "json".starts_with(tag) || "xml".starts_with(tag) { Bare::Undecided } else { Bare::No };
+        };
+        if !matches!(t[FENCE.len()..nl].trim(), "" | "json" | "xml") {
+            return Bare::No;
+        }
+        t = t[nl + 1..].trim_start();
+        fenced = true;
+    }
+    let from = s.len() - t.len();
     let Some(rest) = t.strip_prefix('{') else {
         return if t.is_empty() { Bare::Undecided } else { Bare::No };
     };
     let rest = rest.trim_start();
     const KEY: &str = "\"name\"";
     if rest.starts_with(KEY) {
-        Bare::Yes
+        Bare::Yes { from, fenced }
     } else if KEY.starts_with(rest) {
         Bare::Undecided
     } else {
@@ -657,6 +702,13 @@ mod tests {
             "\n{\"name\": \"f\", \"arguments\": {\"s\": \"}\"}}\nThat is all.",
             parsed("\nThat is all.", &[("f", "{\"s\": \"}\"}")]),
         );
+        check(
+            "```json\n{\n  \"name\": \"f\",\n  \"arguments\": {\"n\": 1}\n}\n```",
+            parsed("", &[("f", "{\"n\": 1}")]),
+        );
+        check("```\n{\"name\": \"f\"}\n```\nok", parsed("\nok", &[("f", "{}")]));
+        check("```python\n{\"name\": \"f\"}\n```", parsed("```python\n{\"name\": \"f\"}\n```", &[]));
+        check("``", parsed("``", &[]));
         check("{\"name\": 1}", parsed("{\"name\": 1}", &[]));
         check("{\"nam", parsed("{\"nam", &[]));
         check("{\"x\": 1}", parsed("{\"x\": 1}", &[]));
