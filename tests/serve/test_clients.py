@@ -8,6 +8,7 @@ exits non-zero on the first failure and stops every server it started.
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -175,6 +176,43 @@ def check_penalties_and_bias(s):
     c.chat.completions.create(
         model=s.name, messages=ask("Say hello."), max_tokens=8, presence_penalty=1.5, frequency_penalty=-0.5
     )
+
+
+def check_logprobs(s):
+    c = oa(s)
+    kw = dict(model=s.name, messages=ask("Name the capital city of France."), max_tokens=12, temperature=0)
+    r = c.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    ch = r.choices[0]
+    lps = ch.logprobs.content
+    assert len(lps) == r.usage.completion_tokens, (len(lps), r.usage)
+    text = "".join(t.token for t in lps)
+    assert text.startswith(ch.message.content), (text, ch.message.content)
+    for t in lps:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and bytes(t.bytes) == t.token.encode()
+        # Greedy: the pick is the most likely token, and the top are in order.
+        assert t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6, t
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1 + 1e-4
+    # Streamed: the same tokens and numbers, spread over the chunks.
+    chunks = list(c.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(t.token, round(t.logprob, 5)) for t in lps]
+    # Off unless asked; top_logprobs alone is an error.
+    assert c.chat.completions.create(**kw).choices[0].logprobs is None
+    got, _ = status_of(lambda: c.chat.completions.create(top_logprobs=2, **kw))
+    assert got == 400
+    got, _ = status_of(lambda: c.chat.completions.create(logprobs=True, top_logprobs=21, **kw))
+    assert got == 400
+    # Completions: tokens, their log probabilities, the alternatives (the
+    # pick among them) and text offsets.
+    p = c.completions.create(model=s.name, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2)
+    lp = p.choices[0].logprobs
+    assert "".join(lp.tokens) == p.choices[0].text, (lp.tokens, p.choices[0].text)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tok in top and abs(top[tok] - v) < 1e-6 and len(top) <= 3 and max(top.values()) == v, (tok, v, top)
+    parts = list(c.completions.create(model=s.name, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, stream=True))
+    assert [t for q in parts if q.choices and q.choices[0].logprobs for t in q.choices[0].logprobs.tokens] == lp.tokens
 
 
 def check_anthropic(s):
@@ -584,6 +622,7 @@ def main():
         check_completions,
         check_seed_n_and_stop,
         check_penalties_and_bias,
+        check_logprobs,
         check_anthropic,
         check_prefix_cache,
         check_errors,

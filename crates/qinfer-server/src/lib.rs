@@ -9,6 +9,7 @@ mod anthropic;
 mod bridge;
 mod chat_stream;
 mod error;
+mod logprobs;
 mod openai;
 mod params;
 mod pooling;

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use qinfer::engine::request::{FinishReason, Output, Request, SamplingParams, StopConditions, Usage};
+use qinfer::engine::request::{FinishReason, Output, Request, SamplingParams, StopConditions, TokenLogprob, Usage};
 use qinfer::tokenizer::{ChatMessage, ChatOptions, Tokenizer};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -18,6 +18,7 @@ use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use crate::bridge::{AbortOnDrop, Submitted, submit};
 use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
+use crate::logprobs;
 use crate::params::Body;
 use crate::reasoning::has_reasoning_tags;
 use crate::tool_parser::param_types;
@@ -100,8 +101,6 @@ fn penalties(b: &Body<'_>, p: &mut SamplingParams, vocab: usize) -> ApiResult<()
 /// The fields this server does not implement: refused by name unless they
 /// ask for nothing.
 fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
-    b.refuse("logprobs", |v| v == &json!(false) || v.as_u64() == Some(0), "log probabilities are not returned yet")?;
-    b.refuse("top_logprobs", |v| v.as_u64() == Some(0), "log probabilities are not returned yet")?;
     b.refuse("response_format", |v| v.get("type") == Some(&json!("text")), "only {\"type\": \"text\"}")?;
     b.refuse("echo", |v| v == &json!(false), "the prompt is not echoed")?;
     b.refuse("suffix", |v| v.as_str() == Some(""), "no suffix insertion")?;
@@ -221,6 +220,7 @@ pub fn submit_n(ready: &Ready, req: Request, n: usize, flavor: Flavor) -> ApiRes
 /// A request's whole result.
 pub struct Collected {
     pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
     pub finish: FinishReason,
     pub stop_string: Option<String>,
     pub usage: Usage,
@@ -228,11 +228,13 @@ pub struct Collected {
 
 pub async fn collect(mut s: Submitted, flavor: Flavor) -> ApiResult<Collected> {
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(item) = s.rx.recv().await {
         let out = item.map_err(|e| ApiError::with_status(flavor, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
         text.push_str(&out.text);
+        logprobs.extend(out.logprobs);
         if let Some(finish) = out.finish {
-            return Ok(Collected { text, finish, stop_string: out.stop_string, usage: out.usage });
+            return Ok(Collected { text, logprobs, finish, stop_string: out.stop_string, usage: out.usage });
         }
     }
     Err(ApiError::with_status(flavor, axum::http::StatusCode::SERVICE_UNAVAILABLE, "the engine stopped"))
@@ -298,9 +300,11 @@ struct Ask {
     model: String,
 }
 
-fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>) -> ApiResult<Ask> {
+/// `logprobs`: the alternatives asked for (None: no log probabilities).
+fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>, logprobs: Option<usize>) -> ApiResult<Ask> {
     refuse_unsupported(b)?;
     let mut sampling = sampling(b, &ready.defaults, 2.0)?;
+    sampling.logprobs = logprobs;
     penalties(b, &mut sampling, ready.engine.model().config().vocab_size)?;
     let n = b.u64("n")?.unwrap_or(1) as usize;
     if n == 0 || n > state.opts.max_n {
@@ -368,7 +372,9 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     let rendered = tools.as_ref().and_then(Tools::rendered);
     let (mut prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, rendered, F)?;
     let format = chat_format(tok, &b, tools.as_ref(), &mut prompt, &prompt_text)?;
-    let a = ask(&state, ready, &b, prompt)?;
+    let top = logprobs::chat_request(&b)?;
+    let a = ask(&state, ready, &b, prompt, top)?;
+    let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;
     let (id, created) = (state.id("chatcmpl"), now_secs());
@@ -396,11 +402,12 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                     .collect();
                 message["tool_calls"] = json!(calls);
             }
+            let lps = top.map_or(Value::Null, |_| logprobs::chat(tok.as_deref(), &c.logprobs));
             choices.push(json!({
                 "index": i,
                 "message": message,
                 "finish_reason": chat_finish(c.finish, cs.called()),
-                "logprobs": null,
+                "logprobs": lps,
             }));
         }
         return Ok(axum::Json(json!({
@@ -450,9 +457,20 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             if out.finish.is_some() {
                 pieces.extend(streams[i].finish());
             }
-            for p in pieces {
-                let Some(d) = delta(&p, &mut call_ids[i], &state) else { continue };
-                let c = json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": null}]);
+            let mut deltas: Vec<Value> = pieces.iter().filter_map(|p| delta(p, &mut call_ids[i], &state)).collect();
+            // The tokens' log probabilities ride on the first delta they made
+            // (an empty one when their text is still held back).
+            let mut lps = match top {
+                Some(_) if !out.logprobs.is_empty() => {
+                    if deltas.is_empty() {
+                        deltas.push(json!({}));
+                    }
+                    logprobs::chat(tok.as_deref(), &out.logprobs)
+                }
+                _ => Value::Null,
+            };
+            for d in deltas {
+                let c = json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": lps.take()}]);
                 if tx.send(data(chunk(c))).await.is_err() {
                     return;
                 }
@@ -564,7 +582,9 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     state.check_model(F, b.str("model")?)?;
     let vocab = ready.engine.model().config().vocab_size;
     let prompt = completion_prompt(&b, ready.engine.tokenizer().map(|t| t.as_ref()), vocab)?;
-    let a = ask(&state, ready, &b, prompt)?;
+    let top = logprobs::completion_request(&b)?;
+    let a = ask(&state, ready, &b, prompt, top)?;
+    let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;
     let (id, created) = (state.id("cmpl"), now_secs());
@@ -574,8 +594,9 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
             usage.push(c.usage);
+            let lps = top.map_or(Value::Null, |_| logprobs::completion(tok.as_deref(), &c.logprobs, &mut 0));
             choices
-                .push(json!({"index": i, "text": c.text, "finish_reason": openai_finish(c.finish), "logprobs": null}));
+                .push(json!({"index": i, "text": c.text, "finish_reason": openai_finish(c.finish), "logprobs": lps}));
         }
         return Ok(axum::Json(json!({
             "id": id, "object": "text_completion", "created": created, "model": a.model,
@@ -589,6 +610,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
         let _guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": a.model, "choices": choices});
         let (mut usage, mut done) = (vec![Usage::default(); n], 0);
+        let mut offsets = vec![0; n];
         futures_util::pin_mut!(stream);
         while let Some((i, item)) = stream.next().await {
             let Ok(out) = item else {
@@ -597,10 +619,16 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
             };
             usage[i] = out.usage;
             let finish = out.finish.map(openai_finish);
-            if (!out.text.is_empty() || finish.is_some())
+            let lps = match top {
+                Some(_) if !out.logprobs.is_empty() => {
+                    logprobs::completion(tok.as_deref(), &out.logprobs, &mut offsets[i])
+                }
+                _ => Value::Null,
+            };
+            if (!out.text.is_empty() || finish.is_some() || !lps.is_null())
                 && tx
                     .send(data(chunk(
-                        json!([{"index": i, "text": out.text, "finish_reason": finish, "logprobs": null}]),
+                        json!([{"index": i, "text": out.text, "finish_reason": finish, "logprobs": lps}]),
                     )))
                     .await
                     .is_err()

@@ -31,6 +31,9 @@ pub struct SamplingParams {
     /// Added to the logits of these token ids ([-100, 100] each).
     pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
+    /// Report each picked token's log probability and this many most likely
+    /// alternatives (None: no log probabilities).
+    pub logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +48,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             seed: 0,
+            logprobs: None,
         }
     }
 }
@@ -82,7 +86,10 @@ impl SamplingParams {
     /// bias and the counts of generated tokens): device pickers then read
     /// the logits back instead.
     pub fn host_only(&self) -> bool {
-        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
+            || self.logprobs.is_some()
     }
 }
 
@@ -167,6 +174,34 @@ impl Sampler {
             *self.picked.entry(token).or_insert(0) += 1;
         }
     }
+}
+
+/// A picked token's log probability and the most likely alternatives'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `top` most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log probability under `logits` (the model's own distribution,
+/// before penalties, bias and temperature, as vLLM reports by default) and
+/// the `top` most likely tokens'.
+pub fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let log_z = f64::from(max) + sum.ln();
+    let lp = |t: u32| (f64::from(logits[t as usize]) - log_z) as f32;
+    let top = top.min(logits.len());
+    let mut best: Vec<u32> = (0..logits.len() as u32).collect();
+    let order = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if top > 0 && top < best.len() {
+        best.select_nth_unstable_by(top - 1, order);
+    }
+    best.truncate(top);
+    best.sort_by(order);
+    TokenLogprob { token, logprob: lp(token), top: best.into_iter().map(|t| (t, lp(t))).collect() }
 }
 
 /// Divides positive logits of `penalized` tokens by the penalty and

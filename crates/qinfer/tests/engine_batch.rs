@@ -231,3 +231,76 @@ fn the_engine_thread_streams_aborts_dropped_clients_and_stops() {
     let stats = engine.shutdown();
     assert!(stats.pools_whole, "blocks or slots leaked");
 }
+
+/// Log probabilities: each tiny model's prompts of every length up to the
+/// fixture's, batched together with logprobs asked for (top 5): the picked
+/// token's and the alternatives' log probabilities are log-softmax of
+/// transformers' logits at that position (logits.npy), before any
+/// temperature or penalty; requests that ask for none get none.
+#[test]
+fn logprobs_are_log_softmax_of_transformers_logits() {
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let r = reference(&dir);
+        let model = load(&dir);
+        let (shape, logits) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+        let vocab = shape[shape.len() - 1];
+        let input = ids(&r["input_ids"]);
+        let mut core = EngineCore::new(model.clone(), None, config(512, 32, 128)).unwrap();
+        let top = 5;
+        // Sampled with a penalty: the reported numbers are still the model's own.
+        let sampling = SamplingParams {
+            temperature: 0.7,
+            repetition_penalty: 1.5,
+            seed: 3,
+            logprobs: Some(top),
+            ..Default::default()
+        };
+        for n in 1..=input.len() {
+            let s = if n % 2 == 0 {
+                sampling.clone()
+            } else {
+                SamplingParams { logprobs: Some(top), ..Default::default() }
+            };
+            core.add(n as u64, request(input[..n].to_vec(), 1, s)).unwrap();
+        }
+        core.add(0, request(input.clone(), 1, SamplingParams::default())).unwrap();
+        let mut seen = 0;
+        while core.num_unfinished() > 0 {
+            for out in core.step().unwrap() {
+                if out.id == 0 {
+                    assert!(out.logprobs.is_empty(), "{name}: logprobs not asked for");
+                    continue;
+                }
+                let row = &logits[(out.id as usize - 1) * vocab..out.id as usize * vocab];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max + row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+                let want = |t: u32| (row[t as usize] as f64 - lse) as f32;
+                let [lp] = &out.logprobs[..] else { panic!("{name}: one logprob per token, got {:?}", out.logprobs) };
+                assert_eq!(lp.token, out.token_ids[0]);
+                assert!(
+                    (lp.logprob - want(lp.token)).abs() < 2e-3,
+                    "{name} n={}: {} vs {}",
+                    out.id,
+                    lp.logprob,
+                    want(lp.token)
+                );
+                let mut order: Vec<u32> = (0..vocab as u32).collect();
+                order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+                assert_eq!(lp.top.len(), top);
+                for (k, &(t, l)) in lp.top.iter().enumerate() {
+                    assert!((l - want(t)).abs() < 2e-3, "{name} n={}: top {k}", out.id);
+                    // The same rank as transformers', up to near-ties.
+                    assert!(
+                        (want(t) - want(order[k])).abs() < 2e-3,
+                        "{name} n={}: top {k} is {t}, not {}",
+                        out.id,
+                        order[k]
+                    );
+                }
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, input.len(), "{name}");
+    }
+}

@@ -499,6 +499,9 @@ impl EngineCore {
                 self.seqs.insert(seq.id, seq);
                 continue;
             };
+            if let Some(lp) = step.logprob {
+                seq.push_logprob(lp);
+            }
             let finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
             let out = seq.take_output(finish, tok.as_deref())?;
             if finish.is_some() {

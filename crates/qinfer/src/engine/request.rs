@@ -2,7 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
-pub use crate::sampling::SamplingParams;
+pub use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// A request's id, unique within one engine.
 pub type RequestId = u64;
@@ -104,4 +104,6 @@ pub struct Output {
     /// A pooling request's result (on its one and last output): the pooled
     /// hidden state, or the scores.
     pub pooled: Option<Vec<f32>>,
+    /// One per token of `token_ids`, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }

@@ -2,7 +2,7 @@
 //! cache, the blocks and state slot that hold them, its sampler and the
 //! text streamed so far (held back where a stop string could still begin).
 
-use super::request::{FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, Usage};
+use super::request::{FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenLogprob, Usage};
 use crate::Result;
 use crate::kv::blocks::BlockTable;
 use crate::kv::prefix::{BlockHashes, PrefixKeys};
@@ -43,6 +43,8 @@ pub struct Sequence {
     sent: usize,
     /// Tokens generated but not yet sent.
     unsent_tokens: Vec<u32>,
+    /// The log probabilities of `unsent_tokens`, when asked for.
+    unsent_logprobs: Vec<TokenLogprob>,
     /// Longest stop string, in bytes (text held back from the stream).
     hold: usize,
     /// The stop string that ended it (its text is already cut).
@@ -73,6 +75,7 @@ impl Sequence {
             text: String::new(),
             sent: 0,
             unsent_tokens: Vec::new(),
+            unsent_logprobs: Vec::new(),
             hold,
             stopped_by: None,
         })
@@ -148,7 +151,13 @@ impl Sequence {
             stop_string: None,
             usage: self.usage(),
             pooled: Some(pooled),
+            logprobs: Vec::new(),
         }
+    }
+
+    /// Keeps the log probability of the token about to be pushed.
+    pub fn push_logprob(&mut self, lp: TokenLogprob) {
+        self.unsent_logprobs.push(lp);
     }
 
     /// Appends a sampled token; returns why the sequence finishes, if it does.
@@ -217,6 +226,7 @@ impl Sequence {
         Ok(Output {
             id: self.id,
             token_ids: std::mem::take(&mut self.unsent_tokens),
+            logprobs: std::mem::take(&mut self.unsent_logprobs),
             text,
             finish,
             stop_string: if finish.is_some() { self.stopped_by.clone() } else { None },

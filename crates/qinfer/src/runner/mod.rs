@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::kv::blocks::{BlockPool, SlotPool};
 use crate::models::{BatchState, LanguageModel};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, TokenLogprob, token_logprob};
 use crate::{Error, Result};
 
 /// How much a runner holds.
@@ -65,6 +65,8 @@ pub struct StepOut {
     pub hidden: Vec<f32>,
     /// The logits of its `scores` ids.
     pub scores: Vec<f32>,
+    /// The picked token's log probability, when its sampler asks for them.
+    pub logprob: Option<TokenLogprob>,
 }
 
 pub struct Runner {
@@ -180,7 +182,9 @@ impl Runner {
                     o.scores = ids.iter().map(|&t| row.get(t as usize).copied().unwrap_or(f32::NAN)).collect();
                 }
                 if let Some((sampler, context)) = &mut s.sample {
-                    o.token = Some(sampler.sample(&mut row.to_vec(), context));
+                    let token = sampler.sample(&mut row.to_vec(), context);
+                    o.token = Some(token);
+                    o.logprob = sampler.params().logprobs.map(|k| token_logprob(row, token, k));
                 }
             }
             let n = match s.hidden {
