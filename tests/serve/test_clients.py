@@ -331,6 +331,41 @@ def check_tools_openai(s):
         assert got == 400, f"{what}: {got} {err}"
 
 
+def check_structured(s):
+    """`response_format` enforced while decoding (llguidance): the SDK's own
+    `parse` with a pydantic model (a strict json_schema it writes), a
+    streamed schema, `json_object`, and schemas that cannot be enforced."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population_millions: float
+        landmarks: list[str]
+
+    c = oa(s)
+    q = ask("Describe Paris: its name, country, population in millions and two landmarks.")
+    r = c.chat.completions.parse(model=s.name, messages=q, response_format=City, temperature=0, max_tokens=120)
+    city = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(city, City) and city.name and city.country, city
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 100}, "unit": {"enum": ["celsius", "kelvin"]}},
+        "required": ["answer", "unit"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "reading", "schema": schema, "strict": True}}
+    chunks = list(c.chat.completions.create(model=s.name, messages=ask("How warm is it in Paris?"), response_format=rf, temperature=0, max_tokens=60, stream=True))
+    got = json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices))
+    assert set(got) == {"answer", "unit"} and isinstance(got["answer"], int) and 0 <= got["answer"] <= 100 and got["unit"] in ("celsius", "kelvin"), got
+    obj = c.chat.completions.create(model=s.name, messages=ask("Give the capital of France as JSON."), response_format={"type": "json_object"}, temperature=0, max_tokens=60)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict), obj
+    for bad in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/missing"}}}, {"type": "yaml"}):
+        got, err = status_of(lambda: c.chat.completions.create(model=s.name, messages=ask("x"), response_format=bad, max_tokens=5))
+        assert got == 400 and "response_format" in json.dumps(err), (got, err)
+
+
 def check_tools_anthropic(s):
     c = an(s)
     tools = [{"name": "get_weather", "description": "Get the current weather in a city", "input_schema": WEATHER["function"]["parameters"]}]
@@ -645,7 +680,7 @@ def main():
     if CODER:
         coder = Server(model_args=["--model", CODER])
         try:
-            for check in (check_tools_openai, check_tools_anthropic):
+            for check in (check_tools_openai, check_tools_anthropic, check_structured):
                 t = time.time()
                 check(coder)
                 print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)

@@ -14,6 +14,7 @@ mod openai;
 mod params;
 mod pooling;
 mod reasoning;
+mod structured;
 mod tool_parser;
 mod tools;
 
@@ -78,9 +79,24 @@ struct Ready {
     defaults: SamplingParams,
     stop_token_ids: Vec<u32>,
     task: ServedTask,
+    /// The grammar engine's view of the vocabulary, made on first use.
+    grammars: OnceLock<Result<structured::Grammars, String>>,
 }
 
 impl Ready {
+    /// The grammar engine for structured output (a 400 where this model's
+    /// tokenizer cannot serve one).
+    fn grammars(&self, flavor: Flavor) -> Result<&structured::Grammars, ApiError> {
+        let made = self.grammars.get_or_init(|| {
+            let tok = self.engine.tokenizer().ok_or("this model has no tokenizer")?;
+            let eos = *self.stop_token_ids.first().ok_or("this model has no end-of-text token")?;
+            structured::Grammars::new(tok, self.engine.model().config().vocab_size, eos)
+        });
+        made.as_ref().map_err(|e| {
+            ApiError::bad_request(flavor, Some("response_format"), format!("structured output is unavailable: {e}"))
+        })
+    }
+
     /// Refuses generation endpoints on a pooling model.
     fn check_generates(&self, flavor: Flavor) -> Result<(), ApiError> {
         match &self.task {
@@ -306,6 +322,7 @@ where
                 defaults: l.defaults,
                 stop_token_ids: l.stop_token_ids,
                 task: l.task,
+                grammars: OnceLock::new(),
             };
             let _ = loading.ready.set(ready);
         }

@@ -21,6 +21,7 @@ use crate::error::{ApiError, ApiResult, Flavor};
 use crate::logprobs;
 use crate::params::Body;
 use crate::reasoning::has_reasoning_tags;
+use crate::structured;
 use crate::tool_parser::param_types;
 use crate::tools::{ToolChoice, Tools, call_format, forced_start};
 use crate::{AppState, Ready, fresh_seed, now_secs, openai_finish};
@@ -101,7 +102,6 @@ fn penalties(b: &Body<'_>, p: &mut SamplingParams, vocab: usize) -> ApiResult<()
 /// The fields this server does not implement: refused by name unless they
 /// ask for nothing.
 fn refuse_unsupported(b: &Body<'_>) -> ApiResult<()> {
-    b.refuse("response_format", |v| v.get("type") == Some(&json!("text")), "only {\"type\": \"text\"}")?;
     b.refuse("echo", |v| v == &json!(false), "the prompt is not echoed")?;
     b.refuse("suffix", |v| v.as_str() == Some(""), "no suffix insertion")?;
     b.refuse("best_of", |v| v.as_u64() == Some(1), "only 1")
@@ -373,7 +373,12 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     let (mut prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, rendered, F)?;
     let format = chat_format(tok, &b, tools.as_ref(), &mut prompt, &prompt_text)?;
     let top = logprobs::chat_request(&b)?;
-    let a = ask(&state, ready, &b, prompt, top)?;
+    let mut a = ask(&state, ready, &b, prompt, top)?;
+    if !format.forced.is_empty() && b.get("response_format").is_some() {
+        return Err(b.bad("response_format", "cannot be combined with a required or named tool call"));
+    }
+    let opens_think = format.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
+    a.req.constraint = constraint(ready, &b, opens_think)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;
@@ -496,6 +501,17 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     }))
 }
 
+/// The constraint `response_format` asks for, compiled (a bad schema is a 400).
+fn constraint(
+    ready: &Ready,
+    b: &Body<'_>,
+    opens_think: bool,
+) -> ApiResult<Option<std::sync::Arc<dyn qinfer::engine::request::ConstraintFactory>>> {
+    let Some(grammar) = structured::response_format(b)? else { return Ok(None) };
+    let made = ready.grammars(F)?.constraint(grammar, opens_think);
+    made.map(Some).map_err(|e| b.bad("response_format", format!("cannot be enforced: {e}")))
+}
+
 /// How a chat's output is read: reasoning split out where the vocabulary
 /// has the tags, tool calls parsed where tools are offered; a required or
 /// named call's opening appended to `prompt`.
@@ -583,7 +599,8 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     let vocab = ready.engine.model().config().vocab_size;
     let prompt = completion_prompt(&b, ready.engine.tokenizer().map(|t| t.as_ref()), vocab)?;
     let top = logprobs::completion_request(&b)?;
-    let a = ask(&state, ready, &b, prompt, top)?;
+    let mut a = ask(&state, ready, &b, prompt, top)?;
+    a.req.constraint = constraint(ready, &b, false)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(ready, a.req, a.n, F)?;

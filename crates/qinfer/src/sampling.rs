@@ -176,6 +176,38 @@ impl Sampler {
     }
 }
 
+/// What may come next, decided outside the model (a grammar, say): asked
+/// before each pick of its sequence and told each pick.
+pub trait TokenConstraint: Send {
+    /// The token ids allowed next, as a bit set (bit `t % 32` of word
+    /// `t / 32`); None when any token may come.
+    fn allowed(&mut self) -> std::result::Result<Option<Vec<u32>>, String>;
+    /// The token picked.
+    fn accept(&mut self, token: u32) -> std::result::Result<(), String>;
+}
+
+/// Makes a request's constraint, once per sequence (each of `n` choices,
+/// and again should the request be resubmitted).
+pub trait ConstraintFactory: Send + Sync + std::fmt::Debug {
+    fn start(&self) -> std::result::Result<Box<dyn TokenConstraint>, String>;
+}
+
+/// Sets the logits of tokens outside `mask` (a bit set as
+/// [`TokenConstraint::allowed`] gives it) to minus infinity; false when the
+/// mask allows none of them.
+pub fn apply_mask(logits: &mut [f32], mask: &[u32]) -> bool {
+    let mut any = false;
+    for (t, l) in logits.iter_mut().enumerate() {
+        let on = mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+        if on {
+            any = true;
+        } else {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    any
+}
+
 /// A picked token's log probability and the most likely alternatives'.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {

@@ -98,3 +98,27 @@ fn chat_template_matches_transformers() {
         eprintln!("{}: {} chat cases ok", dir.display(), cases.len());
     }
 }
+
+/// Each token's bytes concatenate to the text it encodes (special tokens
+/// flagged, their text kept), for every encode case of each fixture.
+#[test]
+fn token_bytes_spell_the_encoded_text() {
+    for dir in fixture_dirs() {
+        let (tok, cases) = load(&dir);
+        let table = tok.token_bytes(tok.vocab_size()).unwrap();
+        assert_eq!(table.len(), tok.vocab_size());
+        for c in cases["encode"].as_array().unwrap() {
+            let text = c["text"].as_str().unwrap();
+            let ids = ids(&c["ids"]);
+            let spelled: Vec<u8> = ids.iter().flat_map(|&i| table[i as usize].0.clone()).collect();
+            assert_eq!(
+                String::from_utf8_lossy(&spelled),
+                tok.decode(&ids, false).unwrap(),
+                "{}: {text:?}",
+                dir.display()
+            );
+        }
+        let im_end = tok.token_to_id("<|im_end|>").unwrap();
+        assert_eq!(table[im_end as usize], (b"<|im_end|>".to_vec(), true), "{}", dir.display());
+    }
+}

@@ -435,7 +435,7 @@ impl EngineCore {
                 .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
                     let ends = start + n == seq.tokens.len();
-                    let Sequence { tokens, blocks, state_slot, sampler, prefill_len, task, .. } = seq;
+                    let Sequence { tokens, blocks, state_slot, sampler, constraint, prefill_len, task, .. } = seq;
                     let task: &Task = task;
                     let (hidden, scores) = match task {
                         Task::Generate => (HiddenRows::None, None),
@@ -454,6 +454,10 @@ impl EngineCore {
                         prompt: start < *prefill_len,
                         snapshots: snaps.iter().map(|p| (p.rows, p.slot)).collect(),
                         sample: (ends && generates).then_some((sampler, &tokens[..])),
+                        constraint: match constraint {
+                            Some(c) if ends && generates => Some(c.as_mut()),
+                            _ => None,
+                        },
                         hidden,
                         scores,
                     }
@@ -502,7 +506,12 @@ impl EngineCore {
             if let Some(lp) = step.logprob {
                 seq.push_logprob(lp);
             }
-            let finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
+            let mut finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
+            if let Some(e) = &step.constraint_error {
+                // The output can no longer follow its constraint: it ends here.
+                tracing::warn!("request {}: {e}; ending it", seq.id);
+                finish = finish.or(Some(FinishReason::Stop));
+            }
             let out = seq.take_output(finish, tok.as_deref())?;
             if finish.is_some() {
                 self.running.retain(|&r| r != seq.id);

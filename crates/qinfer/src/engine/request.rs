@@ -2,7 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
-pub use crate::sampling::{SamplingParams, TokenLogprob};
+pub use crate::sampling::{ConstraintFactory, SamplingParams, TokenConstraint, TokenLogprob};
 
 /// A request's id, unique within one engine.
 pub type RequestId = u64;
@@ -56,6 +56,9 @@ pub struct Request {
     /// Generation, or a prompt-only pooling request (sampling and stop
     /// conditions then unused).
     pub task: Task,
+    /// Limits what may be generated (structured output); each sequence of
+    /// the request gets its own from this factory.
+    pub constraint: Option<std::sync::Arc<dyn ConstraintFactory>>,
 }
 
 /// Why a request ended.

@@ -2,7 +2,9 @@
 //! cache, the blocks and state slot that hold them, its sampler and the
 //! text streamed so far (held back where a stop string could still begin).
 
-use super::request::{FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenLogprob, Usage};
+use super::request::{
+    FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenConstraint, TokenLogprob, Usage,
+};
 use crate::Result;
 use crate::kv::blocks::BlockTable;
 use crate::kv::prefix::{BlockHashes, PrefixKeys};
@@ -30,6 +32,8 @@ pub struct Sequence {
     pub cached_tokens: Option<usize>,
     pub state_slot: Option<u32>,
     pub sampler: Sampler,
+    /// What may be generated next (structured output), when limited.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     pub stop: StopConditions,
     pub task: Task,
     /// Pooling: the sum of the rows' hidden states so far (mean), or the
@@ -54,6 +58,10 @@ pub struct Sequence {
 impl Sequence {
     pub fn new(id: RequestId, req: Request) -> Result<Self> {
         let sampler = Sampler::new(req.sampling)?;
+        let constraint = match &req.constraint {
+            Some(f) => Some(f.start().map_err(|e| crate::Error::Invalid(format!("the output constraint: {e}")))?),
+            None => None,
+        };
         let hold = req.stop.stop.iter().map(String::len).max().unwrap_or(0);
         Ok(Sequence {
             id,
@@ -67,6 +75,7 @@ impl Sequence {
             cached_tokens: None,
             state_slot: None,
             sampler,
+            constraint,
             stop: req.stop,
             task: req.task,
             pooled: Vec::new(),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::kv::blocks::{BlockPool, SlotPool};
 use crate::models::{BatchState, LanguageModel};
-use crate::sampling::{Sampler, TokenLogprob, token_logprob};
+use crate::sampling::{Sampler, TokenConstraint, TokenLogprob, apply_mask, token_logprob};
 use crate::{Error, Result};
 
 /// How much a runner holds.
@@ -42,6 +42,8 @@ pub struct StepSeq<'a> {
     /// Pick the token after these rows with this sampler, given the
     /// sequence's tokens so far (for the repetition penalty).
     pub sample: Option<(&'a mut Sampler, &'a [u32])>,
+    /// Pick only among the tokens this allows (told the pick).
+    pub constraint: Option<&'a mut dyn TokenConstraint>,
     /// Return the final normed hidden states of these rows (pooling).
     pub hidden: HiddenRows,
     /// Return the last row's logits of these token ids (scoring).
@@ -67,6 +69,9 @@ pub struct StepOut {
     pub scores: Vec<f32>,
     /// The picked token's log probability, when its sampler asks for them.
     pub logprob: Option<TokenLogprob>,
+    /// The constraint failed (or allowed nothing): the pick was made
+    /// without it and the sequence should end.
+    pub constraint_error: Option<String>,
 }
 
 pub struct Runner {
@@ -182,7 +187,26 @@ impl Runner {
                     o.scores = ids.iter().map(|&t| row.get(t as usize).copied().unwrap_or(f32::NAN)).collect();
                 }
                 if let Some((sampler, context)) = &mut s.sample {
-                    let token = sampler.sample(&mut row.to_vec(), context);
+                    let mut logits = row.to_vec();
+                    if let Some(c) = &mut s.constraint {
+                        match c.allowed() {
+                            Ok(Some(mask)) => {
+                                if !apply_mask(&mut logits, &mask) {
+                                    logits.copy_from_slice(row);
+                                    o.constraint_error = Some("the constraint allows no token".into());
+                                }
+                            }
+                            Ok(None) => {}
+                            Err(e) => o.constraint_error = Some(e),
+                        }
+                    }
+                    let token = sampler.sample(&mut logits, context);
+                    if let Some(c) = &mut s.constraint
+                        && o.constraint_error.is_none()
+                        && let Err(e) = c.accept(token)
+                    {
+                        o.constraint_error = Some(e);
+                    }
                     o.token = Some(token);
                     o.logprob = sampler.params().logprobs.map(|k| token_logprob(row, token, k));
                 }

@@ -12,6 +12,7 @@ mod pyjson;
 mod specials;
 pub mod stream;
 mod strftime;
+mod token_bytes;
 
 use std::sync::OnceLock;
 
@@ -183,6 +184,13 @@ impl Tokenizer {
     pub fn with_chat_template(mut self, source: String) -> Result<Tokenizer> {
         self.chat = Some(chat::ChatTemplate::new(source)?);
         Ok(self)
+    }
+
+    /// Each id's bytes below `vocab` (ids the tokenizer lacks: empty) and
+    /// whether it is special, for matching tokens against text (a grammar
+    /// engine's view of the vocabulary).
+    pub fn token_bytes(&self, vocab: usize) -> Result<Vec<(Vec<u8>, bool)>> {
+        token_bytes::token_bytes(&self.inner, vocab)
     }
 
     /// The raw chat template source, if any.
