@@ -396,6 +396,15 @@ def check_tools_anthropic(s):
     assert forced.stop_reason == "tool_use" and any(b.type == "tool_use" for b in forced.content), forced
     got, _ = status_of(lambda: c.messages.create(messages=ask("x"), tool_choice={"type": "tool", "name": "nope"}, **kw))
     assert got == 400
+    # Thinking: this model has no <think> tokens, so a budget cannot apply;
+    # budgets under Anthropic's minimum are refused; disabled is accepted.
+    for thinking, want in (
+        ({"type": "enabled", "budget_tokens": 1024}, 400),
+        ({"type": "enabled", "budget_tokens": 100}, 400),
+        ({"type": "disabled"}, 200),
+    ):
+        got, err = status_of(lambda: c.messages.create(model=s.name, max_tokens=2048, messages=ask("x"), thinking=thinking, extra_body={"temperature": 0}) if want == 400 else c.messages.create(model=s.name, max_tokens=4, messages=ask("x"), thinking=thinking))
+        assert got == want, (thinking, got, err)
 
 
 SYSTEM = (

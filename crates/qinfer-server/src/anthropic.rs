@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use qinfer::engine::request::{FinishReason, Request, StopConditions, Usage};
+use qinfer::engine::request::{ConstraintFactory, FinishReason, Request, StopConditions, Usage};
 use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
@@ -121,10 +121,32 @@ fn conversation(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
 }
 
 /// `thinking`: `{"type": "disabled"}` turns the template's thinking off;
-/// budgets are not enforced, so `enabled` is refused.
-fn thinking(b: &Body<'_>) -> ApiResult<Option<bool>> {
-    b.refuse("thinking", |v| v.get("type") == Some(&json!("disabled")), "thinking budgets are not enforced yet")?;
-    Ok(b.get("thinking").map(|_| false))
+/// `{"type": "enabled", "budget_tokens": N}` turns it on and caps the
+/// reasoning at N tokens (Anthropic's rules: at least 1024, below
+/// `max_tokens`). Returns the template's switch and the budget.
+fn thinking(b: &Body<'_>, max_tokens: Option<usize>) -> ApiResult<(Option<bool>, Option<usize>)> {
+    const F: &str = "thinking";
+    let Some(v) = b.get(F) else { return Ok((None, None)) };
+    match v.get("type").and_then(Value::as_str) {
+        Some("disabled") => Ok((Some(false), None)),
+        Some("enabled") => {
+            let budget = v
+                .get("budget_tokens")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| b.bad(F, "of type enabled needs an integer `budget_tokens`"))?
+                as usize;
+            if budget < 1024 {
+                return Err(b.bad(F, "`budget_tokens` must be at least 1024"));
+            }
+            if let Some(m) = max_tokens
+                && budget >= m
+            {
+                return Err(b.bad(F, format!("`budget_tokens` ({budget}) must be less than `max_tokens` ({m})")));
+            }
+            Ok((Some(true), Some(budget)))
+        }
+        _ => Err(b.bad(F, "`type` must be \"enabled\" or \"disabled\"")),
+    }
 }
 
 fn stop_reason(finish: FinishReason, stop: &Option<String>, called: bool) -> &'static str {
@@ -141,14 +163,31 @@ fn event(name: &str, v: Value) -> Event {
     Event::default().event(name).data(v.to_string())
 }
 
-/// The prompt, and how to read the output.
-fn prompt(ready: &crate::Ready, b: &Body<'_>) -> ApiResult<(Vec<u32>, ChatFormat)> {
+/// The prompt, how to read the output, and the reasoning's budget as a
+/// constraint (`max_tokens` None when only counting).
+fn prompt(
+    ready: &crate::Ready,
+    b: &Body<'_>,
+    max_tokens: Option<usize>,
+) -> ApiResult<(Vec<u32>, ChatFormat, Option<Arc<dyn ConstraintFactory>>)> {
     let tok = tokenizer(ready, F)?;
     let tools = crate::tools::anthropic(b)?;
     let rendered = tools.as_ref().and_then(Tools::rendered);
-    let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, thinking(b)?, rendered, F)?;
+    let (switch, budget) = thinking(b, max_tokens)?;
+    let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, switch, rendered, F)?;
     let format = chat_format(tok, b, tools.as_ref(), &mut prompt, &text)?;
-    Ok((prompt, format))
+    let constraint = match budget {
+        None => None,
+        Some(n) => {
+            let g = ready.grammars(F)?;
+            if !g.reasons() {
+                return Err(b.bad("thinking", "cannot be enabled: this model does not reason (no <think> tokens)"));
+            }
+            let opens = format.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
+            Some(g.constraint(None, Some(n), opens).map_err(|e| b.bad("thinking", e))?)
+        }
+    };
+    Ok((prompt, format, constraint))
 }
 
 pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
@@ -162,7 +201,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         Some(_) => return Err(b.bad("max_tokens", "must be at least 1")),
         None => return Err(b.bad("max_tokens", "is required")),
     };
-    let (prompt, format) = prompt(ready, &b)?;
+    let (prompt, format, constraint) = prompt(ready, &b, Some(max_tokens))?;
     let limit = ready.engine.config().max_model_len;
     if prompt.len() + max_tokens > limit {
         return Err(b.bad(
@@ -179,7 +218,8 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let stream = b.bool("stream")?;
     state.admit(F, ready)?;
     let cache_salt = crate::openai::cache_salt(&b)?;
-    let mut subs = submit_n(ready, Request { prompt, sampling, stop, cache_salt, ..Default::default() }, 1, F)?;
+    let req = Request { prompt, sampling, stop, cache_salt, constraint, ..Default::default() };
+    let mut subs = submit_n(ready, req, 1, F)?;
     let sub = subs.pop().expect("one submission");
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {
@@ -334,7 +374,7 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Ap
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
-    let (prompt, _) = prompt(ready, &b)?;
+    let (prompt, _, _) = prompt(ready, &b, None)?;
     Ok(axum::Json(json!({"input_tokens": prompt.len()})).into_response())
 }
 

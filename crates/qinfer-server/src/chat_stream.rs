@@ -30,6 +30,8 @@ pub struct ChatFormat {
     /// out (the vocabulary has the tags): it tells whether the output starts
     /// inside `<think>`.
     pub reasoning_prompt: Option<String>,
+    /// `<think>` and `</think>`'s ids, to count reasoning tokens.
+    pub think_ids: Option<(u32, u32)>,
     /// The offered tools' parameter types, when tool calls are parsed.
     pub tools: Option<ParamTypes>,
     /// Text forced at the start of the output (a required call's opening):
@@ -114,6 +116,38 @@ impl ChatStream {
     }
 }
 
+/// Counts the tokens generated inside the reasoning (between the tags).
+#[derive(Debug, Clone)]
+pub struct ReasoningTokens {
+    ids: Option<(u32, u32)>,
+    /// 0: before any output, 1: inside, 2: past the reasoning.
+    state: u8,
+    pub count: usize,
+}
+
+impl ReasoningTokens {
+    pub fn new(f: &ChatFormat) -> Self {
+        let opened = f.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
+        ReasoningTokens { ids: f.think_ids, state: if opened { 1 } else { 0 }, count: 0 }
+    }
+
+    pub fn push(&mut self, tokens: &[u32]) {
+        let Some((open, close)) = self.ids else { return };
+        for &t in tokens {
+            self.state = match (self.state, t) {
+                (0, t) if t == open => 1,
+                (0, _) => 2,
+                (1, t) if t == close => 2,
+                (1, _) => {
+                    self.count += 1;
+                    1
+                }
+                (s, _) => s,
+            };
+        }
+    }
+}
+
 /// A whole choice: reasoning, content, and each call's name and arguments.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Whole {
@@ -138,4 +172,27 @@ pub fn fold(pieces: impl IntoIterator<Item = Piece>) -> Whole {
         }
     }
     w
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasoning_tokens_are_those_between_the_tags() {
+        let f = |prompt: &str| ChatFormat {
+            reasoning_prompt: Some(prompt.into()),
+            think_ids: Some((1, 2)),
+            ..Default::default()
+        };
+        let count = |prompt: &str, pieces: &[&[u32]]| {
+            let mut r = ReasoningTokens::new(&f(prompt));
+            pieces.iter().for_each(|p| r.push(p));
+            r.count
+        };
+        assert_eq!(count("assistant\n", &[&[1, 7, 8], &[9, 2, 5, 6]]), 3);
+        assert_eq!(count("assistant\n<think>\n", &[&[7, 8, 2, 1, 5]]), 2);
+        assert_eq!(count("assistant\n", &[&[5, 1, 7, 2]]), 0, "a tag after the answer began is text");
+        assert_eq!(count("assistant\n<think>\n", &[&[7, 8]]), 2, "cut off while reasoning");
+    }
 }

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 
 use crate::bridge::{AbortOnDrop, Submitted, submit};
-use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
+use crate::chat_stream::{ChatFormat, ChatStream, Piece, ReasoningTokens, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::logprobs;
 use crate::params::Body;
@@ -220,6 +220,7 @@ pub fn submit_n(ready: &Ready, req: Request, n: usize, flavor: Flavor) -> ApiRes
 /// A request's whole result.
 pub struct Collected {
     pub text: String,
+    pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     pub finish: FinishReason,
     pub stop_string: Option<String>,
@@ -228,13 +229,14 @@ pub struct Collected {
 
 pub async fn collect(mut s: Submitted, flavor: Flavor) -> ApiResult<Collected> {
     let mut text = String::new();
-    let mut logprobs = Vec::new();
+    let (mut logprobs, mut token_ids) = (Vec::new(), Vec::new());
     while let Some(item) = s.rx.recv().await {
         let out = item.map_err(|e| ApiError::with_status(flavor, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
         text.push_str(&out.text);
         logprobs.extend(out.logprobs);
+        token_ids.extend(out.token_ids);
         if let Some(finish) = out.finish {
-            return Ok(Collected { text, logprobs, finish, stop_string: out.stop_string, usage: out.usage });
+            return Ok(Collected { text, token_ids, logprobs, finish, stop_string: out.stop_string, usage: out.usage });
         }
     }
     Err(ApiError::with_status(flavor, axum::http::StatusCode::SERVICE_UNAVAILABLE, "the engine stopped"))
@@ -279,6 +281,15 @@ fn usage_json(choices: &[Usage]) -> Value {
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     })
+}
+
+/// A chat's usage, with its reasoning tokens where reasoning is split out.
+fn chat_usage(choices: &[Usage], reasoning: Option<usize>) -> Value {
+    let mut u = usage_json(choices);
+    if let Some(n) = reasoning {
+        u["completion_tokens_details"] = json!({"reasoning_tokens": n});
+    }
+    u
 }
 
 /// `cache_salt` (vLLM's extension): requests share cached prefixes only
@@ -387,9 +398,13 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     if !a.stream {
         let mut choices = Vec::new();
         let mut usage = Vec::new();
+        let mut thought = ReasoningTokens::new(&format);
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
             usage.push(c.usage);
+            let mut counter = ReasoningTokens::new(&format);
+            counter.push(&c.token_ids);
+            thought.count += counter.count;
             let (mut cs, mut pieces) = ChatStream::new(&format);
             pieces.extend(cs.push(&c.text));
             pieces.extend(cs.finish());
@@ -415,9 +430,10 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                 "logprobs": lps,
             }));
         }
+        let reasoning_tokens = reasoning.then_some(thought.count);
         return Ok(axum::Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": a.model,
-            "choices": choices, "usage": usage_json(&usage),
+            "choices": choices, "usage": chat_usage(&usage, reasoning_tokens),
         }))
         .into_response());
     }
@@ -428,6 +444,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
         let mut streams = Vec::with_capacity(n);
         let mut call_ids: Vec<Vec<String>> = vec![Vec::new(); n];
+        let mut thought = vec![ReasoningTokens::new(&format); n];
         for (i, ids) in call_ids.iter_mut().enumerate() {
             let (cs, first) = ChatStream::new(&format);
             streams.push(cs);
@@ -458,6 +475,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                 }
             };
             usage[i] = out.usage;
+            thought[i].push(&out.token_ids);
             let mut pieces = streams[i].push(&out.text);
             if out.finish.is_some() {
                 pieces.extend(streams[i].finish());
@@ -494,7 +512,8 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         }
         if a.include_usage {
             let mut last = chunk(json!([]));
-            last["usage"] = usage_json(&usage);
+            let reasoning_tokens = reasoning.then(|| thought.iter().map(|t| t.count).sum());
+            last["usage"] = chat_usage(&usage, reasoning_tokens);
             let _ = tx.send(data(last)).await;
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
@@ -508,7 +527,7 @@ fn constraint(
     opens_think: bool,
 ) -> ApiResult<Option<std::sync::Arc<dyn qinfer::engine::request::ConstraintFactory>>> {
     let Some(grammar) = structured::response_format(b)? else { return Ok(None) };
-    let made = ready.grammars(F)?.constraint(grammar, opens_think);
+    let made = ready.grammars(F)?.constraint(Some(grammar), None, opens_think);
     made.map(Some).map_err(|e| b.bad("response_format", format!("cannot be enforced: {e}")))
 }
 
@@ -537,6 +556,7 @@ pub fn chat_format(
     }
     if has_reasoning_tags(|t| tok.token_to_id(t)) {
         f.reasoning_prompt = Some(text);
+        f.think_ids = tok.token_to_id("<think>").zip(tok.token_to_id("</think>"));
     }
     Ok(f)
 }

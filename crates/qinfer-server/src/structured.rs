@@ -54,21 +54,30 @@ impl Grammars {
         Ok(Grammars { factory: Arc::new(factory), think })
     }
 
-    /// A request's constraint for `grammar` (compiled once now, so that a
-    /// bad schema is the request's error); `prompt_opens_think` starts it
-    /// inside the reasoning.
+    /// A request's constraint: the `grammar` (compiled once now, so that a
+    /// bad schema is the request's error) and the reasoning's token
+    /// `budget`; `prompt_opens_think` starts the output inside the reasoning.
     pub fn constraint(
         &self,
-        grammar: TopLevelGrammar,
+        grammar: Option<TopLevelGrammar>,
+        budget: Option<usize>,
         prompt_opens_think: bool,
     ) -> Result<Arc<dyn ConstraintFactory>, String> {
-        self.factory.create_parser(grammar.clone()).map_err(|e| e.to_string())?;
-        Ok(Arc::new(GrammarFactory {
+        if let Some(g) = &grammar {
+            self.factory.create_parser(g.clone()).map_err(|e| e.to_string())?;
+        }
+        Ok(Arc::new(OutputFactory {
             factory: self.factory.clone(),
             grammar,
             think: self.think,
             thinking: prompt_opens_think && self.think.is_some(),
+            budget,
         }))
+    }
+
+    /// Whether the vocabulary has `<think>` and `</think>`.
+    pub fn reasons(&self) -> bool {
+        self.think.is_some()
     }
 }
 
@@ -93,70 +102,89 @@ pub fn response_format(b: &Body<'_>) -> ApiResult<Option<TopLevelGrammar>> {
     }
 }
 
-struct GrammarFactory {
+struct OutputFactory {
     factory: Arc<ParserFactory>,
-    grammar: TopLevelGrammar,
+    grammar: Option<TopLevelGrammar>,
     think: Option<(u32, u32)>,
     thinking: bool,
+    budget: Option<usize>,
 }
 
-impl std::fmt::Debug for GrammarFactory {
+impl std::fmt::Debug for OutputFactory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrammarFactory").field("think", &self.think).field("thinking", &self.thinking).finish()
+        (f.debug_struct("OutputFactory"))
+            .field("grammar", &self.grammar.is_some())
+            .field("think", &self.think)
+            .field("thinking", &self.thinking)
+            .field("budget", &self.budget)
+            .finish()
     }
 }
 
-impl ConstraintFactory for GrammarFactory {
+impl ConstraintFactory for OutputFactory {
     fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
-        let parser = self.factory.create_parser(self.grammar.clone()).map_err(|e| e.to_string())?;
+        let matcher = match &self.grammar {
+            Some(g) => Some(Matcher::new(Ok(self.factory.create_parser(g.clone()).map_err(|e| e.to_string())?))),
+            None => None,
+        };
         let gate = match (self.think, self.thinking) {
             (Some((_, close)), true) => Gate::Thinking { close },
             (Some((open, close)), false) => Gate::Start { open, close },
-            (None, _) => Gate::Grammar,
+            (None, _) => Gate::After,
         };
-        Ok(Box::new(GrammarConstraint { matcher: Matcher::new(Ok(parser)), gate }))
+        Ok(Box::new(OutputConstraint { matcher, gate, budget: self.budget, used: 0 }))
     }
 }
 
 /// Where the output is relative to the reasoning.
 enum Gate {
     /// Nothing yet: the grammar's first tokens, or `<think>`.
-    Start {
-        open: u32,
-        close: u32,
-    },
-    /// Inside the reasoning: anything until `</think>`.
-    Thinking {
-        close: u32,
-    },
-    Grammar,
+    Start { open: u32, close: u32 },
+    /// Inside the reasoning: anything until `</think>` (only it once the
+    /// budget is spent).
+    Thinking { close: u32 },
+    /// Past the reasoning (or a model without it): the grammar, if any.
+    After,
 }
 
-struct GrammarConstraint {
-    matcher: Matcher,
+/// The grammar after the reasoning, and the reasoning's budget.
+struct OutputConstraint {
+    matcher: Option<Matcher>,
     gate: Gate,
+    budget: Option<usize>,
+    /// Tokens generated inside the reasoning.
+    used: usize,
 }
 
-impl GrammarConstraint {
-    fn mask(&mut self) -> Result<Vec<u32>, String> {
-        let m = self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
-        Ok(m.as_slice().to_vec())
+fn only(token: u32) -> Vec<u32> {
+    let mut m = vec![0u32; token as usize / 32 + 1];
+    m[token as usize / 32] = 1 << (token % 32);
+    m
+}
+
+impl OutputConstraint {
+    fn mask(&mut self) -> Result<Option<Vec<u32>>, String> {
+        match &mut self.matcher {
+            Some(m) => Ok(Some(m.compute_mask_or_eos().map_err(|e| e.to_string())?.as_slice().to_vec())),
+            None => Ok(None),
+        }
     }
 }
 
-impl TokenConstraint for GrammarConstraint {
+impl TokenConstraint for OutputConstraint {
     fn allowed(&mut self) -> Result<Option<Vec<u32>>, String> {
         match self.gate {
+            Gate::Thinking { close } if self.budget.is_some_and(|b| self.used >= b) => Ok(Some(only(close))),
             Gate::Thinking { .. } => Ok(None),
             Gate::Start { open, .. } => {
-                let mut m = self.mask()?;
+                let Some(mut m) = self.mask()? else { return Ok(None) };
                 let (w, b) = (open as usize / 32, open % 32);
                 if w < m.len() {
                     m[w] |= 1 << b;
                 }
                 Ok(Some(m))
             }
-            Gate::Grammar => self.mask().map(Some),
+            Gate::After => self.mask(),
         }
     }
 
@@ -164,7 +192,9 @@ impl TokenConstraint for GrammarConstraint {
         match self.gate {
             Gate::Thinking { close } => {
                 if token == close {
-                    self.gate = Gate::Grammar;
+                    self.gate = Gate::After;
+                } else {
+                    self.used += 1;
                 }
                 Ok(())
             }
@@ -172,17 +202,16 @@ impl TokenConstraint for GrammarConstraint {
                 self.gate = Gate::Thinking { close };
                 Ok(())
             }
-            Gate::Start { .. } | Gate::Grammar => {
-                self.gate = Gate::Grammar;
-                if self.matcher.is_stopped() {
-                    return Ok(());
+            Gate::Start { .. } | Gate::After => {
+                self.gate = Gate::After;
+                match &mut self.matcher {
+                    Some(m) if !m.is_stopped() => m.consume_token(token).map_err(|e| e.to_string()),
+                    _ => Ok(()),
                 }
-                self.matcher.consume_token(token).map_err(|e| e.to_string())
             }
         }
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,7 +243,7 @@ mod tests {
         let g = Grammars::new(&tok, tok.vocab_size(), eos).unwrap();
         let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
             "required": ["n", "s"], "additionalProperties": false});
-        let f = g.constraint(TopLevelGrammar::from_json_schema(schema), false).unwrap();
+        let f = g.constraint(Some(TopLevelGrammar::from_json_schema(schema)), None, false).unwrap();
         let mut c = f.start().unwrap();
         let end = walk(c.as_mut(), &tok, "{\"n\": 12, \"s\": \"é 東\"}");
         assert!(allowed(&end, eos));
@@ -235,7 +264,7 @@ mod tests {
         let eos = tok.token_to_id("<|im_end|>").unwrap();
         let g = Grammars::new(&tok, tok.vocab_size(), eos).unwrap();
         let (open, close) = (tok.token_to_id("<think>").unwrap(), tok.token_to_id("</think>").unwrap());
-        let f = g.constraint(TopLevelGrammar::from_json_schema(json!({"type": "object"})), false).unwrap();
+        let f = g.constraint(Some(TopLevelGrammar::from_json_schema(json!({"type": "object"}))), None, false).unwrap();
         let mut c = f.start().unwrap();
         let m = c.allowed().unwrap();
         assert!(allowed(&m, open) && !allowed(&m, tok.encode("Sure", false).unwrap()[0]));
@@ -246,7 +275,29 @@ mod tests {
         let m = c.allowed().unwrap();
         assert!(!allowed(&m, tok.encode("Sure", false).unwrap()[0]) && allowed(&m, tok.encode("{", false).unwrap()[0]));
         // A prompt that opened the reasoning starts inside it.
-        let f = g.constraint(TopLevelGrammar::from_json_schema(json!({"type": "object"})), true).unwrap();
+        let f = g.constraint(Some(TopLevelGrammar::from_json_schema(json!({"type": "object"}))), None, true).unwrap();
         assert_eq!(f.start().unwrap().allowed().unwrap(), None);
+    }
+
+    #[test]
+    fn a_spent_budget_closes_the_reasoning() {
+        let tok = qwen3();
+        let eos = tok.token_to_id("<|im_end|>").unwrap();
+        let g = Grammars::new(&tok, tok.vocab_size(), eos).unwrap();
+        let (open, close) = (tok.token_to_id("<think>").unwrap(), tok.token_to_id("</think>").unwrap());
+        for opened in [false, true] {
+            let mut c = g.constraint(None, Some(3), opened).unwrap().start().unwrap();
+            if !opened {
+                assert_eq!(c.allowed().unwrap(), None, "no grammar: free at the start");
+                c.accept(open).unwrap();
+            }
+            for t in tok.encode(" a b c", false).unwrap() {
+                assert_eq!(c.allowed().unwrap(), None);
+                c.accept(t).unwrap();
+            }
+            assert_eq!(c.allowed().unwrap(), Some(only(close)), "the budget of 3 is spent");
+            c.accept(close).unwrap();
+            assert_eq!(c.allowed().unwrap(), None, "the answer is free");
+        }
     }
 }
