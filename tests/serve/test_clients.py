@@ -215,6 +215,34 @@ def check_logprobs(s):
     assert [t for q in parts if q.choices and q.choices[0].logprobs for t in q.choices[0].logprobs.tokens] == lp.tokens
 
 
+def histograms(s):
+    """Each `qinfer:*_seconds` histogram's cumulative buckets and count."""
+    text = urllib.request.urlopen(s.url + "/metrics").read().decode()
+    out = {}
+    for name, le, v in re.findall(r'^qinfer:(\w+)_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
+        out.setdefault(name, []).append((le, float(v)))
+    counts = dict(re.findall(r"^qinfer:(\w+)_count (\S+)$", text, re.M))
+    return {k: (b, float(counts[k])) for k, b in out.items()}
+
+
+def check_latency_metrics(s):
+    before = histograms(s)
+    names = {"time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"}
+    assert names <= set(before), before.keys()
+    c = oa(s)
+    later = 0
+    for _ in range(3):
+        r = c.completions.create(model=s.name, prompt="Count: one, two,", max_tokens=5, temperature=0)
+        later += r.usage.completion_tokens - 1
+    after = histograms(s)
+    for name, (buckets, count) in after.items():
+        values = [v for _, v in buckets]
+        assert values == sorted(values) and buckets[-1] == ("+Inf", count), (name, buckets)
+    grew = {k: after[k][1] - before[k][1] for k in names}
+    assert grew["time_to_first_token_seconds"] == 3 and grew["e2e_request_latency_seconds"] == 3, grew
+    assert grew["inter_token_latency_seconds"] == later, (grew, later)
+
+
 def check_anthropic(s):
     c = an(s)
     m = c.messages.create(model=s.name, max_tokens=24, system="Answer briefly.", messages=ask("Name the capital city of France."))
@@ -667,6 +695,7 @@ def main():
         check_seed_n_and_stop,
         check_penalties_and_bias,
         check_logprobs,
+        check_latency_metrics,
         check_anthropic,
         check_prefix_cache,
         check_errors,

@@ -219,7 +219,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     state.admit(F, ready)?;
     let cache_salt = crate::openai::cache_salt(&b)?;
     let req = Request { prompt, sampling, stop, cache_salt, constraint, ..Default::default() };
-    let mut subs = submit_n(ready, req, 1, F)?;
+    let mut subs = submit_n(&state, ready, req, 1, F)?;
     let sub = subs.pop().expect("one submission");
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {

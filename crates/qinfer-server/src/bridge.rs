@@ -8,6 +8,8 @@ use qinfer::engine::handle::{Engine, StreamItem};
 use qinfer::engine::request::{Request, RequestId};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
+use crate::latency::{Latency, RequestClock};
+
 /// A request in the engine: its outputs, and the guard that aborts it when dropped.
 pub struct Submitted {
     pub rx: UnboundedReceiver<StreamItem>,
@@ -26,8 +28,16 @@ impl Drop for AbortOnDrop {
     }
 }
 
-pub fn submit(engine: &Arc<Engine>, req: Request) -> qinfer::Result<Submitted> {
+/// Sends `req` to the engine; its outputs are timed into `latency` as they leave.
+pub fn submit(engine: &Arc<Engine>, req: Request, latency: &Arc<Latency>) -> qinfer::Result<Submitted> {
     let (tx, rx) = unbounded_channel();
-    let id = engine.add_with_sink(req, Box::new(move |item| tx.send(item).is_ok()))?;
+    let (latency, mut clock) = (latency.clone(), RequestClock::new());
+    let sink = move |item: StreamItem| {
+        if let Ok(out) = &item {
+            clock.output(&latency, out.token_ids.len(), out.finish.is_some());
+        }
+        tx.send(item).is_ok()
+    };
+    let id = engine.add_with_sink(req, Box::new(sink))?;
     Ok(Submitted { rx, guard: AbortOnDrop { engine: engine.clone(), id } })
 }

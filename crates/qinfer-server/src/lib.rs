@@ -9,6 +9,7 @@ mod anthropic;
 mod bridge;
 mod chat_stream;
 mod error;
+mod latency;
 mod logprobs;
 mod openai;
 mod params;
@@ -117,6 +118,7 @@ pub(crate) struct AppState {
     next_id: AtomicU64,
     /// Set when loading failed: /health reports it.
     load_error: OnceLock<String>,
+    latency: Arc<latency::Latency>,
 }
 
 impl AppState {
@@ -297,6 +299,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     for (name, kind, help, v) in rows {
         out.push_str(&format!("# HELP qinfer:{name} {help}\n# TYPE qinfer:{name} {kind}\nqinfer:{name} {v}\n"));
     }
+    state.latency.render(&mut out);
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
@@ -312,8 +315,13 @@ where
 {
     let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)).await?;
     on_bound(listener.local_addr()?);
-    let state =
-        Arc::new(AppState { ready: OnceLock::new(), opts, next_id: AtomicU64::new(0), load_error: OnceLock::new() });
+    let state = Arc::new(AppState {
+        ready: OnceLock::new(),
+        opts,
+        next_id: AtomicU64::new(0),
+        load_error: OnceLock::new(),
+        latency: Default::default(),
+    });
     let loading = state.clone();
     tokio::task::spawn_blocking(move || match load() {
         Ok(l) => {

@@ -207,12 +207,12 @@ pub fn tokenizer(ready: &Ready, flavor: Flavor) -> ApiResult<&Tokenizer> {
 
 /// Submits `n` copies of a request (seeds `seed`, `seed + 1`, …): engine
 /// errors (a prompt over the context, say) are the client's, named.
-pub fn submit_n(ready: &Ready, req: Request, n: usize, flavor: Flavor) -> ApiResult<Vec<Submitted>> {
+pub fn submit_n(state: &AppState, ready: &Ready, req: Request, n: usize, flavor: Flavor) -> ApiResult<Vec<Submitted>> {
     (0..n)
         .map(|i| {
             let mut r = req.clone();
             r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
-            submit(&ready.engine, r).map_err(|e| ApiError::bad_request(flavor, None, e.to_string()))
+            submit(&ready.engine, r, &state.latency).map_err(|e| ApiError::bad_request(flavor, None, e.to_string()))
         })
         .collect()
 }
@@ -392,7 +392,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     a.req.constraint = constraint(ready, &b, opens_think)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
-    let subs = submit_n(ready, a.req, a.n, F)?;
+    let subs = submit_n(&state, ready, a.req, a.n, F)?;
     let (id, created) = (state.id("chatcmpl"), now_secs());
     let reasoning = format.reasoning_prompt.is_some();
     if !a.stream {
@@ -623,7 +623,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     a.req.constraint = constraint(ready, &b, false)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
-    let subs = submit_n(ready, a.req, a.n, F)?;
+    let subs = submit_n(&state, ready, a.req, a.n, F)?;
     let (id, created) = (state.id("cmpl"), now_secs());
     if !a.stream {
         let mut choices = Vec::new();

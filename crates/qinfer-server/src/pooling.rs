@@ -32,12 +32,12 @@ async fn pooled(mut s: Submitted) -> ApiResult<Output> {
 }
 
 /// Submits every prompt, then waits for all (dropping them aborts the rest).
-async fn run_all(ready: &Ready, prompts: Vec<Vec<u32>>, task: Task) -> ApiResult<Vec<Output>> {
+async fn run_all(state: &AppState, ready: &Ready, prompts: Vec<Vec<u32>>, task: Task) -> ApiResult<Vec<Output>> {
     let subs = prompts
         .into_iter()
         .map(|prompt| {
             let req = Request { prompt, task: task.clone(), ..Default::default() };
-            submit(&ready.engine, req).map_err(|e| ApiError::bad_request(F, None, e.to_string()))
+            submit(&ready.engine, req, &state.latency).map_err(|e| ApiError::bad_request(F, None, e.to_string()))
         })
         .collect::<ApiResult<Vec<_>>>()?;
     let mut outs = Vec::with_capacity(subs.len());
@@ -104,7 +104,7 @@ pub async fn embeddings(State(state): State<Arc<AppState>>, body: Bytes) -> ApiR
     }
     let prompts = embedding_inputs(&b, ready, cfg)?;
     state.admit(F, ready)?;
-    let outs = run_all(ready, prompts, Task::Embed(cfg.pooling)).await?;
+    let outs = run_all(&state, ready, prompts, Task::Embed(cfg.pooling)).await?;
     let mut data = Vec::with_capacity(outs.len());
     for (i, o) in outs.iter().enumerate() {
         let v = finish_embedding(o.pooled.clone().unwrap_or_default(), cfg.normalize, dimensions)
@@ -204,7 +204,7 @@ pub async fn rerank(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResul
         })
         .collect::<ApiResult<Vec<_>>>()?;
     state.admit(F, ready)?;
-    let outs = run_all(ready, prompts, Task::Score(format.score_ids())).await?;
+    let outs = run_all(&state, ready, prompts, Task::Score(format.score_ids())).await?;
     let mut results: Vec<(usize, f32)> = outs
         .iter()
         .enumerate()
