@@ -665,6 +665,35 @@ def check_api_key():
         s.stop()
 
 
+def check_request_timeout():
+    """A request past --request-timeout is stopped: 504 in each API's
+    shape, an error event when streaming, its blocks freed."""
+    s = Server("--request-timeout", "0.5")
+    try:
+        c, a = oa(s), an(s)
+        long = dict(model=s.name, messages=ask("Tell me a very long story."), max_tokens=4000, temperature=1.0)
+        t = time.time()
+        got, body = status_of(lambda: c.chat.completions.create(**long))
+        assert got == 504 and "timeout" in json.dumps(body), (got, body)
+        assert time.time() - t < 10
+        got, body = status_of(lambda: a.messages.create(model=s.name, max_tokens=4000, messages=ask("Tell me a very long story.")))
+        assert got == 504 and body["type"] == "error", (got, body)
+        try:
+            for _ in c.chat.completions.create(stream=True, **long):
+                pass
+            raise AssertionError("the stream ended without an error")
+        except openai.APIError as e:
+            assert "timeout" in str(e), e
+        # Short requests are untouched.
+        c.chat.completions.create(model=s.name, messages=ask("Hi"), max_tokens=4)
+        deadline = time.time() + 10
+        while s.metrics()["kv_blocks_used"] > 0 and time.time() < deadline:
+            time.sleep(0.1)
+        assert s.metrics()["kv_blocks_used"] == 0
+    finally:
+        s.stop()
+
+
 def check_shutdown_ends_streams():
     s = Server()
     seen = []
@@ -711,7 +740,7 @@ def main():
         raise
     finally:
         s.stop()
-    for check in (check_api_key, check_shutdown_ends_streams, check_embeddings, check_rerank):
+    for check in (check_api_key, check_request_timeout, check_shutdown_ends_streams, check_embeddings, check_rerank):
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)

@@ -265,6 +265,10 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     return;
                 }
             };
+            if crate::openai::timed_out(&out, &sub.timed_out) {
+                let _ = tx.send(event("error", crate::openai::timeout_error(F).body())).await;
+                return;
+            }
             let mut events = Vec::new();
             if !std::mem::replace(&mut started, true) {
                 let mut usage = usage_json(&out.usage);

@@ -3,6 +3,8 @@
 //! (client disconnected, response dropped) is aborted at once.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use qinfer::engine::handle::{Engine, StreamItem};
 use qinfer::engine::request::{Request, RequestId};
@@ -14,6 +16,8 @@ use crate::latency::{Latency, RequestClock};
 pub struct Submitted {
     pub rx: UnboundedReceiver<StreamItem>,
     pub guard: AbortOnDrop,
+    /// Set when the request was aborted for running past the timeout.
+    pub timed_out: Arc<AtomicBool>,
 }
 
 pub struct AbortOnDrop {
@@ -28,8 +32,14 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Sends `req` to the engine; its outputs are timed into `latency` as they leave.
-pub fn submit(engine: &Arc<Engine>, req: Request, latency: &Arc<Latency>) -> qinfer::Result<Submitted> {
+/// Sends `req` to the engine; its outputs are timed into `latency` as they
+/// leave; past `timeout` it is aborted (and marked so).
+pub fn submit(
+    engine: &Arc<Engine>,
+    req: Request,
+    latency: &Arc<Latency>,
+    timeout: Option<Duration>,
+) -> qinfer::Result<Submitted> {
     let (tx, rx) = unbounded_channel();
     let (latency, mut clock) = (latency.clone(), RequestClock::new());
     let sink = move |item: StreamItem| {
@@ -39,5 +49,17 @@ pub fn submit(engine: &Arc<Engine>, req: Request, latency: &Arc<Latency>) -> qin
         tx.send(item).is_ok()
     };
     let id = engine.add_with_sink(req, Box::new(sink))?;
-    Ok(Submitted { rx, guard: AbortOnDrop { engine: engine.clone(), id } })
+    let timed_out = Arc::new(AtomicBool::new(false));
+    if let Some(t) = timeout {
+        let (engine, flag) = (Arc::downgrade(engine), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(t).await;
+            // A finished request is unknown to the engine by then: a no-op.
+            if let Some(e) = engine.upgrade() {
+                flag.store(true, Ordering::Relaxed);
+                e.abort(id);
+            }
+        });
+    }
+    Ok(Submitted { rx, guard: AbortOnDrop { engine: engine.clone(), id }, timed_out })
 }

@@ -52,6 +52,9 @@ pub struct ServeOptions {
     pub max_n: usize,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// A request still running after this long is aborted (504, or an
+    /// error event when streaming).
+    pub request_timeout: Option<Duration>,
 }
 
 /// What the served model does: its endpoints follow.

@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 
+use std::sync::atomic::AtomicBool;
+
 use crate::bridge::{AbortOnDrop, Submitted, submit};
 use crate::chat_stream::{ChatFormat, ChatStream, Piece, ReasoningTokens, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
@@ -212,7 +214,8 @@ pub fn submit_n(state: &AppState, ready: &Ready, req: Request, n: usize, flavor:
         .map(|i| {
             let mut r = req.clone();
             r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
-            submit(&ready.engine, r, &state.latency).map_err(|e| ApiError::bad_request(flavor, None, e.to_string()))
+            submit(&ready.engine, r, &state.latency, state.opts.request_timeout)
+                .map_err(|e| ApiError::bad_request(flavor, None, e.to_string()))
         })
         .collect()
 }
@@ -227,11 +230,28 @@ pub struct Collected {
     pub usage: Usage,
 }
 
+/// The error a request that ran past the timeout gets.
+pub fn timeout_error(flavor: Flavor) -> ApiError {
+    ApiError::with_status(
+        flavor,
+        axum::http::StatusCode::GATEWAY_TIMEOUT,
+        "the request ran past this server's request timeout and was stopped",
+    )
+}
+
+/// Whether an output ends a request the timeout aborted.
+pub fn timed_out(out: &Output, flag: &AtomicBool) -> bool {
+    out.finish == Some(FinishReason::Abort) && flag.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 pub async fn collect(mut s: Submitted, flavor: Flavor) -> ApiResult<Collected> {
     let mut text = String::new();
     let (mut logprobs, mut token_ids) = (Vec::new(), Vec::new());
     while let Some(item) = s.rx.recv().await {
         let out = item.map_err(|e| ApiError::with_status(flavor, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
+        if timed_out(&out, &s.timed_out) {
+            return Err(timeout_error(flavor));
+        }
         text.push_str(&out.text);
         logprobs.extend(out.logprobs);
         token_ids.extend(out.token_ids);
@@ -242,17 +262,25 @@ pub async fn collect(mut s: Submitted, flavor: Flavor) -> ApiResult<Collected> {
     Err(ApiError::with_status(flavor, axum::http::StatusCode::SERVICE_UNAVAILABLE, "the engine stopped"))
 }
 
-/// Every choice's outputs on one stream, tagged with the choice's index.
+/// Every choice's outputs on one stream, tagged with the choice's index;
+/// the choices' abort guards and timeout flags.
 pub fn merged(
     subs: Vec<Submitted>,
-) -> (impl futures_util::Stream<Item = (usize, Result<Output, String>)> + Send + 'static, Vec<AbortOnDrop>) {
+) -> (impl futures_util::Stream<Item = (usize, Result<Output, String>)> + Send + 'static, Guards) {
     let mut streams = Vec::new();
-    let mut guards = Vec::new();
+    let mut guards = Guards::default();
     for (i, s) in subs.into_iter().enumerate() {
         streams.push(UnboundedReceiverStream::new(s.rx).map(move |item| (i, item)));
-        guards.push(s.guard);
+        guards.aborts.push(s.guard);
+        guards.timed_out.push(s.timed_out);
     }
     (futures_util::stream::select_all(streams), guards)
+}
+
+#[derive(Default)]
+pub struct Guards {
+    pub aborts: Vec<AbortOnDrop>,
+    pub timed_out: Vec<Arc<AtomicBool>>,
 }
 
 /// An SSE response whose events `produce` sends; when the client goes away
@@ -440,7 +468,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     let (stream, guards) = merged(subs);
     let n = a.n;
     Ok(sse(move |tx| async move {
-        let _guards = guards;
+        let guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
         let mut streams = Vec::with_capacity(n);
         let mut call_ids: Vec<Vec<String>> = vec![Vec::new(); n];
@@ -474,6 +502,10 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
                     return;
                 }
             };
+            if timed_out(&out, &guards.timed_out[i]) {
+                let _ = tx.send(data(timeout_error(F).body())).await;
+                return;
+            }
             usage[i] = out.usage;
             thought[i].push(&out.token_ids);
             let mut pieces = streams[i].push(&out.text);
@@ -644,7 +676,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     let (stream, guards) = merged(subs);
     let n = a.n;
     Ok(sse(move |tx| async move {
-        let _guards = guards;
+        let guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "text_completion", "created": created, "model": a.model, "choices": choices});
         let (mut usage, mut done) = (vec![Usage::default(); n], 0);
         let mut offsets = vec![0; n];
@@ -654,6 +686,10 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
                 let _ = tx.send(data(json!({"error": {"message": "the engine failed", "type": "server_error"}}))).await;
                 return;
             };
+            if timed_out(&out, &guards.timed_out[i]) {
+                let _ = tx.send(data(timeout_error(F).body())).await;
+                return;
+            }
             usage[i] = out.usage;
             let finish = out.finish.map(openai_finish);
             let lps = match top {

@@ -24,6 +24,9 @@ const F: Flavor = Flavor::OpenAi;
 async fn pooled(mut s: Submitted) -> ApiResult<Output> {
     while let Some(item) = s.rx.recv().await {
         let out = item.map_err(|e| ApiError::with_status(F, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
+        if crate::openai::timed_out(&out, &s.timed_out) {
+            return Err(crate::openai::timeout_error(F));
+        }
         if out.finish.is_some() {
             return Ok(out);
         }
@@ -37,7 +40,8 @@ async fn run_all(state: &AppState, ready: &Ready, prompts: Vec<Vec<u32>>, task: 
         .into_iter()
         .map(|prompt| {
             let req = Request { prompt, task: task.clone(), ..Default::default() };
-            submit(&ready.engine, req, &state.latency).map_err(|e| ApiError::bad_request(F, None, e.to_string()))
+            submit(&ready.engine, req, &state.latency, state.opts.request_timeout)
+                .map_err(|e| ApiError::bad_request(F, None, e.to_string()))
         })
         .collect::<ApiResult<Vec<_>>>()?;
     let mut outs = Vec::with_capacity(subs.len());

@@ -41,6 +41,13 @@ pub struct Args {
     /// Most choices (`n`) one request may ask for.
     #[arg(long, default_value_t = 16)]
     max_n: usize,
+    /// Seconds a request may run before it is aborted and answered with a
+    /// 504 (or, streaming, an error event); 0 for no limit.
+    #[arg(long, default_value_t = 0.0)]
+    request_timeout: f64,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 32)]
+    max_body_mib: usize,
     #[command(flatten)]
     task: TaskArgs,
     #[command(flatten)]
@@ -60,7 +67,8 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         api_key: a.api_key.clone(),
         max_waiting: a.max_waiting,
         max_n: a.max_n,
-        max_body_bytes: 32 << 20,
+        max_body_bytes: a.max_body_mib << 20,
+        request_timeout: (a.request_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(a.request_timeout)),
     };
     let engine_args = a.engine.clone();
     let task = a.task.clone();
