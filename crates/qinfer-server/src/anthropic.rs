@@ -163,13 +163,16 @@ fn event(name: &str, v: Value) -> Event {
     Event::default().event(name).data(v.to_string())
 }
 
-/// The prompt, how to read the output, and the reasoning's budget as a
-/// constraint (`max_tokens` None when only counting).
-fn prompt(
-    ready: &crate::Ready,
-    b: &Body<'_>,
-    max_tokens: Option<usize>,
-) -> ApiResult<(Vec<u32>, ChatFormat, Option<Arc<dyn ConstraintFactory>>)> {
+/// A request's prompt, how to read its output, and its reasoning budget as
+/// a constraint.
+struct Prompt {
+    ids: Vec<u32>,
+    format: ChatFormat,
+    constraint: Option<Arc<dyn ConstraintFactory>>,
+}
+
+/// The request's prompt (`max_tokens` None when only counting).
+fn prompt(ready: &crate::Ready, b: &Body<'_>, max_tokens: Option<usize>) -> ApiResult<Prompt> {
     let tok = tokenizer(ready, F)?;
     let tools = crate::tools::anthropic(b)?;
     let rendered = tools.as_ref().and_then(Tools::rendered);
@@ -187,7 +190,7 @@ fn prompt(
             Some(g.constraint(None, Some(n), opens).map_err(|e| b.bad("thinking", e))?)
         }
     };
-    Ok((prompt, format, constraint))
+    Ok(Prompt { ids: prompt, format, constraint })
 }
 
 pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
@@ -201,7 +204,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         Some(_) => return Err(b.bad("max_tokens", "must be at least 1")),
         None => return Err(b.bad("max_tokens", "is required")),
     };
-    let (prompt, format, constraint) = prompt(ready, &b, Some(max_tokens))?;
+    let Prompt { ids: prompt, format, constraint } = prompt(ready, &b, Some(max_tokens))?;
     let limit = ready.engine.config().max_model_len;
     if prompt.len() + max_tokens > limit {
         return Err(b.bad(
@@ -378,8 +381,8 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Ap
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
-    let (prompt, _, _) = prompt(ready, &b, None)?;
-    Ok(axum::Json(json!({"input_tokens": prompt.len()})).into_response())
+    let p = prompt(ready, &b, None)?;
+    Ok(axum::Json(json!({"input_tokens": p.ids.len()})).into_response())
 }
 
 /// Anthropic's usage: `input_tokens` counts the prompt tokens not read from
