@@ -37,6 +37,10 @@ pub fn open_model(path: Option<&PathBuf>) -> Result<LoadedModel> {
             p
         }
     };
+    let path = match path.to_str() {
+        Some(spec) if crate::hub::looks_like_repo(spec) => crate::hub::Hub::from_env().resolve(spec)?,
+        _ => path,
+    };
     loader::open(&path).with_context(|| format!("opening model {}", path.display()))
 }
 

@@ -2,6 +2,7 @@
 
 mod commands;
 mod common;
+mod hub;
 
 use clap::{Parser, Subcommand};
 

@@ -21,7 +21,7 @@ use crate::common::{EngineArgs, SamplingArgs, open_model, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file (default: the fetched SmolLM2).
+    /// Model directory, .gguf file or Hugging Face repo id (default: the fetched SmolLM2).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Requests, one JSON object per line: {"id": …, "prompt": "…"} or

@@ -22,7 +22,7 @@ use crate::common::open_model;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file.
+    /// Model directory, .gguf file or Hugging Face repo id (`Qwen/Qwen3-0.6B[:REVISION or :FILE.gguf]`).
     #[arg(long, required_unless_present = "config", conflicts_with = "config")]
     model: Option<PathBuf>,
     /// A config.json: benchmark a model of its shape with random weights

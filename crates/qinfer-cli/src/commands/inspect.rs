@@ -8,7 +8,7 @@ use qinfer::loader::{self, ModelFormat};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file.
+    /// Model directory, .gguf file or Hugging Face repo id (`Qwen/Qwen3-0.6B[:REVISION or :FILE.gguf]`).
     path: PathBuf,
     /// List every tensor.
     #[arg(long)]

@@ -10,7 +10,7 @@ use crate::common::open_model;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file.
+    /// Model directory, .gguf file or Hugging Face repo id (`Qwen/Qwen3-0.6B[:REVISION or :FILE.gguf]`).
     #[arg(long)]
     model: PathBuf,
     /// Text file to score.

@@ -9,7 +9,7 @@ use crate::common::{InputArgs, open_model};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file.
+    /// Model directory, .gguf file or Hugging Face repo id (`Qwen/Qwen3-0.6B[:REVISION or :FILE.gguf]`).
     #[arg(long)]
     model: PathBuf,
     #[command(flatten)]

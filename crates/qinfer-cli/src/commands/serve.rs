@@ -20,7 +20,7 @@ fn task_name(t: &qinfer_server::ServedTask) -> &'static str {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory or .gguf file (default: the fetched SmolLM2).
+    /// Model directory, .gguf file or Hugging Face repo id (default: the fetched SmolLM2).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Address to listen on (loopback by default).
@@ -59,6 +59,11 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let name = a
         .served_model_name
         .clone()
+        .or_else(|| {
+            // A repo id is served under its name (as vLLM serves it).
+            let spec = a.model.as_ref()?.to_str()?;
+            crate::hub::looks_like_repo(spec).then(|| spec.split(':').next().unwrap_or(spec).to_string())
+        })
         .unwrap_or_else(|| model.path.file_name().map_or_else(|| "model".into(), |f| f.to_string_lossy().into_owned()));
     let opts = ServeOptions {
         host: a.host.clone(),
