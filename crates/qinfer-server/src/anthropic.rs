@@ -13,9 +13,11 @@ use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
 use crate::AppState;
+use crate::chat_prompt::{chat_format, rendered_prompt, tokenizer};
 use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
 use crate::error::{ApiError, ApiResult, Flavor};
-use crate::openai::{chat_format, collect, rendered_prompt, sampling, sse, submit_n, tokenizer};
+use crate::exchange::{collect, sse, submit_n};
+use crate::openai::sampling;
 use crate::params::Body;
 use crate::tool_parser::arguments_object;
 use crate::tools::Tools;
@@ -268,8 +270,8 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     return;
                 }
             };
-            if crate::openai::timed_out(&out, &sub.timed_out) {
-                let _ = tx.send(event("error", crate::openai::timeout_error(F).body())).await;
+            if crate::exchange::timed_out(&out, &sub.timed_out) {
+                let _ = tx.send(event("error", crate::exchange::timeout_error(F).body())).await;
                 return;
             }
             let mut events = Vec::new();

@@ -7,8 +7,10 @@
 
 mod anthropic;
 mod bridge;
+mod chat_prompt;
 mod chat_stream;
 mod error;
+mod exchange;
 mod latency;
 mod logprobs;
 mod openai;

@@ -24,8 +24,8 @@ const F: Flavor = Flavor::OpenAi;
 async fn pooled(mut s: Submitted) -> ApiResult<Output> {
     while let Some(item) = s.rx.recv().await {
         let out = item.map_err(|e| ApiError::with_status(F, axum::http::StatusCode::INTERNAL_SERVER_ERROR, e))?;
-        if crate::openai::timed_out(&out, &s.timed_out) {
-            return Err(crate::openai::timeout_error(F));
+        if crate::exchange::timed_out(&out, &s.timed_out) {
+            return Err(crate::exchange::timeout_error(F));
         }
         if out.finish.is_some() {
             return Ok(out);
@@ -136,7 +136,7 @@ fn embedding_inputs(b: &Body<'_>, ready: &Ready, cfg: &PoolingConfig) -> ApiResu
     let prompt_name = b.str("prompt_name")?;
     let instruction = b.str("instruction")?;
     let text = |s: &str| -> ApiResult<Vec<u32>> {
-        let tok = crate::openai::tokenizer(ready, F)?;
+        let tok = crate::chat_prompt::tokenizer(ready, F)?;
         let s = cfg.input_text(s, prompt_name, instruction).map_err(|e| b.bad("prompt_name", e))?;
         tok.encode(&s, true).map_err(|e| b.bad("input", e))
     };
@@ -198,7 +198,7 @@ pub async fn rerank(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResul
     };
     let return_documents = b.bool("return_documents")?;
     let instruction = b.str("instruction")?;
-    let tok = crate::openai::tokenizer(ready, F)?;
+    let tok = crate::chat_prompt::tokenizer(ready, F)?;
     let limit = ready.engine.config().max_model_len;
     let prompts = documents
         .iter()
