@@ -181,9 +181,14 @@ fn prompt(ready: &crate::Ready, b: &Body<'_>, max_tokens: Option<usize>) -> ApiR
     let (switch, budget) = thinking(b, max_tokens)?;
     let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, switch, rendered, F)?;
     let format = chat_format(tok, b, tools.as_ref(), &mut prompt, &text)?;
-    let constraint = match budget {
-        None => None,
-        Some(n) => {
+    let constraint = match (budget, &format.call_grammar) {
+        (_, Some(g)) => Some(
+            (ready.grammars(F)?)
+                .immediate(llguidance::api::TopLevelGrammar::from_lark(g.clone()))
+                .map_err(|e| b.bad("tool_choice", format!("cannot be enforced: {e}")))?,
+        ),
+        (None, None) => None,
+        (Some(n), None) => {
             let g = ready.grammars(F)?;
             if !g.reasons() {
                 return Err(b.bad("thinking", "cannot be enabled: this model does not reason (no <think> tokens)"));

@@ -10,7 +10,7 @@ use crate::error::{ApiError, ApiResult, Flavor};
 use crate::params::Body;
 use crate::reasoning::has_reasoning_tags;
 use crate::tool_parser::param_types;
-use crate::tools::{ToolChoice, Tools, call_format, forced_start};
+use crate::tools::{ToolChoice, Tools, call_format, call_grammar, forced_start};
 
 /// The chat through the model's template: its tokens and its text.
 pub fn rendered_prompt(
@@ -59,6 +59,9 @@ pub fn chat_format(
             text.push_str(&appended);
         }
         f.tools = Some(param_types(&t.list));
+        if !forced.is_empty() {
+            f.call_grammar = call_grammar(t, form);
+        }
         f.forced = forced;
         f.single_call = !t.parallel;
     }

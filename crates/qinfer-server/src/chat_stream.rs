@@ -34,6 +34,9 @@ pub struct ChatFormat {
     pub think_ids: Option<(u32, u32)>,
     /// The offered tools' parameter types, when tool calls are parsed.
     pub tools: Option<ParamTypes>,
+    /// What a required or named call's arguments must follow after the
+    /// forced opening (llguidance Lark), where the format allows.
+    pub call_grammar: Option<String>,
     /// Text forced at the start of the output (a required call's opening):
     /// already in the prompt, read as if generated.
     pub forced: String,

@@ -75,6 +75,19 @@ impl Grammars {
         }))
     }
 
+    /// A constraint that applies `grammar` from the first token on, with no
+    /// reasoning before it (the rest of a forced tool call).
+    pub fn immediate(&self, grammar: TopLevelGrammar) -> Result<Arc<dyn ConstraintFactory>, String> {
+        self.factory.create_parser(grammar.clone()).map_err(|e| e.to_string())?;
+        Ok(Arc::new(OutputFactory {
+            factory: self.factory.clone(),
+            grammar: Some(grammar),
+            think: None,
+            thinking: false,
+            budget: None,
+        }))
+    }
+
     /// Whether the vocabulary has `<think>` and `</think>`.
     pub fn reasons(&self) -> bool {
         self.think.is_some()

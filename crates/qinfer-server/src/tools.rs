@@ -196,6 +196,54 @@ pub fn call_format(tok: &Tokenizer, b: &Body<'_>) -> ApiResult<CallFormat> {
     }
 }
 
+/// The grammar (llguidance's Lark) that a required or named call's
+/// arguments follow after [`forced_start`]'s opening, in the Hermes form:
+/// each offered tool's name (when any may be called), its arguments as
+/// its `parameters` schema allows, then the call's end. None where the
+/// choice forces nothing or the template writes the XML form (its opening
+/// alone is forced there).
+pub fn call_grammar(t: &Tools, format: CallFormat) -> Option<String> {
+    if format != CallFormat::Hermes {
+        return None;
+    }
+    let lit = |s: &str| {
+        let mut out = String::from("\"");
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+        out
+    };
+    let schema = |f: &Value| match f.get("parameters") {
+        Some(p @ Value::Object(_)) => p.to_string(),
+        _ => json!({"type": "object"}).to_string(),
+    };
+    let end = lit("}\n</tool_call>");
+    let function =
+        |name: &str| t.list.iter().filter_map(|x| x.get("function")).find(|f| f.get("name") == Some(&json!(name)));
+    match &t.choice {
+        ToolChoice::None | ToolChoice::Auto => None,
+        ToolChoice::Named(n) => Some(format!("start: args {end}\nargs: %json {}\n", schema(function(n)?))),
+        ToolChoice::Required => {
+            let mut g = String::from("start: ");
+            let mut rules = String::new();
+            for (i, f) in t.list.iter().filter_map(|x| x.get("function")).enumerate() {
+                let name = f.get("name").and_then(Value::as_str)?;
+                let head = lit(&format!("{name}\", \"arguments\": "));
+                g.push_str(if i == 0 { "" } else { " | " });
+                g.push_str(&format!("c{i}"));
+                rules.push_str(&format!("c{i}: {head} a{i} {end}\na{i}: %json {}\n", schema(f)));
+            }
+            Some(format!("{g}\n{rules}"))
+        }
+    }
+}
+
 /// The text the output must start with for `choice` (after the prompt's
 /// `prompt_text`): `(appended to the prompt, read as the output's start)`.
 /// A prompt that leaves `<think>` open has it closed first.
@@ -211,4 +259,70 @@ pub fn forced_start(choice: &ToolChoice, format: CallFormat, prompt_text: &str) 
     };
     let close = if prompt_text.trim_end().ends_with("<think>") { "</think>\n\n" } else { "" };
     (format!("{close}{call}"), call)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::structured::Grammars;
+    use llguidance::api::TopLevelGrammar;
+    use qinfer::engine::request::TokenConstraint;
+
+    fn tools(choice: ToolChoice) -> Tools {
+        let f = |name: &str, props: Value| {
+            json!({"type": "function", "function": {"name": name, "parameters": {"type": "object",
+                "properties": props, "required": ["city"], "additionalProperties": false}}})
+        };
+        Tools {
+            list: vec![
+                f("get_weather", json!({"city": {"type": "string"}})),
+                f("get_time", json!({"city": {"type": "string"}, "h24": {"type": "boolean"}})),
+            ],
+            choice,
+            parallel: true,
+        }
+    }
+
+    /// Whether `text`'s tokens all pass the constraint, and the end may follow.
+    fn passes(c: &mut dyn TokenConstraint, tok: &Tokenizer, text: &str, eos: u32) -> bool {
+        for t in tok.encode(text, false).unwrap() {
+            let m = c.allowed().unwrap().unwrap();
+            if m[t as usize / 32] >> (t % 32) & 1 == 0 {
+                return false;
+            }
+            c.accept(t).unwrap();
+        }
+        let m = c.allowed().unwrap().unwrap();
+        m[eos as usize / 32] >> (eos % 32) & 1 == 1
+    }
+
+    #[test]
+    fn a_forced_call_follows_its_schema_to_its_end() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tokenizer/qwen3");
+        let tok = Tokenizer::from_dir(std::path::Path::new(dir)).unwrap().unwrap();
+        let eos = tok.token_to_id("<|im_end|>").unwrap();
+        let g = Grammars::new(&tok, tok.vocab_size(), eos).unwrap();
+        let make = |choice| {
+            let lark = call_grammar(&tools(choice), CallFormat::Hermes).unwrap();
+            g.immediate(TopLevelGrammar::from_lark(lark)).unwrap()
+        };
+        let named = make(ToolChoice::Named("get_time".into()));
+        assert!(passes(
+            named.start().unwrap().as_mut(),
+            &tok,
+            "{\"city\": \"Lyon\", \"h24\": true}}\n</tool_call>",
+            eos
+        ));
+        assert!(!passes(named.start().unwrap().as_mut(), &tok, "{\"town\": \"Lyon\"}}\n</tool_call>", eos));
+        let any = make(ToolChoice::Required);
+        assert!(passes(
+            any.start().unwrap().as_mut(),
+            &tok,
+            "get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            eos
+        ));
+        assert!(!passes(any.start().unwrap().as_mut(), &tok, "get_news\", \"arguments\": {}}\n</tool_call>", eos));
+        assert_eq!(call_grammar(&tools(ToolChoice::Auto), CallFormat::Hermes), None);
+        assert_eq!(call_grammar(&tools(ToolChoice::Required), CallFormat::Xml), None);
+    }
 }

@@ -125,7 +125,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         return Err(b.bad("response_format", "cannot be combined with a required or named tool call"));
     }
     let opens_think = format.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
-    a.req.constraint = constraint(ready, &b, opens_think)?;
+    a.req.constraint = constraint(ready, &b, opens_think, format.call_grammar.as_deref())?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(&state, ready, a.req, a.n, F)?;

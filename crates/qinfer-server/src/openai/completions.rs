@@ -57,7 +57,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     let prompt = completion_prompt(&b, ready.engine.tokenizer().map(|t| t.as_ref()), vocab)?;
     let top = logprobs::completion_request(&b)?;
     let mut a = ask(&state, ready, &b, prompt, top)?;
-    a.req.constraint = constraint(ready, &b, false)?;
+    a.req.constraint = constraint(ready, &b, false, None)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(&state, ready, a.req, a.n, F)?;

@@ -195,12 +195,23 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>, logprobs
 }
 
 /// The constraint `response_format` asks for, compiled (a bad schema is a 400).
+/// (A required or named tool call's grammar, `call_grammar`, takes its place.)
 fn constraint(
     ready: &Ready,
     b: &Body<'_>,
     opens_think: bool,
+    call_grammar: Option<&str>,
 ) -> ApiResult<Option<std::sync::Arc<dyn qinfer::engine::request::ConstraintFactory>>> {
-    let Some(grammar) = structured::response_format(b)? else { return Ok(None) };
-    let made = ready.grammars(F)?.constraint(Some(grammar), None, opens_think);
-    made.map(Some).map_err(|e| b.bad("response_format", format!("cannot be enforced: {e}")))
+    let made = match call_grammar {
+        Some(g) => (ready.grammars(F)?)
+            .immediate(llguidance::api::TopLevelGrammar::from_lark(g.to_string()))
+            .map_err(|e| b.bad("tool_choice", format!("cannot be enforced: {e}")))?,
+        None => match structured::response_format(b)? {
+            Some(g) => (ready.grammars(F)?)
+                .constraint(Some(g), None, opens_think)
+                .map_err(|e| b.bad("response_format", format!("cannot be enforced: {e}")))?,
+            None => return Ok(None),
+        },
+    };
+    Ok(Some(made))
 }
