@@ -7,8 +7,10 @@ use std::path::Path;
 fn the_server_imports_only_the_engine_and_the_tokenizer() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut checked = 0;
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    assert!(files.iter().any(|f| f.ends_with("openai/chat.rs")), "the walk misses subdirectories");
+    for path in files {
         let text = std::fs::read_to_string(&path).unwrap();
         for (n, line) in text.lines().enumerate() {
             let mut rest = line;
@@ -27,4 +29,16 @@ fn the_server_imports_only_the_engine_and_the_tokenizer() {
         }
     }
     assert!(checked > 0, "no qinfer:: paths found under {}", src.display());
+}
+
+/// Every `.rs` file under `dir`, subdirectories included.
+fn sources(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
 }
