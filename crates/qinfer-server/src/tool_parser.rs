@@ -88,9 +88,9 @@ pub fn param_types(tools: &[Value]) -> ParamTypes {
 struct Call {
     /// The text after `<tool_call>` so far.
     body: String,
-    /// Call indices this body has started (the XML form may hold several
-    /// functions); the last one is open until its end.
-    started: Vec<usize>,
+    /// The index of the call this body started last (the XML form may hold
+    /// several functions); it is open until its end.
+    current: Option<usize>,
     /// Hermes: bytes of the arguments' text already sent.
     args_sent: usize,
     /// XML: bytes of `body` consumed, and parameters sent in the open function.
@@ -243,7 +243,7 @@ impl ToolCallParser {
         self.at_start = false;
         let index = self.calls;
         self.calls += 1;
-        call.started.push(index);
+        call.current = Some(index);
         out.push(ToolEvent::Start { index, name });
     }
 
@@ -253,17 +253,13 @@ impl ToolCallParser {
         match form(&body) {
             Some(Form::Hermes) => {
                 let scan = scan_hermes(&body);
-                if call.started.is_empty()
+                if call.current.is_none()
                     && let Some(name) = scan.name
                 {
                     self.start(call, name, out);
                 }
-                if let (Some(&index), Some((from, to))) = (call.started.last(), scan.args) {
-                    let end = to.unwrap_or(body.len());
-                    if from + call.args_sent < end {
-                        out.push(ToolEvent::Args { index, delta: body[from + call.args_sent..end].to_string() });
-                        call.args_sent = end - from;
-                    }
+                if let (Some(index), Some(args)) = (call.current, scan.args) {
+                    send_args(call, &body, index, args, out);
                 }
             }
             Some(Form::Xml) => self.xml(call, &body, false, out),
@@ -278,26 +274,19 @@ impl ToolCallParser {
             Some(Form::Hermes) => {
                 let parsed = serde_json::from_str::<Value>(body.trim()).ok();
                 let name = parsed.as_ref().and_then(|v| v.get("name")).and_then(Value::as_str).map(str::to_string);
-                match (name, call.started.last().copied()) {
+                match (name, call.current) {
                     (None, None) if call.bare => push_content(out, body),
                     (None, None) => push_content(out, format!("{OPEN}{body}{CLOSE}")),
-                    (name, started) => {
-                        let index = match started {
+                    (name, current) => {
+                        let index = match current {
                             Some(i) => i,
                             None => {
                                 self.start(&mut call, name.unwrap_or_default(), out);
                                 self.calls - 1
                             }
                         };
-                        let scan = scan_hermes(&body);
-                        match scan.args {
-                            Some((from, to)) => {
-                                let end = to.unwrap_or(body.len());
-                                if from + call.args_sent < end {
-                                    let delta = body[from + call.args_sent..end].to_string();
-                                    out.push(ToolEvent::Args { index, delta });
-                                }
-                            }
+                        match scan_hermes(&body).args {
+                            Some(args) => send_args(&mut call, &body, index, args, out),
                             None if call.args_sent == 0 => out.push(ToolEvent::Args { index, delta: "{}".into() }),
                             None => {}
                         }
@@ -320,20 +309,17 @@ impl ToolCallParser {
                 let Some(gt) = rest[name_from..].find('>') else {
                     if whole && !rest[name_from..].trim().is_empty() {
                         let name = rest[name_from..].trim().to_string();
-                        self.start(call, name, out);
+                        self.open_function(call, name, out);
                         self.end_function(call, out);
                     }
                     return;
                 };
                 let name = rest[name_from..name_from + gt].trim().to_string();
                 call.xml_at += name_from + gt + 1;
-                call.xml_open = true;
-                call.xml_params = 0;
-                call.xml_name = name.clone();
-                self.start(call, name, out);
+                self.open_function(call, name, out);
                 continue;
             }
-            let index = *call.started.last().expect("an open function has started");
+            let index = call.current.expect("an open function has started");
             let param = rest.find(PARAMETER);
             let fend = rest.find(FUNCTION_END);
             match (param, fend) {
@@ -373,8 +359,15 @@ impl ToolCallParser {
         }
     }
 
+    fn open_function(&mut self, call: &mut Call, name: String, out: &mut Vec<ToolEvent>) {
+        call.xml_open = true;
+        call.xml_params = 0;
+        call.xml_name = name.clone();
+        self.start(call, name, out);
+    }
+
     fn end_function(&mut self, call: &mut Call, out: &mut Vec<ToolEvent>) {
-        let index = *call.started.last().expect("an open function has started");
+        let index = call.current.expect("an open function has started");
         let close = if call.xml_params == 0 { "{}" } else { "}" };
         out.push(ToolEvent::Args { index, delta: close.into() });
         out.push(ToolEvent::End { index });
@@ -422,6 +415,16 @@ fn bare_start(s: &str) -> Bare {
         Bare::Undecided
     } else {
         Bare::No
+    }
+}
+
+/// Sends the arguments' text of Hermes `body` (its value at `from..to`, the
+/// end unknown while it is open) not yet sent.
+fn send_args(call: &mut Call, body: &str, index: usize, (from, to): (usize, Option<usize>), out: &mut Vec<ToolEvent>) {
+    let end = to.unwrap_or(body.len());
+    if from + call.args_sent < end {
+        out.push(ToolEvent::Args { index, delta: body[from + call.args_sent..end].to_string() });
+        call.args_sent = end - from;
     }
 }
 
@@ -738,6 +741,11 @@ mod tests {
         check(
             "<tool_call>\n<function=f>\n<parameter=n>\nx1\n<parameter=x>\n0.5\n</function>\n<function=g>\n</function>\n</tool_call>",
             parsed("", &[("f", "{\"n\": \"x1\", \"x\": 0.5}"), ("g", "{}")]),
+        );
+        // A function cut off in its name after one with parameters.
+        check(
+            "<tool_call>\n<function=f>\n<parameter=n>\n1\n</parameter>\n</function>\n<function=g",
+            parsed("", &[("f", "{\"n\": 1}"), ("g", "{}")]),
         );
         // The output ends inside a value.
         check("<tool_call>\n<function=f>\n<parameter=s>\nabc", parsed("", &[("f", "{\"s\": \"abc\"}")]));
