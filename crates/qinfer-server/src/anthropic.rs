@@ -13,8 +13,8 @@ use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
 use crate::AppState;
-use crate::chat_prompt::{chat_format, rendered_prompt, tokenizer};
-use crate::chat_stream::{ChatFormat, ChatStream, Piece, fold};
+use crate::chat_prompt::{chat_format, output_constraint, rendered_prompt, tokenizer};
+use crate::chat_stream::{ChatFormat, ChatStream, Piece};
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::exchange::{collect, sse, submit_n};
 use crate::openai::sampling;
@@ -181,22 +181,7 @@ fn prompt(ready: &crate::Ready, b: &Body<'_>, max_tokens: Option<usize>) -> ApiR
     let (switch, budget) = thinking(b, max_tokens)?;
     let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, switch, rendered, F)?;
     let format = chat_format(tok, b, tools.as_ref(), &mut prompt, &text)?;
-    let constraint = match (budget, &format.call_grammar) {
-        (_, Some(g)) => Some(
-            (ready.grammars(F)?)
-                .immediate(llguidance::api::TopLevelGrammar::from_lark(g.clone()))
-                .map_err(|e| b.bad("tool_choice", format!("cannot be enforced: {e}")))?,
-        ),
-        (None, None) => None,
-        (Some(n), None) => {
-            let g = ready.grammars(F)?;
-            if !g.reasons() {
-                return Err(b.bad("thinking", "cannot be enabled: this model does not reason (no <think> tokens)"));
-            }
-            let opens = format.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
-            Some(g.constraint(None, Some(n), opens).map_err(|e| b.bad("thinking", e))?)
-        }
-    };
+    let constraint = output_constraint(ready, b, &format, None, budget)?;
     Ok(Prompt { ids: prompt, format, constraint })
 }
 
@@ -234,10 +219,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
     if !stream {
         let c = collect(sub, F).await?;
-        let (mut cs, mut pieces) = ChatStream::new(&format);
-        pieces.extend(cs.push(&c.text));
-        pieces.extend(cs.finish());
-        let w = fold(pieces);
+        let (w, called) = ChatStream::whole(&format, &c.text);
         let mut content = Vec::new();
         if !w.reasoning.is_empty() {
             content.push(json!({"type": "thinking", "thinking": w.reasoning, "signature": ""}));
@@ -253,8 +235,8 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         return Ok(axum::Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
             "content": content,
-            "stop_reason": stop_reason(c.finish, &c.stop_string, cs.called()),
-            "stop_sequence": if cs.called() { None } else { c.stop_string },
+            "stop_reason": stop_reason(c.finish, &c.stop_string, called),
+            "stop_sequence": if called { None } else { c.stop_string },
             "usage": usage_json(&c.usage),
         }))
         .into_response());

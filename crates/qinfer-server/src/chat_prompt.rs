@@ -1,6 +1,10 @@
 //! A chat's prompt through the model's template (tools rendered as the
 //! template renders them) and how its output is to be read.
 
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use qinfer::engine::request::ConstraintFactory;
 use qinfer::tokenizer::{ChatMessage, ChatOptions, Tokenizer};
 use serde_json::Value;
 
@@ -70,4 +74,32 @@ pub fn chat_format(
         f.think_ids = tok.token_to_id("<think>").zip(tok.token_to_id("</think>"));
     }
     Ok(f)
+}
+
+/// The constraint an answer runs under, compiled now (what cannot be
+/// enforced is a 400 naming its field): a required or named call's grammar;
+/// otherwise `grammar` (`response_format`'s) and the reasoning's `budget`
+/// (Anthropic's thinking); None when nothing limits the answer.
+pub fn output_constraint(
+    ready: &Ready,
+    b: &Body<'_>,
+    format: &ChatFormat,
+    grammar: Option<TopLevelGrammar>,
+    budget: Option<usize>,
+) -> ApiResult<Option<Arc<dyn ConstraintFactory>>> {
+    if let Some(g) = &format.call_grammar {
+        let made = ready.grammars(b.flavor, "tool_choice")?.immediate(TopLevelGrammar::from_lark(g.clone()));
+        return made.map(Some).map_err(|e| b.bad("tool_choice", format!("cannot be enforced: {e}")));
+    }
+    let field = match (&grammar, budget) {
+        (None, None) => return Ok(None),
+        (Some(_), _) => "response_format",
+        (None, Some(_)) => "thinking",
+    };
+    let g = ready.grammars(b.flavor, field)?;
+    if budget.is_some() && !g.reasons() {
+        return Err(b.bad("thinking", "cannot be enabled: this model does not reason (no <think> tokens)"));
+    }
+    let made = g.constraint(grammar, budget, format.opens_think());
+    made.map(Some).map_err(|e| b.bad(field, format!("cannot be enforced: {e}")))
 }

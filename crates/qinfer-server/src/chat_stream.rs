@@ -43,7 +43,22 @@ pub struct ChatFormat {
     pub single_call: bool,
 }
 
+impl ChatFormat {
+    /// Whether the prompt leaves `<think>` open, so the output starts in the reasoning.
+    pub fn opens_think(&self) -> bool {
+        self.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"))
+    }
+}
+
 impl ChatStream {
+    /// A whole answer read at once, and whether it called a tool.
+    pub fn whole(f: &ChatFormat, text: &str) -> (Whole, bool) {
+        let (mut s, mut pieces) = ChatStream::new(f);
+        pieces.extend(s.push(text));
+        pieces.extend(s.finish());
+        (fold(pieces), s.called())
+    }
+
     /// The stream, and the pieces its forced start makes.
     pub fn new(f: &ChatFormat) -> (ChatStream, Vec<Piece>) {
         let tools = f.tools.is_some();
@@ -130,8 +145,7 @@ pub struct ReasoningTokens {
 
 impl ReasoningTokens {
     pub fn new(f: &ChatFormat) -> Self {
-        let opened = f.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
-        ReasoningTokens { ids: f.think_ids, state: if opened { 1 } else { 0 }, count: 0 }
+        ReasoningTokens { ids: f.think_ids, state: if f.opens_think() { 1 } else { 0 }, count: 0 }
     }
 
     pub fn push(&mut self, tokens: &[u32]) {
@@ -159,7 +173,7 @@ pub struct Whole {
     pub calls: Vec<(String, String)>,
 }
 
-pub fn fold(pieces: impl IntoIterator<Item = Piece>) -> Whole {
+fn fold(pieces: impl IntoIterator<Item = Piece>) -> Whole {
     let mut w = Whole::default();
     for p in pieces {
         match p {

@@ -90,17 +90,16 @@ struct Ready {
 }
 
 impl Ready {
-    /// The grammar engine for structured output (a 400 where this model's
-    /// tokenizer cannot serve one).
-    fn grammars(&self, flavor: Flavor) -> Result<&structured::Grammars, ApiError> {
+    /// The grammar engine for constrained output (a 400 naming `field` where
+    /// this model's tokenizer cannot serve one).
+    fn grammars(&self, flavor: Flavor, field: &str) -> Result<&structured::Grammars, ApiError> {
         let made = self.grammars.get_or_init(|| {
             let tok = self.engine.tokenizer().ok_or("this model has no tokenizer")?;
             let eos = *self.stop_token_ids.first().ok_or("this model has no end-of-text token")?;
             structured::Grammars::new(tok, self.engine.model().config().vocab_size, eos)
         });
-        made.as_ref().map_err(|e| {
-            ApiError::bad_request(flavor, Some("response_format"), format!("structured output is unavailable: {e}"))
-        })
+        made.as_ref()
+            .map_err(|e| ApiError::bad_request(flavor, Some(field), format!("constrained output is unavailable: {e}")))
     }
 
     /// Refuses generation endpoints on a pooling model.

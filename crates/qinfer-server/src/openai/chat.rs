@@ -13,13 +13,14 @@ use qinfer::engine::request::{FinishReason, Usage};
 use qinfer::tokenizer::ChatMessage;
 use serde_json::{Value, json};
 
-use super::{F, ask, chat_usage, constraint, data};
-use crate::chat_prompt::{chat_format, rendered_prompt, tokenizer};
-use crate::chat_stream::{ChatStream, Piece, ReasoningTokens, fold};
+use super::{F, ask, chat_usage, data};
+use crate::chat_prompt::{chat_format, output_constraint, rendered_prompt, tokenizer};
+use crate::chat_stream::{ChatStream, Piece, ReasoningTokens};
 use crate::error::{ApiError, ApiResult};
 use crate::exchange::{collect, merged, sse, submit_n, timed_out, timeout_error};
 use crate::logprobs;
 use crate::params::Body;
+use crate::structured;
 use crate::tools::Tools;
 use crate::{AppState, now_secs, openai_finish};
 
@@ -124,8 +125,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     if !format.forced.is_empty() && b.get("response_format").is_some() {
         return Err(b.bad("response_format", "cannot be combined with a required or named tool call"));
     }
-    let opens_think = format.reasoning_prompt.as_ref().is_some_and(|p| p.trim_end().ends_with("<think>"));
-    a.req.constraint = constraint(ready, &b, opens_think, format.call_grammar.as_deref())?;
+    a.req.constraint = output_constraint(ready, &b, &format, structured::response_format(&b)?, None)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(&state, ready, a.req, a.n, F)?;
@@ -134,17 +134,14 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     if !a.stream {
         let mut choices = Vec::new();
         let mut usage = Vec::new();
-        let mut thought = ReasoningTokens::new(&format);
+        let mut reasoning_tokens = 0;
         for (i, s) in subs.into_iter().enumerate() {
             let c = collect(s, F).await?;
             usage.push(c.usage);
             let mut counter = ReasoningTokens::new(&format);
             counter.push(&c.token_ids);
-            thought.count += counter.count;
-            let (mut cs, mut pieces) = ChatStream::new(&format);
-            pieces.extend(cs.push(&c.text));
-            pieces.extend(cs.finish());
-            let w = fold(pieces);
+            reasoning_tokens += counter.count;
+            let (w, called) = ChatStream::whole(&format, &c.text);
             let mut message = json!({"role": "assistant", "content": w.content});
             if reasoning {
                 message["reasoning_content"] = if w.reasoning.is_empty() { Value::Null } else { json!(w.reasoning) };
@@ -162,14 +159,13 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             choices.push(json!({
                 "index": i,
                 "message": message,
-                "finish_reason": chat_finish(c.finish, cs.called()),
+                "finish_reason": chat_finish(c.finish, called),
                 "logprobs": lps,
             }));
         }
-        let reasoning_tokens = reasoning.then_some(thought.count);
         return Ok(axum::Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": a.model,
-            "choices": choices, "usage": chat_usage(&usage, reasoning_tokens),
+            "choices": choices, "usage": chat_usage(&usage, reasoning.then_some(reasoning_tokens)),
         }))
         .into_response());
     }
@@ -179,15 +175,14 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
         let guards = guards;
         let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": a.model, "choices": choices});
         let mut streams = Vec::with_capacity(n);
-        let mut call_ids: Vec<Vec<String>> = vec![Vec::new(); n];
         let mut thought = vec![ReasoningTokens::new(&format); n];
-        for (i, ids) in call_ids.iter_mut().enumerate() {
+        for i in 0..n {
             let (cs, first) = ChatStream::new(&format);
             streams.push(cs);
             let role = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]);
             let mut events = vec![data(chunk(role))];
             for p in first {
-                if let Some(d) = delta(&p, ids, &state) {
+                if let Some(d) = delta(&p, &state) {
                     events
                         .push(data(chunk(json!([{"index": i, "delta": d, "finish_reason": null, "logprobs": null}]))));
                 }
@@ -220,7 +215,7 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
             if out.finish.is_some() {
                 pieces.extend(streams[i].finish());
             }
-            let mut deltas: Vec<Value> = pieces.iter().filter_map(|p| delta(p, &mut call_ids[i], &state)).collect();
+            let mut deltas: Vec<Value> = pieces.iter().filter_map(|p| delta(p, &state)).collect();
             // The tokens' log probabilities ride on the first delta they made
             // (an empty one when their text is still held back).
             let mut lps = match top {
@@ -266,13 +261,12 @@ fn chat_finish(f: FinishReason, called: bool) -> &'static str {
 }
 
 /// A piece of a choice as a streamed delta (a call's id given at its start).
-fn delta(p: &Piece, ids: &mut Vec<String>, state: &AppState) -> Option<Value> {
+fn delta(p: &Piece, state: &AppState) -> Option<Value> {
     Some(match p {
         Piece::Reasoning(r) => json!({"reasoning_content": r}),
         Piece::Content(c) => json!({"content": c}),
         Piece::ToolStart { index, name } => {
-            ids.push(state.id("call"));
-            json!({"tool_calls": [{"index": index, "id": ids[ids.len() - 1], "type": "function",
+            json!({"tool_calls": [{"index": index, "id": state.id("call"), "type": "function",
                 "function": {"name": name, "arguments": ""}}]})
         }
         Piece::ToolArgs { index, delta } => json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}),

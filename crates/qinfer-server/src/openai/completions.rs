@@ -11,11 +11,14 @@ use qinfer::engine::request::Usage;
 use qinfer::tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
-use super::{F, ask, constraint, data, usage_json};
+use super::{F, ask, data, usage_json};
+use crate::chat_prompt::output_constraint;
+use crate::chat_stream::ChatFormat;
 use crate::error::ApiResult;
 use crate::exchange::{collect, merged, sse, submit_n, timed_out, timeout_error};
 use crate::logprobs;
 use crate::params::Body;
+use crate::structured;
 use crate::{AppState, now_secs, openai_finish};
 
 /// The prompt of `/v1/completions`: a string, one-string array, or token ids.
@@ -57,7 +60,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Api
     let prompt = completion_prompt(&b, ready.engine.tokenizer().map(|t| t.as_ref()), vocab)?;
     let top = logprobs::completion_request(&b)?;
     let mut a = ask(&state, ready, &b, prompt, top)?;
-    a.req.constraint = constraint(ready, &b, false, None)?;
+    a.req.constraint = output_constraint(ready, &b, &ChatFormat::default(), structured::response_format(&b)?, None)?;
     let tok = ready.engine.tokenizer().cloned();
     state.admit(F, ready)?;
     let subs = submit_n(&state, ready, a.req, a.n, F)?;

@@ -18,7 +18,6 @@ pub use completions::completions;
 
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::params::Body;
-use crate::structured;
 use crate::{AppState, Ready, fresh_seed, now_secs};
 
 const F: Flavor = Flavor::OpenAi;
@@ -192,26 +191,4 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>, logprobs
         include_usage,
         model,
     })
-}
-
-/// The constraint `response_format` asks for, compiled (a bad schema is a 400).
-/// (A required or named tool call's grammar, `call_grammar`, takes its place.)
-fn constraint(
-    ready: &Ready,
-    b: &Body<'_>,
-    opens_think: bool,
-    call_grammar: Option<&str>,
-) -> ApiResult<Option<std::sync::Arc<dyn qinfer::engine::request::ConstraintFactory>>> {
-    let made = match call_grammar {
-        Some(g) => (ready.grammars(F)?)
-            .immediate(llguidance::api::TopLevelGrammar::from_lark(g.to_string()))
-            .map_err(|e| b.bad("tool_choice", format!("cannot be enforced: {e}")))?,
-        None => match structured::response_format(b)? {
-            Some(g) => (ready.grammars(F)?)
-                .constraint(Some(g), None, opens_think)
-                .map_err(|e| b.bad("response_format", format!("cannot be enforced: {e}")))?,
-            None => return Ok(None),
-        },
-    };
-    Ok(Some(made))
 }
