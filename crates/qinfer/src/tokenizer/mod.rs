@@ -18,15 +18,15 @@ use std::sync::OnceLock;
 
 pub use chat::{ChatMessage, ChatOptions};
 
+use crate::{Error, Result};
+use specials::SpecialTokens;
+
 /// A JSON value printed as Python's `json.dumps(value, ensure_ascii=False)`
 /// prints it (`, ` and `: ` separators, Python's floats): how transformers'
 /// `tojson` and vLLM's tool-call arguments print JSON.
 pub fn python_json(value: &serde_json::Value) -> String {
     pyjson::dumps(&minijinja::Value::from_serialize(value)).unwrap_or_else(|_| value.to_string())
 }
-
-use crate::{Error, Result};
-use specials::SpecialTokens;
 
 /// How `encode(.., add_special_tokens = true)` treats BOS beyond what the
 /// tokenizer's own post-processor does.
@@ -179,8 +179,8 @@ impl Tokenizer {
         self.chat.is_some()
     }
 
-    /// The same tokenizer with `source` as its chat template (a template
-    /// file given on the command line, say), checked for syntax now.
+    /// The same tokenizer with `source` as its chat template, checked for
+    /// syntax now.
     pub fn with_chat_template(mut self, source: String) -> Result<Tokenizer> {
         self.chat = Some(chat::ChatTemplate::new(source)?);
         Ok(self)
