@@ -716,8 +716,21 @@ def check_shutdown_ends_streams():
     assert time.time() - t0 < 20
 
 
+def run_on(server, checks):
+    """Runs `checks` against `server`, then stops it; its log tail on failure."""
+    try:
+        for check in checks:
+            t = time.time()
+            check(server)
+            print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
+    except BaseException:
+        print("".join(server.log[-20:]), file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+
+
 def main():
-    s = Server()
     checks = [
         check_chat,
         check_completions,
@@ -730,32 +743,18 @@ def main():
         check_errors,
         check_cancel_and_concurrency,
     ]
-    try:
-        for check in checks:
-            t = time.time()
-            check(s)
-            print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
-    except BaseException:
-        print("".join(s.log[-20:]), file=sys.stderr)
-        raise
-    finally:
-        s.stop()
+    run_on(Server(), checks)
     for check in (check_api_key, check_request_timeout, check_shutdown_ends_streams, check_embeddings, check_rerank):
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
-    if CODER:
-        coder = Server(model_args=["--model", CODER])
-        try:
-            for check in (check_tools_openai, check_tools_anthropic, check_structured):
-                t = time.time()
-                check(coder)
-                print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)
-        except BaseException:
-            print("".join(coder.log[-20:]), file=sys.stderr)
-            raise
-        finally:
-            coder.stop()
+    if not CODER:
+        # CI always passes the model (QINFER_CI=1 makes a skip a failure).
+        if os.environ.get("QINFER_CI") == "1":
+            raise AssertionError("no Qwen2.5-Coder GGUF given: the tool-call checks cannot run")
+        print("skipping the tool-call and structured-output checks: no Qwen2.5-Coder GGUF given", flush=True)
+        return
+    run_on(Server(model_args=["--model", CODER]), [check_tools_openai, check_tools_anthropic, check_structured])
 
 
 if __name__ == "__main__":
