@@ -18,7 +18,7 @@ const EARLY: [(&str, &str, &[&str]); 4] = [
     (
         "qkv_prologue_head<",
         "__device__ void qkv_prologue_head(",
-        &["step[0]", "src[", "kv_store(values", "head[c]", "gate_out[", "kv_store(dst"],
+        &["step[0]", "step[t]", "step[2 * rows", "src[", "kv_store(values", "head[c]", "gate_out[", "kv_store(out"],
     ),
     (
         "attention_decode<HD, ",

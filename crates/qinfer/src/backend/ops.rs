@@ -323,6 +323,24 @@ pub trait BatchOps: FusedOps {
         self.write_kv_paged(pool, layer, &k, v, &batch.slots);
         (q, gate)
     }
+    /// [`BatchOps::paged_prologue`] from a stacked q|k|v projection (the
+    /// columns [`FusedOps::split_qkv`] splits). A backend may do it in one
+    /// pass.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_qkv_prologue(
+        &self,
+        qkv: &Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut Self::KvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (Self::Act, Option<Self::Act>) {
+        let (projected, k, v) = self.split_qkv(qkv, shape);
+        self.paged_prologue(projected, k, &v, shape, norms, eps, rope, pool, layer, batch)
+    }
     /// Writes row `i` of `k` and `v` to slot `slots[i]` of `layer`.
     fn write_kv_paged(&self, pool: &mut Self::KvPool, layer: usize, k: &Self::Act, v: &Self::Act, slots: &[u32]) {
         let _ = (pool, layer, k, v, slots);

@@ -159,8 +159,7 @@ impl<B: ModelBackend> Attention<B> {
         let (q, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
                 let qkv = input.linear(b, w, bias.as_ref());
-                let (projected, k, v) = b.split_qkv(&qkv, &shape);
-                b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
+                b.paged_qkv_prologue(&qkv, &shape, norms, eps, rope, pool, pool_layer, batch)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
                 let projected = b.linear(x, q, q_bias.as_ref());

@@ -15,11 +15,14 @@
 // beside it. Same arithmetic as rms_norm then rope then kv_append. The norm
 // weight and the rotation frequency of each thread's first value are read
 // before the wait for the kernel before (no kernel writes them).
-template <typename T>
+// PAGED: the rows of a batch (batch.cu), `step` its batch table: row t at
+// position table[t], its key and value to slot table[2·rows + t] of a paged
+// pool.
+template <typename T, bool PAGED>
 __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,
                                   const float* q_norm, const float* k_norm, const float* inv_freq, const int* step,
                                   int num_heads, int num_kv_heads, int head_dim, int output_gate, float eps,
-                                  int rotary_dim, int style) {
+                                  int rotary_dim, int style, int rows = 0) {
     extern __shared__ float head[];
     int t = blockIdx.x, hh = blockIdx.y;
     int q_rows = num_heads * head_dim * (output_gate ? 2 : 1), kv_dim = num_kv_heads * head_dim;
@@ -31,11 +34,18 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
     int half = rotary_dim / 2, c0 = threadIdx.x;
     float w0 = w && c0 < head_dim ? w[c0] : 1.0f, freq0 = c0 < half ? inv_freq[c0] : 0.0f;
     grid_dependency_wait();
-    int pos = step[0] + t;
+    int pos, dst;  // the row's position, and the cache row or pool slot it writes
+    if constexpr (PAGED) {
+        pos = step[t];
+        dst = step[2 * rows + t];
+    } else {
+        pos = step[0] + t;
+        dst = pos;
+    }
     if (!is_q) {
         const float* v = row + q_rows + kv_dim + kh * head_dim;
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
-            kv_store(values + (size_t)pos * kv_dim + kh * head_dim + c, v[c]);
+            kv_store(values + (size_t)dst * kv_dim + kh * head_dim + c, v[c]);
     } else if (output_gate) {
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
             gate_out[((size_t)t * num_heads + hh) * head_dim + c] = src[head_dim + c];
@@ -56,8 +66,8 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
         float* dst = q_out + ((size_t)t * num_heads + hh) * head_dim;
         for (int c = threadIdx.x; c < head_dim; c += blockDim.x) dst[c] = head[c];
     } else {
-        T* dst = keys + (size_t)pos * kv_dim + kh * head_dim;
-        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) kv_store(dst + c, head[c]);
+        T* out = keys + (size_t)dst * kv_dim + kh * head_dim;
+        for (int c = threadIdx.x; c < head_dim; c += blockDim.x) kv_store(out + c, head[c]);
     }
 }
 
@@ -66,8 +76,15 @@ __device__ void qkv_prologue_head(const float* qkv, float* q_out, float* gate_ou
                                     const float* q_norm, const float* k_norm, const float* inv_freq,             \
                                     const int* step, int num_heads, int num_kv_heads, int head_dim,              \
                                     int output_gate, float eps, int rotary_dim, int style) {                     \
-        qkv_prologue_head<T>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads,       \
-                             num_kv_heads, head_dim, output_gate, eps, rotary_dim, style);                        \
+        qkv_prologue_head<T, false>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, step, num_heads, \
+                                    num_kv_heads, head_dim, output_gate, eps, rotary_dim, style);                 \
+    }                                                                                                              \
+    extern "C" __global__ void NAME##_paged(const float* qkv, float* q_out, float* gate_out, T* keys, T* values,  \
+                                            const float* q_norm, const float* k_norm, const float* inv_freq,     \
+                                            const int* table, int num_heads, int num_kv_heads, int head_dim,     \
+                                            int output_gate, float eps, int rotary_dim, int style, int rows) {   \
+        qkv_prologue_head<T, true>(qkv, q_out, gate_out, keys, values, q_norm, k_norm, inv_freq, table, num_heads, \
+                                   num_kv_heads, head_dim, output_gate, eps, rotary_dim, style, rows);            \
     }
 QKV_PROLOGUE(qkv_prologue, float)
 QKV_PROLOGUE(qkv_prologue_f16, __half)
@@ -255,15 +272,19 @@ ATTENTION_SPLIT(attention_split_f16, __half)
 template <typename T>
 __host__ __device__ constexpr int decode_red_keys() { return (int)(8 * DECODE_HEADS * sizeof(float) / sizeof(T)); }
 // Rows [j0, j1) of the chunk starting at key `lo` of KV head `kvh`, keys to
-// `ks` and values to `vs` (HD values a row), in one cp.async group.
-template <int HD, typename T>
+// `ks` and values to `vs` (HD values a row), in one cp.async group. PAGED:
+// key j sits in slot blocks[j / block_size]·block_size + j % block_size of
+// a paged pool; else at row j of a contiguous cache.
+template <int HD, bool PAGED, typename T>
 __device__ __forceinline__ void decode_stage_rows(const T* keys, const T* values, T* ks, T* vs, int lo, int j0,
-                                                  int j1, int kv_dim, int kvh) {
+                                                  int j1, int kv_dim, int kvh, const int* blocks, int block_size) {
     constexpr int PER = 16 / (int)sizeof(T);  // values a 16-byte piece
     constexpr int PIECES = HD / PER;         // pieces a row
     for (int i = j0 * PIECES + threadIdx.x; i < j1 * PIECES; i += DECODE_THREADS) {
         int j = i / PIECES, p = i % PIECES;
-        size_t src = (size_t)(lo + j) * kv_dim + kvh * HD + PER * p;
+        size_t key = lo + j;
+        if constexpr (PAGED) key = (size_t)__ldg(blocks + key / block_size) * block_size + key % block_size;
+        size_t src = key * kv_dim + kvh * HD + PER * p;
         cp_async<16>(ks + j * HD + PER * p, keys + src, true);
         cp_async<16>(vs + j * HD + PER * p, values + src, true);
     }
@@ -330,10 +351,14 @@ struct DecodePrologue {
     int output_gate, rotary_dim, style;
 };
 
-template <int HD, bool FUSED, int HEADS, typename T>
+// PAGED: rows of a batch over a paged pool. `step` is then the batch table
+// (batch.cu): row t's position is table[t] and its sequence's block table
+// is found through it; every key, this pass's too, was written before.
+template <int HD, bool FUSED, bool PAGED, int HEADS, typename T>
 __device__ void attention_decode(const float* q, T* keys, T* values, float* part_o, float* part_ml, float* direct,
                                  const int* step, int num_heads, int num_kv_heads, int window, float scale,
-                                 int splits, int chunk, DecodePrologue pro) {
+                                 int splits, int chunk, DecodePrologue pro, int rows = 0, int block_size = 0) {
+    static_assert(!(FUSED && PAGED), "the paged form takes the prologue's rows from the pool");
     constexpr int WARPS = DECODE_THREADS / 32;
     constexpr int V4 = HD >= 128 ? HD / 128 : 1;  // 4-value groups per lane per value row
     static_assert(HEADS <= DECODE_HEADS, "the value sums must fit the keys' space");
@@ -349,15 +374,24 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
     int t = blockIdx.x / num_kv_heads, kvh = blockIdx.x % num_kv_heads, split = blockIdx.y;
     int g0 = blockIdx.z * HEADS, gh = min(HEADS, group - g0);
     int h0 = kvh * group + g0;  // first query head of this block
-    int start = __ldcg(step);
-    int pos = start + t;
+    const int* blocks = nullptr;
+    int start, pos;
+    if constexpr (PAGED) {
+        pos = __ldg(step + t);
+        blocks = step + __ldg(step + 3 * rows + __ldg(step + rows + t));
+        start = 0;
+    } else {
+        start = __ldcg(step);
+        pos = start + t;
+    }
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int lo = max(first, split * chunk), hi = min(pos + 1, (split + 1) * chunk);
     int n = hi - lo;
     int kv_dim = num_kv_heads * HD;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int earlier = min(max(start - lo, 0), max(n, 0));  // rows written by earlier passes
-    if (earlier > 0) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh);
+    if (earlier > 0)
+        decode_stage_rows<HD, PAGED, T>(keys, values, ks, vs, lo, 0, earlier, kv_dim, kvh, blocks, block_size);
     DecodeHeadWeights<HD> hw;
     if constexpr (FUSED) decode_head_weights<HD>(hw, warp < HEADS ? pro.q_norm : pro.k_norm, pro.inv_freq, pos,
                                                  pro.rotary_dim / 2);
@@ -403,7 +437,8 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
             }
         }
     } else {
-        if (earlier < n) decode_stage_rows<HD, T>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh);
+        if (earlier < n)
+            decode_stage_rows<HD, PAGED, T>(keys, values, ks, vs, lo, earlier, n, kv_dim, kvh, blocks, block_size);
         for (int i = threadIdx.x; i < gh * HD; i += DECODE_THREADS)
             qs[i / HD][i % HD] = q[((size_t)t * num_heads + h0 + i / HD) * HD + i % HD] * scale;
     }
@@ -551,19 +586,29 @@ __device__ void attention_decode(const float* q, T* keys, T* values, float* part
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##SUFFIX(                     \
         const float* q, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,        \
         int window, float scale, int splits, int chunk) {                                                          \
-        attention_decode<HD, false, DECODE_HEADS, T>(q, k, v, po, pml, direct, step, nh, nkv, window, scale,       \
-                                                     splits, chunk,                                                \
-                                                     DecodePrologue{nullptr, nullptr, nullptr, nullptr, 0.0f, 0, 0, \
-                                                                    0});                                           \
+        attention_decode<HD, false, false, DECODE_HEADS, T>(q, k, v, po, pml, direct, step, nh, nkv, window,      \
+                                                            scale, splits, chunk,                                  \
+                                                            DecodePrologue{nullptr, nullptr, nullptr, nullptr,     \
+                                                                           0.0f, 0, 0, 0});                        \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_prologue##SUFFIX(          \
         const float* qkv, T* k, T* v, float* po, float* pml, float* direct, const int* step, int nh, int nkv,      \
         int window, float scale, int splits, int chunk, const float* q_norm, const float* k_norm,                  \
         const float* inv_freq, float* gate, float eps, int output_gate, int rotary_dim, int style) {               \
-        attention_decode<HD, true, DECODE_FUSED_HEADS, T>(qkv, k, v, po, pml, direct, step, nh, nkv, window,       \
-                                                          scale, splits, chunk,                                    \
-                                                          DecodePrologue{q_norm, k_norm, inv_freq, gate, eps,      \
-                                                                         output_gate, rotary_dim, style});         \
+        attention_decode<HD, true, false, DECODE_FUSED_HEADS, T>(qkv, k, v, po, pml, direct, step, nh, nkv,        \
+                                                                 window, scale, splits, chunk,                     \
+                                                                 DecodePrologue{q_norm, k_norm, inv_freq, gate,    \
+                                                                                eps, output_gate, rotary_dim,      \
+                                                                                style});                           \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode##HD##_paged##SUFFIX(             \
+        const float* q, T* k, T* v, float* po, float* pml, float* direct, const int* table, int nh, int nkv,       \
+        int window, float scale, int splits, int chunk, int rows, int block_size) {                                \
+        attention_decode<HD, false, true, DECODE_HEADS, T>(q, k, v, po, pml, direct, table, nh, nkv, window,       \
+                                                           scale, splits, chunk,                                   \
+                                                           DecodePrologue{nullptr, nullptr, nullptr, nullptr,      \
+                                                                          0.0f, 0, 0, 0},                          \
+                                                           rows, block_size);                                      \
     }
 ATTENTION_DECODE(64, , float)
 ATTENTION_DECODE(128, , float)

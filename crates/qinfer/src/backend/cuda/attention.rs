@@ -30,14 +30,19 @@ pub(super) struct AttentionKernels<K> {
     exact: [K; 2],
     /// `attention_split{kv}`.
     split: [K; 2],
-    /// `attention_decode{head_dim}{_prologue}{kv}`: by precision, head dim,
-    /// then without and with the prologue.
-    pub(super) decode: [[[K; 2]; 3]; 2],
+    /// `attention_decode{head_dim}{_prologue|_paged}{kv}`: by precision,
+    /// head dim, then the plain form, the one folding the prologue and the
+    /// one reading a paged pool (batch.rs).
+    pub(super) decode: [[[K; 3]; 3]; 2],
     pub(super) combine: K,
     kv_append: [K; 2],
     qkv_prologue: [K; 2],
+    /// `qkv_prologue{kv}_paged` (for batch.rs).
+    pub(super) qkv_prologue_paged: [K; 2],
     /// `flash_prefill{head_dim}` (flash.cu).
     pub(super) flash: [K; 3],
+    /// `flash_prefill{head_dim}_paged` (flash.cu, for batch.rs).
+    pub(super) flash_paged: [K; 3],
     kv_to_half: K,
 }
 
@@ -53,7 +58,7 @@ impl<K> AttentionKernels<K> {
         let mut decode = Vec::new();
         for p in 0..2 {
             decode.push(resolve_table(get, U, |h, f| {
-                format!("attention_decode{}{}{}", HEAD_DIMS[h], ["", "_prologue"][f], kv(p))
+                format!("attention_decode{}{}{}", HEAD_DIMS[h], ["", "_prologue", "_paged"][f], kv(p))
             })?);
         }
         Ok(AttentionKernels {
@@ -63,7 +68,9 @@ impl<K> AttentionKernels<K> {
             combine: get(U, "attention_combine".into())?,
             kv_append: resolve_n(get, U, |i| format!("kv_append{}", kv(i)))?,
             qkv_prologue: resolve_n(get, U, |i| format!("qkv_prologue{}", kv(i)))?,
+            qkv_prologue_paged: resolve_n(get, U, |i| format!("qkv_prologue{}_paged", kv(i)))?,
             flash: resolve_n(get, "flash.cu", |h| format!("flash_prefill{}", HEAD_DIMS[h]))?,
+            flash_paged: resolve_n(get, "flash.cu", |h| format!("flash_prefill{}_paged", HEAD_DIMS[h]))?,
             kv_to_half: get("flash.cu", "kv_to_half".into())?,
         })
     }
@@ -153,18 +160,18 @@ struct KvRows {
 
 impl CudaBackend {
     /// Index of a head dim with its own kernels (64, 128, 256).
-    fn head_dim_slot(head_dim: usize) -> Option<usize> {
+    pub(super) fn head_dim_slot(head_dim: usize) -> Option<usize> {
         HEAD_DIMS.iter().position(|&h| h == head_dim)
     }
 
     /// The keys one `attention_decode{head_dim}` block holds on this device;
     /// None where that kernel does not apply.
-    fn decode_whole_keys(&self, head_dim: usize, kv: KvPrecision) -> Option<usize> {
+    pub(super) fn decode_whole_keys(&self, head_dim: usize, kv: KvPrecision) -> Option<usize> {
         Self::head_dim_slot(head_dim).and_then(|i| self.decode_whole[kv_slot(kv)][i])
     }
 
     /// Whether `flash_prefill{head_dim}` exists and its tiles fit a block here.
-    fn flash_fits(&self, head_dim: usize) -> bool {
+    pub(super) fn flash_fits(&self, head_dim: usize) -> bool {
         Self::head_dim_slot(head_dim).is_some_and(|i| self.flash[i])
     }
 
@@ -301,17 +308,31 @@ impl CudaBackend {
             self.launch(&self.k.attention.split[slot], cfg(grid, 128, 0), &args);
         }
         if let Some((o, ml)) = &parts {
-            let grid = (row_heads as u32, s.head_dim.div_ceil(COMBINE_DIMS) as u32, 1);
-            let c = cfg(grid, COMBINE_THREADS as u32, combine_shared(splits) as u32);
-            let args = CombineArgs {
-                part_o: self.p(&o.buf),
-                part_ml: self.p(&ml.buf),
-                out: self.p(&out.buf),
-                head_dim: s.head_dim as i32,
-                splits: splits as i32,
-            };
-            self.launch(&self.k.attention.combine, c, &args);
+            self.combine_splits(o, ml, out, row_heads, s.head_dim, splits);
         }
+    }
+
+    /// `out` (`row_heads` heads of `head_dim`) from the split-K parts
+    /// `part_o` and `part_ml` of `splits` splits each.
+    pub(super) fn combine_splits(
+        &self,
+        part_o: &CudaAct,
+        part_ml: &CudaAct,
+        out: &CudaAct,
+        row_heads: usize,
+        head_dim: usize,
+        splits: usize,
+    ) {
+        let grid = (row_heads as u32, head_dim.div_ceil(COMBINE_DIMS) as u32, 1);
+        let c = cfg(grid, COMBINE_THREADS as u32, combine_shared(splits) as u32);
+        let args = CombineArgs {
+            part_o: self.p(&part_o.buf),
+            part_ml: self.p(&part_ml.buf),
+            out: self.p(&out.buf),
+            head_dim: head_dim as i32,
+            splits: splits as i32,
+        };
+        self.launch(&self.k.attention.combine, c, &args);
     }
 
     /// [`crate::backend::Backend::write_kv`].

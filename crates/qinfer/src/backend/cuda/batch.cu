@@ -5,7 +5,8 @@
 // The batch's description is uploaded once per forward as one table of ints
 // (batch.rs `BatchTable`): per row its position, its sequence and its slot,
 // per sequence where its block table starts, then the block tables back to
-// back. Every kernel here reads it after the wait (it is written by a copy
+// back, then each sequence's first row and the number of rows (the paged
+// flash attention's). Every kernel here reads it after the wait (it is written by a copy
 // on the stream, like an activation).
 
 #include "common.cuh"

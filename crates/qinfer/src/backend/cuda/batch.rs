@@ -7,9 +7,13 @@ use std::ops::Range;
 
 use cudarc::driver::CudaSlice;
 
+use super::STATIC_SHARED_ROOM;
 use super::attention::KV_PRECISIONS;
-use super::attention_plan::{kv_slot, kv_suffix};
+use super::attention_plan::{
+    DECODE_HEADS, DECODE_THREADS, decode_plan, decode_shared, decode_whole_shared, flash_tile, kv_slot, kv_suffix,
+};
 use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
+use super::linear::GEMV_MAX_ROWS;
 use super::norm_rope::rope_style;
 use super::{CudaAct, CudaBackend, CudaWeight};
 use crate::backend::{AttentionShape, QkvShape};
@@ -54,6 +58,27 @@ kernel_args! {
 kernel_args! {
     /// `paged_kv_write{kv}`.
     PagedKvWriteArgs { k: u64, v: u64, keys: u64, values: u64, slots: u64, rows: i32, kv_dim: i32 }
+}
+kernel_args! {
+    /// `attention_decode{head_dim}_paged{kv}` (attention.cu).
+    PagedDecodeArgs {
+        q: u64, keys: u64, values: u64, part_o: u64, part_ml: u64, direct: u64, table: u64, heads: i32,
+        kv_heads: i32, window: i32, scale: f32, splits: i32, chunk: i32, rows: i32, block_size: i32,
+    }
+}
+kernel_args! {
+    /// `flash_prefill{head_dim}_paged` (flash.cu).
+    PagedFlashArgs {
+        q: u64, keys: u64, values: u64, out: u64, table: u64, rows: i32, heads: i32, kv_heads: i32, window: i32,
+        scale: f32, block_size: i32, seq_rows: i32,
+    }
+}
+kernel_args! {
+    /// `qkv_prologue{kv}_paged` (attention.cu).
+    PagedQkvPrologueArgs {
+        qkv: u64, q: u64, gate: u64, keys: u64, values: u64, q_norm: u64, k_norm: u64, inv_freq: u64, table: u64,
+        heads: i32, kv_heads: i32, head_dim: i32, output_gate: i32, eps: f32, rotary_dim: i32, style: i32, rows: i32,
+    }
 }
 kernel_args! {
     /// `paged_attention{kv}`.
@@ -107,12 +132,13 @@ impl CudaKvPool {
 
 /// The batch table the kernels read (see batch.cu), for `layout`: per row
 /// its position, its sequence and its slot, per sequence the index in the
-/// table where its block table starts, then the block tables back to back.
-/// i32 throughout: the pool's slots are bounded to fit (`new_kv_pool_op`).
+/// table where its block table starts, then the block tables back to back,
+/// then per sequence its first row and after them the number of rows (at
+/// [`seq_rows_at`]). i32 throughout: the pool's slots are bounded to fit
+/// (`new_kv_pool_op`).
 fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
     let rows = layout.rows();
-    let blocks: usize = layout.seqs.iter().map(|s| s.block_table.len()).sum();
-    let len = 3 * rows + layout.seqs.len() + blocks;
+    let len = seq_rows_at(layout) + layout.seqs.len() + 1;
     let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| format!("{what} {v} does not fit an i32"));
     int(len, "a batch table of length")?;
     let mut t = Vec::with_capacity(len);
@@ -137,7 +163,14 @@ fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
     for s in &layout.seqs {
         t.extend(s.block_table.iter().map(|&b| b as i32));
     }
+    t.extend(layout.seqs.iter().map(|s| s.rows.start as i32));
+    t.push(rows as i32);
     Ok(t)
+}
+
+/// Where the batch table's first rows of the sequences start.
+fn seq_rows_at(layout: &BatchLayout) -> usize {
+    3 * layout.rows() + layout.seqs.len() + layout.seqs.iter().map(|s| s.block_table.len()).sum::<usize>()
 }
 
 /// The last batch table uploaded, and the layout it was made from: the
@@ -314,6 +347,83 @@ impl CudaBackend {
         (q, gate)
     }
 
+    /// [`crate::backend::ops::BatchOps::paged_qkv_prologue`] in one kernel
+    /// (`qkv_prologue{kv}_paged`, a block per row and head): the gate split,
+    /// the per-head norms and RoPE at the rows' positions, the queries out
+    /// and the keys and values to their slots.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_qkv_prologue_op(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (CudaAct, Option<CudaAct>) {
+        let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let q = self.act(qkv.rows, nh * hd);
+        let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
+        let q_cols = nh * hd * if shape.output_gate { 2 } else { 1 };
+        let bad = if qkv.cols != q_cols + 2 * nkv * hd || qkv.rows != batch.rows() {
+            Some(format!("q|k|v of {}×{} for {} rows of shape {shape:?}", qkv.rows, qkv.cols, batch.rows()))
+        } else if layer >= pool.layers.len() || pool.kv_dim != nkv * hd {
+            Some(format!(
+                "layer {layer} of {} KV dims {} in a pool of {} dims",
+                pool.layers.len(),
+                nkv * hd,
+                pool.kv_dim
+            ))
+        } else {
+            batch
+                .slots
+                .iter()
+                .find(|&&s| s as usize >= pool.num_slots())
+                .map(|s| format!("slot {s} of {}", pool.num_slots()))
+        };
+        if let Some(e) = bad {
+            self.record(Err(e), "paged_qkv_prologue");
+            return (q, gate);
+        }
+        if qkv.rows == 0 {
+            return (q, gate);
+        }
+        let (Some(table), Some(inv_freq)) = (self.batch_table_ptr(batch), self.rope_table(rope)) else {
+            return (q, gate);
+        };
+        let norm_ptr = |w: &CudaWeight| match w {
+            CudaWeight::Vector(v) => self.p(v),
+            _ => 0,
+        };
+        let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
+        let (keys, values) = &pool.layers[layer];
+        let args = PagedQkvPrologueArgs {
+            qkv: self.p(&qkv.buf),
+            q: self.p(&q.buf),
+            gate: gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
+            keys: self.p(keys),
+            values: self.p(values),
+            q_norm,
+            k_norm,
+            inv_freq,
+            table,
+            heads: nh as i32,
+            kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            output_gate: shape.output_gate as i32,
+            eps,
+            rotary_dim: rope.rotary_dim as i32,
+            style: rope_style(rope),
+            rows: qkv.rows as i32,
+        };
+        let threads = (hd.div_ceil(32) * 32).min(256) as u32;
+        let c = cfg((qkv.rows as u32, (nh + nkv) as u32, 1), threads, (hd * 4) as u32);
+        self.launch(&self.k.attention.qkv_prologue_paged[kv_slot(pool.precision)], c, &args);
+        (q, gate)
+    }
+
     /// RoPE of every head of `x`, row r at `positions[r]` (a device array).
     fn rope_at(&self, x: &mut CudaAct, head_dim: usize, positions: u64, rope: &Rope) {
         x.quantized = None;
@@ -398,6 +508,9 @@ impl CudaBackend {
             return out;
         }
         let Some(table) = self.batch_table_ptr(batch) else { return out };
+        if self.paged_attention_tiled(q, pool, layer, s, batch, table, &out) {
+            return out;
+        }
         let (keys, values) = &pool.layers[layer];
         let args = PagedAttentionArgs {
             q: self.p(&q.buf),
@@ -420,6 +533,95 @@ impl CudaBackend {
 
     /// Copies rows `[from, from + n)` of `src` to rows `[to, to + n)` of
     /// `dst` (same widths) on the stream.
+    /// Attention of the batch through the one-sequence kernels' paged
+    /// forms, where they apply (head dims of 64, 128, 256): batches of
+    /// decode rows (at most [`GEMV_MAX_ROWS`] a sequence) take the split-K
+    /// GQA decode attention, each key and value row read once for a
+    /// block's query heads; batches with prompt chunks take the tensor-core
+    /// flash attention over an f16 pool. False where neither applies (the
+    /// plain kernel then).
+    #[allow(clippy::too_many_arguments)]
+    fn paged_attention_tiled(
+        &self,
+        q: &CudaAct,
+        pool: &CudaKvPool,
+        layer: usize,
+        s: &AttentionShape,
+        batch: &BatchLayout,
+        table: u64,
+        out: &CudaAct,
+    ) -> bool {
+        let Some(hd) = Self::head_dim_slot(s.head_dim) else { return false };
+        let (keys, values) = &pool.layers[layer];
+        let (keys, values) = (self.p(keys), self.p(values));
+        let longest = batch.seqs.iter().map(|q| q.rows.len()).max().unwrap_or(0);
+        let n_keys = batch.seqs.iter().map(|q| q.start + q.rows.len()).max().unwrap_or(0);
+        let (window, heads, kv_heads) = (s.window.unwrap_or(0) as i32, s.num_heads as i32, s.num_kv_heads as i32);
+        if longest <= GEMV_MAX_ROWS
+            && let Some(whole) = self.decode_whole_keys(s.head_dim, pool.precision)
+        {
+            let (chunk, splits) = decode_plan(n_keys, whole, pool.precision);
+            let row_heads = q.rows * s.num_heads;
+            let parts =
+                (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
+            let (part_o, part_ml, direct) = match &parts {
+                Some((o, ml)) => (self.p(&o.buf), self.p(&ml.buf), 0u64),
+                None => (0, 0, self.p(&out.buf)),
+            };
+            let group = s.num_heads / s.num_kv_heads;
+            let grid = ((q.rows * s.num_kv_heads) as u32, splits as u32, group.div_ceil(DECODE_HEADS) as u32);
+            let shared = if splits == 1 {
+                decode_whole_shared(chunk, s.head_dim, pool.precision, self.max_block_shared + STATIC_SHARED_ROOM)
+            } else {
+                decode_shared(chunk, s.head_dim, pool.precision)
+            };
+            let args = PagedDecodeArgs {
+                q: self.p(&q.buf),
+                keys,
+                values,
+                part_o,
+                part_ml,
+                direct,
+                table,
+                heads,
+                kv_heads,
+                window,
+                scale: s.scale,
+                splits: splits as i32,
+                chunk: chunk as i32,
+                rows: q.rows as i32,
+                block_size: pool.block_size as i32,
+            };
+            let kernel = &self.k.attention.decode[kv_slot(pool.precision)][hd][2];
+            self.launch(kernel, cfg(grid, DECODE_THREADS as u32, shared as u32), &args);
+            if let Some((o, ml)) = &parts {
+                self.combine_splits(o, ml, out, row_heads, s.head_dim, splits);
+            }
+            return true;
+        }
+        if pool.precision != KvPrecision::F16 || !self.flash_fits(s.head_dim) {
+            return false;
+        }
+        let tile = flash_tile(s.head_dim);
+        let grid = (s.num_heads as u32, longest.div_ceil(tile.rows) as u32, batch.seqs.len() as u32);
+        let args = PagedFlashArgs {
+            q: self.p(&q.buf),
+            keys,
+            values,
+            out: self.p(&out.buf),
+            table,
+            rows: q.rows as i32,
+            heads,
+            kv_heads,
+            window,
+            scale: s.scale,
+            block_size: pool.block_size as i32,
+            seq_rows: seq_rows_at(batch) as i32,
+        };
+        self.launch(&self.k.attention.flash_paged[hd], cfg(grid, tile.threads as u32, tile.shared as u32), &args);
+        true
+    }
+
     fn copy_rows(&self, src: &CudaAct, from: usize, dst: &CudaAct, to: usize, n: usize) {
         let bytes = n * src.cols * 4;
         if bytes == 0 || self.failed() {
@@ -539,7 +741,9 @@ mod tests {
         assert_eq!(&t[2 * rows..3 * rows], &[23, 4, 28]);
         let (s0, s1) = (t[3 * rows] as usize, t[3 * rows + 1] as usize);
         assert_eq!((&t[s0..s0 + 2], &t[s1..s1 + 1]), (&[5, 1][..], &[7][..]));
-        assert_eq!(t.len(), 3 * rows + 2 + 3);
+        let at = seq_rows_at(&layout);
+        assert_eq!(at, 3 * rows + 2 + 3);
+        assert_eq!(&t[at..], &[0, 2, 3]);
     }
 
     #[test]

@@ -139,6 +139,7 @@ impl CudaBackend {
             flash[i] = flash_tile(hd).shared <= block_shared;
             if flash[i] {
                 allow_shared(&k.attention.flash[i], flash_tile(hd).shared, "flash attention shared memory")?;
+                allow_shared(&k.attention.flash_paged[i], flash_tile(hd).shared, "flash attention shared memory")?;
             }
         }
         // Not the legacy default stream: CUDA graphs cannot be captured from it.

@@ -62,10 +62,17 @@ extern "C" __global__ void kv_to_half(const float* __restrict__ k, const float* 
 
 // Grid: (num_heads, query blocks). Query blocks run last-first: the causal
 // ones near the end see the most keys, so they start before the short ones.
-template <int HD, int BK, int WARPS>
+// PAGED: the rows of a batch's sequences over a paged pool, grid (num_heads,
+// query blocks of the longest sequence, sequences). `step` is then the batch
+// table (batch.cu), `rows` the batch's rows, and sequence s's rows are
+// [table[seq_rows + s], table[seq_rows + s + 1]), at consecutive positions
+// from its first row's; key j sits in slot blocks[j / block_size]·block_size
+// + j % block_size.
+template <int HD, int BK, int WARPS, bool PAGED>
 __device__ void flash_prefill(const float* __restrict__ q, const __half* __restrict__ keys,
                               const __half* __restrict__ values, float* __restrict__ out, const int* step, int rows,
-                              int num_heads, int num_kv_heads, int window, float scale) {
+                              int num_heads, int num_kv_heads, int window, float scale, int block_size = 0,
+                              int seq_rows = 0) {
     constexpr int BQ = 16 * WARPS, THREADS = 32 * WARPS;
     // Shared rows padded by 16 bytes: the 8 rows an ldmatrix reads fall in
     // different banks.
@@ -77,8 +84,20 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
     __half* vs = ks + 2 * BK * LD;                 // [2][BK][LD]
     const float neg_inf = -__int_as_float(0x7f800000);
     int h = blockIdx.x, kvh = h / (num_heads / num_kv_heads);
-    int q0 = (gridDim.y - 1 - blockIdx.y) * BQ, start = step[0];
+    int q0 = (gridDim.y - 1 - blockIdx.y) * BQ, start;
     int kv_dim = num_kv_heads * HD, q_dim = num_heads * HD;
+    const int* blocks = nullptr;
+    if constexpr (PAGED) {
+        int s = blockIdx.z, row0 = step[seq_rows + s];
+        blocks = step + step[3 * rows + s];
+        rows = step[seq_rows + s + 1] - row0;
+        if (q0 >= rows) return;
+        start = step[row0];
+        q += (size_t)row0 * q_dim;
+        out += (size_t)row0 * q_dim;
+    } else {
+        start = step[0];
+    }
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
     int last = start + min(q0 + BQ, rows) - 1;  // the block's last query position
@@ -93,7 +112,9 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
         for (int u = 0; u < BK * CHUNKS / THREADS; u++) {
             int i = threadIdx.x + u * THREADS, j = i / CHUNKS, c = i % CHUNKS, key = k0 + j;
             bool ok = key < k_end;
-            size_t at = (size_t)(ok ? key : 0) * kv_dim + kvh * HD + c * 8;
+            size_t row = ok ? key : 0;
+            if constexpr (PAGED) row = (size_t)blocks[row / block_size] * block_size + row % block_size;
+            size_t at = row * kv_dim + kvh * HD + c * 8;
             cp_async<16>(kd + j * LD + c * 8, keys + at, ok);
             cp_async<16>(vd + j * LD + c * 8, values + at, ok);
         }
@@ -233,7 +254,13 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
         const float* q, const __half* k, const __half* v, float* o, const int* step, int rows, int nh, int nkv,    \
         int window, float scale) {                                                                                 \
         grid_dependency_wait();                                                                                    \
-        flash_prefill<HD, BK, WARPS>(q, k, v, o, step, rows, nh, nkv, window, scale);                              \
+        flash_prefill<HD, BK, WARPS, false>(q, k, v, o, step, rows, nh, nkv, window, scale);                       \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) flash_prefill##HD##_paged(                         \
+        const float* q, const __half* k, const __half* v, float* o, const int* table, int rows, int nh, int nkv,   \
+        int window, float scale, int block_size, int seq_rows) {                                                   \
+        grid_dependency_wait();                                                                                    \
+        flash_prefill<HD, BK, WARPS, true>(q, k, v, o, table, rows, nh, nkv, window, scale, block_size, seq_rows); \
     }
 FLASH_PREFILL(64, 64, 8)
 FLASH_PREFILL(128, 64, 8)

@@ -444,6 +444,20 @@ impl BatchOps for CudaBackend {
         self.paged_prologue_op(projected, k, v, shape, norms, eps, rope, pool, layer, batch)
     }
 
+    fn paged_qkv_prologue(
+        &self,
+        qkv: &CudaAct,
+        shape: &QkvShape,
+        norms: Option<(&CudaWeight, &CudaWeight)>,
+        eps: f32,
+        rope: &Rope,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &BatchLayout,
+    ) -> (CudaAct, Option<CudaAct>) {
+        self.paged_qkv_prologue_op(qkv, shape, norms, eps, rope, pool, layer, batch)
+    }
+
     fn write_kv_paged(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, slots: &[u32]) {
         self.write_kv_paged_op(pool, layer, k, v, slots)
     }
