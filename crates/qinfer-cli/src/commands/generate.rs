@@ -34,7 +34,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let lm = model.load(device, !a.json)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model, None) };
-    let opts = GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stops, prefill_chunk: 512 };
+    let opts = GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stops, prefill_chunk: 512, adapter: None };
     let tok = model.tokenizer.as_ref();
     let mut stream = if a.json { None } else { tok.map(|t| t.stream_decoder()) };
     let mut stdout = std::io::stdout().lock();

@@ -50,8 +50,12 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let ids = tok.encode(&text, !tok.has_chat_template())?;
     let lm = model.load(device, true)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
-    let opts =
-        GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stop_tokens(&model, None), prefill_chunk: 512 };
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_tokens,
+        stop_tokens: stop_tokens(&model, None),
+        prefill_chunk: 512,
+        adapter: None,
+    };
     let mut stream = tok.stream_decoder();
     let mut stdout = std::io::stdout().lock();
     let stops = opts.stop_tokens.clone();

@@ -435,7 +435,9 @@ impl EngineCore {
                 .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
                     let ends = start + n == seq.tokens.len();
-                    let Sequence { tokens, blocks, state_slot, sampler, constraint, prefill_len, task, .. } = seq;
+                    let Sequence {
+                        tokens, blocks, state_slot, sampler, constraint, prefill_len, task, adapter, ..
+                    } = seq;
                     let task: &Task = task;
                     let (hidden, scores) = match task {
                         Task::Generate => (HiddenRows::None, None),
@@ -460,6 +462,7 @@ impl EngineCore {
                         },
                         hidden,
                         scores,
+                        adapter: *adapter,
                     }
                 })
                 .collect();

@@ -59,6 +59,10 @@ pub struct Request {
     /// Limits what may be generated (structured output); each sequence of
     /// the request gets its own from this factory.
     pub constraint: Option<std::sync::Arc<dyn ConstraintFactory>>,
+    /// The LoRA adapter it runs with (an id from
+    /// [`crate::models::LanguageModel::add_adapter`]); None: the base model.
+    /// Cached prefixes are shared only among requests of one adapter.
+    pub adapter: Option<crate::lora::AdapterId>,
 }
 
 /// Why a request ended.

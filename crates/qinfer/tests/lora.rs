@@ -1,0 +1,221 @@
+//! LoRA adapters against peft + transformers (float32) on the tiny models:
+//! random non-zero adapters in PEFT's and mlx-lm's formats
+//! (tests/fixtures/lora, made by scripts/make_fixtures_lora.py), alone and
+//! mixed in one batch, and what is refused.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::generate::{GenerateOptions, generate};
+use qinfer::engine::request::{Request, StopConditions};
+use qinfer::loader;
+use qinfer::lora::LoraAdapter;
+use qinfer::models::{LanguageModel, Logits};
+use qinfer::sampling::SamplingParams;
+use serde_json::Value;
+
+const CASES: [&str; 6] =
+    ["qwen2_bf16", "qwen3_5_hybrid", "qwen3_all", "qwen3_moe_attn", "qwen3_next_hybrid", "qwen3_partial"];
+
+fn fixtures() -> Vec<PathBuf> {
+    common::exact_fixture_dirs("lora", &CASES, "reference.json")
+}
+
+fn reference(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn base_of(dir: &Path) -> Box<dyn LanguageModel> {
+    let base = reference(dir)["base"].as_str().unwrap().to_string();
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(base);
+    loader::open(&path).unwrap().load_cpu(false).unwrap()
+}
+
+/// Tolerance on the logits: 1e-4, and 2e-4 on the Gated DeltaNet hybrids,
+/// whose base models alone already sit ~1e-4 from transformers in float32
+/// (parity_tiny) with logits of magnitude ~50.
+fn tolerance(dir: &Path) -> f32 {
+    if dir.to_string_lossy().contains("hybrid") { 2e-4 } else { 1e-4 }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Teacher-forced logits of the adapter in `adapter_dir` on `dir`'s base.
+fn adapted_logits(lm: &dyn LanguageModel, dir: &Path, adapter_dir: &Path) -> (Vec<f32>, Vec<f32>) {
+    let input = ids(&reference(dir)["input_ids"]);
+    let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+    let adapter = LoraAdapter::load(adapter_dir).unwrap_or_else(|e| panic!("{}: {e}", adapter_dir.display()));
+    let id = lm.add_adapter(&adapter).unwrap_or_else(|e| panic!("{}: {e}", adapter_dir.display()));
+    let mut seq = lm.new_sequence(input.len());
+    lm.set_adapter(seq.as_mut(), Some(id)).unwrap();
+    let got = lm.forward(seq.as_mut(), &input, Logits::All).unwrap();
+    (got, want)
+}
+
+#[test]
+fn peft_adapters_match_peft_logits_on_every_architecture() {
+    for dir in fixtures() {
+        let lm = base_of(&dir);
+        let (got, want) = adapted_logits(lm.as_ref(), &dir, &dir);
+        let d = max_abs_diff(&got, &want);
+        // Without the adapter the logits are far off: the adapter is not a no-op.
+        let input = ids(&reference(&dir)["input_ids"]);
+        let mut plain = lm.new_sequence(input.len());
+        let base = lm.forward(plain.as_mut(), &input, Logits::All).unwrap();
+        let off = max_abs_diff(&base, &want);
+        println!("{}: max |Δlogit| = {d:.2e} (the base alone: {off:.2e})", dir.display());
+        assert!(d <= tolerance(&dir), "{}: max |Δlogit| = {d}", dir.display());
+        assert!(off > 0.05, "{}: the adapter barely changes the logits ({off})", dir.display());
+    }
+}
+
+#[test]
+fn mlx_adapters_match_the_same_weights_in_peft_form() {
+    let mut seen = 0;
+    for dir in fixtures() {
+        let mlx = dir.join("mlx");
+        if !mlx.exists() {
+            continue;
+        }
+        let lm = base_of(&dir);
+        let (got, want) = adapted_logits(lm.as_ref(), &dir, &mlx);
+        let d = max_abs_diff(&got, &want);
+        println!("{} (mlx-lm form): max |Δlogit| = {d:.2e}", dir.display());
+        assert!(d <= tolerance(&dir), "{}: max |Δlogit| = {d}", mlx.display());
+        seen += 1;
+    }
+    assert_eq!(seen, 5, "mlx-lm forms among the fixtures");
+}
+
+#[test]
+fn greedy_continuations_with_adapters_match_peft() {
+    for dir in fixtures() {
+        let r = reference(&dir);
+        let lm = base_of(&dir);
+        let id = lm.add_adapter(&LoraAdapter::load(&dir).unwrap()).unwrap();
+        let want = ids(&r["greedy"]["new_tokens"]);
+        let opts =
+            GenerateOptions { max_new_tokens: want.len(), stop_tokens: vec![], prefill_chunk: 3, adapter: Some(id) };
+        let (got, _) =
+            generate(lm.as_ref(), &ids(&r["greedy"]["prompt"]), &SamplingParams::default(), &opts, |_| Ok(true))
+                .unwrap();
+        assert_eq!(got, want, "{} (smallest top-2 margin {})", dir.display(), r["greedy"]["min_top2_margin"]);
+    }
+}
+
+/// Greedy outputs of `reqs` (prompt, adapter) through the engine, all at
+/// once, with the prefix cache on.
+fn engine_outputs(lm: std::sync::Arc<dyn LanguageModel>, reqs: &[(Vec<u32>, Option<u64>)], n: usize) -> Vec<Vec<u32>> {
+    let cfg = EngineConfig::for_model(lm.as_ref(), 64, 8, Some(256), 64 << 20);
+    let mut engine = EngineCore::new(lm, None, cfg).unwrap();
+    for (i, (prompt, adapter)) in reqs.iter().enumerate() {
+        let req = Request {
+            prompt: prompt.clone(),
+            sampling: SamplingParams::default(),
+            stop: StopConditions { max_tokens: n, ..Default::default() },
+            adapter: *adapter,
+            ..Default::default()
+        };
+        engine.add(i as u64, req).unwrap();
+    }
+    let mut out = vec![Vec::new(); reqs.len()];
+    while engine.num_unfinished() > 0 {
+        for o in engine.step().unwrap() {
+            out[o.id as usize].extend(&o.token_ids);
+        }
+    }
+    assert!(engine.pools_whole());
+    out
+}
+
+#[test]
+fn a_batch_mixing_adapters_gives_each_row_what_it_gets_alone() {
+    let lora = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lora");
+    let (all, partial) = (lora.join("qwen3_all"), lora.join("qwen3_partial"));
+    let lm: std::sync::Arc<dyn LanguageModel> = base_of(&all).into();
+    let a = lm.add_adapter(&LoraAdapter::load(&all).unwrap()).unwrap();
+    let b = lm.add_adapter(&LoraAdapter::load(&partial).unwrap()).unwrap();
+    let (ra, rb) = (reference(&all), reference(&partial));
+    let prompt = ids(&ra["greedy"]["prompt"]);
+    assert_eq!(prompt, ids(&rb["greedy"]["prompt"]));
+    let n = 12;
+    // The same prompt under each adapter and none, twice over, plus longer
+    // prompts: rows of different adapters side by side in every step, and
+    // prefixes that must not be shared across adapters.
+    let long: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
+    let reqs = vec![
+        (prompt.clone(), Some(a)),
+        (prompt.clone(), None),
+        (prompt.clone(), Some(b)),
+        (long.clone(), Some(b)),
+        (prompt.clone(), Some(a)),
+        (long.clone(), None),
+        (long.clone(), Some(a)),
+    ];
+    let mixed = engine_outputs(lm.clone(), &reqs, n);
+    for (i, req) in reqs.iter().enumerate() {
+        let alone = engine_outputs(lm.clone(), std::slice::from_ref(req), n);
+        assert_eq!(mixed[i], alone[0], "request {i} ({:?}) mixed vs alone", req.1);
+    }
+    // And each equals peft's continuation.
+    assert_eq!(mixed[0], ids(&ra["greedy"]["new_tokens"])[..n]);
+    assert_eq!(mixed[2], ids(&rb["greedy"]["new_tokens"])[..n]);
+    assert_ne!(mixed[0], mixed[1]);
+    // A removed adapter is gone; its id is not given out again.
+    lm.remove_adapter(b).unwrap();
+    assert!(lm.remove_adapter(b).is_err());
+    let c = lm.add_adapter(&LoraAdapter::load(&partial).unwrap()).unwrap();
+    assert!(c != a && c != b);
+    let mut seq = lm.new_sequence(8);
+    let err = lm.set_adapter(seq.as_mut(), Some(b)).unwrap_err().to_string();
+    assert!(err.contains("no LoRA adapter"), "{err}");
+}
+
+fn copy_adapter(from: &Path, to: &Path, edit: impl FnOnce(&mut Value)) {
+    std::fs::create_dir_all(to).unwrap();
+    std::fs::copy(from.join("adapter_model.safetensors"), to.join("adapter_model.safetensors")).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("adapter_config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(to.join("adapter_config.json"), cfg.to_string()).unwrap();
+}
+
+#[test]
+fn unsupported_adapters_are_refused_by_name() {
+    let lora = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lora");
+    let tmp = std::env::temp_dir().join(format!("qinfer-lora-{}", std::process::id()));
+    let src = lora.join("qwen3_all");
+    for (field, value, says) in [
+        ("use_dora", Value::Bool(true), "DoRA"),
+        ("modules_to_save", serde_json::json!(["lm_head"]), "modules_to_save"),
+        ("bias", Value::from("lora_only"), "bias"),
+        ("peft_type", Value::from("IA3"), "IA3"),
+    ] {
+        let dir = tmp.join(field);
+        copy_adapter(&src, &dir, |c| c[field] = value);
+        let err = LoraAdapter::load(&dir).unwrap_err().to_string();
+        assert!(err.contains(says), "{field}: {err}");
+    }
+    // An adapter made for another base: its shapes name the projection.
+    let qwen2 = base_of(&lora.join("qwen2_bf16"));
+    let err = qwen2.add_adapter(&LoraAdapter::load(&src).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("layers.0.self_attn.q_proj") || err.contains("maps"), "{err}");
+    // Projections the model does not have (Qwen3-Next's fused names on a
+    // Qwen3 base).
+    let qwen3 = base_of(&src);
+    let err = qwen3.add_adapter(&LoraAdapter::load(&lora.join("qwen3_next_hybrid")).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("cannot be applied"), "{err}");
+    // A directory without an adapter.
+    let err = LoraAdapter::load(&tmp.join("nothing-here")).unwrap_err().to_string();
+    assert!(err.contains("adapter_config.json"), "{err}");
+    std::fs::remove_dir_all(&tmp).ok();
+}
