@@ -78,6 +78,17 @@ pub struct Loaded {
     /// Token ids that end generation (the model's EOS ids).
     pub stop_token_ids: Vec<u32>,
     pub task: ServedTask,
+    /// LoRA adapters placed beside the model's weights, each served under
+    /// its own model name.
+    pub adapters: Vec<ServedAdapter>,
+}
+
+/// A LoRA adapter a request picks by naming it as its `model`.
+#[derive(Debug, Clone)]
+pub struct ServedAdapter {
+    pub name: String,
+    pub id: qinfer::lora::AdapterId,
+    pub path: std::path::PathBuf,
 }
 
 struct Ready {
@@ -87,6 +98,7 @@ struct Ready {
     task: ServedTask,
     /// The grammar engine's view of the vocabulary, made on first use.
     grammars: OnceLock<Result<structured::Grammars, String>>,
+    adapters: Vec<ServedAdapter>,
 }
 
 impl Ready {
@@ -134,19 +146,25 @@ impl AppState {
         }
     }
 
-    /// Checks the requested model name against the one served.
-    fn check_model(&self, flavor: Flavor, model: Option<&str>) -> Result<(), ApiError> {
+    /// Checks the requested model name against the ones served: the base
+    /// model (None) or a LoRA adapter (its id).
+    fn check_model(&self, flavor: Flavor, model: Option<&str>) -> Result<Option<qinfer::lora::AdapterId>, ApiError> {
+        let adapters = self.ready.get().map_or(&[][..], |r| &r.adapters[..]);
         match model {
-            Some(m) if m != self.opts.served_model_name => Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    self.opts.served_model_name
-                ),
-                param: Some("model".into()),
-                flavor,
-            }),
-            _ => Ok(()),
+            Some(m) if m != self.opts.served_model_name => match adapters.iter().find(|a| a.name == m) {
+                Some(a) => Ok(Some(a.id)),
+                None => {
+                    let mut names = vec![format!("`{}`", self.opts.served_model_name)];
+                    names.extend(adapters.iter().map(|a| format!("`{}`", a.name)));
+                    Err(ApiError {
+                        status: StatusCode::NOT_FOUND,
+                        message: format!("the model `{m}` does not exist; this server serves {}", names.join(", ")),
+                        param: Some("model".into()),
+                        flavor,
+                    })
+                }
+            },
+            _ => Ok(None),
         }
     }
 
@@ -335,6 +353,7 @@ where
                 stop_token_ids: l.stop_token_ids,
                 task: l.task,
                 grammars: OnceLock::new(),
+                adapters: l.adapters,
             };
             let _ = loading.ready.set(ready);
         }

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::tokenizer::{ChatMessage, ChatOptions};
 
-use crate::common::{SamplingArgs, open_model, stdout_error, stop_tokens};
+use crate::common::{LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -27,6 +27,8 @@ pub struct Args {
     enable_thinking: Option<bool>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
@@ -54,7 +56,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         max_new_tokens: a.max_tokens,
         stop_tokens: stop_tokens(&model, None),
         prefill_chunk: 512,
-        adapter: None,
+        adapter: a.lora.place(lm.as_ref())?,
     };
     let mut stream = tok.stream_decoder();
     let mut stdout = std::io::stdout().lock();

@@ -238,6 +238,11 @@ impl EngineCore {
 
     /// Checks `req` against the engine's limits: an error names the limit.
     pub fn validate(&self, req: &Request) -> Result<()> {
+        if let Some(id) = req.adapter
+            && !self.runner.model().has_adapter(id)
+        {
+            return Err(Error::Invalid(format!("LoRA adapter {id} is not loaded")));
+        }
         validate(req, &self.cfg, self.vocab)
     }
 

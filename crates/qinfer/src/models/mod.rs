@@ -154,6 +154,11 @@ pub trait LanguageModel: Send + Sync {
         let _ = adapter;
         Err(Error::Invalid(format!("{} does not run LoRA adapters", self.config().arch.name())))
     }
+    /// Whether adapter `id` is placed.
+    fn has_adapter(&self, id: AdapterId) -> bool {
+        let _ = id;
+        false
+    }
     /// Frees an adapter's weights; its id is never given out again.
     fn remove_adapter(&self, id: AdapterId) -> Result<()> {
         Err(Error::Invalid(format!("no LoRA adapter {id} is loaded")))

@@ -467,6 +467,9 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn add_adapter(&self, adapter: &LoraAdapter) -> Result<AdapterId> {
         Ok(self.adapters.insert(self.place_adapter(adapter)?))
     }
+    fn has_adapter(&self, id: AdapterId) -> bool {
+        self.adapters.get(id).is_ok()
+    }
     fn remove_adapter(&self, id: AdapterId) -> Result<()> {
         self.adapters.remove(id)
     }
