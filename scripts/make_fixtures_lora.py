@@ -15,6 +15,8 @@ For each case, tests/fixtures/lora/<case>/ holds:
 * mlx/adapter_config.json, mlx/adapters.safetensors: the same weights in
   mlx-lm's adapter format (`lora_a` = Aᵀ, `lora_b` = Bᵀ, one `scale`), for
   the cases whose scaling one number can express;
+* tests/fixtures/lora_gguf/smollm2_q4_1: an adapter on a llama GGUF whose
+  q/k rows llama.cpp permuted (see make_gguf_llama);
 * logits.npy: float32 logits of reference.json's input_ids through the
   adapted model (eager attention), and the greedy continuation of its
   prompt, with the smallest top-1/top-2 margin seen.
@@ -146,6 +148,8 @@ def make(case: str, base: str, targets: list[str], extra: dict, dtype, seed: int
     # save_pretrained writes base_model_name_or_path as the absolute path it loaded.
     cfg = json.loads((d / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = f"tests/fixtures/tiny/{base}"
+    if isinstance(cfg.get("target_modules"), list):  # a set in peft: its order varies run to run
+        cfg["target_modules"] = sorted(cfg["target_modules"])
     (d / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     readme = d / "README.md"
     if readme.exists():
@@ -183,10 +187,67 @@ def make(case: str, base: str, targets: list[str], extra: dict, dtype, seed: int
     print(f"{case}: {len(scaling)} modules, greedy margin {margin:.4f}, mlx form {'yes' if mlx else 'no'}")
 
 
+SMOLLM2 = Path.home() / ".cache" / "qinfer" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_OUT = ROOT / "tests" / "fixtures" / "lora_gguf" / "smollm2_q4_1"
+GGUF_INPUT = [1, 9690, 314, 253, 5356, 7543, 28, 2366, 35904, 30, 378, 1115]
+GGUF_ROWS = [0, 5, 11]
+
+
+def make_gguf_llama() -> None:
+    """An adapter on a llama GGUF (SmolLM2-135M-Instruct Q4_1, fetched by
+    scripts/fetch_default_model.sh), whose q/k rows llama.cpp's converter
+    permuted: transformers reads the GGUF back into Hugging Face's order
+    (blocks decoded to float32) and peft applies the adapter there."""
+    if not SMOLLM2.exists():
+        print(f"skipping smollm2_q4_1: {SMOLLM2} is missing (scripts/fetch_default_model.sh)")
+        return
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0, init_lora_weights=False)
+    model = get_peft_model(model, config)
+    randomize(model, 7100)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(torch.bfloat16).to(torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([GGUF_INPUT])).logits[0, GGUF_ROWS].float().numpy()
+        with model.disable_adapter():
+            base = model(torch.tensor([GGUF_INPUT])).logits[0, GGUF_ROWS].float().numpy()
+    shutil.rmtree(GGUF_OUT, ignore_errors=True)
+    GGUF_OUT.mkdir(parents=True)
+    model.save_pretrained(GGUF_OUT, safe_serialization=True)
+    from safetensors.torch import load_file
+    st = load_file(GGUF_OUT / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in st.items()}, GGUF_OUT / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    cfg = json.loads((GGUF_OUT / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = SMOLLM2.name
+    cfg["target_modules"] = sorted(cfg["target_modules"])
+    (GGUF_OUT / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if (GGUF_OUT / "README.md").exists():
+        (GGUF_OUT / "README.md").unlink()
+    np.save(GGUF_OUT / "logits.npy", logits.astype(np.float32))
+    np.save(GGUF_OUT / "base_logits.npy", base.astype(np.float32))
+    (GGUF_OUT / "reference.json").write_text(json.dumps({
+        "base": SMOLLM2.name,
+        "input_ids": GGUF_INPUT,
+        "rows": GGUF_ROWS,
+        "logits": {"file": "logits.npy", "shape": list(logits.shape), "with": "the adapter"},
+        "base_logits": {"file": "base_logits.npy", "shape": list(base.shape), "with": "no adapter"},
+        "adapter_dtype": "bfloat16",
+        "note": "transformers decodes the GGUF's blocks to float32 and undoes llama.cpp's q/k row permutation",
+        "peft_version": __import__("peft").__version__,
+        "transformers_version": transformers.__version__,
+    }, indent=1) + "\n")
+    print(f"smollm2_q4_1: adapter moves logits by {float(np.abs(logits - base).max()):.3f}")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for i, (case, base, targets, extra, dtype) in enumerate(CASES):
         make(case, base, targets, extra, dtype, 7000 + i)
+    make_gguf_llama()
 
 
 if __name__ == "__main__":

@@ -316,3 +316,42 @@ fn adapters_on_quantized_bases_match_their_decoded_weights() {
     }
     std::fs::remove_dir_all(&tmp).ok();
 }
+
+/// An adapter on a llama GGUF, whose q/k rows llama.cpp's converter
+/// permuted for its interleaved RoPE: the adapter's q/k rows follow (peft
+/// applied it in Hugging Face's order on the blocks decoded by
+/// transformers; tests/fixtures/lora_gguf). The GGUF's blocks are decoded
+/// to f32 here too, so both sides compute the same float32 model.
+#[test]
+fn adapters_follow_the_q_k_permutation_of_llama_ggufs() {
+    use qinfer::backend::cpu::CpuBackend;
+    use qinfer::models::decoder::DecoderModel;
+    let Some(gguf) = common::default_model() else {
+        common::skip("the default model (SmolLM2-135M-Instruct Q4_1) is not fetched");
+        return;
+    };
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lora_gguf/smollm2_q4_1");
+    let r = reference(&dir);
+    let input = ids(&r["input_ids"]);
+    let rows: Vec<usize> = r["rows"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    let m = loader::open(&gguf).unwrap();
+    let decoded = common::DecodedBlocks(m.source.as_ref());
+    let lm = DecoderModel::load(m.config.clone(), &decoded, CpuBackend::new(), &|_| {}).unwrap();
+    let id = lm.add_adapter(&LoraAdapter::load(&dir).unwrap()).unwrap();
+    let vocab = m.config.vocab_size;
+    let pick =
+        |all: Vec<f32>| -> Vec<f32> { rows.iter().flat_map(|&i| all[i * vocab..(i + 1) * vocab].to_vec()).collect() };
+    let run = |adapter: Option<u64>| {
+        let mut seq = lm.new_sequence(input.len());
+        lm.set_adapter(seq.as_mut(), adapter).unwrap();
+        pick(lm.forward(seq.as_mut(), &input, Logits::All).unwrap())
+    };
+    let (_, want_base) = qinfer::npy::read_f32(&dir.join("base_logits.npy")).unwrap();
+    let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+    let base_gap = max_abs_diff(&run(None), &want_base);
+    let gap = max_abs_diff(&run(Some(id)), &want);
+    let moved = max_abs_diff(&want, &want_base);
+    println!("SmolLM2 GGUF: base {base_gap:.2e}, adapted {gap:.2e} (the adapter moves logits by {moved:.2})");
+    assert!(base_gap <= 2e-3, "the decoded base differs from transformers by {base_gap}");
+    assert!(gap <= 2.0 * base_gap + 1e-4, "adapted logits differ by {gap} (base {base_gap})");
+}

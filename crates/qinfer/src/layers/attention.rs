@@ -9,8 +9,8 @@ use super::lora::{self, LoraSite, Pending, Segments, touches};
 use crate::Result;
 use crate::backend::ops::ModelBackend;
 use crate::backend::{AttentionShape, QkvShape};
-use crate::config::ModelConfig;
 use crate::config::rope::Rope;
+use crate::config::{ModelConfig, RopeStyle};
 use crate::kv::batch::BatchLayout;
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
@@ -111,6 +111,11 @@ impl<B: ModelBackend> Attention<B> {
         let (h, kv) = (cfg.hidden_size, cfg.kv_dim());
         let q_rows = if self.output_gate { 2 * cfg.q_dim() } else { cfg.q_dim() };
         let parts = [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)];
+        if cfg.rope.style == RopeStyle::Interleaved {
+            for path in ["self_attn.q_proj", "self_attn.k_proj"] {
+                lora::interleave_head_rows(pending, layer, path, cfg.head_dim);
+            }
+        }
         let qkv = match &self.proj {
             QkvProj::Stacked { .. } => vec![LoraSite::take(b, pending, layer, &parts, h)?],
             QkvProj::Separate { .. } => parts

@@ -80,6 +80,28 @@ impl<W> LoraSite<W> {
     }
 }
 
+/// Reorders the output rows of the pair `path` of `layer` within each head
+/// as llama.cpp's converter reorders llama's q/k rows for its interleaved
+/// RoPE (per head, rows `[i, d/2 + i]` become `[2i, 2i + 1]`), so that an
+/// adapter made on Hugging Face's order updates the rows a `llama` GGUF holds.
+pub fn interleave_head_rows(pending: &mut Pending, layer: usize, path: &str, head_dim: usize) {
+    let Some(p) = pending.get_mut(&(layer, path.to_string())) else { return };
+    if !head_dim.is_multiple_of(2) || !p.out_dim.is_multiple_of(head_dim) {
+        return;
+    }
+    let (r, half) = (p.rank, head_dim / 2);
+    let mut b = vec![0.0; p.b.len()];
+    for head in 0..p.out_dim / head_dim {
+        for i in 0..half {
+            for (j, from) in [i, half + i].into_iter().enumerate() {
+                let (src, dst) = ((head * head_dim + from) * r, (head * head_dim + 2 * i + j) * r);
+                b[dst..dst + r].copy_from_slice(&p.b[src..src + r]);
+            }
+        }
+    }
+    p.b = b;
+}
+
 /// Whether any adapter of `segs` updates the site `site` picks.
 pub fn touches<W, L>(segs: &Segments<'_, L>, site: impl Fn(&L) -> Option<&LoraSite<W>>) -> bool {
     segs.iter().any(|(_, l)| site(l).is_some())
