@@ -88,6 +88,42 @@ fn generate_with_a_lora_adapter_matches_peft() {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON object");
         assert_eq!(ids(&v["tokens"]), want, "{}", adapter.display());
     }
+    // bench and score take it too: score's logits are the adapted model's.
+    let o = qinfer(&[
+        "bench",
+        "--model",
+        fixture("qwen3").to_str().unwrap(),
+        "--lora",
+        lora.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["lora"].as_str(), lora.to_str());
+    let out = temp_dir("lora-score").join("logits.npy");
+    let input = ids(&r["input_ids"]);
+    let o = qinfer(&[
+        "score",
+        "--model",
+        fixture("qwen3").to_str().unwrap(),
+        "--lora",
+        lora.to_str().unwrap(),
+        "--tokens",
+        &csv(&input),
+        "--logits-out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, got) = qinfer::npy::read_f32(&out).unwrap();
+    let (_, want) = qinfer::npy::read_f32(&lora.join("logits.npy")).unwrap();
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "score --lora: max |Δlogit| {worst}");
     // An adapter for another model is refused, naming the projection.
     let o = qinfer(&[
         "generate",
