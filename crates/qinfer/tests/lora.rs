@@ -355,3 +355,43 @@ fn adapters_follow_the_q_k_permutation_of_llama_ggufs() {
     assert!(base_gap <= 2e-3, "the decoded base differs from transformers by {base_gap}");
     assert!(gap <= 2.0 * base_gap + 1e-4, "adapted logits differ by {gap} (base {base_gap})");
 }
+
+/// Removing an adapter while a request runs with it: that request goes on
+/// to its end with the adapter's weights, new requests naming it are
+/// refused.
+#[test]
+fn an_adapter_removed_mid_request_serves_that_request_to_its_end() {
+    let all = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lora/qwen3_all");
+    let lm: std::sync::Arc<dyn LanguageModel> = base_of(&all).into();
+    let a = lm.add_adapter(&LoraAdapter::load(&all).unwrap()).unwrap();
+    let prompt = ids(&reference(&all)["greedy"]["prompt"]);
+    let n = 12;
+    let alone = engine_outputs(lm.clone(), &[(prompt.clone(), Some(a))], n);
+    let cfg = EngineConfig::for_model(lm.as_ref(), 64, 8, Some(256), 64 << 20);
+    let mut engine = EngineCore::new(lm.clone(), None, cfg).unwrap();
+    let req = |adapter| Request {
+        prompt: prompt.clone(),
+        sampling: SamplingParams::default(),
+        stop: StopConditions { max_tokens: n, ..Default::default() },
+        adapter,
+        ..Default::default()
+    };
+    engine.add(0, req(Some(a))).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        for o in engine.step().unwrap() {
+            got.extend(o.token_ids);
+        }
+    }
+    lm.remove_adapter(a).unwrap();
+    assert!(!lm.has_adapter(a));
+    let err = engine.add(1, req(Some(a))).unwrap_err().to_string();
+    assert!(err.contains("not loaded"), "{err}");
+    while engine.num_unfinished() > 0 {
+        for o in engine.step().unwrap() {
+            got.extend(o.token_ids);
+        }
+    }
+    assert_eq!(got, alone[0]);
+    assert!(lm.remove_adapter(a).is_err());
+}

@@ -55,6 +55,11 @@ pub struct Args {
     /// `"model": "NAME"`; /v1/models lists it.
     #[arg(long = "lora", value_name = "NAME=PATH")]
     loras: Vec<String>,
+    /// Let clients load and unload adapters at run time
+    /// (`/v1/load_lora_adapter` with a path on this machine,
+    /// `/v1/unload_lora_adapter`).
+    #[arg(long)]
+    allow_lora_updates: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -79,6 +84,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         max_n: a.max_n,
         max_body_bytes: a.max_body_mib << 20,
         request_timeout: (a.request_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(a.request_timeout)),
+        allow_lora_updates: a.allow_lora_updates,
     };
     let mut loras: Vec<(String, PathBuf)> = Vec::new();
     for spec in &a.loras {

@@ -27,7 +27,8 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
     let created = now_secs();
     let mut data = vec![json!({"id": name, "object": "model", "created": created, "owned_by": "qinfer"})];
     // LoRA adapters as vLLM lists them: their own id, the base as parent.
-    for a in state.ready.get().map_or(&[][..], |r| &r.adapters[..]) {
+    let guard = state.ready.get().map(|r| r.adapters.read().unwrap_or_else(|e| e.into_inner()));
+    for a in guard.as_deref().map_or(&[][..], |a| &a[..]) {
         data.push(json!({
             "id": a.name, "object": "model", "created": created, "owned_by": "qinfer",
             "root": a.path.display().to_string(), "parent": name,

@@ -406,6 +406,9 @@ impl EngineCore {
     /// Runs one step; returns the outputs it produced (tokens, text, and the
     /// finish of requests that ended).
     pub fn step(&mut self) -> Result<Vec<Output>> {
+        // Adapters retired since the last step go once no request holds them.
+        let in_use: Vec<_> = self.seqs.values().filter_map(|s| s.adapter).collect();
+        self.runner.model().release_adapters(&in_use);
         let plan = self.schedule()?;
         if plan.is_empty() {
             if !self.waiting.is_empty() && self.running.is_empty() {

@@ -2,6 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
+pub use crate::lora::{AdapterId, LoraAdapter};
 pub use crate::sampling::{ConstraintFactory, SamplingParams, TokenConstraint, TokenLogprob};
 
 /// A request's id, unique within one engine.

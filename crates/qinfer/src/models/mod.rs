@@ -159,9 +159,16 @@ pub trait LanguageModel: Send + Sync {
         let _ = id;
         false
     }
-    /// Frees an adapter's weights; its id is never given out again.
+    /// Retires an adapter: no new sequence may take it (its id is never
+    /// given out again); sequences already running with it go on, and its
+    /// weights are freed once [`LanguageModel::release_adapters`] says none
+    /// uses it.
     fn remove_adapter(&self, id: AdapterId) -> Result<()> {
         Err(Error::Invalid(format!("no LoRA adapter {id} is loaded")))
+    }
+    /// Frees the retired adapters that no sequence in `in_use` runs with.
+    fn release_adapters(&self, in_use: &[AdapterId]) {
+        let _ = in_use;
     }
     /// The adapter `seq`'s next forwards run with (None: the base model).
     fn set_adapter(&self, seq: &mut dyn SequenceState, id: Option<AdapterId>) -> Result<()> {

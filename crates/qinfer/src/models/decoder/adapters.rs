@@ -28,9 +28,16 @@ pub(super) struct LayerLora<W> {
 /// One adapter, layer by layer.
 pub(super) type ModelLora<W> = Vec<LayerLora<W>>;
 
+/// A placed adapter; a retired one serves the sequences that already run
+/// with it and no new one, until it is released.
+struct Placed<W> {
+    lora: Arc<ModelLora<W>>,
+    retired: bool,
+}
+
 /// The adapters of one model. Ids count up and are never reused.
 pub(super) struct Adapters<W> {
-    placed: RwLock<HashMap<AdapterId, Arc<ModelLora<W>>>>,
+    placed: RwLock<HashMap<AdapterId, Placed<W>>>,
     next: AtomicU64,
 }
 
@@ -41,22 +48,48 @@ impl<W> Default for Adapters<W> {
 }
 
 impl<W> Adapters<W> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<AdapterId, Placed<W>>> {
+        self.placed.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<AdapterId, Placed<W>>> {
+        self.placed.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn insert(&self, lora: ModelLora<W>) -> AdapterId {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.placed.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(lora));
+        self.write().insert(id, Placed { lora: Arc::new(lora), retired: false });
         id
     }
 
+    /// Retires `id`: no new sequence may take it; its weights go once
+    /// [`Adapters::release`] hears that no sequence uses it.
     pub fn remove(&self, id: AdapterId) -> Result<()> {
-        match self.placed.write().unwrap_or_else(|e| e.into_inner()).remove(&id) {
-            Some(_) => Ok(()),
-            None => Err(Error::Invalid(format!("no LoRA adapter {id} is loaded"))),
+        match self.write().get_mut(&id) {
+            Some(p) if !p.retired => {
+                p.retired = true;
+                Ok(())
+            }
+            _ => Err(Error::Invalid(format!("no LoRA adapter {id} is loaded"))),
         }
     }
 
-    pub fn get(&self, id: AdapterId) -> Result<Arc<ModelLora<W>>> {
-        let placed = self.placed.read().unwrap_or_else(|e| e.into_inner());
-        placed.get(&id).cloned().ok_or_else(|| Error::Invalid(format!("no LoRA adapter {id} is loaded")))
+    /// Frees the retired adapters not in `in_use`.
+    pub fn release(&self, in_use: &[AdapterId]) {
+        if self.read().values().any(|p| p.retired) {
+            self.write().retain(|id, p| !p.retired || in_use.contains(id));
+        }
+    }
+
+    /// Whether a new sequence may take `id`.
+    pub fn usable(&self, id: AdapterId) -> bool {
+        self.read().get(&id).is_some_and(|p| !p.retired)
+    }
+
+    /// `id`'s weights, retired or not (sequences already running with it).
+    fn get(&self, id: AdapterId) -> Result<Arc<ModelLora<W>>> {
+        let placed = self.read();
+        placed.get(&id).map(|p| p.lora.clone()).ok_or_else(|| Error::Invalid(format!("no LoRA adapter {id} is loaded")))
     }
 
     /// The adapters of a forward's rows: `rows[i]` runs with `ids[i]`;

@@ -468,14 +468,19 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         Ok(self.adapters.insert(self.place_adapter(adapter)?))
     }
     fn has_adapter(&self, id: AdapterId) -> bool {
-        self.adapters.get(id).is_ok()
+        self.adapters.usable(id)
+    }
+    fn release_adapters(&self, in_use: &[AdapterId]) {
+        self.adapters.release(in_use)
     }
     fn remove_adapter(&self, id: AdapterId) -> Result<()> {
         self.adapters.remove(id)
     }
     fn set_adapter(&self, seq: &mut dyn SequenceState, id: Option<AdapterId>) -> Result<()> {
-        if let Some(id) = id {
-            self.adapters.get(id)?;
+        if let Some(id) = id
+            && !self.adapters.usable(id)
+        {
+            return Err(Error::Invalid(format!("no LoRA adapter {id} is loaded")));
         }
         DecoderSequence::<B>::of(seq)?.adapter = id;
         Ok(())
