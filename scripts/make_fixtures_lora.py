@@ -169,7 +169,8 @@ def make(case: str, base: str, targets: list[str], extra: dict, dtype, seed: int
             "fine_tune_type": "lora",
             "num_layers": layers,
             "lora_parameters": {"rank": RANK, "scale": next(iter(scaling.values())), "dropout": 0.0,
-                                "keys": sorted({k.split(".")[-2] for k in mlx})},
+                                # Paths inside a layer, as linear_to_lora_layers matches them.
+                                "keys": sorted({".".join(k.split(".")[3:-1]) for k in mlx})},
         }, indent=2, sort_keys=True) + "\n")
     (d / "reference.json").write_text(json.dumps({
         "case": case,
@@ -243,11 +244,47 @@ def make_gguf_llama() -> None:
     print(f"smollm2_q4_1: adapter moves logits by {float(np.abs(logits - base).max()):.3f}")
 
 
+MLX_OUT = ROOT / "tests" / "fixtures" / "lora_mlx"
+
+
+def make_mlx() -> None:
+    """mlx-lm's own reading of the mlx-lm form: tests/fixtures/lora/qwen3_all/mlx
+    loaded by `mlx_lm.load(adapter_path=...)` onto the MLX-quantized tiny Qwen3
+    (tests/fixtures/mlx/qwen3_mixed_3_6, whose mixed bits keep its q/k/v
+    projections apart), logits with the adapter and without."""
+    try:
+        import mlx.core as mx
+        import mlx_lm
+    except ImportError:
+        print("skipping lora_mlx: mlx-lm is not installed")
+        return
+    base = ROOT / "tests" / "fixtures" / "mlx" / "qwen3_mixed_3_6"
+    adapter = OUT / "qwen3_all" / "mlx"
+    ids = json.loads((base / "reference.json").read_text())["input_ids"]
+    plain, _ = mlx_lm.load(str(base))
+    tuned, _ = mlx_lm.load(str(base), adapter_path=str(adapter))
+    run = lambda m: np.array(m(mx.array([ids]))[0].astype(mx.float32))
+    d = MLX_OUT / "qwen3_mixed_3_6"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    np.save(d / "logits.npy", run(tuned))
+    np.save(d / "base_logits.npy", run(plain))
+    (d / "reference.json").write_text(json.dumps({
+        "base": "mlx/qwen3_mixed_3_6",
+        "adapter": "lora/qwen3_all/mlx",
+        "input_ids": ids,
+        "mlx_lm_version": mlx_lm.__version__,
+        "mlx_version": mx.__version__,
+    }, indent=1) + "\n")
+    print(f"lora_mlx: adapter moves logits by {float(np.abs(run(tuned) - run(plain)).max()):.3f}")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for i, (case, base, targets, extra, dtype) in enumerate(CASES):
         make(case, base, targets, extra, dtype, 7000 + i)
     make_gguf_llama()
+    make_mlx()
 
 
 if __name__ == "__main__":

@@ -395,3 +395,30 @@ fn an_adapter_removed_mid_request_serves_that_request_to_its_end() {
     assert_eq!(got, alone[0]);
     assert!(lm.remove_adapter(a).is_err());
 }
+
+/// mlx-lm's own reading of the mlx-lm form (`mlx_lm.load(adapter_path=…)`)
+/// on an MLX-quantized base whose mixed bits keep q, k and v apart
+/// (tests/fixtures/lora_mlx): qinfer with the adapter is as close to mlx-lm
+/// with it as the bases are to each other, in either of the adapter's forms.
+#[test]
+fn adapters_on_an_mlx_quantized_base_match_mlx_lm() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let dir = root.join("lora_mlx/qwen3_mixed_3_6");
+    let input = ids(&reference(&dir)["input_ids"]);
+    let lm = loader::open(&root.join("mlx/qwen3_mixed_3_6")).unwrap().load_cpu(false).unwrap();
+    let run = |id: Option<u64>| {
+        let mut seq = lm.new_sequence(input.len());
+        lm.set_adapter(seq.as_mut(), id).unwrap();
+        lm.forward(seq.as_mut(), &input, Logits::All).unwrap()
+    };
+    let (_, want_base) = qinfer::npy::read_f32(&dir.join("base_logits.npy")).unwrap();
+    let (_, want) = qinfer::npy::read_f32(&dir.join("logits.npy")).unwrap();
+    let base_gap = max_abs_diff(&run(None), &want_base);
+    for form in [root.join("lora/qwen3_all/mlx"), root.join("lora/qwen3_all")] {
+        let id = lm.add_adapter(&LoraAdapter::load(&form).unwrap()).unwrap();
+        let gap = max_abs_diff(&run(Some(id)), &want);
+        println!("{}: base vs mlx-lm {base_gap:.2e}, adapted {gap:.2e}", form.display());
+        assert!(gap <= 2.0 * base_gap + 1e-4, "{}: adapted {gap} vs base {base_gap}", form.display());
+    }
+    assert!(max_abs_diff(&want, &want_base) > 1.0, "mlx-lm's adapter barely moved the logits");
+}
