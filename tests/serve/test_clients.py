@@ -7,6 +7,7 @@ Each check starts from a running server and says what failed; the script
 exits non-zero on the first failure and stops every server it started.
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -609,6 +610,9 @@ def check_errors(s):
         got, body = status_of(fn)
         assert got == want, f"{what}: {got} (wanted {want}): {body}"
         assert body, f"{what}: no error body"
+    # Adapters cannot be loaded over HTTP unless the server allows it.
+    code, body = post(s, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"})
+    assert code == 403 and "--allow-lora-updates" in body, (code, body)
     # Bad JSON, in each API's shape.
     for path, shape in (("/v1/chat/completions", "error"), ("/v1/messages", "type")):
         req = urllib.request.Request(s.url + path, data=b"{not json", headers={"content-type": "application/json"})
@@ -717,6 +721,71 @@ def check_shutdown_ends_streams():
     assert time.time() - t0 < 20
 
 
+LORA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "lora_gguf", "smollm2_q4_1")
+
+
+def check_lora():
+    """A LoRA adapter served beside the base model (the SmolLM2 adapter of
+    tests/fixtures/lora_gguf, checked against peft in crates/qinfer/tests/lora.rs)."""
+    if MODEL_ARGS and "SmolLM2-135M" not in MODEL_ARGS[1]:
+        print("skipping check_lora: its adapter is made for SmolLM2-135M", flush=True)
+        return
+    s = Server("--lora", f"tuned={LORA}", "--allow-lora-updates")
+    try:
+        c, a = oa(s), an(s)
+        models = c.models.list().data
+        assert [m.id for m in models] == [s.name, "tuned"], models
+        assert models[1].model_extra.get("parent") == s.name, models[1]
+        msgs = ask("Write one sentence about the sea.")
+        def chat(model):
+            r = c.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+            return r.model, r.choices[0].message.content
+        base_model, base = chat(s.name)
+        tuned_model, tuned = chat("tuned")
+        assert (base_model, tuned_model) == (s.name, "tuned")
+        assert tuned != base, (tuned, base)
+        # Rows of the adapter and of the base side by side in one batch get
+        # what each gets alone.
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(chat, [s.name, "tuned"] * 3))
+        assert got == [(s.name, base), ("tuned", tuned)] * 3, got
+        r = a.messages.create(model="tuned", max_tokens=16, messages=msgs, extra_body={"temperature": 0})
+        assert r.model == "tuned" and r.content[0].text == tuned, (r, tuned)
+        got, body = status_of(lambda: c.chat.completions.create(model="other", messages=msgs))
+        assert got == 404 and "tuned" in json.dumps(body), (got, body)
+        # Loading and unloading while serving (vLLM's endpoints).
+        assert post(s, "/v1/load_lora_adapter", {"lora_name": "second", "lora_path": LORA})[0] == 200
+        assert [m.id for m in c.models.list().data] == [s.name, "tuned", "second"]
+        assert chat("second") == ("second", tuned)
+        code, body = post(s, "/v1/load_lora_adapter", {"lora_name": "second", "lora_path": LORA})
+        assert code == 400 and "already" in body, (code, body)
+        code, body = post(s, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "/nonexistent/adapter"})
+        assert code == 400 and "/nonexistent/adapter" in body, (code, body)
+        # Unloading an adapter a stream is using: the stream ends as it would have.
+        stream = c.chat.completions.create(model="tuned", messages=msgs, max_tokens=16, temperature=0, stream=True)
+        first = next(iter(stream))
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "tuned"})[0] == 200
+        rest = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        assert (first.choices[0].delta.content or "") + rest == tuned, (rest, tuned)
+        assert [m.id for m in c.models.list().data] == [s.name, "second"]
+        got, body = status_of(lambda: c.chat.completions.create(model="tuned", messages=msgs))
+        assert got == 404, (got, body)
+        assert post(s, "/v1/unload_lora_adapter", {"lora_name": "tuned"})[0] == 404
+        assert chat("second") == ("second", tuned)
+    finally:
+        s.stop()
+
+
+def post(s, path, body):
+    """A raw POST: (status, body text)."""
+    req = urllib.request.Request(s.url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def run_on(server, checks):
     """Runs `checks` against `server`, then stops it; its log tail on failure."""
     try:
@@ -745,7 +814,7 @@ def main():
         check_cancel_and_concurrency,
     ]
     run_on(Server(), checks)
-    for check in (check_api_key, check_request_timeout, check_shutdown_ends_streams, check_embeddings, check_rerank):
+    for check in (check_api_key, check_request_timeout, check_shutdown_ends_streams, check_embeddings, check_rerank, check_lora):
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)

@@ -44,6 +44,25 @@ pub fn open_model(path: Option<&PathBuf>) -> Result<LoadedModel> {
     loader::open(&path).with_context(|| format!("opening model {}", path.display()))
 }
 
+/// `--lora PATH`: run with a LoRA adapter (PEFT's or mlx-lm's directory).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LoraArgs {
+    /// A LoRA adapter directory (PEFT: adapter_config.json and
+    /// adapter_model.safetensors; mlx-lm: adapters.safetensors), applied
+    /// beside the model's weights.
+    #[arg(long, value_name = "PATH")]
+    pub lora: Option<PathBuf>,
+}
+
+impl LoraArgs {
+    /// Places the adapter beside `lm`'s weights; its id, or None without `--lora`.
+    pub fn place(&self, lm: &dyn qinfer::models::LanguageModel) -> anyhow::Result<Option<qinfer::lora::AdapterId>> {
+        let Some(path) = &self.lora else { return Ok(None) };
+        let adapter = qinfer::lora::LoraAdapter::load(path)?;
+        Ok(Some(lm.add_adapter(&adapter)?))
+    }
+}
+
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 = greedy.

@@ -58,6 +58,87 @@ fn generate_json_prints_only_new_tokens_matching_transformers() {
     assert!(v["text"].is_string());
 }
 
+/// `generate --lora`: peft's greedy continuation of the adapted model
+/// (tests/fixtures/lora), in PEFT's layout and in mlx-lm's.
+#[test]
+fn generate_with_a_lora_adapter_matches_peft() {
+    let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/lora/qwen3_all");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(lora.join("reference.json")).unwrap()).unwrap();
+    let prompt = ids(&r["greedy"]["prompt"]);
+    let want = ids(&r["greedy"]["new_tokens"]);
+    let base = ids(&reference("qwen3")["greedy"]["new_tokens"]);
+    assert_ne!(want, base);
+    for adapter in [lora.clone(), lora.join("mlx")] {
+        let dir = fixture("qwen3");
+        let o = qinfer(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--lora",
+            adapter.to_str().unwrap(),
+            "--tokens",
+            &csv(&prompt),
+            "--max-tokens",
+            &want.len().to_string(),
+            "--ignore-eos",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON object");
+        assert_eq!(ids(&v["tokens"]), want, "{}", adapter.display());
+    }
+    // bench and score take it too: score's logits are the adapted model's.
+    let o = qinfer(&[
+        "bench",
+        "--model",
+        fixture("qwen3").to_str().unwrap(),
+        "--lora",
+        lora.to_str().unwrap(),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["lora"].as_str(), lora.to_str());
+    let out = temp_dir("lora-score").join("logits.npy");
+    let input = ids(&r["input_ids"]);
+    let o = qinfer(&[
+        "score",
+        "--model",
+        fixture("qwen3").to_str().unwrap(),
+        "--lora",
+        lora.to_str().unwrap(),
+        "--tokens",
+        &csv(&input),
+        "--logits-out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, got) = qinfer::npy::read_f32(&out).unwrap();
+    let (_, want) = qinfer::npy::read_f32(&lora.join("logits.npy")).unwrap();
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "score --lora: max |Δlogit| {worst}");
+    // An adapter for another model is refused, naming the projection.
+    let o = qinfer(&[
+        "generate",
+        "--model",
+        fixture("qwen2").to_str().unwrap(),
+        "--lora",
+        lora.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--json",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("LoRA adapter"), "{}", stderr(&o));
+}
+
 /// With no token asked for, nothing runs, and the rates say so (not a
 /// prompt rate over no time).
 #[test]

@@ -190,7 +190,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     ready.check_generates(F)?;
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
-    state.check_model(F, b.str("model")?)?;
+    let adapter = state.check_model(F, b.str("model")?)?;
     let max_tokens = match b.i64("max_tokens")? {
         Some(m) if m >= 1 => m as usize,
         Some(_) => return Err(b.bad("max_tokens", "must be at least 1")),
@@ -213,10 +213,14 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let stream = b.bool("stream")?;
     state.admit(F, ready)?;
     let cache_salt = crate::openai::cache_salt(&b)?;
-    let req = Request { prompt, sampling, stop, cache_salt, constraint, ..Default::default() };
+    let req = Request { prompt, sampling, stop, cache_salt, constraint, adapter, ..Default::default() };
     let mut subs = submit_n(&state, ready, req, 1, F)?;
     let sub = subs.pop().expect("one submission");
-    let (id, model) = (state.id("msg"), state.opts.served_model_name.clone());
+    let model = match adapter {
+        Some(_) => b.str("model")?.unwrap_or_default().to_string(),
+        None => state.opts.served_model_name.clone(),
+    };
+    let id = state.id("msg");
     if !stream {
         let c = collect(sub, F).await?;
         let (w, called) = ChatStream::whole(&format, &c.text);

@@ -13,6 +13,7 @@ mod error;
 mod exchange;
 mod latency;
 mod logprobs;
+mod lora;
 mod openai;
 mod params;
 mod pooling;
@@ -57,6 +58,9 @@ pub struct ServeOptions {
     /// A request still running after this long is aborted (504, or an
     /// error event when streaming).
     pub request_timeout: Option<Duration>,
+    /// `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` may change the
+    /// served adapters.
+    pub allow_lora_updates: bool,
 }
 
 /// What the served model does: its endpoints follow.
@@ -78,6 +82,17 @@ pub struct Loaded {
     /// Token ids that end generation (the model's EOS ids).
     pub stop_token_ids: Vec<u32>,
     pub task: ServedTask,
+    /// LoRA adapters placed beside the model's weights, each served under
+    /// its own model name.
+    pub adapters: Vec<ServedAdapter>,
+}
+
+/// A LoRA adapter a request picks by naming it as its `model`.
+#[derive(Debug, Clone)]
+pub struct ServedAdapter {
+    pub name: String,
+    pub id: qinfer::engine::request::AdapterId,
+    pub path: std::path::PathBuf,
 }
 
 struct Ready {
@@ -87,6 +102,7 @@ struct Ready {
     task: ServedTask,
     /// The grammar engine's view of the vocabulary, made on first use.
     grammars: OnceLock<Result<structured::Grammars, String>>,
+    adapters: std::sync::RwLock<Vec<ServedAdapter>>,
 }
 
 impl Ready {
@@ -134,19 +150,30 @@ impl AppState {
         }
     }
 
-    /// Checks the requested model name against the one served.
-    fn check_model(&self, flavor: Flavor, model: Option<&str>) -> Result<(), ApiError> {
+    /// Checks the requested model name against the ones served: the base
+    /// model (None) or a LoRA adapter (its id).
+    fn check_model(
+        &self,
+        flavor: Flavor,
+        model: Option<&str>,
+    ) -> Result<Option<qinfer::engine::request::AdapterId>, ApiError> {
+        let guard = self.ready.get().map(|r| r.adapters.read().unwrap_or_else(|e| e.into_inner()));
+        let adapters = guard.as_deref().map_or(&[][..], |a| &a[..]);
         match model {
-            Some(m) if m != self.opts.served_model_name => Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    self.opts.served_model_name
-                ),
-                param: Some("model".into()),
-                flavor,
-            }),
-            _ => Ok(()),
+            Some(m) if m != self.opts.served_model_name => match adapters.iter().find(|a| a.name == m) {
+                Some(a) => Ok(Some(a.id)),
+                None => {
+                    let mut names = vec![format!("`{}`", self.opts.served_model_name)];
+                    names.extend(adapters.iter().map(|a| format!("`{}`", a.name)));
+                    Err(ApiError {
+                        status: StatusCode::NOT_FOUND,
+                        message: format!("the model `{m}` does not exist; this server serves {}", names.join(", ")),
+                        param: Some("model".into()),
+                        flavor,
+                    })
+                }
+            },
+            _ => Ok(None),
         }
     }
 
@@ -198,6 +225,8 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/embeddings", post(pooling::embeddings))
         .route("/v1/rerank", post(pooling::rerank))
+        .route("/v1/load_lora_adapter", post(lora::load))
+        .route("/v1/unload_lora_adapter", post(lora::unload))
         .route("/rerank", post(pooling::rerank))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -335,6 +364,7 @@ where
                 stop_token_ids: l.stop_token_ids,
                 task: l.task,
                 grammars: OnceLock::new(),
+                adapters: std::sync::RwLock::new(l.adapters),
             };
             let _ = loading.ready.set(ready);
         }

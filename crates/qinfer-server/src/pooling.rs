@@ -86,7 +86,9 @@ pub async fn embeddings(State(state): State<Arc<AppState>>, body: Bytes) -> ApiR
     let ready = state.ready(F)?;
     let v = Body::parse(&body, F)?;
     let b = Body::new(&v, F);
-    state.check_model(F, b.str("model")?)?;
+    if state.check_model(F, b.str("model")?)?.is_some() {
+        return Err(b.bad("model", "LoRA adapters are served for generation only"));
+    }
     let ServedTask::Embed(cfg) = &ready.task else {
         return Err(ApiError::bad_request(
             F,
@@ -167,7 +169,9 @@ pub async fn rerank(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResul
     let ready = state.ready(F)?;
     let v = Body::parse(&body, F)?;
     let b = Body::new(&v, F);
-    state.check_model(F, b.str("model")?)?;
+    if state.check_model(F, b.str("model")?)?.is_some() {
+        return Err(b.bad("model", "LoRA adapters are served for generation only"));
+    }
     let ServedTask::Rerank(format) = &ready.task else {
         return Err(ApiError::bad_request(
             F,

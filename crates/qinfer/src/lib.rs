@@ -14,6 +14,7 @@ pub mod formats;
 pub mod kv;
 pub mod layers;
 pub mod loader;
+pub mod lora;
 pub mod models;
 pub mod npy;
 pub mod quant;

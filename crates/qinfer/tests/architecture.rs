@@ -23,6 +23,7 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
     // Rule 4: formats hand out tensors and metadata; never a tokenizer or a kernel.
     ("formats", &["tensor", "quant", "config"], "file formats"),
     ("tokenizer", &["formats"], "tokenizers and chat templates"),
+    ("lora", &["tensor", "formats"], "LoRA adapters read from their files"),
     // Rule 2: host bookkeeping only, never the backend.
     ("kv", &["tensor", "config"], "KV cache formats and bookkeeping"),
     // Rule 1: the backend imports nothing above itself.
@@ -30,26 +31,38 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
     ("weights", &["tensor", "quant", "config", "formats", "backend"], "weights by name and shape"),
     // Rule 3: layers see a batch description, never a sequence, the
     // scheduler or a sampler.
-    ("layers", &["tensor", "quant", "config", "kv", "backend", "weights"], "model building blocks"),
+    ("layers", &["tensor", "quant", "config", "kv", "backend", "weights", "lora"], "model building blocks"),
     // Models may name `sampling` only for the device-side pick of the
     // one-sequence decode loop, which moves to the runner with the batched
     // engine; they never see the engine.
     (
         "models",
-        &["tensor", "quant", "config", "formats", "kv", "backend", "weights", "layers", "sampling"],
+        &["tensor", "quant", "config", "formats", "kv", "backend", "weights", "layers", "sampling", "lora"],
         "one file per architecture",
     ),
     ("quantize", &["tensor", "quant", "config", "formats"], "the HF → MLX quantizer"),
     (
         "loader",
-        &["tensor", "quant", "config", "sampling", "formats", "tokenizer", "kv", "backend", "weights", "models"],
+        &[
+            "tensor",
+            "quant",
+            "config",
+            "sampling",
+            "formats",
+            "tokenizer",
+            "kv",
+            "backend",
+            "weights",
+            "models",
+            "lora",
+        ],
         "opening a model and placing it on a device",
     ),
     // Sequences become the batch description here and nowhere else.
     ("runner", &["tensor", "config", "sampling", "kv", "models"], "one forward over a batch, and its sampling"),
     (
         "engine",
-        &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader", "runner"],
+        &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader", "runner", "lora"],
         "requests and their lifecycle",
     ),
 ];

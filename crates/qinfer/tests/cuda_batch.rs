@@ -57,6 +57,7 @@ fn shuffled_layout(r: &mut Rng, parts: &[(usize, usize)], block_size: usize, spa
             state_slot: None,
             prompt: n > 1,
             snapshots: Vec::new(),
+            adapter: None,
         });
         at += k;
         row += n;

@@ -105,7 +105,12 @@ fn tiny_models_on_cuda_match_transformers_and_the_cpu() {
         }
         let prompt = ids(&r["greedy"]["prompt"]);
         let want_greedy = ids(&r["greedy"]["new_tokens"]);
-        let opts = GenerateOptions { max_new_tokens: want_greedy.len(), stop_tokens: vec![], prefill_chunk: 512 };
+        let opts = GenerateOptions {
+            max_new_tokens: want_greedy.len(),
+            stop_tokens: vec![],
+            prefill_chunk: 512,
+            adapter: None,
+        };
         let (got_greedy, _) = generate(&lm, &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         assert_eq!(got_greedy, want_greedy, "{}: greedy on CUDA", dir.display());
         // The default configuration (bf16 prefill activations, f16 KV cache) too.

@@ -124,7 +124,12 @@ fn batched_outputs_equal_alone_and_transformers() {
         }
         // The one-sequence path (its own parity tests) agrees on the greedy ones.
         for (q, (tokens, _)) in reqs.iter().zip(&alone).filter(|(q, _)| q.sampling == SamplingParams::default()) {
-            let opts = GenerateOptions { max_new_tokens: q.stop.max_tokens, stop_tokens: vec![], prefill_chunk: 512 };
+            let opts = GenerateOptions {
+                max_new_tokens: q.stop.max_tokens,
+                stop_tokens: vec![],
+                prefill_chunk: 512,
+                adapter: None,
+            };
             let (want, _) = generate(model.as_ref(), &q.prompt, &q.sampling, &opts, |_| Ok(true)).unwrap();
             assert_eq!(tokens, &want, "{name}: engine alone vs generate, prompt of {}", q.prompt.len());
         }

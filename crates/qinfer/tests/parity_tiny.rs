@@ -59,7 +59,8 @@ fn greedy_continuations_match_transformers() {
         let prompt = ids(&r["greedy"]["prompt"]);
         let want = ids(&r["greedy"]["new_tokens"]);
         let (_, lm) = load(&dir);
-        let opts = GenerateOptions { max_new_tokens: want.len(), stop_tokens: vec![], prefill_chunk: 512 };
+        let opts =
+            GenerateOptions { max_new_tokens: want.len(), stop_tokens: vec![], prefill_chunk: 512, adapter: None };
         let (got, _) = generate(lm.as_ref(), &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         assert_eq!(got, want, "{}", dir.display());
     }

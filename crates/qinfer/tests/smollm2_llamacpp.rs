@@ -41,7 +41,7 @@ fn greedy_matches_llama_cpp_for_32_tokens() {
         let want = ids(&case["new_ids"]);
         let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
         let n = margins.iter().position(|m| *m < 0.1).unwrap_or(want.len()).min(32);
-        let opts = GenerateOptions { max_new_tokens: 32, stop_tokens: vec![], prefill_chunk: 512 };
+        let opts = GenerateOptions { max_new_tokens: 32, stop_tokens: vec![], prefill_chunk: 512, adapter: None };
         let (got, _) = generate(lm.as_ref(), &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         println!("{}: checked {n} tokens", case["name"]);
         assert_eq!(got[..n], want[..n], "case {}", case["name"]);

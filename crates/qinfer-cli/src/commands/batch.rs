@@ -17,7 +17,7 @@ use qinfer::sampling::SamplingParams;
 use qinfer::tokenizer::{ChatMessage, ChatOptions, Tokenizer};
 use serde_json::{Value, json};
 
-use crate::common::{EngineArgs, SamplingArgs, open_model, stop_tokens};
+use crate::common::{EngineArgs, LoraArgs, SamplingArgs, open_model, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -43,6 +43,8 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 /// The fields a request line may have, and what each must be.
@@ -155,6 +157,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let stop_ids = if a.ignore_eos { Vec::new() } else { stop_tokens(&model, Some(&tok)) };
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
     let cfg = a.engine.config(lm.as_ref(), &device);
+    let adapter = a.lora.place(lm.as_ref())?;
     let mut core = EngineCore::new(lm.clone(), Some(tok.clone()), cfg)?;
 
     // Parse every line; a bad one becomes its error result, the rest run.
@@ -164,7 +167,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         let id = serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("id").cloned()).unwrap_or(Value::Null);
         let row = results.len();
         let added = parse_line(line, &tok, &defaults, a.max_tokens, &stop_ids)
-            .and_then(|req| core.add(row as u64, req).map_err(|e| e.to_string()));
+            .and_then(|req| core.add(row as u64, Request { adapter, ..req }).map_err(|e| e.to_string()));
         if let Err(e) = added {
             eprintln!("{}:{}: {e}", a.input.display(), i + 1);
             results.push((id.clone(), Some(json!({"id": id, "error": format!("line {}: {e}", i + 1)}))));

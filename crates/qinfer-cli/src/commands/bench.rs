@@ -12,6 +12,7 @@ use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Pooling, Request, StopConditions, Task};
 use qinfer::loader::Device;
+use qinfer::lora::AdapterId;
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::{Sampler, SamplingParams};
 use qinfer::weights::random::WeightStorage;
@@ -87,10 +88,12 @@ pub struct Args {
     system_tokens: usize,
     #[arg(long, default_value_t = 200)]
     turn_tokens: usize,
+    #[command(flatten)]
+    lora: crate::common::LoraArgs,
 }
 
 /// One llama-bench test: context tokens first (untimed), then the timed tokens; tok/s out.
-type BenchFn = fn(&dyn LanguageModel, &[u32], &[u32]) -> Result<f64>;
+type BenchFn = fn(&dyn LanguageModel, Option<AdapterId>, &[u32], &[u32]) -> Result<f64>;
 
 fn tokens(n: usize, vocab: usize) -> Vec<u32> {
     seeded_tokens(n, vocab, 0)
@@ -113,23 +116,29 @@ fn seeded_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-fn context(lm: &dyn LanguageModel, ctx: &[u32], extra: usize) -> Result<Box<dyn qinfer::models::SequenceState>> {
+fn context(
+    lm: &dyn LanguageModel,
+    adapter: Option<AdapterId>,
+    ctx: &[u32],
+    extra: usize,
+) -> Result<Box<dyn qinfer::models::SequenceState>> {
     let mut seq = lm.new_sequence(ctx.len() + extra);
+    lm.set_adapter(seq.as_mut(), adapter)?;
     for chunk in ctx.chunks(2048) {
         lm.forward(seq.as_mut(), chunk, Logits::Last)?;
     }
     Ok(seq)
 }
 
-fn pp(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
-    let mut seq = context(lm, ctx, ids.len())?;
+fn pp(lm: &dyn LanguageModel, adapter: Option<AdapterId>, ctx: &[u32], ids: &[u32]) -> Result<f64> {
+    let mut seq = context(lm, adapter, ctx, ids.len())?;
     let t = Instant::now();
     lm.forward(seq.as_mut(), ids, Logits::Last)?;
     Ok(ids.len() as f64 / t.elapsed().as_secs_f64())
 }
 
-fn tg(lm: &dyn LanguageModel, ctx: &[u32], ids: &[u32]) -> Result<f64> {
-    let mut seq = context(lm, ctx, ids.len())?;
+fn tg(lm: &dyn LanguageModel, adapter: Option<AdapterId>, ctx: &[u32], ids: &[u32]) -> Result<f64> {
+    let mut seq = context(lm, adapter, ctx, ids.len())?;
     // Greedy decoding as generation runs it: the first fixed token, then
     // each pick (on the device for GPU models), every pick read on the host.
     // The picks of a model and context are the same every run, so every run
@@ -159,13 +168,15 @@ fn concurrent(
     vocab: usize,
     run: usize,
     embed: bool,
+    adapter: Option<AdapterId>,
 ) -> Result<(f64, f64)> {
     let all = tokens(c * p, vocab);
     let task = if embed { Task::Embed(Pooling::Last) } else { Task::Generate };
     for (i, prompt) in all.chunks(p).enumerate() {
         let stop = StopConditions { max_tokens: n, ..Default::default() };
         let cache_salt = Some(format!("run {run}"));
-        let req = Request { prompt: prompt.to_vec(), stop, cache_salt, task: task.clone(), ..Default::default() };
+        let req =
+            Request { prompt: prompt.to_vec(), stop, cache_salt, task: task.clone(), adapter, ..Default::default() };
         core.add(i as u64, req)?;
     }
     if embed {
@@ -195,7 +206,13 @@ fn concurrent(
 }
 
 /// `--concurrency`: pp and tg rows for each C.
-fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: &Device) -> Result<Vec<Value>> {
+fn concurrency_rows(
+    a: &Args,
+    lm: &Arc<dyn LanguageModel>,
+    vocab: usize,
+    device: &Device,
+    adapter: Option<AdapterId>,
+) -> Result<Vec<Value>> {
     let (p, n) = (a.n_prompt.first().copied().unwrap_or(0).max(1), a.n_gen.max(2));
     let mut rows = Vec::new();
     for &c in &a.concurrency {
@@ -216,9 +233,9 @@ fn concurrency_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device:
             }),
         };
         let mut core = EngineCore::new(lm.clone(), None, cfg)?;
-        concurrent(&mut core, (c, p, n), vocab, 0, a.embed)?;
+        concurrent(&mut core, (c, p, n), vocab, 0, a.embed, adapter)?;
         let runs = (1..=a.repetitions.max(1))
-            .map(|run| concurrent(&mut core, (c, p, n), vocab, run, a.embed))
+            .map(|run| concurrent(&mut core, (c, p, n), vocab, run, a.embed, adapter))
             .collect::<Result<Vec<_>>>()?;
         if let Some(stats) = core.prefix_stats() {
             ensure!(stats.hit_tokens == 0, "benchmark runs must not find each other's prompts in the prefix cache");
@@ -313,14 +330,16 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         (None, None) => bail!("pass --model, or --config with --random-weights"),
     };
     let reps = a.repetitions.max(1);
+    let adapter = a.lora.place(lm.as_ref())?;
     if a.multi_turn {
+        ensure!(adapter.is_none(), "--multi-turn does not take --lora");
         let lm: Arc<dyn LanguageModel> = Arc::from(lm);
         let rows = multi_turn_rows(&a, &lm, vocab, &device)?;
         return print_rows(&a, &file, lm.as_ref(), 1, rows);
     }
     if !a.concurrency.is_empty() {
         let lm: Arc<dyn LanguageModel> = Arc::from(lm);
-        let rows = concurrency_rows(&a, &lm, vocab, &device)?;
+        let rows = concurrency_rows(&a, &lm, vocab, &device, adapter)?;
         return print_rows(&a, &file, lm.as_ref(), reps, rows);
     }
     let mut rows = Vec::new();
@@ -332,8 +351,8 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         }
         let all = tokens(a.depth + n, vocab);
         let (ctx, ids) = all.split_at(a.depth);
-        f(lm.as_ref(), ctx, ids)?;
-        let samples = (0..reps).map(|_| f(lm.as_ref(), ctx, ids)).collect::<Result<Vec<_>>>()?;
+        f(lm.as_ref(), adapter, ctx, ids)?;
+        let samples = (0..reps).map(|_| f(lm.as_ref(), adapter, ctx, ids)).collect::<Result<Vec<_>>>()?;
         let (m, s) = mean_std(&samples);
         let test = if a.depth > 0 { format!("{name}{n} @ d{}", a.depth) } else { format!("{name}{n}") };
         rows.push(
@@ -350,6 +369,7 @@ fn print_rows(a: &Args, file: &str, lm: &dyn LanguageModel, reps: usize, rows: V
             "backend": lm.device(),
             "threads": rayon::current_num_threads(),
             "repetitions": reps,
+            "lora": a.lora.lora.as_ref().map(|p| p.display().to_string()),
             "results": rows,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use qinfer::engine::generate::{GenerateOptions, generate};
 
-use crate::common::{InputArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
+use crate::common::{InputArgs, LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -26,6 +26,8 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
@@ -34,7 +36,12 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let lm = model.load(device, !a.json)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model, None) };
-    let opts = GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stops, prefill_chunk: 512 };
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_tokens,
+        stop_tokens: stops,
+        prefill_chunk: 512,
+        adapter: a.lora.place(lm.as_ref())?,
+    };
     let tok = model.tokenizer.as_ref();
     let mut stream = if a.json { None } else { tok.map(|t| t.stream_decoder()) };
     let mut stdout = std::io::stdout().lock();

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::tokenizer::{ChatMessage, ChatOptions};
 
-use crate::common::{SamplingArgs, open_model, stdout_error, stop_tokens};
+use crate::common::{LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -27,6 +27,8 @@ pub struct Args {
     enable_thinking: Option<bool>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
@@ -50,8 +52,12 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let ids = tok.encode(&text, !tok.has_chat_template())?;
     let lm = model.load(device, true)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
-    let opts =
-        GenerateOptions { max_new_tokens: a.max_tokens, stop_tokens: stop_tokens(&model, None), prefill_chunk: 512 };
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_tokens,
+        stop_tokens: stop_tokens(&model, None),
+        prefill_chunk: 512,
+        adapter: a.lora.place(lm.as_ref())?,
+    };
     let mut stream = tok.stream_decoder();
     let mut stdout = std::io::stdout().lock();
     let stops = opts.stop_tokens.clone();

@@ -20,6 +20,8 @@ pub struct Args {
     /// Tokens per forward (bounds memory on long inputs).
     #[arg(long, default_value_t = 512)]
     chunk: usize,
+    #[command(flatten)]
+    lora: crate::common::LoraArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
@@ -27,6 +29,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let ids = a.input.token_ids(&model)?;
     let lm = model.load(device, true)?;
     let mut seq = lm.new_sequence(ids.len());
+    lm.set_adapter(seq.as_mut(), a.lora.place(lm.as_ref())?)?;
     let mut logits = Vec::with_capacity(ids.len() * model.config.vocab_size);
     for part in ids.chunks(a.chunk.max(1)) {
         logits.extend(lm.forward(seq.as_mut(), part, Logits::All)?);

@@ -50,6 +50,16 @@ pub struct Args {
     max_body_mib: usize,
     #[command(flatten)]
     task: TaskArgs,
+    /// A LoRA adapter served under its own model name, NAME=PATH (PEFT's or
+    /// mlx-lm's directory); repeatable. A request picks it with
+    /// `"model": "NAME"`; /v1/models lists it.
+    #[arg(long = "lora", value_name = "NAME=PATH")]
+    loras: Vec<String>,
+    /// Let clients load and unload adapters at run time
+    /// (`/v1/load_lora_adapter` with a path on this machine,
+    /// `/v1/unload_lora_adapter`).
+    #[arg(long)]
+    allow_lora_updates: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -74,7 +84,18 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         max_n: a.max_n,
         max_body_bytes: a.max_body_mib << 20,
         request_timeout: (a.request_timeout > 0.0).then(|| std::time::Duration::from_secs_f64(a.request_timeout)),
+        allow_lora_updates: a.allow_lora_updates,
     };
+    let mut loras: Vec<(String, PathBuf)> = Vec::new();
+    for spec in &a.loras {
+        let Some((n, p)) = spec.split_once('=').filter(|(n, p)| !n.is_empty() && !p.is_empty()) else {
+            anyhow::bail!("--lora {spec:?}: expected NAME=PATH");
+        };
+        if n == name || loras.iter().any(|(m, _)| m == n) {
+            anyhow::bail!("--lora {spec:?}: the name `{n}` is already served");
+        }
+        loras.push((n.to_string(), PathBuf::from(p)));
+    }
     let engine_args = a.engine.clone();
     let task = a.task.clone();
     let load = move || -> std::result::Result<Loaded, String> {
@@ -83,10 +104,16 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         let lm: Arc<dyn qinfer::models::LanguageModel> =
             Arc::from(model.load(device, false).map_err(|e| format!("loading {}: {e}", model.path.display()))?);
         let task = task.resolve(&model.path, model.gguf_pooling_type, tok.as_deref()).map_err(|e| e.to_string())?;
+        let mut adapters = Vec::new();
+        for (name, path) in loras {
+            let adapter = qinfer::lora::LoraAdapter::load(&path).map_err(|e| format!("--lora {name}: {e}"))?;
+            let id = lm.add_adapter(&adapter).map_err(|e| format!("--lora {name}: {e}"))?;
+            adapters.push(qinfer_server::ServedAdapter { name, id, path });
+        }
         let cfg = engine_args.config(lm.as_ref(), &device);
         let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
         eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache, {})", engine.kv_bytes() >> 10, task_name(&task));
-        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task })
+        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task, adapters })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {

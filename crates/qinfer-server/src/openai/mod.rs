@@ -24,10 +24,17 @@ const F: Flavor = Flavor::OpenAi;
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Response {
     let name = &state.opts.served_model_name;
-    axum::Json(json!({"object": "list", "data": [
-        {"id": name, "object": "model", "created": now_secs(), "owned_by": "qinfer"}
-    ]}))
-    .into_response()
+    let created = now_secs();
+    let mut data = vec![json!({"id": name, "object": "model", "created": created, "owned_by": "qinfer"})];
+    // LoRA adapters as vLLM lists them: their own id, the base as parent.
+    let guard = state.ready.get().map(|r| r.adapters.read().unwrap_or_else(|e| e.into_inner()));
+    for a in guard.as_deref().map_or(&[][..], |a| &a[..]) {
+        data.push(json!({
+            "id": a.name, "object": "model", "created": created, "owned_by": "qinfer",
+            "root": a.path.display().to_string(), "parent": name,
+        }));
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// Sampling from the fields both APIs share, over the model's defaults.
@@ -182,10 +189,15 @@ fn ask(state: &AppState, ready: &Ready, b: &Body<'_>, prompt: Vec<u32>, logprobs
         None => false,
     };
     let stop = StopConditions { max_tokens, stop_token_ids: ready.stop_token_ids.clone(), stop };
-    let model = state.opts.served_model_name.clone();
+    let adapter = state.check_model(F, b.str("model")?)?;
+    // Responses name what served them: the adapter's name, or the base model's.
+    let model = match adapter {
+        Some(_) => b.str("model")?.unwrap_or_default().to_string(),
+        None => state.opts.served_model_name.clone(),
+    };
     let cache_salt = cache_salt(b)?;
     Ok(Ask {
-        req: Request { prompt, sampling, stop, cache_salt, ..Default::default() },
+        req: Request { prompt, sampling, stop, cache_salt, adapter, ..Default::default() },
         n,
         stream,
         include_usage,

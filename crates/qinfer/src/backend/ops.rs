@@ -385,6 +385,22 @@ pub trait BatchOps: FusedOps {
         let _ = (x, rows);
         unsupported(self, "batched forwards")
     }
+    /// `y[start + i] += d[i]` for each row `i` of `d` (a low-rank update of
+    /// some rows of a projection's output).
+    fn add_rows(&self, y: &mut Self::Act, start: usize, d: &Self::Act) {
+        let (n, k) = (self.rows(y), self.rows(d));
+        let mut mid = self.slice_rows(y, start..start + k);
+        self.add_assign(&mut mid, d);
+        let mut parts = Vec::with_capacity(3);
+        if start > 0 {
+            parts.push(self.slice_rows(y, 0..start));
+        }
+        parts.push(mid);
+        if start + k < n {
+            parts.push(self.slice_rows(y, start + k..n));
+        }
+        *y = self.concat_rows(&parts);
+    }
 }
 
 /// Routed experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE). A backend without

@@ -238,6 +238,11 @@ impl EngineCore {
 
     /// Checks `req` against the engine's limits: an error names the limit.
     pub fn validate(&self, req: &Request) -> Result<()> {
+        if let Some(id) = req.adapter
+            && !self.runner.model().has_adapter(id)
+        {
+            return Err(Error::Invalid(format!("LoRA adapter {id} is not loaded")));
+        }
         validate(req, &self.cfg, self.vocab)
     }
 
@@ -401,6 +406,9 @@ impl EngineCore {
     /// Runs one step; returns the outputs it produced (tokens, text, and the
     /// finish of requests that ended).
     pub fn step(&mut self) -> Result<Vec<Output>> {
+        // Adapters retired since the last step go once no request holds them.
+        let in_use: Vec<_> = self.seqs.values().filter_map(|s| s.adapter).collect();
+        self.runner.model().release_adapters(&in_use);
         let plan = self.schedule()?;
         if plan.is_empty() {
             if !self.waiting.is_empty() && self.running.is_empty() {
@@ -435,7 +443,9 @@ impl EngineCore {
                 .map(|((seq, n), snaps)| {
                     let (start, n) = (seq.computed, *n);
                     let ends = start + n == seq.tokens.len();
-                    let Sequence { tokens, blocks, state_slot, sampler, constraint, prefill_len, task, .. } = seq;
+                    let Sequence {
+                        tokens, blocks, state_slot, sampler, constraint, prefill_len, task, adapter, ..
+                    } = seq;
                     let task: &Task = task;
                     let (hidden, scores) = match task {
                         Task::Generate => (HiddenRows::None, None),
@@ -460,6 +470,7 @@ impl EngineCore {
                         },
                         hidden,
                         scores,
+                        adapter: *adapter,
                     }
                 })
                 .collect();

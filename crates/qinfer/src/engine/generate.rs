@@ -14,6 +14,9 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
     /// Prompt tokens per forward during prefill (bounds activation memory).
     pub prefill_chunk: usize,
+    /// The LoRA adapter to run with (an id from
+    /// [`LanguageModel::add_adapter`]).
+    pub adapter: Option<crate::lora::AdapterId>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -74,6 +77,7 @@ pub fn generate(
         return Ok((Vec::new(), GenerationStats::default()));
     }
     let mut seq = model.new_sequence(capacity);
+    model.set_adapter(seq.as_mut(), opts.adapter)?;
     let mut context: Vec<u32> = prompt.to_vec();
     let mut out = Vec::new();
     let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };

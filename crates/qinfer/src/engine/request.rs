@@ -2,6 +2,7 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
+pub use crate::lora::{AdapterId, LoraAdapter};
 pub use crate::sampling::{ConstraintFactory, SamplingParams, TokenConstraint, TokenLogprob};
 
 /// A request's id, unique within one engine.
@@ -59,6 +60,10 @@ pub struct Request {
     /// Limits what may be generated (structured output); each sequence of
     /// the request gets its own from this factory.
     pub constraint: Option<std::sync::Arc<dyn ConstraintFactory>>,
+    /// The LoRA adapter it runs with (an id from
+    /// [`crate::models::LanguageModel::add_adapter`]); None: the base model.
+    /// Cached prefixes are shared only among requests of one adapter.
+    pub adapter: Option<crate::lora::AdapterId>,
 }
 
 /// Why a request ended.

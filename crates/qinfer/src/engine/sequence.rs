@@ -14,6 +14,8 @@ use crate::tokenizer::stream::DecodeStream;
 
 pub struct Sequence {
     pub id: RequestId,
+    /// The LoRA adapter its rows run with.
+    pub adapter: Option<crate::lora::AdapterId>,
     /// Prompt then generated tokens.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -70,7 +72,8 @@ impl Sequence {
             tokens: req.prompt,
             computed: 0,
             blocks: BlockTable::default(),
-            hashes: BlockHashes::new(&PrefixKeys { cache_salt: req.cache_salt }),
+            hashes: BlockHashes::new(&PrefixKeys { cache_salt: req.cache_salt, adapter: req.adapter }),
+            adapter: req.adapter,
             registered: 0,
             cached_tokens: None,
             state_slot: None,

@@ -26,6 +26,8 @@ pub struct BatchSeq {
     /// states into state slot `slot`, for each `(n, slot)` (in increasing
     /// `n`; prefix-cache snapshots).
     pub snapshots: Vec<(usize, u32)>,
+    /// The LoRA adapter its rows run with (None: the base model).
+    pub adapter: Option<u64>,
 }
 
 impl BatchSeq {

@@ -14,6 +14,9 @@ pub type BlockHash = [u8; 32];
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixKeys {
     pub cache_salt: Option<String>,
+    /// The LoRA adapter the blocks were computed with (its keys and values
+    /// differ from the base model's).
+    pub adapter: Option<u64>,
 }
 
 impl PrefixKeys {
@@ -28,6 +31,10 @@ impl PrefixKeys {
                 h.update(salt.as_bytes());
             }
             None => h.update([0u8]),
+        }
+        if let Some(id) = self.adapter {
+            h.update(b"lora\0");
+            h.update(id.to_le_bytes());
         }
         h.finalize().into()
     }
@@ -96,11 +103,16 @@ mod tests {
             d.extend(&[1, 2, 3, 4, 5, 6, 7][..n], 2);
         }
         assert_eq!(d.as_slice(), a.as_slice());
-        let salted = PrefixKeys { cache_salt: Some("tenant-a".into()) };
+        let salted = PrefixKeys { cache_salt: Some("tenant-a".into()), adapter: None };
         let mut s = BlockHashes::new(&salted);
         s.extend(&[1, 2], 2);
         assert_ne!(s.as_slice()[0], a.as_slice()[0]);
-        assert_ne!(salted.root(), PrefixKeys { cache_salt: Some(String::new()) }.root());
-        assert_ne!(keys.root(), PrefixKeys { cache_salt: Some(String::new()) }.root());
+        assert_ne!(salted.root(), PrefixKeys { cache_salt: Some(String::new()), adapter: None }.root());
+        // Each adapter's blocks are its own, salted or not.
+        let adapted = PrefixKeys { cache_salt: None, adapter: Some(1) };
+        assert_ne!(adapted.root(), keys.root());
+        assert_ne!(adapted.root(), PrefixKeys { cache_salt: None, adapter: Some(2) }.root());
+        assert_ne!(PrefixKeys { adapter: Some(1), ..salted.clone() }.root(), salted.root());
+        assert_ne!(keys.root(), PrefixKeys { cache_salt: Some(String::new()), adapter: None }.root());
     }
 }

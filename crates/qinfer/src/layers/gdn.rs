@@ -4,6 +4,7 @@
 //! `in_proj_a`). The backend runs the conv, the delta rule and the gated norm.
 
 use super::block::{BlockInput, BlockOutput};
+use super::lora::{self, LoraSite, Pending, Segments, touches};
 use crate::Result;
 use crate::backend::GdnWeights;
 use crate::backend::ops::ModelBackend;
@@ -22,6 +23,19 @@ enum Projections<W> {
     Stacked { all: W },
 }
 
+/// An adapter's part for one Gated DeltaNet layer: one site per input
+/// projection weight (in the layer's form) and the out projection's.
+pub struct GdnLora<W> {
+    inputs: Vec<Option<LoraSite<W>>>,
+    out: Option<LoraSite<W>>,
+}
+
+impl<W> GdnLora<W> {
+    fn input(&self, i: usize) -> Option<&LoraSite<W>> {
+        self.inputs.get(i).and_then(Option::as_ref)
+    }
+}
+
 pub struct GatedDeltaNet<B: ModelBackend> {
     proj: Projections<B::Weight>,
     /// `[conv_dim, kernel]` (stored as `[conv_dim, 1, kernel]` by transformers,
@@ -34,6 +48,7 @@ pub struct GatedDeltaNet<B: ModelBackend> {
     out_proj: B::Weight,
     cfg: GdnConfig,
     eps: f32,
+    hidden: usize,
 }
 
 impl<B: ModelBackend> GatedDeltaNet<B> {
@@ -80,15 +95,56 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
             out_proj: ld.get(&format!("{p}.out_proj.weight"), &[h, vd])?,
             cfg: g.clone(),
             eps: cfg.rms_norm_eps,
+            hidden: h,
         })
+    }
+
+    /// An adapter's sites for this layer (`layer` in the model), taken
+    /// from `pending`.
+    pub fn lora(&self, bk: &B, pending: &mut Pending, layer: usize) -> Result<GdnLora<B::Weight>> {
+        let g = &self.cfg;
+        let (h, kd, vd, nv) = (self.hidden, g.key_dim(), g.value_dim(), g.num_v_heads);
+        let split = [
+            ("linear_attn.in_proj_qkv", 2 * kd + vd),
+            ("linear_attn.in_proj_z", vd),
+            ("linear_attn.in_proj_b", nv),
+            ("linear_attn.in_proj_a", nv),
+        ];
+        let mut take = |parts: &[(&str, usize)]| LoraSite::take(bk, pending, layer, parts, h);
+        let inputs = match &self.proj {
+            Projections::Fused { .. } => vec![
+                take(&[("linear_attn.in_proj_qkvz", 2 * kd + 2 * vd)])?,
+                take(&[("linear_attn.in_proj_ba", 2 * nv)])?,
+            ],
+            Projections::Split { .. } => split.iter().map(|p| take(std::slice::from_ref(p))).collect::<Result<_>>()?,
+            Projections::Stacked { .. } => vec![take(&split)?],
+        };
+        let out = LoraSite::take(bk, pending, layer, &[("linear_attn.out_proj", h)], vd)?;
+        Ok(GdnLora { inputs, out })
+    }
+
+    /// The out projection of `o`: left to the caller, or computed here with
+    /// the adapters' updates.
+    fn output<'w>(&'w self, bk: &B, o: B::Act, lora: &Segments<'_, GdnLora<B::Weight>>) -> BlockOutput<'w, B> {
+        if touches(lora, |l| l.out.as_ref()) {
+            BlockOutput::Done(lora::linear(bk, &o, &self.out_proj, None, lora, |l| l.out.as_ref()))
+        } else {
+            BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
+        }
     }
 
     /// The layer's output for `input`, advancing `state`; the out projection
     /// is left for the caller to add into the residual stream.
-    pub fn forward(&self, bk: &B, input: BlockInput<'_, B>, state: &mut B::GdnState) -> BlockOutput<'_, B> {
-        let projected = self.project(bk, input);
+    pub fn forward(
+        &self,
+        bk: &B,
+        input: BlockInput<'_, B>,
+        state: &mut B::GdnState,
+        lora: &Segments<'_, GdnLora<B::Weight>>,
+    ) -> BlockOutput<'_, B> {
+        let projected = self.project(bk, input, lora);
         let o = self.mix(bk, &projected, state, false);
-        BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
+        self.output(bk, o, lora)
     }
 
     /// [`GatedDeltaNet::forward`] over a ragged batch: the projections over
@@ -101,8 +157,9 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         states: &mut [&mut B::GdnState],
         batch: &BatchLayout,
         snapshots: &mut Vec<(u32, B::GdnState)>,
+        lora: &Segments<'_, GdnLora<B::Weight>>,
     ) -> BlockOutput<'_, B> {
-        let projected = self.project(bk, input);
+        let projected = self.project(bk, input, lora);
         let o = if let [seq] = batch.seqs.as_slice()
             && seq.snapshots.is_empty()
         {
@@ -127,34 +184,37 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
             }
             bk.concat_rows(&parts)
         };
-        BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
+        self.output(bk, o, lora)
     }
 
     /// The input projections of every row.
-    fn project(&self, bk: &B, input: BlockInput<'_, B>) -> Projected<B> {
+    fn project(&self, bk: &B, input: BlockInput<'_, B>, lora: &Segments<'_, GdnLora<B::Weight>>) -> Projected<B> {
         let g = &self.cfg;
         let (dk, dv) = (g.k_head_dim, g.v_head_dim);
         match &self.proj {
             Projections::Fused { qkvz, ba } => input.with_normed(bk, |x| {
                 // `fix_query_key_value_ordering`: split each key head's group.
                 let r = g.num_v_heads / g.num_k_heads;
-                let mixed = bk.linear(x, qkvz, None);
+                let mixed = lora::linear(bk, x, qkvz, None, lora, |l| l.input(0));
                 let group = 2 * dk + 2 * r * dv;
                 let q = bk.gather_columns(&mixed, group, 0, dk);
                 let k = bk.gather_columns(&mixed, group, dk, dk);
                 let v = bk.gather_columns(&mixed, group, 2 * dk, r * dv);
                 let z = bk.gather_columns(&mixed, group, 2 * dk + r * dv, r * dv);
-                let mixed_ba = bk.linear(x, ba, None);
+                let mixed_ba = lora::linear(bk, x, ba, None, lora, |l| l.input(1));
                 let b = bk.gather_columns(&mixed_ba, 2 * r, 0, r);
                 let a = bk.gather_columns(&mixed_ba, 2 * r, r, r);
                 Projected::Parts { qkv: bk.concat_columns(&[&q, &k, &v]), z, b, a }
             }),
             Projections::Split { qkv, z, b, a } => input.with_normed(bk, |x| Projected::Parts {
-                qkv: bk.linear(x, qkv, None),
-                z: bk.linear(x, z, None),
-                b: bk.linear(x, b, None),
-                a: bk.linear(x, a, None),
+                qkv: lora::linear(bk, x, qkv, None, lora, |l| l.input(0)),
+                z: lora::linear(bk, x, z, None, lora, |l| l.input(1)),
+                b: lora::linear(bk, x, b, None, lora, |l| l.input(2)),
+                a: lora::linear(bk, x, a, None, lora, |l| l.input(3)),
             }),
+            Projections::Stacked { all } if touches(lora, |l| l.input(0)) => {
+                Projected::Mixed(input.with_normed(bk, |x| lora::linear(bk, x, all, None, lora, |l| l.input(0))))
+            }
             Projections::Stacked { all } => Projected::Mixed(input.linear(bk, all, None)),
         }
     }

@@ -1,16 +1,32 @@
 //! The SwiGLU feed-forward block: `down(silu(gate(x)) ⊙ up(x))`.
 
 use super::block::{BlockInput, BlockOutput};
+use super::lora::{self, LoraSite, Pending, Segments, touches};
 use crate::Result;
 
 use crate::backend::ops::ModelBackend;
 use crate::weights::WeightLoader;
+
+/// An adapter's part for one MLP: one site per gate|up weight (one when
+/// stacked, else gate and up) and the down projection's.
+pub struct MlpLora<W> {
+    gate_up: Vec<Option<LoraSite<W>>>,
+    down: Option<LoraSite<W>>,
+}
+
+impl<W> MlpLora<W> {
+    fn gate_up(&self, i: usize) -> Option<&LoraSite<W>> {
+        self.gate_up.get(i).and_then(Option::as_ref)
+    }
+}
 
 pub struct Mlp<B: ModelBackend> {
     /// gate|up stacked into one weight (backends that fuse projections), or
     /// gate and up.
     gate_up: Vec<B::Weight>,
     down_proj: B::Weight,
+    hidden: usize,
+    width: usize,
 }
 
 impl<B: ModelBackend> Mlp<B> {
@@ -20,26 +36,62 @@ impl<B: ModelBackend> Mlp<B> {
         Ok(Mlp {
             gate_up: ld.stacked_rows(&names, &[[width, hidden], [width, hidden]])?,
             down_proj: ld.get(&format!("{p}.down_proj.weight"), &[hidden, width])?,
+            hidden,
+            width,
         })
     }
 
+    /// An adapter's sites for this MLP (`module` is its path in layer
+    /// `layer`, e.g. `mlp`), taken from `pending`.
+    pub fn lora(&self, b: &B, pending: &mut Pending, module: &str, layer: usize) -> Result<MlpLora<B::Weight>> {
+        let (hidden, width) = (self.hidden, self.width);
+        let (gate, up) = (format!("{module}.gate_proj"), format!("{module}.up_proj"));
+        let parts = [(gate.as_str(), width), (up.as_str(), width)];
+        let gate_up = match self.gate_up.len() {
+            1 => vec![LoraSite::take(b, pending, layer, &parts, hidden)?],
+            _ => parts
+                .iter()
+                .map(|p| LoraSite::take(b, pending, layer, std::slice::from_ref(p), hidden))
+                .collect::<Result<_>>()?,
+        };
+        let down = LoraSite::take(b, pending, layer, &[(&format!("{module}.down_proj"), hidden)], width)?;
+        Ok(MlpLora { gate_up, down })
+    }
+
     /// `silu(gate(input)) ⊙ up(input)`, the down projection's input.
-    fn activations(&self, b: &B, input: &BlockInput<'_, B>) -> B::Act {
+    fn activations(&self, b: &B, input: &BlockInput<'_, B>, lora: &Segments<'_, MlpLora<B::Weight>>) -> B::Act {
         match self.gate_up.as_slice() {
+            [gate_up] if touches(lora, |l| l.gate_up(0)) => {
+                input.with_normed(b, |x| b.swiglu(&lora::linear(b, x, gate_up, None, lora, |l| l.gate_up(0))))
+            }
             [gate_up] => input.linear_swiglu(b, gate_up),
-            [gate, up] => input.with_normed(b, |x| b.silu_mul(&b.linear(x, gate, None), &b.linear(x, up, None))),
+            [gate, up] => input.with_normed(b, |x| {
+                let g = lora::linear(b, x, gate, None, lora, |l| l.gate_up(0));
+                b.silu_mul(&g, &lora::linear(b, x, up, None, lora, |l| l.gate_up(1)))
+            }),
             _ => unreachable!("stacked_rows returns one weight or one per name"),
         }
     }
 
     /// The block's output for `input`; the down projection is left for the
-    /// caller to add into the residual stream.
-    pub fn forward_block(&self, b: &B, input: BlockInput<'_, B>) -> BlockOutput<'_, B> {
-        BlockOutput::Projected { x: self.activations(b, &input), w: &self.down_proj, bias: None }
+    /// caller to add into the residual stream (or done here, with the
+    /// adapters' updates).
+    pub fn forward_block(
+        &self,
+        b: &B,
+        input: BlockInput<'_, B>,
+        lora: &Segments<'_, MlpLora<B::Weight>>,
+    ) -> BlockOutput<'_, B> {
+        let x = self.activations(b, &input, lora);
+        if touches(lora, |l| l.down.as_ref()) {
+            BlockOutput::Done(lora::linear(b, &x, &self.down_proj, None, lora, |l| l.down.as_ref()))
+        } else {
+            BlockOutput::Projected { x, w: &self.down_proj, bias: None }
+        }
     }
 
     /// `down(silu(gate(x)) ⊙ up(x))` of rows `x` already normed (MoE's shared expert).
     pub fn forward(&self, b: &B, x: &B::Act) -> B::Act {
-        b.linear(&self.activations(b, &BlockInput::Normed(x)), &self.down_proj, None)
+        b.linear(&self.activations(b, &BlockInput::Normed(x), &[]), &self.down_proj, None)
     }
 }

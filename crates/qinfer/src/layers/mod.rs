@@ -4,5 +4,6 @@
 pub mod attention;
 pub mod block;
 pub mod gdn;
+pub mod lora;
 pub mod mlp;
 pub mod moe;

@@ -16,6 +16,7 @@ use std::any::Any;
 
 use crate::config::{Architecture, ModelConfig};
 use crate::kv::batch::BatchLayout;
+use crate::lora::{AdapterId, LoraAdapter};
 use crate::sampling::Sampler;
 use crate::{Error, Result};
 
@@ -147,6 +148,36 @@ pub trait LanguageModel: Send + Sync {
     }
     /// A fresh sequence able to hold `capacity` tokens.
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState>;
+    /// Places a LoRA adapter beside the weights (they stay as they are);
+    /// sequences and batch rows then name it by the id returned.
+    fn add_adapter(&self, adapter: &LoraAdapter) -> Result<AdapterId> {
+        let _ = adapter;
+        Err(Error::Invalid(format!("{} does not run LoRA adapters", self.config().arch.name())))
+    }
+    /// Whether adapter `id` is placed.
+    fn has_adapter(&self, id: AdapterId) -> bool {
+        let _ = id;
+        false
+    }
+    /// Retires an adapter: no new sequence may take it (its id is never
+    /// given out again); sequences already running with it go on, and its
+    /// weights are freed once [`LanguageModel::release_adapters`] says none
+    /// uses it.
+    fn remove_adapter(&self, id: AdapterId) -> Result<()> {
+        Err(Error::Invalid(format!("no LoRA adapter {id} is loaded")))
+    }
+    /// Frees the retired adapters that no sequence in `in_use` runs with.
+    fn release_adapters(&self, in_use: &[AdapterId]) {
+        let _ = in_use;
+    }
+    /// The adapter `seq`'s next forwards run with (None: the base model).
+    fn set_adapter(&self, seq: &mut dyn SequenceState, id: Option<AdapterId>) -> Result<()> {
+        let _ = seq;
+        match id {
+            None => Ok(()),
+            Some(id) => Err(Error::Invalid(format!("no LoRA adapter {id} is loaded"))),
+        }
+    }
     /// Appends `tokens` to the sequence and returns logits.
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>>;
     /// Appends `tokens` and returns the token `sampler` picks from the last

@@ -48,6 +48,8 @@ pub struct StepSeq<'a> {
     pub hidden: HiddenRows,
     /// Return the last row's logits of these token ids (scoring).
     pub scores: Option<&'a [u32]>,
+    /// The LoRA adapter its rows run with.
+    pub adapter: Option<u64>,
 }
 
 /// Which of a sequence's rows a step returns hidden states of.
@@ -169,6 +171,7 @@ impl Runner {
                 state_slot: s.state_slot,
                 prompt: s.prompt,
                 snapshots: s.snapshots.clone(),
+                adapter: s.adapter,
             });
         }
         let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);

@@ -71,6 +71,14 @@ impl BatchOps for CpuBackend {
         CpuAct::from_vec(data.len() / cols.max(1), cols, data)
     }
 
+    fn add_rows(&self, y: &mut CpuAct, start: usize, d: &CpuAct) {
+        assert_eq!(y.cols, d.cols, "add_rows: widths differ");
+        let at = start * y.cols;
+        for (a, b) in y.data[at..at + d.data.len()].iter_mut().zip(&d.data) {
+            *a += b;
+        }
+    }
+
     fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> CpuAct {
         let mut data = Vec::with_capacity(rows.len() * x.cols);
         for &r in rows {

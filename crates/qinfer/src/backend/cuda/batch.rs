@@ -726,7 +726,7 @@ mod tests {
     use crate::kv::batch::BatchSeq;
 
     fn seq(rows: Range<usize>, start: usize, block_table: Vec<u32>) -> BatchSeq {
-        BatchSeq { rows, start, block_table, state_slot: None, prompt: false, snapshots: Vec::new() }
+        BatchSeq { rows, start, block_table, state_slot: None, prompt: false, snapshots: Vec::new(), adapter: None }
     }
 
     /// The table lays out positions, sequences, slots, block-table starts

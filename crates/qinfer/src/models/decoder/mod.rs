@@ -3,6 +3,7 @@
 //! DeltaNet) then a feed-forward block (SwiGLU MLP or sparse MoE), laid out
 //! as the architecture's [`super::spec::ModelSpec`] says.
 
+mod adapters;
 mod batch;
 
 use std::any::Any;
@@ -21,6 +22,7 @@ use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
+use crate::lora::{AdapterId, LoraAdapter};
 use crate::models::{BatchOutput, BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
 use crate::sampling::Sampler;
 use crate::tensor::Tensor;
@@ -56,6 +58,8 @@ pub struct DecoderModel<B: ModelBackend> {
     rope: Rope,
     /// Dropped sequences kept for reuse, where the backend asks for it.
     idle: Option<Arc<IdleSequences<B>>>,
+    /// LoRA adapters placed beside the weights.
+    adapters: adapters::Adapters<B::Weight>,
 }
 
 /// Most dropped sequences a model keeps.
@@ -207,7 +211,8 @@ impl<B: ModelBackend> DecoderModel<B> {
         };
         let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
         let idle = backend.capabilities().reuse_sequences.then(|| Arc::new(IdleSequences(Mutex::new(Vec::new()))));
-        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle })
+        let adapters = adapters::Adapters::default();
+        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle, adapters })
     }
 
     /// Runs `tokens` through the model and hands the pass's logits
@@ -237,14 +242,22 @@ impl<B: ModelBackend> DecoderModel<B> {
         // Routing decided on the host (MoE on backends that route there)
         // differs per token: such passes are not replayable.
         let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
-        let replayable = tokens.len() == 1 && (!routed || b.capabilities().device_routing) && logits == Logits::Last;
+        let active = match seq.adapter {
+            Some(id) => self.adapters.active([(0..tokens.len(), Some(id))])?,
+            None => adapters::Active::none(),
+        };
+        // A recorded step would keep one adapter's weights: steps with one run as they come.
+        let replayable = tokens.len() == 1
+            && (!routed || b.capabilities().device_routing)
+            && logits == Logits::Last
+            && active.is_empty();
         let DecoderSequence { cache, gdn, step, .. } = seq;
         let out = b.run_step(
             step,
             start,
             tokens,
             replayable,
-            &mut || self.layers_forward(cache, gdn, tokens, &positions, logits),
+            &mut || self.layers_forward(cache, gdn, tokens, &positions, logits, &active),
             finish,
         )?;
         cache.set_len(start + tokens.len());
@@ -263,6 +276,7 @@ impl<B: ModelBackend> DecoderModel<B> {
         tokens: &[u32],
         positions: &[usize],
         logits: Logits,
+        active: &adapters::Active<B::Weight>,
     ) -> Result<B::Act> {
         let b = &self.backend;
         let mut h = b.embed(&self.embed_tokens, tokens)?;
@@ -275,16 +289,16 @@ impl<B: ModelBackend> DecoderModel<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
             let out = match &layer.mixer {
-                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, x, cache, positions),
+                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, x, cache, positions, &active.attention(l)),
                 Mixer::Linear(net) => {
                     let state = gdn[l].as_mut().expect("every linear-attention layer has a state");
-                    net.forward(b, x, state)
+                    net.forward(b, x, state, &active.linear(l))
                 }
             };
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
             let x = BlockInput::new(&h, normed.as_ref(), &layer.post_attention_layernorm, eps);
             let out = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward_block(b, x),
+                FeedForward::Dense(mlp) => mlp.forward_block(b, x, &active.mlp(l)),
                 FeedForward::Sparse(moe) => moe.forward(b, x),
             };
             let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
@@ -312,6 +326,8 @@ struct DecoderSequence<B: ModelBackend> {
     step: B::Step,
     /// Where this sequence's buffers go when it is dropped, if kept.
     idle: Option<Arc<IdleSequences<B>>>,
+    /// The LoRA adapter its tokens run with.
+    adapter: Option<AdapterId>,
 }
 
 impl<B: ModelBackend> Drop for DecoderSequence<B> {
@@ -323,6 +339,7 @@ impl<B: ModelBackend> Drop for DecoderSequence<B> {
                 rollbacks: Vec::new(),
                 step: std::mem::take(&mut self.step),
                 idle: None,
+                adapter: None,
             });
         }
     }
@@ -426,6 +443,7 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
                 self.backend.clear_gdn_state(state);
             }
             seq.idle = self.idle.clone();
+            seq.adapter = None;
             return Box::new(seq);
         }
         let gdn = self
@@ -443,7 +461,29 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
             rollbacks: Vec::new(),
             step: B::Step::default(),
             idle: self.idle.clone(),
+            adapter: None,
         })
+    }
+    fn add_adapter(&self, adapter: &LoraAdapter) -> Result<AdapterId> {
+        Ok(self.adapters.insert(self.place_adapter(adapter)?))
+    }
+    fn has_adapter(&self, id: AdapterId) -> bool {
+        self.adapters.usable(id)
+    }
+    fn release_adapters(&self, in_use: &[AdapterId]) {
+        self.adapters.release(in_use)
+    }
+    fn remove_adapter(&self, id: AdapterId) -> Result<()> {
+        self.adapters.remove(id)
+    }
+    fn set_adapter(&self, seq: &mut dyn SequenceState, id: Option<AdapterId>) -> Result<()> {
+        if let Some(id) = id
+            && !self.adapters.usable(id)
+        {
+            return Err(Error::Invalid(format!("no LoRA adapter {id} is loaded")));
+        }
+        DecoderSequence::<B>::of(seq)?.adapter = id;
+        Ok(())
     }
     fn forward(&self, seq: &mut dyn SequenceState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let seq = DecoderSequence::<B>::of(seq)?;
