@@ -5,7 +5,7 @@
 //! sigmoid(gate) before o_proj).
 
 use super::block::{BlockInput, BlockOutput};
-use super::lora::{self, LoraSite, Pending, Segments, touches};
+use super::lora::{self, LoraSite, Pending, Segments, Sites};
 use crate::Result;
 use crate::backend::ops::ModelBackend;
 use crate::backend::{AttentionShape, QkvShape};
@@ -20,19 +20,6 @@ use crate::weights::WeightLoader;
 enum QkvProj<W> {
     Stacked { w: W, bias: Option<W> },
     Separate { q: W, k: W, v: W, q_bias: Option<W>, k_bias: Option<W>, v_bias: Option<W> },
-}
-
-/// An adapter's part for one attention layer: one site per q|k|v weight
-/// (one when stacked, else q, k, v) and the o projection's.
-pub struct AttentionLora<W> {
-    qkv: Vec<Option<LoraSite<W>>>,
-    o: Option<LoraSite<W>>,
-}
-
-impl<W> AttentionLora<W> {
-    fn qkv(&self, i: usize) -> Option<&LoraSite<W>> {
-        self.qkv.get(i).and_then(Option::as_ref)
-    }
 }
 
 pub struct Attention<B: ModelBackend> {
@@ -100,14 +87,8 @@ impl<B: ModelBackend> Attention<B> {
     }
 
     /// An adapter's sites for this layer (`layer` in the model), taken
-    /// from `pending`.
-    pub fn lora(
-        &self,
-        b: &B,
-        pending: &mut Pending,
-        cfg: &ModelConfig,
-        layer: usize,
-    ) -> Result<AttentionLora<B::Weight>> {
+    /// from `pending`: q|k|v (one site when stacked, else q, k, v), then o.
+    pub fn lora(&self, b: &B, pending: &mut Pending, cfg: &ModelConfig, layer: usize) -> Result<Sites<B::Weight>> {
         let (h, kv) = (cfg.hidden_size, cfg.kv_dim());
         let q_rows = if self.output_gate { 2 * cfg.q_dim() } else { cfg.q_dim() };
         let parts = [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)];
@@ -124,17 +105,7 @@ impl<B: ModelBackend> Attention<B> {
                 .collect::<Result<_>>()?,
         };
         let o = LoraSite::take(b, pending, layer, &[("self_attn.o_proj", h)], cfg.q_dim())?;
-        Ok(AttentionLora { qkv, o })
-    }
-
-    /// The o projection of `o`: left to the caller, or computed here with
-    /// the adapters' updates.
-    fn output<'w>(&'w self, b: &B, o: B::Act, lora: &Segments<'_, AttentionLora<B::Weight>>) -> BlockOutput<'w, B> {
-        if touches(lora, |l| l.o.as_ref()) {
-            BlockOutput::Done(lora::linear(b, &o, &self.o_proj, self.o_bias.as_ref(), lora, |l| l.o.as_ref()))
-        } else {
-            BlockOutput::Projected { x: o, w: &self.o_proj, bias: self.o_bias.as_ref() }
-        }
+        Ok(Sites::new(qkv, o))
     }
 
     /// The projection's heads and the attention's shape for this layer.
@@ -156,22 +127,6 @@ impl<B: ModelBackend> Attention<B> {
         (shape, attention)
     }
 
-    /// The stacked q|k|v projection of `input`, with the adapters' updates.
-    fn stacked_qkv(
-        &self,
-        b: &B,
-        input: &BlockInput<'_, B>,
-        w: &B::Weight,
-        bias: Option<&B::Weight>,
-        lora: &Segments<'_, AttentionLora<B::Weight>>,
-    ) -> B::Act {
-        if touches(lora, |l| l.qkv(0)) {
-            input.with_normed(b, |x| lora::linear(b, x, w, bias, lora, |l| l.qkv(0)))
-        } else {
-            input.linear(b, w, bias)
-        }
-    }
-
     /// Attends from `input`; the o projection is left for the caller to add
     /// into the residual stream.
     #[allow(clippy::too_many_arguments)]
@@ -183,21 +138,21 @@ impl<B: ModelBackend> Attention<B> {
         input: BlockInput<'_, B>,
         cache: &mut B::Cache,
         positions: &[usize],
-        lora: &Segments<'_, AttentionLora<B::Weight>>,
+        lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
         let eps = cfg.rms_norm_eps;
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
         let (shape, attention) = self.shapes(cfg);
         let (mut o, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
-                let qkv = self.stacked_qkv(b, &input, w, bias.as_ref(), lora);
+                let qkv = lora::input_linear(b, &input, w, bias.as_ref(), lora, 0);
                 b.qkv_attention(&qkv, &shape, norms, eps, positions, rope, cache, self.layer, &attention)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => {
                 let (q, gate) = input.with_normed(b, |x| {
-                    let projected = lora::linear(b, x, q, q_bias.as_ref(), lora, |l| l.qkv(0));
-                    let k = lora::linear(b, x, k, k_bias.as_ref(), lora, |l| l.qkv(1));
-                    let v = lora::linear(b, x, v, v_bias.as_ref(), lora, |l| l.qkv(2));
+                    let projected = lora::linear(b, x, q, q_bias.as_ref(), lora, |l| l.input(0));
+                    let k = lora::linear(b, x, k, k_bias.as_ref(), lora, |l| l.input(1));
+                    let v = lora::linear(b, x, v, v_bias.as_ref(), lora, |l| l.input(2));
                     b.attention_prologue(projected, k, &v, &shape, norms, eps, positions, rope, cache, self.layer)
                 });
                 (b.attention(&q, cache, self.layer, &attention), gate)
@@ -206,7 +161,7 @@ impl<B: ModelBackend> Attention<B> {
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }
-        self.output(b, o, lora)
+        lora::output(b, o, &self.o_proj, self.o_bias.as_ref(), lora)
     }
 
     /// [`Attention::forward`] over a ragged batch of sequences: keys and
@@ -223,20 +178,20 @@ impl<B: ModelBackend> Attention<B> {
         pool: &mut B::KvPool,
         pool_layer: usize,
         batch: &BatchLayout,
-        lora: &Segments<'_, AttentionLora<B::Weight>>,
+        lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
         let eps = cfg.rms_norm_eps;
         let norms = self.q_norm.as_ref().zip(self.k_norm.as_ref());
         let (shape, attention) = self.shapes(cfg);
         let (q, gate) = match &self.proj {
             QkvProj::Stacked { w, bias } => {
-                let qkv = self.stacked_qkv(b, &input, w, bias.as_ref(), lora);
+                let qkv = lora::input_linear(b, &input, w, bias.as_ref(), lora, 0);
                 b.paged_qkv_prologue(&qkv, &shape, norms, eps, rope, pool, pool_layer, batch)
             }
             QkvProj::Separate { q, k, v, q_bias, k_bias, v_bias } => input.with_normed(b, |x| {
-                let projected = lora::linear(b, x, q, q_bias.as_ref(), lora, |l| l.qkv(0));
-                let k = lora::linear(b, x, k, k_bias.as_ref(), lora, |l| l.qkv(1));
-                let v = lora::linear(b, x, v, v_bias.as_ref(), lora, |l| l.qkv(2));
+                let projected = lora::linear(b, x, q, q_bias.as_ref(), lora, |l| l.input(0));
+                let k = lora::linear(b, x, k, k_bias.as_ref(), lora, |l| l.input(1));
+                let v = lora::linear(b, x, v, v_bias.as_ref(), lora, |l| l.input(2));
                 b.paged_prologue(projected, k, &v, &shape, norms, eps, rope, pool, pool_layer, batch)
             }),
         };
@@ -244,6 +199,6 @@ impl<B: ModelBackend> Attention<B> {
         if let Some(g) = &gate {
             b.mul_sigmoid(&mut o, g);
         }
-        self.output(b, o, lora)
+        lora::output(b, o, &self.o_proj, self.o_bias.as_ref(), lora)
     }
 }

@@ -4,7 +4,7 @@
 //! `in_proj_a`). The backend runs the conv, the delta rule and the gated norm.
 
 use super::block::{BlockInput, BlockOutput};
-use super::lora::{self, LoraSite, Pending, Segments, touches};
+use super::lora::{self, LoraSite, Pending, Segments, Sites};
 use crate::Result;
 use crate::backend::GdnWeights;
 use crate::backend::ops::ModelBackend;
@@ -21,19 +21,6 @@ enum Projections<W> {
     /// Qwen3.5's four stacked into one matrix `[q, k, v, z, b, a]`, where the
     /// backend fuses projections and all four are stored alike.
     Stacked { all: W },
-}
-
-/// An adapter's part for one Gated DeltaNet layer: one site per input
-/// projection weight (in the layer's form) and the out projection's.
-pub struct GdnLora<W> {
-    inputs: Vec<Option<LoraSite<W>>>,
-    out: Option<LoraSite<W>>,
-}
-
-impl<W> GdnLora<W> {
-    fn input(&self, i: usize) -> Option<&LoraSite<W>> {
-        self.inputs.get(i).and_then(Option::as_ref)
-    }
 }
 
 pub struct GatedDeltaNet<B: ModelBackend> {
@@ -100,8 +87,8 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
     }
 
     /// An adapter's sites for this layer (`layer` in the model), taken
-    /// from `pending`.
-    pub fn lora(&self, bk: &B, pending: &mut Pending, layer: usize) -> Result<GdnLora<B::Weight>> {
+    /// from `pending`: the input projections in the layer's form, then out.
+    pub fn lora(&self, bk: &B, pending: &mut Pending, layer: usize) -> Result<Sites<B::Weight>> {
         let g = &self.cfg;
         let (h, kd, vd, nv) = (self.hidden, g.key_dim(), g.value_dim(), g.num_v_heads);
         let split = [
@@ -120,17 +107,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
             Projections::Stacked { .. } => vec![take(&split)?],
         };
         let out = LoraSite::take(bk, pending, layer, &[("linear_attn.out_proj", h)], vd)?;
-        Ok(GdnLora { inputs, out })
-    }
-
-    /// The out projection of `o`: left to the caller, or computed here with
-    /// the adapters' updates.
-    fn output<'w>(&'w self, bk: &B, o: B::Act, lora: &Segments<'_, GdnLora<B::Weight>>) -> BlockOutput<'w, B> {
-        if touches(lora, |l| l.out.as_ref()) {
-            BlockOutput::Done(lora::linear(bk, &o, &self.out_proj, None, lora, |l| l.out.as_ref()))
-        } else {
-            BlockOutput::Projected { x: o, w: &self.out_proj, bias: None }
-        }
+        Ok(Sites::new(inputs, out))
     }
 
     /// The layer's output for `input`, advancing `state`; the out projection
@@ -140,11 +117,11 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         bk: &B,
         input: BlockInput<'_, B>,
         state: &mut B::GdnState,
-        lora: &Segments<'_, GdnLora<B::Weight>>,
+        lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
         let projected = self.project(bk, input, lora);
         let o = self.mix(bk, &projected, state, false);
-        self.output(bk, o, lora)
+        lora::output(bk, o, &self.out_proj, None, lora)
     }
 
     /// [`GatedDeltaNet::forward`] over a ragged batch: the projections over
@@ -157,7 +134,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         states: &mut [&mut B::GdnState],
         batch: &BatchLayout,
         snapshots: &mut Vec<(u32, B::GdnState)>,
-        lora: &Segments<'_, GdnLora<B::Weight>>,
+        lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
         let projected = self.project(bk, input, lora);
         let o = if let [seq] = batch.seqs.as_slice()
@@ -184,11 +161,11 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
             }
             bk.concat_rows(&parts)
         };
-        self.output(bk, o, lora)
+        lora::output(bk, o, &self.out_proj, None, lora)
     }
 
     /// The input projections of every row.
-    fn project(&self, bk: &B, input: BlockInput<'_, B>, lora: &Segments<'_, GdnLora<B::Weight>>) -> Projected<B> {
+    fn project(&self, bk: &B, input: BlockInput<'_, B>, lora: &Segments<'_, Sites<B::Weight>>) -> Projected<B> {
         let g = &self.cfg;
         let (dk, dv) = (g.k_head_dim, g.v_head_dim);
         match &self.proj {
@@ -212,10 +189,7 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
                 b: lora::linear(bk, x, b, None, lora, |l| l.input(2)),
                 a: lora::linear(bk, x, a, None, lora, |l| l.input(3)),
             }),
-            Projections::Stacked { all } if touches(lora, |l| l.input(0)) => {
-                Projected::Mixed(input.with_normed(bk, |x| lora::linear(bk, x, all, None, lora, |l| l.input(0))))
-            }
-            Projections::Stacked { all } => Projected::Mixed(input.linear(bk, all, None)),
+            Projections::Stacked { all } => Projected::Mixed(lora::input_linear(bk, &input, all, None, lora, 0)),
         }
     }
 

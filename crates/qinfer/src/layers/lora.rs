@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use super::block::{BlockInput, BlockOutput};
 use crate::backend::ops::ModelBackend;
 use crate::lora::LoraPair;
 use crate::tensor::Tensor;
@@ -23,6 +24,25 @@ pub struct LoraSite<W> {
     a: W,
     /// `[Σout, Σr]`, the scaling folded in.
     b: W,
+}
+
+/// An adapter's part for one block: a site per input-projection weight, in
+/// the block's form (one when its projections are stacked), and the site of
+/// its last projection.
+pub struct Sites<W> {
+    inputs: Vec<Option<LoraSite<W>>>,
+    output: Option<LoraSite<W>>,
+}
+
+impl<W> Sites<W> {
+    pub fn new(inputs: Vec<Option<LoraSite<W>>>, output: Option<LoraSite<W>>) -> Self {
+        Sites { inputs, output }
+    }
+
+    /// The site of input weight `i`.
+    pub fn input(&self, i: usize) -> Option<&LoraSite<W>> {
+        self.inputs.get(i).and_then(Option::as_ref)
+    }
 }
 
 /// The rows of a forward that run with an adapter, and that adapter's part
@@ -140,4 +160,37 @@ pub fn linear<B: ModelBackend, L>(
     let mut y = b.linear(x, w, bias);
     apply(b, &mut y, x, segs, site);
     y
+}
+
+/// `input.linear(w, bias)` for input weight `i`, plus the adapters' updates;
+/// the input norm stays folded into the matmul where no adapter touches it.
+pub fn input_linear<B: ModelBackend>(
+    b: &B,
+    input: &BlockInput<'_, B>,
+    w: &B::Weight,
+    bias: Option<&B::Weight>,
+    segs: &Segments<'_, Sites<B::Weight>>,
+    i: usize,
+) -> B::Act {
+    if touches(segs, |l| l.input(i)) {
+        input.with_normed(b, |x| linear(b, x, w, bias, segs, |l| l.input(i)))
+    } else {
+        input.linear(b, w, bias)
+    }
+}
+
+/// A block's last projection of `x`: left to the caller to add into the
+/// residual stream, or computed here with the adapters' updates.
+pub fn output<'w, B: ModelBackend>(
+    b: &B,
+    x: B::Act,
+    w: &'w B::Weight,
+    bias: Option<&'w B::Weight>,
+    segs: &Segments<'_, Sites<B::Weight>>,
+) -> BlockOutput<'w, B> {
+    if touches(segs, |l| l.output.as_ref()) {
+        BlockOutput::Done(linear(b, &x, w, bias, segs, |l| l.output.as_ref()))
+    } else {
+        BlockOutput::Projected { x, w, bias }
+    }
 }

@@ -1,24 +1,11 @@
 //! The SwiGLU feed-forward block: `down(silu(gate(x)) ⊙ up(x))`.
 
 use super::block::{BlockInput, BlockOutput};
-use super::lora::{self, LoraSite, Pending, Segments, touches};
+use super::lora::{self, LoraSite, Pending, Segments, Sites, touches};
 use crate::Result;
 
 use crate::backend::ops::ModelBackend;
 use crate::weights::WeightLoader;
-
-/// An adapter's part for one MLP: one site per gate|up weight (one when
-/// stacked, else gate and up) and the down projection's.
-pub struct MlpLora<W> {
-    gate_up: Vec<Option<LoraSite<W>>>,
-    down: Option<LoraSite<W>>,
-}
-
-impl<W> MlpLora<W> {
-    fn gate_up(&self, i: usize) -> Option<&LoraSite<W>> {
-        self.gate_up.get(i).and_then(Option::as_ref)
-    }
-}
 
 pub struct Mlp<B: ModelBackend> {
     /// gate|up stacked into one weight (backends that fuse projections), or
@@ -42,8 +29,9 @@ impl<B: ModelBackend> Mlp<B> {
     }
 
     /// An adapter's sites for this MLP (`module` is its path in layer
-    /// `layer`, e.g. `mlp`), taken from `pending`.
-    pub fn lora(&self, b: &B, pending: &mut Pending, module: &str, layer: usize) -> Result<MlpLora<B::Weight>> {
+    /// `layer`, e.g. `mlp`), taken from `pending`: gate|up (one site when
+    /// stacked, else gate and up), then down.
+    pub fn lora(&self, b: &B, pending: &mut Pending, module: &str, layer: usize) -> Result<Sites<B::Weight>> {
         let (hidden, width) = (self.hidden, self.width);
         let (gate, up) = (format!("{module}.gate_proj"), format!("{module}.up_proj"));
         let parts = [(gate.as_str(), width), (up.as_str(), width)];
@@ -55,19 +43,19 @@ impl<B: ModelBackend> Mlp<B> {
                 .collect::<Result<_>>()?,
         };
         let down = LoraSite::take(b, pending, layer, &[(&format!("{module}.down_proj"), hidden)], width)?;
-        Ok(MlpLora { gate_up, down })
+        Ok(Sites::new(gate_up, down))
     }
 
     /// `silu(gate(input)) ⊙ up(input)`, the down projection's input.
-    fn activations(&self, b: &B, input: &BlockInput<'_, B>, lora: &Segments<'_, MlpLora<B::Weight>>) -> B::Act {
+    fn activations(&self, b: &B, input: &BlockInput<'_, B>, lora: &Segments<'_, Sites<B::Weight>>) -> B::Act {
         match self.gate_up.as_slice() {
-            [gate_up] if touches(lora, |l| l.gate_up(0)) => {
-                input.with_normed(b, |x| b.swiglu(&lora::linear(b, x, gate_up, None, lora, |l| l.gate_up(0))))
+            [gate_up] if touches(lora, |l| l.input(0)) => {
+                b.swiglu(&lora::input_linear(b, input, gate_up, None, lora, 0))
             }
             [gate_up] => input.linear_swiglu(b, gate_up),
             [gate, up] => input.with_normed(b, |x| {
-                let g = lora::linear(b, x, gate, None, lora, |l| l.gate_up(0));
-                b.silu_mul(&g, &lora::linear(b, x, up, None, lora, |l| l.gate_up(1)))
+                let g = lora::linear(b, x, gate, None, lora, |l| l.input(0));
+                b.silu_mul(&g, &lora::linear(b, x, up, None, lora, |l| l.input(1)))
             }),
             _ => unreachable!("stacked_rows returns one weight or one per name"),
         }
@@ -80,14 +68,9 @@ impl<B: ModelBackend> Mlp<B> {
         &self,
         b: &B,
         input: BlockInput<'_, B>,
-        lora: &Segments<'_, MlpLora<B::Weight>>,
+        lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
-        let x = self.activations(b, &input, lora);
-        if touches(lora, |l| l.down.as_ref()) {
-            BlockOutput::Done(lora::linear(b, &x, &self.down_proj, None, lora, |l| l.down.as_ref()))
-        } else {
-            BlockOutput::Projected { x, w: &self.down_proj, bias: None }
-        }
+        lora::output(b, self.activations(b, &input, lora), &self.down_proj, None, lora)
     }
 
     /// `down(silu(gate(x)) ⊙ up(x))` of rows `x` already normed (MoE's shared expert).

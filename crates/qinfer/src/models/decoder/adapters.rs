@@ -7,22 +7,15 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::layers::attention::AttentionLora;
-use crate::layers::gdn::GdnLora;
-use crate::layers::mlp::MlpLora;
+use crate::layers::lora::Sites;
 use crate::lora::AdapterId;
 use crate::{Error, Result};
 
-pub(super) enum MixerLora<W> {
-    Attention(AttentionLora<W>),
-    Linear(GdnLora<W>),
-}
-
-/// An adapter's part for one decoder layer (None for a sparse feed-forward,
-/// whose experts it does not adapt).
+/// An adapter's part for one decoder layer: its token mixer's sites and
+/// its feed-forward's (None for a sparse one, whose experts it does not adapt).
 pub(super) struct LayerLora<W> {
-    pub mixer: MixerLora<W>,
-    pub ffn: Option<MlpLora<W>>,
+    pub mixer: Sites<W>,
+    pub ffn: Option<Sites<W>>,
 }
 
 /// One adapter, layer by layer.
@@ -119,30 +112,13 @@ impl<W> Active<W> {
         self.0.is_empty()
     }
 
-    /// Layer `l`'s attention parts, by rows.
-    pub fn attention(&self, l: usize) -> Vec<(Range<usize>, &AttentionLora<W>)> {
-        fn part<W>(m: &ModelLora<W>, l: usize) -> Option<&AttentionLora<W>> {
-            match &m[l].mixer {
-                MixerLora::Attention(a) => Some(a),
-                MixerLora::Linear(_) => None,
-            }
-        }
-        self.0.iter().filter_map(|(r, m)| part(m, l).map(|p| (r.clone(), p))).collect()
-    }
-
-    /// Layer `l`'s Gated DeltaNet parts, by rows.
-    pub fn linear(&self, l: usize) -> Vec<(Range<usize>, &GdnLora<W>)> {
-        fn part<W>(m: &ModelLora<W>, l: usize) -> Option<&GdnLora<W>> {
-            match &m[l].mixer {
-                MixerLora::Linear(g) => Some(g),
-                MixerLora::Attention(_) => None,
-            }
-        }
-        self.0.iter().filter_map(|(r, m)| part(m, l).map(|p| (r.clone(), p))).collect()
+    /// Layer `l`'s token-mixer parts, by rows.
+    pub fn mixer(&self, l: usize) -> Vec<(Range<usize>, &Sites<W>)> {
+        self.0.iter().map(|(r, m)| (r.clone(), &m[l].mixer)).collect()
     }
 
     /// Layer `l`'s MLP parts, by rows.
-    pub fn mlp(&self, l: usize) -> Vec<(Range<usize>, &MlpLora<W>)> {
+    pub fn ffn(&self, l: usize) -> Vec<(Range<usize>, &Sites<W>)> {
         self.0.iter().filter_map(|(r, m)| m[l].ffn.as_ref().map(|p| (r.clone(), p))).collect()
     }
 }
@@ -158,10 +134,8 @@ impl<B: crate::backend::ops::ModelBackend> super::DecoderModel<B> {
         let named = |e: Error| Error::Invalid(format!("LoRA adapter {}: {e}", adapter.path.display()));
         for (l, layer) in self.layers.iter().enumerate() {
             let mixer = match &layer.mixer {
-                super::Mixer::Attention(a) => {
-                    MixerLora::Attention(a.lora(b, &mut pending, &self.cfg, l).map_err(named)?)
-                }
-                super::Mixer::Linear(g) => MixerLora::Linear(g.lora(b, &mut pending, l).map_err(named)?),
+                super::Mixer::Attention(a) => a.lora(b, &mut pending, &self.cfg, l).map_err(named)?,
+                super::Mixer::Linear(g) => g.lora(b, &mut pending, l).map_err(named)?,
             };
             let ffn = match &layer.ffn {
                 super::FeedForward::Dense(m) => Some(m.lora(b, &mut pending, "mlp", l).map_err(named)?),

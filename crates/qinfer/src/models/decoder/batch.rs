@@ -239,12 +239,12 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             let out = match &layer.mixer {
                 Mixer::Attention(at) => {
                     let pool_layer = pool_layers[l].expect("attention layers have a place in the pool");
-                    at.forward_batch(b, &self.cfg, &self.rope, x, pool, pool_layer, batch, &active.attention(l))
+                    at.forward_batch(b, &self.cfg, &self.rope, x, pool, pool_layer, batch, &active.mixer(l))
                 }
                 Mixer::Linear(net) => {
                     let mut layer_states = slot_states(states, &slots, l)?;
                     let mut snapshots = Vec::new();
-                    let out = net.forward_batch(b, x, &mut layer_states, batch, &mut snapshots, &active.linear(l));
+                    let out = net.forward_batch(b, x, &mut layer_states, batch, &mut snapshots, &active.mixer(l));
                     for (slot, snapshot) in snapshots {
                         states[slot as usize][l] = Some(snapshot);
                     }
@@ -254,7 +254,7 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
             let x = BlockInput::new(&h, normed.as_ref(), &layer.post_attention_layernorm, eps);
             let out = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward_block(b, x, &active.mlp(l)),
+                FeedForward::Dense(mlp) => mlp.forward_block(b, x, &active.ffn(l)),
                 FeedForward::Sparse(moe) => moe.forward(b, x),
             };
             let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);

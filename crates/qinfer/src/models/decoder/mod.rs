@@ -289,16 +289,16 @@ impl<B: ModelBackend> DecoderModel<B> {
         for (l, layer) in self.layers.iter().enumerate() {
             let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
             let out = match &layer.mixer {
-                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, x, cache, positions, &active.attention(l)),
+                Mixer::Attention(at) => at.forward(b, &self.cfg, &self.rope, x, cache, positions, &active.mixer(l)),
                 Mixer::Linear(net) => {
                     let state = gdn[l].as_mut().expect("every linear-attention layer has a state");
-                    net.forward(b, x, state, &active.linear(l))
+                    net.forward(b, x, state, &active.mixer(l))
                 }
             };
             normed = out.add_into(b, &mut h, &layer.post_attention_layernorm, eps);
             let x = BlockInput::new(&h, normed.as_ref(), &layer.post_attention_layernorm, eps);
             let out = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward_block(b, x, &active.mlp(l)),
+                FeedForward::Dense(mlp) => mlp.forward_block(b, x, &active.ffn(l)),
                 FeedForward::Sparse(moe) => moe.forward(b, x),
             };
             let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
