@@ -93,6 +93,18 @@ impl SamplingParams {
     }
 }
 
+/// One row's pick where the logits are: what [`Sampler::sample`] would do
+/// with parameters that need nothing kept on the host
+/// ([`SamplingParams::host_only`] false), its draw already taken.
+#[derive(Debug, Clone)]
+pub struct RowPick {
+    pub params: SamplingParams,
+    /// The distinct context tokens the repetition penalty applies to.
+    pub penalized: Vec<u32>,
+    /// The sampler's uniform draw.
+    pub u: f32,
+}
+
 #[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
@@ -142,6 +154,18 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits`, given the tokens of the context so far.
+    /// This pick made elsewhere (the device), where the parameters allow
+    /// it: the same draw and penalized tokens [`Sampler::sample`] would use.
+    /// None for parameters that need the host.
+    pub fn row_pick(&mut self, context: &[u32]) -> Option<RowPick> {
+        if self.params.host_only() {
+            return None;
+        }
+        let penalized = self.penalized(context);
+        let u = self.draw();
+        Some(RowPick { params: self.params.clone(), penalized, u })
+    }
+
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {
         self.adjust(logits);
         let penalized = self.penalized(context);

@@ -162,3 +162,67 @@ fn device_sampling_matches_the_host_sampler() {
     println!("no top-k, 151,936 logits: {fast_draws} draws from the cut-down candidates, {fallback_draws} from all");
     assert!(fast_draws >= 20 && fallback_draws >= 5, "{fast_draws} cut-down draws, {fallback_draws} fallbacks");
 }
+
+/// A batch's picks in one call: rows with their own parameters, penalties
+/// and draws, some rows left out, picked as the host's `pick` picks each
+/// row (draws within 1e-4 of a boundary are left out of the call).
+#[test]
+fn batched_device_sampling_picks_each_row_as_the_host_does() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let base = SamplingParams::default();
+    let kinds = [
+        SamplingParams { ..base.clone() },
+        SamplingParams { repetition_penalty: 1.4, ..base.clone() },
+        SamplingParams { temperature: 0.6, top_k: 20, top_p: 0.95, ..base.clone() },
+        SamplingParams { temperature: 1.0, top_p: 0.9, min_p: 0.02, ..base.clone() },
+        SamplingParams { temperature: 0.9, top_k: 200, repetition_penalty: 1.2, ..base.clone() },
+    ];
+    let (rows, vocab) = (48, 151_936);
+    let mut logits = Vec::with_capacity(rows * vocab);
+    for _ in 0..rows {
+        let mut row: Vec<f32> = r.vec(vocab).iter().map(|x| x * 6.0).collect();
+        for _ in 0..6 {
+            let i = ((r.f().abs() * 1e6) as usize) % vocab;
+            row[i] += 12.0 + 4.0 * r.f();
+        }
+        logits.extend(row);
+    }
+    let act = g.act_from_host(rows, vocab, &logits);
+    let mut picks = Vec::new();
+    let mut want = Vec::new();
+    for row in 0..rows {
+        if row % 7 == 3 {
+            continue; // a row another way picks (a constraint's, say)
+        }
+        let params = kinds[row % kinds.len()].clone();
+        let penalized: Vec<u32> = match params.repetition_penalty != 1.0 {
+            true => (0..30)
+                .map(|_| ((r.f().abs() * 1e6) as usize % vocab) as u32)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+            false => Vec::new(),
+        };
+        let u = (r.f() + 1.0) / 2.0;
+        let mut host = logits[row * vocab..(row + 1) * vocab].to_vec();
+        let pick = qinfer::sampling::pick(&params, &mut host, &penalized, u);
+        if sampling_margin(&params, &host, u) < 1e-4 {
+            continue;
+        }
+        want.push(pick);
+        picks.push((row, qinfer::sampling::RowPick { params, penalized, u }));
+    }
+    assert!(picks.len() >= 30, "only {} rows clear of a boundary", picks.len());
+    let refs: Vec<(usize, &qinfer::sampling::RowPick)> = picks.iter().map(|(row, p)| (*row, p)).collect();
+    let got = g.sample_rows(&act, &refs).unwrap();
+    assert_eq!(got, want);
+    // The same rows once more in another order: each pick is its row's.
+    let reversed: Vec<_> = refs.iter().rev().copied().collect();
+    let mut again = g.sample_rows(&act, &reversed).unwrap();
+    again.reverse();
+    assert_eq!(again, want);
+    // A row past the logits is an error, not a read out of bounds.
+    assert!(g.sample_rows(&act, &[(rows, refs[0].1)]).is_err());
+    println!("{} rows picked in one call as the host picks them", got.len());
+}

@@ -10,7 +10,7 @@ use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routin
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
 use crate::kv::batch::BatchLayout;
-use crate::sampling::{SamplingParams, pick};
+use crate::sampling::{RowPick, SamplingParams, pick};
 use crate::{Error, Result};
 
 /// What a model needs of a backend: every op family.
@@ -434,6 +434,26 @@ pub trait SamplingOps: Backend {
         let cols = self.cols(logits);
         let mut row = host[host.len() - cols..].to_vec();
         Ok(pick(params, &mut row, penalized, u))
+    }
+    /// The picks of rows of `logits`, each `(row, pick)` as
+    /// [`SamplingOps::sample`] picks from that row, in the order given.
+    /// Device backends override this so that only the token ids cross to
+    /// the host, all at once.
+    fn sample_rows(&self, logits: &Self::Act, picks: &[(usize, &RowPick)]) -> Result<Vec<u32>> {
+        if picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let host = self.to_host(logits);
+        let cols = self.cols(logits);
+        picks
+            .iter()
+            .map(|&(r, p)| {
+                let row = host.get(r * cols..(r + 1) * cols).ok_or_else(|| {
+                    Error::Invalid(format!("sample_rows: row {r} of {} rows", host.len() / cols.max(1)))
+                })?;
+                Ok(pick(&p.params, &mut row.to_vec(), &p.penalized, p.u))
+            })
+            .collect()
     }
     /// Picks as [`SamplingOps::sample`] does (no repetition penalty) without
     /// waiting for the pick: it stays on the device as the token of the next

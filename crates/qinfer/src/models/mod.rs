@@ -17,7 +17,7 @@ use std::any::Any;
 use crate::config::{Architecture, ModelConfig};
 use crate::kv::batch::BatchLayout;
 use crate::lora::{AdapterId, LoraAdapter};
-use crate::sampling::Sampler;
+use crate::sampling::{RowPick, Sampler};
 use crate::{Error, Result};
 
 /// Which logits a forward returns.
@@ -70,7 +70,9 @@ pub trait SequenceState: Any + Send {
 /// What a batched forward returns.
 #[derive(Debug, Clone, Default)]
 pub struct BatchOutput {
-    /// `[logits_rows, vocab]`.
+    /// The picks of the logits rows that came with a [`RowPick`], in order.
+    pub picks: Vec<u32>,
+    /// `[rows, vocab]`: the logits of the other logits rows, in order.
     pub logits: Vec<f32>,
     /// `[hidden_rows, hidden_size]`: the last layer's output after the final norm.
     pub hidden: Vec<f32>,
@@ -140,10 +142,19 @@ pub trait LanguageModel: Send + Sync {
         Err(Error::Invalid("this model keeps no recurrent-state slots".into()))
     }
     /// One forward over a ragged batch: `tokens` are the batch's rows, laid
-    /// out as `batch` says; returns the logits of `batch.logits_rows` and
-    /// the final normed hidden states of `batch.hidden_rows`.
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
-        let _ = (state, tokens, batch);
+    /// out as `batch` says. `picks` has one entry per `batch.logits_rows`
+    /// (or none at all): the rows with a [`RowPick`] are picked where the
+    /// logits are, and only the others' logits come back. Returns those
+    /// picks and logits, and the final normed hidden states of
+    /// `batch.hidden_rows`.
+    fn forward_batch(
+        &self,
+        state: &mut dyn BatchState,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        picks: &[Option<RowPick>],
+    ) -> Result<BatchOutput> {
+        let _ = (state, tokens, batch, picks);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
     }
     /// A fresh sequence able to hold `capacity` tokens.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::kv::blocks::{BlockPool, SlotPool};
 use crate::models::{BatchState, LanguageModel};
-use crate::sampling::{Sampler, TokenConstraint, TokenLogprob, apply_mask, token_logprob};
+use crate::sampling::{RowPick, Sampler, TokenConstraint, TokenLogprob, apply_mask, token_logprob};
 use crate::{Error, Result};
 
 /// How much a runner holds.
@@ -176,15 +176,32 @@ impl Runner {
         }
         let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
         batch.hidden_rows = hidden_rows;
-        let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch)?;
-        let vocab = if batch.logits_rows.is_empty() { 0 } else { out.logits.len() / batch.logits_rows.len() };
+        // Picks that need no host state (no constraint, scores, logprobs,
+        // bias or counted penalties) are made where the logits are; the
+        // draws are taken from the samplers now, in batch order.
+        let picks: Vec<Option<RowPick>> = (seqs.iter_mut())
+            .filter(|s| s.sample.is_some() || s.scores.is_some())
+            .map(|s| match (&mut s.sample, &s.constraint, s.scores) {
+                (Some((sampler, context)), None, None) => sampler.row_pick(context),
+                _ => None,
+            })
+            .collect();
+        let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch, &picks)?;
+        let on_host = picks.iter().filter(|p| p.is_none()).count();
+        let vocab = out.logits.len().checked_div(on_host).unwrap_or(0);
         let width = if batch.hidden_rows.is_empty() { 0 } else { out.hidden.len() / batch.hidden_rows.len() };
         let mut logit_rows = out.logits.chunks_exact(vocab.max(1));
+        let mut picked = out.picks.iter().copied();
+        let mut row_picks = picks.iter();
         let mut hidden_at = 0;
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
             let mut o = StepOut::default();
-            if s.sample.is_some() || s.scores.is_some() {
+            let logits_row = s.sample.is_some() || s.scores.is_some();
+            if logits_row && row_picks.next().is_some_and(Option::is_some) {
+                let token = picked.next().ok_or_else(|| Error::Invalid("the forward returned too few picks".into()))?;
+                o.token = Some(token);
+            } else if logits_row {
                 let row = logit_rows.next().expect("one logits row per sampling or scoring sequence");
                 if let Some(ids) = s.scores {
                     o.scores = ids.iter().map(|&t| row.get(t as usize).copied().unwrap_or(f32::NAN)).collect();

@@ -49,7 +49,7 @@ use crate::config::GdnConfig;
 use crate::config::rope::Rope;
 use crate::kv::KvPrecision;
 use crate::kv::batch::BatchLayout;
-use crate::sampling::SamplingParams;
+use crate::sampling::{RowPick, SamplingParams};
 use crate::tensor::Tensor;
 pub use batch::CudaKvPool;
 pub use compile::prebuild as prebuild_kernels;
@@ -489,6 +489,10 @@ impl BatchOps for CudaBackend {
 impl SamplingOps for CudaBackend {
     fn sample(&self, logits: &CudaAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
         self.sample_on_device(logits, params, penalized, u)
+    }
+
+    fn sample_rows(&self, logits: &CudaAct, picks: &[(usize, &RowPick)]) -> Result<Vec<u32>> {
+        self.sample_rows_on_device(logits, picks)
     }
 
     fn sample_ahead(&self, logits: &CudaAct, params: &SamplingParams, u: f32, next_start: usize) -> Result<usize> {

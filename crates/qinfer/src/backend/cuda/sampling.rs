@@ -10,7 +10,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use super::kernels::{Resolve, cfg, kernel_args};
 use super::{CudaAct, CudaBackend};
 use crate::backend::Backend;
-use crate::sampling::SamplingParams;
+use crate::sampling::{RowPick, SamplingParams};
 use crate::{Error, Result};
 
 /// Blocks of `sample_argmax`.
@@ -167,7 +167,8 @@ impl CudaBackend {
         u: f32,
     ) -> Result<u32> {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
-        self.launch_pick(&scratch, logits, params, penalized, u, None);
+        let last = logits.rows - 1;
+        self.launch_pick(&scratch, logits, last, params, penalized, u, self.p(&scratch.token), None);
         let id = match self.failed() {
             true => 0,
             false => match self.stream.clone_dtoh(&scratch.token) {
@@ -183,6 +184,39 @@ impl CudaBackend {
         Ok(id)
     }
 
+    /// [`crate::backend::ops::SamplingOps::sample_rows`] on the device: each
+    /// row's kernels write its pick into one device array, read back once.
+    pub(super) fn sample_rows_on_device(&self, logits: &CudaAct, picks: &[(usize, &RowPick)]) -> Result<Vec<u32>> {
+        if picks.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(&(r, _)) = picks.iter().find(|&&(r, _)| r >= logits.rows) {
+            return Err(Error::Invalid(format!("sample_rows: row {r} of {} rows", logits.rows)));
+        }
+        let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
+        let out = match self.stream.alloc_zeros::<u32>(picks.len()) {
+            Ok(o) => o,
+            Err(e) => return Err(Error::Invalid(format!("cuda: allocating {} picks: {e}", picks.len()))),
+        };
+        let base = self.p(&out);
+        for (i, &(r, pick)) in picks.iter().enumerate() {
+            self.launch_pick(&scratch, logits, r, &pick.params, &pick.penalized, pick.u, base + 4 * i as u64, None);
+        }
+        let ids = match self.failed() {
+            true => Vec::new(),
+            false => match self.stream.clone_dtoh(&out) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.record(Err(e), "reading the sampled tokens");
+                    Vec::new()
+                }
+            },
+        };
+        drop(scratch);
+        self.check()?;
+        Ok(ids)
+    }
+
     /// [`crate::backend::ops::SamplingOps::sample_ahead`] on the device: the sampling kernel itself
     /// writes the pick into the step inputs and a pinned host slot.
     pub(super) fn sample_ahead_on_device(
@@ -196,7 +230,8 @@ impl CudaBackend {
         let ticket = scratch.next_slot;
         scratch.next_slot = (ticket + 1) % scratch.picks.len();
         let feed = Feed { step: self.p(&self.step), start: next_start as i32, host: scratch.picks[ticket].device };
-        self.launch_pick(&scratch, logits, params, &[], u, Some(feed));
+        let (last, token) = (logits.rows - 1, self.p(&scratch.token));
+        self.launch_pick(&scratch, logits, last, params, &[], u, token, Some(feed));
         self.step_fed_on_device(next_start);
         self.record(scratch.picks[ticket].written.record(&self.stream), "marking a pick");
         self.recorded_error()?;
@@ -221,23 +256,26 @@ impl CudaBackend {
         Ok(id)
     }
 
-    /// Launches the kernels that leave the pick from the last row of
-    /// `logits` in `scratch.token` (and where `feed` says).
+    /// Launches the kernels that leave the pick from row `at` of `logits`
+    /// at device address `token` (and where `feed` says).
+    #[allow(clippy::too_many_arguments)]
     fn launch_pick(
         &self,
         scratch: &SampleScratch,
         logits: &CudaAct,
+        at: usize,
         params: &SamplingParams,
         penalized: &[u32],
         u: f32,
+        token: u64,
         feed: Option<Feed>,
     ) {
         let Feed { step: feed_step, start: feed_start, host: feed_host } = feed.unwrap_or_default();
         let vocab = logits.cols;
-        let mut row = self.p(&logits.buf) + ((logits.rows - 1) * vocab * 4) as u64;
+        let mut row = self.p(&logits.buf) + (at * vocab * 4) as u64;
         // The penalty rewrites logits: on a copy, never on the pass's output.
         let _penalized_copy = if params.repetition_penalty != 1.0 && !penalized.is_empty() {
-            let copy = self.last_row(logits);
+            let copy = self.gather_rows_op(logits, &[at]);
             let ids = self.upload_slice(penalized);
             let args = PenaltyArgs {
                 x: self.p(&copy.buf),
@@ -252,7 +290,6 @@ impl CudaBackend {
         } else {
             None
         };
-        let token = self.p(&scratch.token);
         if params.temperature == 0.0 {
             let args = ArgmaxArgs {
                 x: row,

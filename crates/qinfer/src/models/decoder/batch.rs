@@ -10,6 +10,7 @@ use crate::config::LayerKind;
 use crate::kv::batch::BatchLayout;
 use crate::layers::block::BlockInput;
 use crate::models::BatchState;
+use crate::sampling::RowPick;
 use crate::{Error, Result};
 
 /// The paged KV pool (attention layers only, in order) and, per
@@ -287,4 +288,23 @@ fn slot_states<'a, S>(states: &'a mut [Vec<Option<S>>], slots: &[usize], layer: 
                 .ok_or_else(|| Error::Invalid(format!("batch: state slot {s} is used twice or holds no state")))
         })
         .collect()
+}
+
+/// The picks of the rows of `logits` that have one in `picks` (made by the
+/// backend where the logits are), and the host logits of the others, each
+/// in row order. No picks: every row's logits.
+pub(super) fn pick_rows<B: ModelBackend>(
+    b: &B,
+    logits: &B::Act,
+    picks: &[Option<RowPick>],
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let picked: Vec<(usize, &RowPick)> = picks.iter().enumerate().filter_map(|(r, p)| Some((r, p.as_ref()?))).collect();
+    let rest: Vec<usize> = (0..b.rows(logits)).filter(|&r| picks.get(r).is_none_or(Option::is_none)).collect();
+    let ids = b.sample_rows(logits, &picked)?;
+    let host = match rest.len() {
+        0 => Vec::new(),
+        n if n == b.rows(logits) => b.to_host(logits),
+        _ => b.to_host(&b.gather_rows(logits, &rest)),
+    };
+    Ok((ids, host))
 }

@@ -24,7 +24,7 @@ use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
 use crate::lora::{AdapterId, LoraAdapter};
 use crate::models::{BatchOutput, BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
-use crate::sampling::Sampler;
+use crate::sampling::{RowPick, Sampler};
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
 use crate::weights::random::RandomWeights;
@@ -423,15 +423,26 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn write_state_slot(&self, state: &mut dyn BatchState, slot: u32, bytes: &[u8]) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.write_slot(&self.backend, slot, bytes)
     }
-    fn forward_batch(&self, state: &mut dyn BatchState, tokens: &[u32], batch: &BatchLayout) -> Result<BatchOutput> {
+    fn forward_batch(
+        &self,
+        state: &mut dyn BatchState,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        picks: &[Option<RowPick>],
+    ) -> Result<BatchOutput> {
+        if !picks.is_empty() && picks.len() != batch.logits_rows.len() {
+            let n = batch.logits_rows.len();
+            return Err(Error::Invalid(format!("batch: {} picks for {n} logits rows", picks.len())));
+        }
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
         b.run_pass(|| {
             let batch::BatchHeads { logits, hidden } = self.forward_batch_of(state, tokens, batch)?;
-            let out = BatchOutput {
-                logits: logits.map(|l| b.to_host(&l)).unwrap_or_default(),
-                hidden: hidden.map(|h| b.to_host(&h)).unwrap_or_default(),
+            let (picks, logits) = match logits {
+                Some(l) => batch::pick_rows(b, &l, picks)?,
+                None => (Vec::new(), Vec::new()),
             };
+            let out = BatchOutput { picks, logits, hidden: hidden.map(|h| b.to_host(&h)).unwrap_or_default() };
             b.check()?;
             Ok(out)
         })
