@@ -140,7 +140,9 @@ pub fn apply<B: ModelBackend, L>(
     for (r, part) in segs {
         let Some(s) = site(part) else { continue };
         if r.start == 0 && r.end == rows {
-            b.add_assign(y, &b.linear(&b.linear(x, &s.a, None), &s.b, None));
+            // The up-projection accumulates into y (a backend may do it in
+            // the matmul): no [rows, out] update is written and read back.
+            b.linear_add(y, &b.linear(x, &s.a, None), &s.b, None);
         } else {
             let d = b.linear(&b.linear(&b.slice_rows(x, r.clone()), &s.a, None), &s.b, None);
             b.add_rows(y, r.start, &d);

@@ -47,6 +47,14 @@ pub(super) fn decode_plan(n_keys: usize, whole: usize, kv: KvPrecision) -> (usiz
     (chunk, n_keys.div_ceil(chunk).next_power_of_two())
 }
 
+/// [`decode_plan`] for a batch's steps, which are not recorded: as many
+/// chunks as the longest cache needs, not a power of two of them (the
+/// blocks past it would only write empty partial sums for the combine).
+pub(super) fn batch_decode_plan(n_keys: usize, whole: usize, kv: KvPrecision) -> (usize, usize) {
+    let (chunk, splits) = decode_plan(n_keys, whole, kv);
+    (chunk, splits.min(n_keys.div_ceil(chunk)).max(1))
+}
+
 /// Whether a one-row decode step over `n_keys` keys (one block holding
 /// `whole`) folds the q|k|v prologue into the decode attention: where a
 /// cache one block holds, and with `fold_splits` where the split kernel's
@@ -159,6 +167,19 @@ pub(super) fn decode_step_key(n_keys: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_steps_split_caches_in_as_many_chunks_as_they_need() {
+        let f16 = KvPrecision::F16;
+        // 1,088 keys in chunks of 128: 9 chunks, where a recorded step takes 16.
+        assert_eq!(decode_plan(1088, 128, f16), (128, 16));
+        assert_eq!(batch_decode_plan(1088, 128, f16), (128, 9));
+        // A cache one block holds, and exact multiples, are as before.
+        assert_eq!(batch_decode_plan(100, 128, f16), (128, 1));
+        assert_eq!(batch_decode_plan(1024, 128, f16), decode_plan(1024, 128, f16));
+        // f32 rows: chunks of half the block's keys.
+        assert_eq!(batch_decode_plan(300, 128, KvPrecision::F32), (64, 5));
+    }
 
     #[test]
     fn decode_attention_holds_what_the_device_gives_a_block() {

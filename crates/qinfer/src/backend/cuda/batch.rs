@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 use super::STATIC_SHARED_ROOM;
 use super::attention::KV_PRECISIONS;
 use super::attention_plan::{
-    DECODE_HEADS, DECODE_THREADS, decode_plan, decode_shared, decode_whole_shared, flash_tile, kv_slot, kv_suffix,
+    DECODE_HEADS, DECODE_THREADS, batch_decode_plan, decode_shared, decode_whole_shared, flash_tile, kv_slot, kv_suffix,
 };
 use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
 use super::linear::GEMV_MAX_ROWS;
@@ -560,7 +560,7 @@ impl CudaBackend {
         if longest <= GEMV_MAX_ROWS
             && let Some(whole) = self.decode_whole_keys(s.head_dim, pool.precision)
         {
-            let (chunk, splits) = decode_plan(n_keys, whole, pool.precision);
+            let (chunk, splits) = batch_decode_plan(n_keys, whole, pool.precision);
             let row_heads = q.rows * s.num_heads;
             let parts =
                 (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));
