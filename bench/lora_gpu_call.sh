@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# One device call (run tool, carry .devpack): the 8B bf16 batched bench with no
+# adapter, a random rank-16 adapter on all seven projections and one on q/k/v/o
+# (bench/random_lora.py), then bench/ncu_batch_decode.sh at 64 sequences.
+# Expects .devpack/device.tar.xz, a packed .device/ from scripts/cuda_device_bundle.sh.
 set -uo pipefail
 tar -xJf .devpack/device.tar.xz
 export QINFER_CACHE=/tmp/qinfer-cache; mkdir -p $QINFER_CACHE; tar -C $QINFER_CACHE -xJf .device/ptx.tar.xz
