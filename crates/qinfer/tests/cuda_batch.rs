@@ -435,6 +435,7 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
                 num_blocks: 16,
                 max_model_len: 512,
                 prefix_cache,
+                speculative: None,
             };
             let name = if prefix_cache.is_some() { format!("{name} (prefix cache)") } else { name.to_string() };
             let mut core_c = EngineCore::new(cpu.clone(), None, config).unwrap();

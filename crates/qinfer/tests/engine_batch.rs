@@ -17,6 +17,7 @@ use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::handle::Engine;
 use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{FinishReason, Request, StopConditions};
+use qinfer::engine::speculative::SpeculativeConfig;
 use qinfer::loader;
 use qinfer::models::LanguageModel;
 use qinfer::sampling::SamplingParams;
@@ -71,6 +72,7 @@ fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize) -> 
         num_blocks,
         max_model_len: 1024,
         prefix_cache: None,
+        speculative: None,
     }
 }
 
@@ -308,4 +310,63 @@ fn logprobs_are_log_softmax_of_transformers_logits() {
         }
         assert_eq!(seen, input.len(), "{name}");
     }
+}
+
+/// Speculative decoding (n-gram prompt lookup, greedy verification in the
+/// step's forward): every request's tokens and finish equal plain
+/// decoding's, exactly, in the same mixes (chunked prefills, preemption,
+/// the prefix cache), with stop tokens landing among accepted drafts; the
+/// hybrids, whose recurrent states cannot roll back, are refused by name.
+#[test]
+fn speculative_decoding_changes_no_token() {
+    let mut accepted_anywhere = 0;
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let r = reference(&dir);
+        let model = load(&dir);
+        let spec = |k, mut cfg: EngineConfig| {
+            cfg.speculative = Some(SpeculativeConfig::ngram(k));
+            EngineCore::new(model.clone(), None, cfg)
+        };
+        if model.config().gdn.is_some() {
+            let e = spec(4, config(512, 4, 64)).err().expect("hybrids refuse speculation").to_string();
+            assert!(e.contains("speculative") && e.contains(model.config().arch.name()), "{name}: {e}");
+            continue;
+        }
+        let mut reqs = requests(&r);
+        // Prompts that repeat themselves, which lookup finds drafts in: a
+        // 9-token phrase four times, and the fixture's input twice.
+        let input = ids(&r["input_ids"]);
+        let phrase: Vec<u32> = input.iter().copied().cycle().skip(2).take(9).collect();
+        reqs.push(request(phrase.repeat(4), 40, SamplingParams::default()));
+        reqs.push(request([input.clone(), input.clone()].concat(), 24, SamplingParams::default()));
+        let joins = [0, 0, 1, 1, 3, 6, 9, 0, 2];
+        let plain = run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &reqs, &joins);
+        // A stop token among the greedy outputs: the ninth request's sixth token.
+        let mut stopped = reqs.clone();
+        stopped[7].stop.stop_token_ids = vec![plain[7].0[5]];
+        let plain_stopped =
+            run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &stopped, &joins);
+        assert_eq!(plain_stopped[7].1, FinishReason::Stop, "{name}");
+        for (k, cfg, cached) in
+            [(4, config(80, 4, 12), false), (2, config(80, 4, 9), true), (7, config(512, 8, 64), false)]
+        {
+            let mut cfg = cfg;
+            if cached {
+                cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 0, host_bytes: 0 });
+            }
+            let mut core = spec(k, cfg).unwrap();
+            let got = run(&mut core, &reqs, &joins);
+            for (i, (a, b)) in plain.iter().zip(&got).enumerate() {
+                assert_eq!(a, b, "{name}: request {i}, {k} draft tokens: plain vs speculative");
+            }
+            let stats = core.speculative_stats();
+            let mut core = spec(k, cfg).unwrap();
+            assert_eq!(run(&mut core, &stopped, &joins), plain_stopped, "{name}: stop tokens, {k} draft tokens");
+            println!("{name}: {k} draft tokens, {stats:?} ({} preemptions)", core.preemptions());
+            assert!(stats.accepted <= stats.drafted && stats.verifications > 0, "{name}: {stats:?}");
+            accepted_anywhere += stats.accepted;
+        }
+    }
+    assert!(accepted_anywhere > 0, "no draft token was ever accepted: the verification path went untested");
 }

@@ -43,6 +43,7 @@ fn engine(model: &Arc<dyn LanguageModel>) -> EngineCore {
         num_blocks: 64,
         max_model_len: 512,
         prefix_cache: Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 0, host_bytes: 0 }),
+        speculative: None,
     };
     EngineCore::new(model.clone(), None, cfg).unwrap()
 }

@@ -231,6 +231,7 @@ fn concurrency_rows(
             prefix_cache: (!a.no_prefix_cache).then(|| {
                 PrefixCacheConfig::for_model(lm.as_ref(), 64, PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES, c * (p + n))
             }),
+            speculative: None,
         };
         let mut core = EngineCore::new(lm.clone(), None, cfg)?;
         concurrent(&mut core, (c, p, n), vocab, 0, a.embed, adapter)?;
@@ -298,6 +299,7 @@ fn multi_turn_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: 
                     num_blocks * block,
                 )
             }),
+            speculative: None,
         };
         let mut row = multiturn::run(lm, cfg, shape, &|n, seed| seeded_tokens(n, vocab, seed))?;
         row["test"] = json!(format!(

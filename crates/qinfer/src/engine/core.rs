@@ -14,6 +14,7 @@ use super::prefix::{
 };
 use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
+use super::speculative::{SpeculativeConfig, SpeculativeStats};
 use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
@@ -49,6 +50,9 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Share computed prefixes between requests (None: off).
     pub prefix_cache: Option<PrefixCacheConfig>,
+    /// Propose draft tokens for greedy decode steps and verify them in the
+    /// step's forward (None: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl EngineConfig {
@@ -78,7 +82,15 @@ impl EngineConfig {
             PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES,
             num_blocks * block_size,
         ));
-        EngineConfig { max_batched_tokens, max_num_seqs, block_size, num_blocks, max_model_len, prefix_cache }
+        EngineConfig {
+            max_batched_tokens,
+            max_num_seqs,
+            block_size,
+            num_blocks,
+            max_model_len,
+            prefix_cache,
+            speculative: None,
+        }
     }
 }
 
@@ -96,6 +108,7 @@ pub struct EngineCore {
     vocab: usize,
     preemptions: usize,
     prefix: Option<PrefixCache>,
+    speculative: SpeculativeStats,
 }
 
 impl EngineCore {
@@ -112,6 +125,18 @@ impl EngineCore {
                 "max_batched_tokens {} is below {align}, the chunk of this model's recurrent layers",
                 cfg.max_batched_tokens
             )));
+        }
+        if let Some(spec) = cfg.speculative {
+            if recurrent {
+                return Err(Error::Invalid(format!(
+                    "speculative decoding is not supported for {} yet: its Gated DeltaNet states cannot be rolled \
+                     back past rejected draft tokens",
+                    model.config().arch.name()
+                )));
+            }
+            if spec.draft_tokens == 0 {
+                return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
+            }
         }
         let vocab = model.config().vocab_size;
         let snapshot_slots = match cfg.prefix_cache {
@@ -159,6 +184,7 @@ impl EngineCore {
             vocab,
             preemptions: 0,
             prefix,
+            speculative: SpeculativeStats::default(),
         })
     }
 
@@ -173,6 +199,11 @@ impl EngineCore {
     /// Preemptions so far.
     pub fn preemptions(&self) -> usize {
         self.preemptions
+    }
+
+    /// Speculative decoding's counters so far.
+    pub fn speculative_stats(&self) -> SpeculativeStats {
+        self.speculative
     }
 
     /// Requests waiting or running.
@@ -403,6 +434,39 @@ impl EngineCore {
         Ok(plan)
     }
 
+    /// Appends draft tokens to the greedy decode steps of `taken` that the
+    /// proposer has some for, while the step's token budget and the KV
+    /// pool's free blocks last (speculation never preempts anyone).
+    fn propose_drafts(&mut self, taken: &mut [(Sequence, usize)]) {
+        let Some(spec) = self.cfg.speculative else { return };
+        let mut budget = self.cfg.max_batched_tokens.saturating_sub(taken.iter().map(|(_, n)| n).sum());
+        for (seq, n) in taken.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            let p = seq.sampler.params();
+            let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
+            if !decoding || seq.prompt_only() || seq.constraint.is_some() || p.temperature != 0.0 || p.host_only() {
+                continue;
+            }
+            if !seq.backoff.ready() {
+                continue;
+            }
+            // Drafts past the output's or the context's end could never be kept.
+            let room = (seq.stop.max_tokens.saturating_sub(seq.generated() + 1))
+                .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1))
+                .min(budget);
+            let drafts = spec.propose(&seq.tokens, room);
+            if drafts.is_empty() || !seq.blocks.grow_to(seq.computed + 1 + drafts.len(), &mut self.runner.blocks) {
+                continue;
+            }
+            budget -= drafts.len();
+            *n += drafts.len();
+            seq.drafts = drafts.len();
+            seq.tokens.extend(drafts);
+        }
+    }
+
     /// Runs one step; returns the outputs it produced (tokens, text, and the
     /// finish of requests that ended).
     pub fn step(&mut self) -> Result<Vec<Output>> {
@@ -418,6 +482,7 @@ impl EngineCore {
         }
         let mut taken: Vec<(Sequence, usize)> =
             plan.iter().map(|&(id, n)| (self.seqs.remove(&id).expect("planned sequences are known"), n)).collect();
+        self.propose_drafts(&mut taken);
         let bs = self.cfg.block_size;
         let snapshots: Vec<Vec<PlannedSnapshot>> = (taken.iter_mut())
             .map(|(seq, n)| self.prefix.as_mut().map_or_else(Vec::new, |p| p.plan_snapshots(seq, *n, bs)))
@@ -428,7 +493,8 @@ impl EngineCore {
             None => Ok(()),
         };
         if let Err(e) = spilled {
-            for (seq, _) in taken {
+            for (mut seq, _) in taken {
+                seq.drop_drafts();
                 self.seqs.insert(seq.id, seq);
             }
             if let Some(p) = &mut self.prefix {
@@ -444,7 +510,16 @@ impl EngineCore {
                     let (start, n) = (seq.computed, *n);
                     let ends = start + n == seq.tokens.len();
                     let Sequence {
-                        tokens, blocks, state_slot, sampler, constraint, prefill_len, task, adapter, ..
+                        tokens,
+                        blocks,
+                        state_slot,
+                        sampler,
+                        constraint,
+                        prefill_len,
+                        task,
+                        adapter,
+                        drafts,
+                        ..
                     } = seq;
                     let task: &Task = task;
                     let (hidden, scores) = match task {
@@ -471,6 +546,7 @@ impl EngineCore {
                         hidden,
                         scores,
                         adapter: *adapter,
+                        drafts: *drafts,
                     }
                 })
                 .collect();
@@ -484,7 +560,8 @@ impl EngineCore {
         let picks = match result {
             Ok(p) => p,
             Err(e) => {
-                for (seq, _) in taken {
+                for (mut seq, _) in taken {
+                    seq.drop_drafts();
                     self.seqs.insert(seq.id, seq);
                 }
                 return Err(e);
@@ -496,6 +573,26 @@ impl EngineCore {
         for ((mut seq, n), step) in taken.into_iter().zip(picks) {
             let start = seq.computed;
             seq.computed += n;
+            // Drafts: the accepted ones stay, as computed tokens; the rows of
+            // the rest are written over later. Pushed one by one, so that a
+            // stop among them ends the output there.
+            let mut finish = None;
+            if seq.drafts > 0 {
+                let drafted = seq.drafts;
+                let drafts = seq.drop_drafts();
+                seq.computed = seq.tokens.len();
+                self.speculative.verifications += 1;
+                self.speculative.drafted += drafted as u64;
+                self.speculative.accepted += step.accepted as u64;
+                seq.backoff.verified(step.accepted);
+                for &t in &drafts[..step.accepted.min(drafted)] {
+                    finish = seq.push(t, tok.as_deref(), self.cfg.max_model_len)?;
+                    seq.computed += 1;
+                    if finish.is_some() {
+                        break;
+                    }
+                }
+            }
             if self.prefix.is_some() {
                 register_full_blocks(&mut seq, &mut self.runner.blocks);
             }
@@ -517,7 +614,9 @@ impl EngineCore {
             if let Some(lp) = step.logprob {
                 seq.push_logprob(lp);
             }
-            let mut finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
+            if finish.is_none() {
+                finish = seq.push(token, tok.as_deref(), self.cfg.max_model_len)?;
+            }
             if let Some(e) = &step.constraint_error {
                 // The output can no longer follow its constraint: it ends here.
                 tracing::warn!("request {}: {e}; ending it", seq.id);

@@ -1,6 +1,7 @@
 //! Requests and their lifecycle: the continuous-batching engine (`core`:
 //! scheduler and step; `handle`: its thread), the request and sequence
-//! types, and the single-sequence generation loop and perplexity.
+//! types, speculative decoding's proposers, and the single-sequence
+//! generation loop and perplexity.
 
 pub mod core;
 pub mod generate;
@@ -10,3 +11,4 @@ pub mod pooling;
 pub mod prefix;
 pub mod request;
 pub mod sequence;
+pub mod speculative;

@@ -5,6 +5,7 @@
 use super::request::{
     FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenConstraint, TokenLogprob, Usage,
 };
+use super::speculative::Backoff;
 use crate::Result;
 use crate::kv::blocks::BlockTable;
 use crate::kv::prefix::{BlockHashes, PrefixKeys};
@@ -43,6 +44,11 @@ pub struct Sequence {
     pub pooled: Vec<f32>,
     /// Times it was preempted.
     pub preemptions: usize,
+    /// Draft tokens at the end of `tokens` during a speculative step (0
+    /// between steps).
+    pub drafts: usize,
+    /// When it next proposes drafts.
+    pub backoff: Backoff,
     decode: DecodeStream,
     /// Generated text decoded so far, and how much of it was sent.
     text: String,
@@ -83,6 +89,8 @@ impl Sequence {
             task: req.task,
             pooled: Vec::new(),
             preemptions: 0,
+            drafts: 0,
+            backoff: Backoff::default(),
             decode: DecodeStream::new(true),
             text: String::new(),
             sent: 0,
@@ -91,6 +99,13 @@ impl Sequence {
             hold,
             stopped_by: None,
         })
+    }
+
+    /// Takes its draft tokens off the end of `tokens` and returns them.
+    pub fn drop_drafts(&mut self) -> Vec<u32> {
+        let drafts = self.tokens.split_off(self.tokens.len() - self.drafts);
+        self.drafts = 0;
+        drafts
     }
 
     pub fn generated(&self) -> usize {

@@ -50,6 +50,10 @@ pub struct StepSeq<'a> {
     pub scores: Option<&'a [u32]>,
     /// The LoRA adapter its rows run with.
     pub adapter: Option<u64>,
+    /// Its last rows are this many draft tokens to verify (speculative
+    /// decoding): every row from the one before them on is picked, greedily,
+    /// and the drafts are accepted while they equal the picks.
+    pub drafts: usize,
 }
 
 /// Which of a sequence's rows a step returns hidden states of.
@@ -74,6 +78,9 @@ pub struct StepOut {
     /// The constraint failed (or allowed nothing): the pick was made
     /// without it and the sequence should end.
     pub constraint_error: Option<String>,
+    /// Of its drafts, how many lead equal to the picks (accepted): they
+    /// come before `token`, which is the pick after the last of them.
+    pub accepted: usize,
 }
 
 pub struct Runner {
@@ -156,7 +163,10 @@ impl Runner {
             }
             let rows = tokens.len()..tokens.len() + s.tokens.len();
             tokens.extend_from_slice(s.tokens);
-            if s.sample.is_some() || s.scores.is_some() {
+            if s.drafts > 0 {
+                check_drafts(s)?;
+                logits_rows.extend(rows.end - 1 - s.drafts..rows.end);
+            } else if s.sample.is_some() || s.scores.is_some() {
                 logits_rows.push(rows.end - 1);
             }
             match s.hidden {
@@ -179,13 +189,22 @@ impl Runner {
         // Picks that need no host state (no constraint, scores, logprobs,
         // bias or counted penalties) are made where the logits are; the
         // draws are taken from the samplers now, in batch order.
-        let picks: Vec<Option<RowPick>> = (seqs.iter_mut())
-            .filter(|s| s.sample.is_some() || s.scores.is_some())
-            .map(|s| match (&mut s.sample, &s.constraint, s.scores) {
-                (Some((sampler, context)), None, None) => sampler.row_pick(context),
-                _ => None,
-            })
-            .collect();
+        let mut picks: Vec<Option<RowPick>> = Vec::with_capacity(batch.logits_rows.len());
+        for s in seqs.iter_mut().filter(|s| s.sample.is_some() || s.scores.is_some()) {
+            match (&mut s.sample, &s.constraint, s.scores) {
+                (Some((sampler, context)), None, None) if s.drafts > 0 => {
+                    // Row i picks after the drafts before it (greedy: no draw).
+                    let known = context.len() - s.drafts;
+                    for i in 0..=s.drafts {
+                        picks.push(Some(sampler.row_pick(&context[..known + i]).ok_or_else(|| {
+                            Error::Invalid("draft tokens need a sampler that picks without host state".into())
+                        })?));
+                    }
+                }
+                (Some((sampler, context)), None, None) => picks.push(sampler.row_pick(context)),
+                _ => picks.push(None),
+            }
+        }
         let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch, &picks)?;
         let on_host = picks.iter().filter(|p| p.is_none()).count();
         let vocab = out.logits.len().checked_div(on_host).unwrap_or(0);
@@ -198,7 +217,17 @@ impl Runner {
         for s in seqs.iter_mut() {
             let mut o = StepOut::default();
             let logits_row = s.sample.is_some() || s.scores.is_some();
-            if logits_row && row_picks.next().is_some_and(Option::is_some) {
+            if s.drafts > 0 {
+                let n = s.drafts + 1;
+                let got: Vec<u32> = picked.by_ref().take(n).collect();
+                row_picks.by_ref().take(n).for_each(drop);
+                if got.len() != n {
+                    return Err(Error::Invalid("the forward returned too few picks".into()));
+                }
+                let drafts = &s.tokens[s.tokens.len() - s.drafts..];
+                o.accepted = drafts.iter().zip(&got).take_while(|(d, p)| d == p).count();
+                o.token = Some(got[o.accepted]);
+            } else if logits_row && row_picks.next().is_some_and(Option::is_some) {
                 let token = picked.next().ok_or_else(|| Error::Invalid("the forward returned too few picks".into()))?;
                 o.token = Some(token);
             } else if logits_row {
@@ -242,4 +271,25 @@ impl Runner {
         }
         Ok(outs)
     }
+}
+
+/// Drafts are verified greedily, by picks made where the logits are: a
+/// sequence with drafts samples at temperature 0 with nothing kept on the
+/// host, no constraint and no scores.
+fn check_drafts(s: &StepSeq<'_>) -> Result<()> {
+    let ok = match &s.sample {
+        Some((sampler, context)) => {
+            let p = sampler.params();
+            p.temperature == 0.0 && !p.host_only() && context.len() >= s.drafts && s.tokens.len() > s.drafts
+        }
+        None => false,
+    };
+    if !ok || s.constraint.is_some() || s.scores.is_some() {
+        return Err(Error::Invalid(
+            "draft tokens are verified only for greedy sampling without constraints, scores, logprobs, bias or \
+             frequency/presence penalties"
+                .into(),
+        ));
+    }
+    Ok(())
 }
