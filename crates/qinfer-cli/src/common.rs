@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use qinfer::engine::core::EngineConfig;
 use qinfer::engine::prefix::PrefixCacheConfig;
+use qinfer::engine::speculative::SpeculativeConfig;
 use qinfer::loader::{self, LoadedModel};
 use qinfer::sampling::SamplingParams;
 use qinfer::tokenizer::Tokenizer;
@@ -195,6 +196,23 @@ pub struct EngineArgs {
     /// dropped). On the CPU the pool is host memory already.
     #[arg(long, default_value_t = 0.0)]
     pub prefix_cache_host_gb: f64,
+    /// Speculative decoding for greedy requests: `ngram` proposes draft
+    /// tokens by looking the last tokens up in the prompt and output so far,
+    /// and each step verifies them in its forward (outputs are unchanged).
+    #[arg(long, value_enum)]
+    pub speculative: Option<SpeculativeKind>,
+    /// Most draft tokens proposed and verified per sequence and step (with
+    /// --speculative).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_tokens: u16,
+}
+
+/// Where draft tokens come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpeculativeKind {
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence
+    /// of the last 4 (down to 2) tokens.
+    Ngram,
 }
 
 impl EngineArgs {
@@ -212,6 +230,9 @@ impl EngineArgs {
                 gib(self.state_snapshot_gib),
                 cfg.num_blocks * cfg.block_size,
             )
+        });
+        cfg.speculative = self.speculative.map(|kind| match kind {
+            SpeculativeKind::Ngram => SpeculativeConfig::ngram(self.draft_tokens as usize),
         });
         cfg
     }

@@ -272,7 +272,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let g = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as f64;
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
     let (used, total) = (g(&m.kv_blocks_used), g(&m.kv_blocks_total));
-    let rows: [(&str, &str, &str, f64); 19] = [
+    let rows: [(&str, &str, &str, f64); 21] = [
         ("num_requests_running", "gauge", "Requests in the running batch.", g(&m.running)),
         ("num_requests_waiting", "gauge", "Requests waiting to run.", g(&m.waiting)),
         ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks held.", if total > 0.0 { used / total } else { 0.0 }),
@@ -326,6 +326,18 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "counter",
             "Blocks and snapshots copied back from the host tier.",
             c(&m.host_tier_restored_total),
+        ),
+        (
+            "spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative draft tokens verified.",
+            c(&m.spec_draft_tokens_total),
+        ),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative draft tokens accepted.",
+            c(&m.spec_accepted_tokens_total),
         ),
     ];
     let mut out = String::new();

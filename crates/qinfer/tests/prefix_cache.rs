@@ -69,6 +69,7 @@ fn config(num_blocks: usize, cache: bool) -> EngineConfig {
             snapshot_slots: 8,
             host_bytes: 0,
         }),
+        speculative: None,
     }
 }
 

@@ -216,6 +216,16 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         generated as f64 / t0.elapsed().as_secs_f64().max(1e-9),
         core.preemptions()
     );
+    let spec = core.speculative_stats();
+    if spec.verifications > 0 {
+        eprintln!(
+            "speculative decoding: {} of {} draft tokens accepted ({:.0}%) in {} verifications",
+            spec.accepted,
+            spec.drafted,
+            100.0 * spec.acceptance(),
+            spec.verifications
+        );
+    }
     if failed > 0 {
         bail!(
             "{failed} of {} lines were not valid requests (their errors are in {})",

@@ -11,6 +11,7 @@ use anyhow::{Result, bail, ensure};
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Pooling, Request, StopConditions, Task};
+use qinfer::engine::speculative::SpeculativeConfig;
 use qinfer::loader::Device;
 use qinfer::lora::AdapterId;
 use qinfer::models::{LanguageModel, Logits};
@@ -74,6 +75,14 @@ pub struct Args {
     /// (prompt only, as an embedding model runs them): embedded tok/s.
     #[arg(long, requires = "concurrency")]
     embed: bool,
+    /// With --concurrency: speculative decoding of the greedy requests, as
+    /// the engine commands' `--speculative` (the tg rows count accepted
+    /// drafts as generated tokens and report the acceptance).
+    #[arg(long, value_enum, requires = "concurrency")]
+    speculative: Option<crate::common::SpeculativeKind>,
+    /// Most draft tokens per sequence and step (with --speculative).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    draft_tokens: u16,
     /// Multi-turn conversations through the engine, with the prefix cache
     /// and without: --conversations at once, each --turns turns, sharing a
     /// --system-tokens prompt, each turn adding --turn-tokens and an answer
@@ -231,7 +240,9 @@ fn concurrency_rows(
             prefix_cache: (!a.no_prefix_cache).then(|| {
                 PrefixCacheConfig::for_model(lm.as_ref(), 64, PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES, c * (p + n))
             }),
-            speculative: None,
+            speculative: a.speculative.map(|kind| match kind {
+                crate::common::SpeculativeKind::Ngram => SpeculativeConfig::ngram(a.draft_tokens as usize),
+            }),
         };
         let mut core = EngineCore::new(lm.clone(), None, cfg)?;
         concurrent(&mut core, (c, p, n), vocab, 0, a.embed, adapter)?;
@@ -256,6 +267,13 @@ fn concurrency_rows(
                 "stddev_ts": s, "samples_ts": samples, "kv_cache_bytes": kv, "max_batched_tokens": budget});
             if test.starts_with("tg") {
                 row["per_seq_ts"] = json!(m / c as f64);
+                let spec = core.speculative_stats();
+                if a.speculative.is_some() {
+                    row["draft_tokens"] = json!(a.draft_tokens);
+                    row["drafted"] = json!(spec.drafted);
+                    row["accepted"] = json!(spec.accepted);
+                    row["acceptance"] = json!(spec.acceptance());
+                }
             }
             rows.push(row);
         }

@@ -56,6 +56,9 @@ pub struct EngineMetrics {
     pub host_tier_bytes: AtomicUsize,
     pub host_tier_stored_total: AtomicU64,
     pub host_tier_restored_total: AtomicU64,
+    /// Speculative decoding: draft tokens verified, and those accepted.
+    pub spec_draft_tokens_total: AtomicU64,
+    pub spec_accepted_tokens_total: AtomicU64,
 }
 
 /// A handle to the engine thread. Dropping it lets the thread finish the
@@ -78,6 +81,9 @@ fn publish(core: &EngineCore, metrics: &EngineMetrics) {
     metrics.waiting.store(core.num_waiting(), Ordering::Relaxed);
     metrics.kv_blocks_used.store(core.blocks_used().0, Ordering::Relaxed);
     metrics.preemptions_total.store(core.preemptions() as u64, Ordering::Relaxed);
+    let spec = core.speculative_stats();
+    metrics.spec_draft_tokens_total.store(spec.drafted, Ordering::Relaxed);
+    metrics.spec_accepted_tokens_total.store(spec.accepted, Ordering::Relaxed);
     if let Some(p) = core.prefix_stats() {
         metrics.prefix_cache_queried_tokens_total.store(p.queried_tokens, Ordering::Relaxed);
         metrics.prefix_cache_hit_tokens_total.store(p.hit_tokens, Ordering::Relaxed);
