@@ -91,6 +91,13 @@ impl SamplingParams {
             || !self.logit_bias.is_empty()
             || self.logprobs.is_some()
     }
+
+    /// Whether draft tokens can be verified under these parameters:
+    /// greedy acceptance, by picks made where the logits are (temperature
+    /// 0, nothing kept on the host).
+    pub fn verifies_drafts(&self) -> bool {
+        self.temperature == 0.0 && !self.host_only()
+    }
 }
 
 /// One row's pick where the logits are: what [`Sampler::sample`] would do

@@ -444,9 +444,8 @@ impl EngineCore {
             if budget == 0 {
                 break;
             }
-            let p = seq.sampler.params();
             let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
-            if !decoding || seq.prompt_only() || seq.constraint.is_some() || p.temperature != 0.0 || p.host_only() {
+            if !decoding || seq.prompt_only() || seq.constraint.is_some() || !seq.sampler.params().verifies_drafts() {
                 continue;
             }
             if !seq.backoff.ready() {

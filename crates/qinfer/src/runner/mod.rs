@@ -217,19 +217,18 @@ impl Runner {
         for s in seqs.iter_mut() {
             let mut o = StepOut::default();
             let logits_row = s.sample.is_some() || s.scores.is_some();
-            if s.drafts > 0 {
-                let n = s.drafts + 1;
-                let got: Vec<u32> = picked.by_ref().take(n).collect();
-                row_picks.by_ref().take(n).for_each(drop);
-                if got.len() != n {
+            // Its logits rows (the drafts' too) and how many were picked where
+            // the logits are: every draft row, or its one row's pick.
+            let rows = if s.drafts > 0 { s.drafts + 1 } else { usize::from(logits_row) };
+            let on_device = row_picks.by_ref().take(rows).filter(|p| p.is_some()).count();
+            if on_device > 0 {
+                let got: Vec<u32> = picked.by_ref().take(on_device).collect();
+                if got.len() != on_device || (s.drafts > 0 && on_device != rows) {
                     return Err(Error::Invalid("the forward returned too few picks".into()));
                 }
                 let drafts = &s.tokens[s.tokens.len() - s.drafts..];
                 o.accepted = drafts.iter().zip(&got).take_while(|(d, p)| d == p).count();
                 o.token = Some(got[o.accepted]);
-            } else if logits_row && row_picks.next().is_some_and(Option::is_some) {
-                let token = picked.next().ok_or_else(|| Error::Invalid("the forward returned too few picks".into()))?;
-                o.token = Some(token);
             } else if logits_row {
                 let row = logit_rows.next().expect("one logits row per sampling or scoring sequence");
                 if let Some(ids) = s.scores {
@@ -279,8 +278,7 @@ impl Runner {
 fn check_drafts(s: &StepSeq<'_>) -> Result<()> {
     let ok = match &s.sample {
         Some((sampler, context)) => {
-            let p = sampler.params();
-            p.temperature == 0.0 && !p.host_only() && context.len() >= s.drafts && s.tokens.len() > s.drafts
+            sampler.params().verifies_drafts() && context.len() >= s.drafts && s.tokens.len() > s.drafts
         }
         None => false,
     };

@@ -169,16 +169,7 @@ impl CudaBackend {
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
         let last = logits.rows - 1;
         self.launch_pick(&scratch, logits, last, params, penalized, u, self.p(&scratch.token), None);
-        let id = match self.failed() {
-            true => 0,
-            false => match self.stream.clone_dtoh(&scratch.token) {
-                Ok(v) => v[0],
-                Err(e) => {
-                    self.record(Err(e), "reading the sampled token");
-                    0
-                }
-            },
-        };
+        let id = self.read_picks(&scratch.token).first().copied().unwrap_or(0);
         drop(scratch);
         self.check()?;
         Ok(id)
@@ -202,19 +193,22 @@ impl CudaBackend {
         for (i, &(r, pick)) in picks.iter().enumerate() {
             self.launch_pick(&scratch, logits, r, &pick.params, &pick.penalized, pick.u, base + 4 * i as u64, None);
         }
-        let ids = match self.failed() {
-            true => Vec::new(),
-            false => match self.stream.clone_dtoh(&out) {
-                Ok(v) => v,
-                Err(e) => {
-                    self.record(Err(e), "reading the sampled tokens");
-                    Vec::new()
-                }
-            },
-        };
+        let ids = self.read_picks(&out);
         drop(scratch);
         self.check()?;
         Ok(ids)
+    }
+
+    /// The picks in `buf`, read back (waiting for the kernels that wrote
+    /// them); none after a recorded failure, which `check` then reports.
+    fn read_picks(&self, buf: &CudaSlice<u32>) -> Vec<u32> {
+        if self.failed() {
+            return Vec::new();
+        }
+        self.stream.clone_dtoh(buf).unwrap_or_else(|e| {
+            self.record(Err(e), "reading the sampled tokens");
+            Vec::new()
+        })
     }
 
     /// [`crate::backend::ops::SamplingOps::sample_ahead`] on the device: the sampling kernel itself
