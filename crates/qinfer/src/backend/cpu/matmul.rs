@@ -44,14 +44,18 @@ impl CpuMatrix {
 
 /// Raw pointer for disjoint parallel writes into one output buffer.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(*mut f32);
 // SAFETY: every task writes a disjoint set of elements (its own weight rows).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// Where every task writes its own disjoint elements of `out`.
+    pub(super) fn new(out: &mut [f32]) -> OutPtr {
+        OutPtr(out.as_mut_ptr())
+    }
     /// A method (not field access) so closures capture the Send wrapper, not the raw pointer.
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -222,6 +226,10 @@ const Q8_MR: usize = 4;
 /// group of `Q8_MR` activation rows, so it should stay in L1.
 const Q8_TILE_BYTES: usize = 16 * 1024;
 
+/// Activation rows from which the AVX-512 panel kernels take over: a panel
+/// is unpacked once per call, which pays once several rows share it.
+const PANEL_MIN_ROWS: usize = 4;
+
 /// Quantized weights: 8-bit activations, integer block dots.
 fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let cols = w.cols;
@@ -234,6 +242,12 @@ fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         q8::quantize_row(x, &mut xq);
     } else {
         xq.par_chunks_mut(blocks).zip(x.par_chunks(cols)).for_each(|(q, row)| q8::quantize_row(row, q));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if n >= PANEL_MIN_ROWS && super::panel_vnni::available() && super::panel_vnni::supports(w.dtype) {
+        super::panel_vnni::matmul_q5(w.dtype, w.data.as_slice(), w.rows, blocks, &xq, n, OutPtr(out.as_mut_ptr()));
+        XQ.with(|b| *b.borrow_mut() = xq);
+        return;
     }
     let threads = rayon::current_num_threads().max(1);
     let rb = w.row_bytes();
@@ -285,6 +299,12 @@ fn matmul_q8k(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     xq.clear();
     xq.resize(n * blocks, Q8KBlock::ZERO);
     xq.par_chunks_mut(blocks.max(1)).zip(x.par_chunks(cols.max(1))).for_each(|(q, row)| q8k::quantize_row(row, q));
+    #[cfg(target_arch = "x86_64")]
+    if n >= PANEL_MIN_ROWS && super::panel_vnni::available() {
+        super::panel_vnni::matmul_k(w.dtype, w.data.as_slice(), w.rows, blocks, &xq, n, OutPtr(out.as_mut_ptr()));
+        XQK.with(|b| *b.borrow_mut() = xq);
+        return;
+    }
     let threads = rayon::current_num_threads().max(1);
     let rb = w.row_bytes();
     let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);

@@ -3,6 +3,7 @@
 //! 16-wide chunks with independent accumulators so LLVM vectorizes both.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 macro_rules! dot_body {
     ($a:expr, $b:expr, $fma:expr) => {{
@@ -111,21 +112,81 @@ fn axpy_portable(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// The widest family of CPU kernels qinfer may use: the best the CPU has by
+/// default; lower it (`--cpu-kernels`) to run and measure a narrower path
+/// on a CPU that has a wider one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum CpuKernels {
+    /// Plain Rust, no SIMD intrinsics.
+    Portable,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// AVX-512 (F, BW, VNNI) where the CPU has it, else AVX2.
+    #[default]
+    Avx512,
+}
+
+impl std::str::FromStr for CpuKernels {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "avx512" => Ok(CpuKernels::Avx512),
+            "avx2" => Ok(CpuKernels::Avx2),
+            "portable" => Ok(CpuKernels::Portable),
+            _ => Err(format!("unknown CPU kernel family `{s}` (expected auto, avx512, avx2 or portable)")),
+        }
+    }
+}
+
+static KERNEL_LIMIT: AtomicU8 = AtomicU8::new(CpuKernels::Avx512 as u8);
+
+/// Caps the CPU kernels at `limit` for the rest of the process (set it before
+/// the first forward pass).
+pub fn limit_cpu_kernels(limit: CpuKernels) {
+    KERNEL_LIMIT.store(limit as u8, Ordering::Relaxed);
+}
+
+fn allowed(k: CpuKernels) -> bool {
+    KERNEL_LIMIT.load(Ordering::Relaxed) >= k as u8
+}
+
 /// Whether the AVX2 kernels may run: AVX2, FMA and F16C (every AVX2 CPU in
 /// practice has all three). Always false elsewhere, where nothing asks.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    allowed(CpuKernels::Avx2)
+        && *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        })
+}
+
+/// Whether the AVX-512 VNNI kernels may run: AVX-512 F, BW and VNNI, on top
+/// of what [`has_avx2`] needs.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(super) fn has_avx512_vnni() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    allowed(CpuKernels::Avx512)
+        && has_avx2()
+        && *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        })
 }
 
 /// Σ a[i]·b[i] over the shorter length.

@@ -1,0 +1,605 @@
+//! Matmuls of several activation rows (prompts, batched steps) with ggml
+//! block weights on AVX-512 VNNI, in panels of 16 weight rows.
+//!
+//! A panel is 16 weight rows unpacked once into unsigned byte levels and
+//! interleaved by 4-value chunks: chunk `k` of the 16 rows fills one 512-bit
+//! register, so a single `vpdpbusd` against chunk `k` of an activation row
+//! (4 signed bytes, broadcast) adds 4 products to each of the 16 rows' sums.
+//! Each lane thus holds one weight row's exact i32 sum over a block (or a
+//! K-quant scale group) with no horizontal reduction, and the panel is
+//! unpacked once for all the activation rows of the call.
+//!
+//! Level offsets (Q5_0's −16, Q6_K's −32, Q3_K's −4) are taken out as integers
+//! (`off·Σx`), K-quant scales multiply the group sums in i32 and the mins term
+//! is a `vpdpwssd` of the mins with the activations' 16-value sums. So every
+//! block yields exactly the integers of the scalar reference
+//! ([`super::q8::dot`], [`super::q8k::dot_scalar`]), and the float step is the
+//! scalar's expression in its order, lane by lane (no fused multiply-add): the
+//! outputs equal the scalar dots bit for bit, as the AVX2 kernels of these
+//! types do. (Q4_0, Q4_1 and Q8_0 keep their AVX2 kernels, which follow
+//! ggml's float order rather than the scalar one.)
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::act_blocks::{Q8Block, Q8KBlock};
+use super::matmul::OutPtr;
+use crate::quant::kquants::{self, QK_K};
+use crate::tensor::DType;
+
+/// Weight rows per panel: one i32 lane each in a 512-bit register.
+const LANES: usize = 16;
+
+/// Activation rows per pass over a panel's blocks: each loaded weight
+/// register serves this many rows.
+const MR: usize = 4;
+
+/// Whether this module's kernels may run: AVX-512 F, BW and VNNI present and
+/// allowed by the CPU kernel limit.
+pub(super) fn available() -> bool {
+    super::simd::has_avx512_vnni()
+}
+
+/// The weight types with panel kernels.
+pub(super) fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+}
+
+/// One panel, unpacked. `levels[k·16 + j]` holds values 4k..4k+4 of row j as
+/// unsigned bytes; per block (or super-block) `b`, `d`/`m` hold each row's
+/// float scale and min scale (`dmin` for K-quants, 0 where the type has
+/// none); per scale group `g` of the K-quants, `scales` holds each row's
+/// integer scale and `aux` its min (Q2_K, Q4_K, Q5_K) or offset × scale
+/// (Q3_K, Q6_K), the latter as i16 pairs of adjacent 16-value groups.
+#[derive(Default)]
+struct Panel {
+    levels: Vec<u32>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+    scales: Vec<i32>,
+    aux: Vec<u32>,
+}
+
+thread_local! {
+    static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
+}
+
+/// Reads the weight row `j` of a panel, or none past the matrix's last row.
+struct Rows<'a> {
+    bytes: &'a [u8],
+    rb: usize,
+    r0: usize,
+    count: usize,
+}
+
+impl Rows<'_> {
+    fn row(&self, j: usize) -> Option<&[u8]> {
+        (j < self.count).then(|| &self.bytes[(self.r0 + j) * self.rb..(self.r0 + j + 1) * self.rb])
+    }
+}
+
+/// Writes the 32 (or 256) levels of row `j`'s block `b` into the panel.
+#[inline(always)]
+fn put_levels(levels: &mut [u32], lv: &[u8], chunk0: usize, j: usize) {
+    for (k, c) in lv.chunks_exact(4).enumerate() {
+        levels[(chunk0 + k) * LANES + j] = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
+/// `out[t, r]` = Σ_c x[t, c]·W[r, c] for Q5_0 or Q5_1 weights `bytes`
+/// (`rows` rows of `blocks` blocks) and activations quantized to `xq`
+/// (`n` rows of `blocks` blocks).
+pub(super) fn matmul_q5(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, xq: &[Q8Block], n: usize, out: OutPtr) {
+    assert!(available() && matches!(dtype, DType::Q5_0 | DType::Q5_1));
+    let rb = blocks * dtype.block_bytes();
+    assert_eq!(bytes.len(), rows * rb);
+    assert_eq!(xq.len(), n * blocks);
+    // Σq per activation block, for the offset term of Q5_0.
+    let xsum: Vec<i32> = xq.iter().map(|y| y.qs.iter().map(|&q| q as i32).sum()).collect();
+    (0..rows.div_ceil(LANES)).into_par_iter().for_each(|p| {
+        let w = Rows { bytes, rb, r0: p * LANES, count: (rows - p * LANES).min(LANES) };
+        PANEL.with(|panel| {
+            let mut panel = panel.borrow_mut();
+            // SAFETY: AVX-512 F/BW/VNNI are present (`available`, asserted above).
+            unsafe {
+                if dtype == DType::Q5_0 {
+                    unpack_q5::<false>(&w, blocks, &mut panel);
+                } else {
+                    unpack_q5::<true>(&w, blocks, &mut panel);
+                }
+            }
+            let mut t = 0;
+            while t < n {
+                let take = (n - t).min(MR);
+                // SAFETY: as above; the panel holds `blocks` blocks and the
+                // activation rows t..t+take exist.
+                unsafe {
+                    match take {
+                        1 => run_q5::<1>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
+                        2 => run_q5::<2>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
+                        3 => run_q5::<3>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
+                        _ => run_q5::<MR>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
+                    }
+                }
+                t += take;
+            }
+        });
+    });
+}
+
+/// Unpacks a Q5_0 (`AFFINE` false) or Q5_1 panel: levels 0..32, `d`, and `m`
+/// (Q5_1) per block; rows past the matrix are zero.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_q5<const AFFINE: bool>(w: &Rows, blocks: usize, panel: &mut Panel) {
+    let (qh_at, qs_at) = if AFFINE { (4, 8) } else { (2, 6) };
+    panel.levels.clear();
+    panel.levels.resize(blocks * 8 * LANES, 0);
+    panel.d.clear();
+    panel.d.resize(blocks * LANES, 0.0);
+    panel.m.clear();
+    panel.m.resize(blocks * LANES, 0.0);
+    let bb = if AFFINE { 24 } else { 22 };
+    for j in 0..LANES {
+        let Some(row) = w.row(j) else { continue };
+        for (b, blk) in row.chunks_exact(bb).enumerate() {
+            panel.d[b * LANES + j] = kquants::f16_at(blk, 0);
+            if AFFINE {
+                panel.m[b * LANES + j] = kquants::f16_at(blk, 2);
+            }
+            let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
+            let qs = &blk[qs_at..qs_at + 16];
+            let mut lv = [0u8; 32];
+            for l in 0..16 {
+                lv[l] = (qs[l] & 0x0f) | ((((qh >> l) & 1) as u8) << 4);
+                lv[l + 16] = (qs[l] >> 4) | ((((qh >> (l + 16)) & 1) as u8) << 4);
+            }
+            put_levels(&mut panel.levels, &lv, b * 8, j);
+        }
+    }
+}
+
+/// Broadcasts the 4 activation bytes at `p` to every lane.
+///
+/// # Safety
+/// `p` points at 4 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn splat4(p: *const i8) -> __m512i {
+    // SAFETY: the caller guarantees 4 readable bytes.
+    _mm512_set1_epi32(unsafe { p.cast::<i32>().read_unaligned() })
+}
+
+/// Stores lanes `0..count` of `v` at `p`.
+///
+/// # Safety
+/// `p` points at `count` (≤ 16) writable floats.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_lanes(p: *mut f32, v: __m512, count: usize) {
+    let mask: __mmask16 = if count >= LANES { 0xffff } else { (1u16 << count) - 1 };
+    // SAFETY: the caller guarantees `count` writable floats; masked lanes are not touched.
+    unsafe { _mm512_mask_storeu_ps(p, mask, v) };
+}
+
+/// Activation rows `t..t+R` against one Q5 panel: per block, the exact sum
+/// `Σ level·x − 16·Σx` (Q5_0) or `Σ level·x` (Q5_1) in each lane, then
+/// `acc + ((d_w·d_x)·s + m_w·s_x)` as the scalar dot (`+ 0` for Q5_0 is
+/// left out: it changes no sum that starts at +0).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_q5<const R: usize>(
+    dtype: DType,
+    panel: &Panel,
+    blocks: usize,
+    xq: &[Q8Block],
+    xsum: &[i32],
+    t: usize,
+    rows: usize,
+    r0: usize,
+    count: usize,
+    out: OutPtr,
+) {
+    let affine = dtype == DType::Q5_1;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let lv = panel.levels.as_ptr();
+    for b in 0..blocks {
+        // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
+        let (wv, dw, mw) = unsafe {
+            let base = lv.add(b * 8 * LANES);
+            let wv: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(base.add(k * LANES).cast()));
+            (wv, _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)), _mm512_loadu_ps(panel.m.as_ptr().add(b * LANES)))
+        };
+        for i in 0..R {
+            let y = &xq[(t + i) * blocks + b];
+            let xp = y.qs.as_ptr();
+            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for k in (0..8).step_by(2) {
+                // SAFETY: `qs` holds 32 bytes; chunks k and k + 1 lie within it.
+                unsafe {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[k], splat4(xp.add(4 * k)));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], splat4(xp.add(4 * k + 4)));
+                }
+            }
+            let mut s = _mm512_add_epi32(s0, s1);
+            if !affine {
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * xsum[(t + i) * blocks + b]));
+            }
+            let mut v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s));
+            if affine {
+                v = _mm512_add_ps(v, _mm512_mul_ps(mw, _mm512_set1_ps(y.s)));
+            }
+            acc[i] = _mm512_add_ps(acc[i], v);
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        // SAFETY: row t + i of the output has `rows` floats; r0 + count ≤ rows.
+        unsafe { store_lanes(out.get().add((t + i) * rows + r0), *a, count) };
+    }
+}
+
+/// How a K-quant's levels are stored in a panel and its groups scaled.
+#[derive(Clone, Copy)]
+struct KLayout {
+    /// Values per integer scale (16, or 32 where adjacent 16-value groups share one).
+    group: usize,
+    /// Added to every level to make it unsigned (Q3_K 4, Q6_K 32).
+    offset: i32,
+    /// Whether the type has mins (Q2_K, Q4_K, Q5_K).
+    mins: bool,
+}
+
+fn k_layout(dtype: DType) -> KLayout {
+    match dtype {
+        DType::Q2_K => KLayout { group: 16, offset: 0, mins: true },
+        DType::Q3_K => KLayout { group: 16, offset: 4, mins: false },
+        DType::Q4_K | DType::Q5_K => KLayout { group: 32, offset: 0, mins: true },
+        DType::Q6_K => KLayout { group: 16, offset: 32, mins: false },
+        _ => unreachable!("{} is not a K-quant", dtype.name()),
+    }
+}
+
+/// As [`matmul_q5`] for K-quant weights and Q8_K activations.
+pub(super) fn matmul_k(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, xq: &[Q8KBlock], n: usize, out: OutPtr) {
+    assert!(available() && dtype.is_k_quant());
+    let rb = blocks * dtype.block_bytes();
+    assert_eq!(bytes.len(), rows * rb);
+    assert_eq!(xq.len(), n * blocks);
+    let layout = k_layout(dtype);
+    (0..rows.div_ceil(LANES)).into_par_iter().for_each(|p| {
+        let w = Rows { bytes, rb, r0: p * LANES, count: (rows - p * LANES).min(LANES) };
+        PANEL.with(|panel| {
+            let mut panel = panel.borrow_mut();
+            // SAFETY: AVX-512 F/BW/VNNI are present (asserted above).
+            unsafe { unpack_k(dtype, layout, &w, blocks, &mut panel) };
+            let mut t = 0;
+            while t < n {
+                let take = (n - t).min(MR);
+                // SAFETY: as above; the panel holds `blocks` super-blocks.
+                unsafe {
+                    match (take, layout.group) {
+                        (1, 16) => run_k::<1, 16>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (2, 16) => run_k::<2, 16>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (3, 16) => run_k::<3, 16>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (_, 16) => run_k::<MR, 16>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (1, _) => run_k::<1, 32>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (2, _) => run_k::<2, 32>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (3, _) => run_k::<3, 32>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                        (_, _) => run_k::<MR, 32>(layout, &panel, blocks, xq, t, rows, w.r0, w.count, out),
+                    }
+                }
+                t += take;
+            }
+        });
+    });
+}
+
+/// The 256 levels of one K-quant super-block as unsigned bytes (`q + offset`).
+#[inline(always)]
+fn k_levels(dtype: DType, layout: KLayout, blk: &[u8], lv: &mut [u8; QK_K]) {
+    match dtype {
+        DType::Q4_K | DType::Q5_K => {
+            let (qh, qs) = if dtype == DType::Q5_K { (Some(&blk[16..48]), &blk[48..176]) } else { (None, &blk[16..144]) };
+            for pair in 0..4 {
+                for l in 0..32 {
+                    let byte = qs[pair * 32 + l];
+                    let (mut lo, mut hi) = (byte & 0x0f, byte >> 4);
+                    if let Some(qh) = qh {
+                        lo |= ((qh[l] >> (2 * pair)) & 1) << 4;
+                        hi |= ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+                    }
+                    lv[pair * 64 + l] = lo;
+                    lv[pair * 64 + 32 + l] = hi;
+                }
+            }
+        }
+        DType::Q6_K => {
+            let (ql, qh) = (&blk[0..128], &blk[128..192]);
+            for half in 0..2 {
+                for l in 0..32 {
+                    let (a, c) = (ql[half * 64 + l], ql[half * 64 + 32 + l]);
+                    let h = qh[half * 32 + l];
+                    let base = half * 128;
+                    lv[base + l] = (a & 0x0f) | ((h & 3) << 4);
+                    lv[base + 32 + l] = (c & 0x0f) | (((h >> 2) & 3) << 4);
+                    lv[base + 64 + l] = (a >> 4) | (((h >> 4) & 3) << 4);
+                    lv[base + 96 + l] = (c >> 4) | (((h >> 6) & 3) << 4);
+                }
+            }
+        }
+        _ => {
+            let u = kquants::unpack(dtype, blk);
+            for (o, &q) in lv.iter_mut().zip(&u.q) {
+                *o = (q as i32 + layout.offset) as u8;
+            }
+        }
+    }
+}
+
+/// Per 16-value group: the integer scale and min of a K-quant super-block.
+fn k_scales(dtype: DType, blk: &[u8]) -> ([i32; 16], [i32; 16], f32, f32) {
+    match dtype {
+        DType::Q4_K | DType::Q5_K => {
+            let (mut sc, mut mn) = ([0; 16], [0; 16]);
+            for j in 0..8 {
+                let (s, m) = kquants::scale_min_k4(j, &blk[4..16]);
+                (sc[2 * j], sc[2 * j + 1]) = (s as i32, s as i32);
+                (mn[2 * j], mn[2 * j + 1]) = (m as i32, m as i32);
+            }
+            (sc, mn, kquants::f16_at(blk, 0), kquants::f16_at(blk, 2))
+        }
+        DType::Q6_K => (std::array::from_fn(|g| blk[192 + g] as i8 as i32), [0; 16], kquants::f16_at(blk, 208), 0.0),
+        DType::Q3_K => (kquants::q3_k_scales(&blk[96..108]), [0; 16], kquants::f16_at(blk, 108), 0.0),
+        DType::Q2_K => (
+            std::array::from_fn(|g| (blk[g] & 0x0f) as i32),
+            std::array::from_fn(|g| (blk[g] >> 4) as i32),
+            kquants::f16_at(blk, 80),
+            kquants::f16_at(blk, 82),
+        ),
+        _ => unreachable!("{} is not a K-quant", dtype.name()),
+    }
+}
+
+/// Unpacks a K-quant panel: levels, `d`/`dmin` per super-block, scales per
+/// `layout.group` values, and the mins (or offset × scales) as i16 pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_k(dtype: DType, layout: KLayout, w: &Rows, blocks: usize, panel: &mut Panel) {
+    let groups = QK_K / layout.group;
+    panel.levels.clear();
+    panel.levels.resize(blocks * (QK_K / 4) * LANES, 0);
+    panel.d.clear();
+    panel.d.resize(blocks * LANES, 0.0);
+    panel.m.clear();
+    panel.m.resize(blocks * LANES, 0.0);
+    panel.scales.clear();
+    panel.scales.resize(blocks * groups * LANES, 0);
+    panel.aux.clear();
+    panel.aux.resize(blocks * 8 * LANES, 0);
+    let bb = dtype.block_bytes();
+    let mut lv = [0u8; QK_K];
+    for j in 0..LANES {
+        let Some(row) = w.row(j) else { continue };
+        for (b, blk) in row.chunks_exact(bb).enumerate() {
+            k_levels(dtype, layout, blk, &mut lv);
+            put_levels(&mut panel.levels, &lv, b * (QK_K / 4), j);
+            let (sc, mn, d, dmin) = k_scales(dtype, blk);
+            panel.d[b * LANES + j] = d;
+            panel.m[b * LANES + j] = dmin;
+            for g in 0..groups {
+                panel.scales[(b * groups + g) * LANES + j] = sc[g * layout.group / 16];
+            }
+            // Per pair of 16-value groups, as two i16 (|min| < 64, |offset·scale| ≤ 32·128).
+            let aux = |g: usize| if layout.mins { mn[g] } else { layout.offset * sc[g] } as i16 as u16 as u32;
+            for h in 0..8 {
+                panel.aux[(b * 8 + h) * LANES + j] = aux(2 * h) | (aux(2 * h + 1) << 16);
+            }
+        }
+    }
+}
+
+/// Activation rows `t..t+R` against one K-quant panel (`G` values per
+/// scale): per super-block the exact `isum = Σ_g scale_g·Σ level·x` (less
+/// `Σ offset·scale_g·bsum_g` for Q3_K/Q6_K) and `msum = Σ_g min_g·bsum_g`,
+/// then `acc + ((d·d_x)·isum − (dmin·d_x)·msum)` as the scalar dot.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_k<const R: usize, const G: usize>(
+    layout: KLayout,
+    panel: &Panel,
+    blocks: usize,
+    xq: &[Q8KBlock],
+    t: usize,
+    rows: usize,
+    r0: usize,
+    count: usize,
+    out: OutPtr,
+) {
+    let groups = QK_K / G;
+    let chunks = G / 4;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let lv = panel.levels.as_ptr();
+    for b in 0..blocks {
+        let mut isum = [_mm512_setzero_si512(); R];
+        let ys: [&Q8KBlock; R] = std::array::from_fn(|i| &xq[(t + i) * blocks + b]);
+        for g in 0..groups {
+            // SAFETY: the panel holds `blocks`·64 chunks of 16 lanes and
+            // `blocks`·`groups` scale vectors; group g's chunks lie in the block.
+            let (wv, sc) = unsafe {
+                let base = lv.add((b * (QK_K / 4) + g * chunks) * LANES);
+                let wv: [__m512i; 8] =
+                    std::array::from_fn(|k| if k < chunks { _mm512_loadu_si512(base.add(k * LANES).cast()) } else { _mm512_setzero_si512() });
+                (wv, _mm512_loadu_si512(panel.scales.as_ptr().add((b * groups + g) * LANES).cast()))
+            };
+            for i in 0..R {
+                let xp = ys[i].qs.as_ptr();
+                let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for k in (0..chunks).step_by(2) {
+                    // SAFETY: chunks k, k + 1 of group g lie within the 256 `qs` bytes.
+                    unsafe {
+                        s0 = _mm512_dpbusd_epi32(s0, wv[k], splat4(xp.add(g * G + 4 * k)));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], splat4(xp.add(g * G + 4 * k + 4)));
+                    }
+                }
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(sc, _mm512_add_epi32(s0, s1)));
+            }
+        }
+        // SAFETY: the panel holds 8 aux vectors and one d/m vector per super-block.
+        let (aux, dw, mw) = unsafe {
+            let aux: [__m512i; 8] =
+                std::array::from_fn(|h| _mm512_loadu_si512(panel.aux.as_ptr().add((b * 8 + h) * LANES).cast()));
+            (aux, _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)), _mm512_loadu_ps(panel.m.as_ptr().add(b * LANES)))
+        };
+        for i in 0..R {
+            let y = ys[i];
+            // Σ_g aux_g·bsum_g, two groups per `vpdpwssd` (bsums are i16 pairs in memory).
+            let mut side = _mm512_setzero_si512();
+            for (h, a) in aux.iter().enumerate() {
+                // SAFETY: `bsums` holds 16 i16, so pair h (bytes 4h..4h+4) is in bounds.
+                side = _mm512_dpwssd_epi32(side, *a, unsafe { splat4(y.bsums.as_ptr().add(2 * h).cast()) });
+            }
+            let (is, ms) = if layout.mins {
+                (isum[i], side)
+            } else {
+                (_mm512_sub_epi32(isum[i], side), _mm512_setzero_si512())
+            };
+            let yd = _mm512_set1_ps(y.d);
+            let v = _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_mul_ps(dw, yd), _mm512_cvtepi32_ps(is)),
+                _mm512_mul_ps(_mm512_mul_ps(mw, yd), _mm512_cvtepi32_ps(ms)),
+            );
+            acc[i] = _mm512_add_ps(acc[i], v);
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        // SAFETY: row t + i of the output has `rows` floats; r0 + count ≤ rows.
+        unsafe { store_lanes(out.get().add((t + i) * rows + r0), *a, count) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matmul::OutPtr;
+    use super::super::test_rng::{finite_f16, fresh_seed, next};
+    use super::super::{q8, q8k};
+    use super::*;
+    use crate::quant::kquants::f16_field_offsets;
+
+    fn available_or_skip() -> bool {
+        if available() {
+            return true;
+        }
+        eprintln!("skipped: no AVX-512 F/BW/VNNI on this CPU");
+        false
+    }
+
+    /// Random level and scale bytes with random finite f16 fields, or every
+    /// byte `fill` (saturated levels) with f16 fields of 0.5.
+    fn weights(seed: &mut u64, dtype: DType, rows: usize, blocks: usize, fill: Option<u8>) -> Vec<u8> {
+        let bb = dtype.block_bytes();
+        let mut w: Vec<u8> = (0..rows * blocks * bb).map(|_| fill.unwrap_or(next(seed) as u8)).collect();
+        let f16_at: &[usize] = match dtype {
+            DType::Q5_0 => &[0],
+            DType::Q5_1 => &[0, 2],
+            _ => f16_field_offsets(dtype),
+        };
+        for blk in w.chunks_exact_mut(bb) {
+            for &off in f16_at {
+                let v = if fill.is_some() { half::f16::from_f32(0.5) } else { finite_f16(seed) };
+                blk[off..off + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Activation rows of mixed magnitudes: a zero row part, ±1 only (every
+    /// value quantizing to ±127), tiny and large values.
+    fn activations(seed: &mut u64, n: usize, cols: usize) -> Vec<f32> {
+        (0..n * cols)
+            .map(|i| {
+                let u = (next(seed) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                match (i / 32) % 6 {
+                    1 => 0.0,
+                    3 => u.signum(),
+                    4 => u * 1e-3,
+                    5 => u * 40.0,
+                    _ => u,
+                }
+            })
+            .collect()
+    }
+
+    /// Every output of the panel matmul equals the scalar reference dot's bits.
+    fn check(dtype: DType, rows: usize, cols: usize, n: usize, seed: &mut u64, fill: Option<u8>, start: u64) {
+        let w = weights(seed, dtype, rows, cols / dtype.block_len(), fill);
+        let x = activations(seed, n, cols);
+        let rb = w.len() / rows;
+        let mut out = vec![f32::NAN; n * rows];
+        let optr = OutPtr::new(&mut out);
+        if dtype.is_k_quant() {
+            let blocks = cols / QK_K;
+            let mut xq = vec![Q8KBlock::ZERO; n * blocks];
+            for (q, row) in xq.chunks_mut(blocks).zip(x.chunks(cols)) {
+                q8k::quantize_row(row, q);
+            }
+            matmul_k(dtype, &w, rows, blocks, &xq, n, optr);
+            for t in 0..n {
+                for r in 0..rows {
+                    let want = q8k::dot_scalar(dtype, &w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
+                    let got = out[t * rows + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}");
+                }
+            }
+        } else {
+            let blocks = cols / 32;
+            let mut xq = vec![Q8Block::ZERO; n * blocks];
+            for (q, row) in xq.chunks_mut(blocks).zip(x.chunks(cols)) {
+                q8::quantize_row_scalar(row, q);
+            }
+            matmul_q5(dtype, &w, rows, blocks, &xq, n, optr);
+            for t in 0..n {
+                for r in 0..rows {
+                    let want = q8::dot(dtype, &w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
+                    let got = out[t * rows + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}");
+                }
+            }
+        }
+    }
+
+    const TYPES: [DType; 7] = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+
+    /// Partial panels (rows not a multiple of 16), every remainder of the
+    /// 4-row activation groups, one and several blocks.
+    #[test]
+    fn random_panels_match_scalar_bit_for_bit() {
+        if !available_or_skip() {
+            return;
+        }
+        let mut seed = fresh_seed("panel_vnni");
+        let start = seed;
+        for dtype in TYPES {
+            let unit = dtype.block_len().max(256);
+            for (rows, cols, n) in [(37, unit, 7), (16, 2 * unit, 4), (5, 3 * unit, 6), (48, unit, 1)] {
+                check(dtype, rows, cols, n, &mut seed, None, start);
+            }
+        }
+    }
+
+    /// Saturated levels and scales against ±127 activations: the largest
+    /// integer sums the kernels form.
+    #[test]
+    fn extreme_panels_match_scalar_bit_for_bit() {
+        if !available_or_skip() {
+            return;
+        }
+        let mut seed = 1;
+        for dtype in TYPES {
+            for byte in [0x00u8, 0xff, 0x80, 0x7f, 0x55, 0xaa] {
+                check(dtype, 19, 512, 5, &mut seed, Some(byte), 0);
+            }
+        }
+    }
+}
