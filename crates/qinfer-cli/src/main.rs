@@ -12,6 +12,10 @@ struct Cli {
     /// Worker threads for the CPU backend (default: all cores).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// The widest CPU kernels to use: auto (the best this CPU has: AVX-512
+    /// VNNI, else AVX2), avx2, or portable (no SIMD); lower it to compare paths.
+    #[arg(long, global = true, default_value = "auto", value_name = "auto|avx512|avx2|portable")]
+    cpu_kernels: qinfer::backend::cpu::simd::CpuKernels,
     /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a `--features cuda` build).
     #[arg(long, global = true, default_value = "cpu")]
     device: qinfer::loader::Device,
@@ -76,6 +80,7 @@ fn main() {
         eprintln!("error: could not start {n} threads: {e}");
         std::process::exit(2);
     }
+    qinfer::backend::cpu::simd::limit_cpu_kernels(cli.cpu_kernels);
     let options = qinfer::loader::CudaOptions {
         graphs: !cli.no_cuda_graphs,
         overlapped_launches: !cli.no_overlapped_launches,

@@ -38,7 +38,7 @@ const LANES: usize = 16;
 /// register serves this many rows.
 const MR: usize = 4;
 
-/// Whether this module's kernels may run: AVX-512 F, BW and VNNI present and
+/// Whether this module's kernels may run: AVX-512 F, BW, VL and VNNI present and
 /// allowed by the CPU kernel limit.
 pub(super) fn available() -> bool {
     super::simd::has_avx512_vnni()
@@ -133,7 +133,7 @@ pub(super) fn matmul_q5(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, 
 
 /// Unpacks a Q5_0 (`AFFINE` false) or Q5_1 panel: levels 0..32, `d`, and `m`
 /// (Q5_1) per block; rows past the matrix are zero.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_q5<const AFFINE: bool>(w: &Rows, blocks: usize, panel: &mut Panel) {
     let (qh_at, qs_at) = if AFFINE { (4, 8) } else { (2, 6) };
     panel.levels.clear();
@@ -143,6 +143,10 @@ unsafe fn unpack_q5<const AFFINE: bool>(w: &Rows, blocks: usize, panel: &mut Pan
     panel.m.clear();
     panel.m.resize(blocks * LANES, 0.0);
     let bb = if AFFINE { 24 } else { 22 };
+    let m4 = _mm_set1_epi8(0x0f);
+    let sixteen = _mm256_set1_epi8(16);
+    // Chunk k of a row goes to lane j of the panel's chunk k: dwords 16 apart.
+    let stride = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
     for j in 0..LANES {
         let Some(row) = w.row(j) else { continue };
         for (b, blk) in row.chunks_exact(bb).enumerate() {
@@ -151,13 +155,15 @@ unsafe fn unpack_q5<const AFFINE: bool>(w: &Rows, blocks: usize, panel: &mut Pan
                 panel.m[b * LANES + j] = kquants::f16_at(blk, 2);
             }
             let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
-            let qs = &blk[qs_at..qs_at + 16];
-            let mut lv = [0u8; 32];
-            for l in 0..16 {
-                lv[l] = (qs[l] & 0x0f) | ((((qh >> l) & 1) as u8) << 4);
-                lv[l + 16] = (qs[l] >> 4) | ((((qh >> (l + 16)) & 1) as u8) << 4);
-            }
-            put_levels(&mut panel.levels, &lv, b * 8, j);
+            // SAFETY: the block holds 16 nibble bytes at `qs_at`.
+            let q = unsafe { _mm_loadu_si128(blk[qs_at..qs_at + 16].as_ptr().cast()) };
+            // Values 0..16 are the low nibbles, 16..32 the high ones; bit v of qh is bit 4 of value v.
+            let nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4));
+            let lv = _mm256_mask_add_epi8(nib, qh, nib, sixteen);
+            // SAFETY: the panel holds `blocks`·8·16 dwords; chunk b·8 + k, lane j lies within.
+            unsafe {
+                _mm256_i32scatter_epi32::<4>(panel.levels.as_mut_ptr().add(b * 8 * LANES + j).cast(), stride, lv)
+            };
         }
     }
 }
@@ -190,7 +196,7 @@ unsafe fn store_lanes(p: *mut f32, v: __m512, count: usize) {
 /// `acc + ((d_w·d_x)·s + m_w·s_x)` as the scalar dot (`+ 0` for Q5_0 is
 /// left out: it changes no sum that starts at +0).
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_q5<const R: usize>(
     dtype: DType,
     panel: &Panel,
@@ -302,7 +308,8 @@ pub(super) fn matmul_k(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, x
 fn k_levels(dtype: DType, layout: KLayout, blk: &[u8], lv: &mut [u8; QK_K]) {
     match dtype {
         DType::Q4_K | DType::Q5_K => {
-            let (qh, qs) = if dtype == DType::Q5_K { (Some(&blk[16..48]), &blk[48..176]) } else { (None, &blk[16..144]) };
+            let (qh, qs) =
+                if dtype == DType::Q5_K { (Some(&blk[16..48]), &blk[48..176]) } else { (None, &blk[16..144]) };
             for pair in 0..4 {
                 for l in 0..32 {
                     let byte = qs[pair * 32 + l];
@@ -365,7 +372,7 @@ fn k_scales(dtype: DType, blk: &[u8]) -> ([i32; 16], [i32; 16], f32, f32) {
 
 /// Unpacks a K-quant panel: levels, `d`/`dmin` per super-block, scales per
 /// `layout.group` values, and the mins (or offset × scales) as i16 pairs.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_k(dtype: DType, layout: KLayout, w: &Rows, blocks: usize, panel: &mut Panel) {
     let groups = QK_K / layout.group;
     panel.levels.clear();
@@ -405,7 +412,7 @@ unsafe fn unpack_k(dtype: DType, layout: KLayout, w: &Rows, blocks: usize, panel
 /// `Σ offset·scale_g·bsum_g` for Q3_K/Q6_K) and `msum = Σ_g min_g·bsum_g`,
 /// then `acc + ((d·d_x)·isum − (dmin·d_x)·msum)` as the scalar dot.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_k<const R: usize, const G: usize>(
     layout: KLayout,
     panel: &Panel,
@@ -429,8 +436,9 @@ unsafe fn run_k<const R: usize, const G: usize>(
             // `blocks`·`groups` scale vectors; group g's chunks lie in the block.
             let (wv, sc) = unsafe {
                 let base = lv.add((b * (QK_K / 4) + g * chunks) * LANES);
-                let wv: [__m512i; 8] =
-                    std::array::from_fn(|k| if k < chunks { _mm512_loadu_si512(base.add(k * LANES).cast()) } else { _mm512_setzero_si512() });
+                let wv: [__m512i; 8] = std::array::from_fn(|k| {
+                    if k < chunks { _mm512_loadu_si512(base.add(k * LANES).cast()) } else { _mm512_setzero_si512() }
+                });
                 (wv, _mm512_loadu_si512(panel.scales.as_ptr().add((b * groups + g) * LANES).cast()))
             };
             for i in 0..R {
@@ -460,11 +468,8 @@ unsafe fn run_k<const R: usize, const G: usize>(
                 // SAFETY: `bsums` holds 16 i16, so pair h (bytes 4h..4h+4) is in bounds.
                 side = _mm512_dpwssd_epi32(side, *a, unsafe { splat4(y.bsums.as_ptr().add(2 * h).cast()) });
             }
-            let (is, ms) = if layout.mins {
-                (isum[i], side)
-            } else {
-                (_mm512_sub_epi32(isum[i], side), _mm512_setzero_si512())
-            };
+            let (is, ms) =
+                if layout.mins { (isum[i], side) } else { (_mm512_sub_epi32(isum[i], side), _mm512_setzero_si512()) };
             let yd = _mm512_set1_ps(y.d);
             let v = _mm512_sub_ps(
                 _mm512_mul_ps(_mm512_mul_ps(dw, yd), _mm512_cvtepi32_ps(is)),
@@ -549,7 +554,11 @@ mod tests {
                 for r in 0..rows {
                     let want = q8k::dot_scalar(dtype, &w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
                     let got = out[t * rows + r];
-                    assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}");
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}"
+                    );
                 }
             }
         } else {
@@ -563,13 +572,18 @@ mod tests {
                 for r in 0..rows {
                     let want = q8::dot(dtype, &w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
                     let got = out[t * rows + r];
-                    assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}");
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{dtype:?} {rows}x{cols} n {n} ({t},{r}): {got} vs {want}, seed {start}"
+                    );
                 }
             }
         }
     }
 
-    const TYPES: [DType; 7] = [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K];
+    const TYPES: [DType; 7] =
+        [DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K];
 
     /// Partial panels (rows not a multiple of 16), every remainder of the
     /// 4-row activation groups, one and several blocks.

@@ -15,18 +15,32 @@ pub use super::act_blocks::Q8KBlock;
 /// the value of largest magnitude maps to −127, rounding half to even.
 pub fn quantize_row(x: &[f32], out: &mut [Q8KBlock]) {
     assert_eq!(x.len(), out.len() * QK_K, "q8k::quantize_row: {} values for {} blocks", x.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        // SAFETY: avx2 and fma are present (checked above).
+        return unsafe { quantize_row_avx2(x, out) };
+    }
+    quantize_blocks(x, out)
+}
+
+/// [`quantize_blocks`] compiled with AVX2, where rounding half to even is one
+/// instruction (without SSE4.1 it is a libm call per value) and the loops vectorize.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [Q8KBlock]) {
+    quantize_blocks(x, out)
+}
+
+#[inline(always)]
+fn quantize_blocks(x: &[f32], out: &mut [Q8KBlock]) {
     for (chunk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in chunk {
-            if v.abs() > amax {
-                amax = v.abs();
-                max = v;
-            }
-        }
+        // The first value of largest magnitude (NaN never compares larger).
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         if amax == 0.0 {
             *o = Q8KBlock::ZERO;
             continue;
         }
+        let max = *chunk.iter().find(|v| v.abs() == amax).expect("amax is one of the values");
         let iscale = -127.0 / max;
         for (q, &v) in o.qs.iter_mut().zip(chunk) {
             *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
@@ -121,6 +135,65 @@ mod tests {
             let scale: f64 = wf.iter().zip(&xf).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
             let got = dot(dtype, &w, &xq) as f64;
             assert!((got - want).abs() <= 1e-5 * scale, "{dtype:?}: {got} vs {want}");
+        }
+    }
+
+    /// ggml's `quantize_row_q8_K_ref` loop as written there: the first value
+    /// of largest magnitude by a strict comparison.
+    fn quantize_ref(x: &[f32]) -> Q8KBlock {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            return Q8KBlock::ZERO;
+        }
+        let iscale = -127.0 / max;
+        let mut o = Q8KBlock::ZERO;
+        for (q, &v) in o.qs.iter_mut().zip(x) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, g) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
+            *s = g.iter().map(|&q| q as i16).sum();
+        }
+        o.d = 1.0 / iscale;
+        o
+    }
+
+    /// The vectorized quantization equals the reference loop: ties (values on
+    /// exact halves), repeated maxima of both signs, zero blocks.
+    #[test]
+    fn quantization_equals_the_reference_loop() {
+        let mut seed = 7u64;
+        let mut x = Vec::new();
+        for k in 0..24 {
+            for i in 0..QK_K {
+                let u = (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0;
+                x.push(match k % 4 {
+                    0 => u,
+                    1 => ((lcg(&mut seed) % 255) as f32 - 127.0) + 0.5 * (i % 2) as f32,
+                    2 if i % 50 == 3 => {
+                        if i % 100 == 3 {
+                            -2.0
+                        } else {
+                            2.0
+                        }
+                    }
+                    2 => u,
+                    _ => 0.0,
+                });
+            }
+        }
+        let mut got = vec![Q8KBlock::ZERO; x.len() / QK_K];
+        quantize_row(&x, &mut got);
+        for (b, (g, chunk)) in got.iter().zip(x.chunks_exact(QK_K)).enumerate() {
+            let want = quantize_ref(chunk);
+            assert_eq!(g.qs, want.qs, "block {b}");
+            assert_eq!(g.bsums, want.bsums, "block {b}");
+            assert_eq!(g.d.to_bits(), want.d.to_bits(), "block {b}");
         }
     }
 

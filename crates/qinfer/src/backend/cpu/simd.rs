@@ -121,7 +121,7 @@ pub enum CpuKernels {
     Portable,
     /// AVX2 with FMA and F16C.
     Avx2,
-    /// AVX-512 (F, BW, VNNI) where the CPU has it, else AVX2.
+    /// AVX-512 (F, BW, VL, VNNI) where the CPU has it, else AVX2.
     #[default]
     Avx512,
 }
@@ -168,7 +168,7 @@ pub(super) fn has_avx2() -> bool {
         })
 }
 
-/// Whether the AVX-512 VNNI kernels may run: AVX-512 F, BW and VNNI, on top
+/// Whether the AVX-512 VNNI kernels may run: AVX-512 F, BW, VL and VNNI, on top
 /// of what [`has_avx2`] needs.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn has_avx512_vnni() -> bool {
@@ -180,6 +180,7 @@ pub(super) fn has_avx512_vnni() -> bool {
             {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
