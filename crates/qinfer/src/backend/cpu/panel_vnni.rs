@@ -16,8 +16,9 @@
 //! ([`super::q8::dot`], [`super::q8k::dot_scalar`]), and the float step is the
 //! scalar's expression in its order, lane by lane (no fused multiply-add): the
 //! outputs equal the scalar dots bit for bit, as the AVX2 kernels of these
-//! types do. (Q4_0, Q4_1 and Q8_0 keep their AVX2 kernels, which follow
-//! ggml's float order rather than the scalar one.)
+//! types do. Q4_0, Q4_1 and Q8_0 instead follow ggml's float order, as their
+//! AVX2 kernels do (see `q8_avx2`): each 4-value chunk's exact sum is one of
+//! 8 float lanes, so their outputs equal those kernels' bit for bit.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -46,7 +47,19 @@ pub(super) fn available() -> bool {
 
 /// The weight types with panel kernels.
 pub(super) fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::Q5_0 | DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    matches!(
+        dtype,
+        DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+    )
 }
 
 /// One panel, unpacked. `levels[k·16 + j]` holds values 4k..4k+4 of row j as
@@ -90,39 +103,81 @@ fn put_levels(levels: &mut [u32], lv: &[u8], chunk0: usize, j: usize) {
     }
 }
 
-/// `out[t, r]` = Σ_c x[t, c]·W[r, c] for Q5_0 or Q5_1 weights `bytes`
+/// How a 32-value block type's levels are made unsigned and its min applied.
+#[derive(Clone, Copy)]
+struct B32 {
+    /// Added to every level to make it unsigned: the sum loses `offset·Σx`.
+    offset: i32,
+    /// Byte offset of the min `m` (Q4_1, Q5_1), if the type has one.
+    min_at: Option<usize>,
+    /// Whether `m·s_x` joins each block's step (Q5_1, as the scalar dot adds
+    /// it there) or a separate sum added at the end (Q4_1).
+    min_in_step: bool,
+    /// Whether the float steps follow ggml's AVX2 order (Q4_0, Q4_1, Q8_0, as
+    /// their AVX2 kernels in `q8_avx2` do) rather than the scalar dot's.
+    ggml_order: bool,
+}
+
+fn b32_layout(dtype: DType) -> B32 {
+    match dtype {
+        DType::Q4_0 => B32 { offset: 8, min_at: None, min_in_step: false, ggml_order: true },
+        DType::Q4_1 => B32 { offset: 0, min_at: Some(2), min_in_step: false, ggml_order: true },
+        DType::Q5_0 => B32 { offset: 16, min_at: None, min_in_step: false, ggml_order: false },
+        DType::Q5_1 => B32 { offset: 0, min_at: Some(2), min_in_step: true, ggml_order: false },
+        DType::Q8_0 => B32 { offset: 128, min_at: None, min_in_step: false, ggml_order: true },
+        _ => unreachable!("{} is not a 32-value block type", dtype.name()),
+    }
+}
+
+/// `out[t, r]` = Σ_c x[t, c]·W[r, c] for 32-value block weights `bytes`
 /// (`rows` rows of `blocks` blocks) and activations quantized to `xq`
 /// (`n` rows of `blocks` blocks).
-pub(super) fn matmul_q5(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, xq: &[Q8Block], n: usize, out: OutPtr) {
-    assert!(available() && matches!(dtype, DType::Q5_0 | DType::Q5_1));
+pub(super) fn matmul_b32(
+    dtype: DType,
+    bytes: &[u8],
+    rows: usize,
+    blocks: usize,
+    xq: &[Q8Block],
+    n: usize,
+    out: OutPtr,
+) {
+    assert!(available() && supports(dtype) && !dtype.is_k_quant());
     let rb = blocks * dtype.block_bytes();
     assert_eq!(bytes.len(), rows * rb);
     assert_eq!(xq.len(), n * blocks);
-    // Σq per activation block, for the offset term of Q5_0.
-    let xsum: Vec<i32> = xq.iter().map(|y| y.qs.iter().map(|&q| q as i32).sum()).collect();
+    let layout = b32_layout(dtype);
+    // offset·Σq per activation block (or, in ggml's order, per 4-value chunk):
+    // the level offset's share of each sum.
+    let xoff: Vec<i32> = if layout.ggml_order {
+        xq.iter()
+            .flat_map(|y| y.qs.chunks_exact(4).map(|c| layout.offset * c.iter().map(|&q| q as i32).sum::<i32>()))
+            .collect()
+    } else {
+        xq.iter().map(|y| layout.offset * y.qs.iter().map(|&q| q as i32).sum::<i32>()).collect()
+    };
     (0..rows.div_ceil(LANES)).into_par_iter().for_each(|p| {
         let w = Rows { bytes, rb, r0: p * LANES, count: (rows - p * LANES).min(LANES) };
         PANEL.with(|panel| {
             let mut panel = panel.borrow_mut();
-            // SAFETY: AVX-512 F/BW/VNNI are present (`available`, asserted above).
-            unsafe {
-                if dtype == DType::Q5_0 {
-                    unpack_q5::<false>(&w, blocks, &mut panel);
-                } else {
-                    unpack_q5::<true>(&w, blocks, &mut panel);
-                }
-            }
+            // SAFETY: AVX-512 F/BW/VL/VNNI are present (`available`, asserted above).
+            unsafe { unpack_b32(dtype, layout, &w, blocks, &mut panel) };
             let mut t = 0;
             while t < n {
                 let take = (n - t).min(MR);
+                let job =
+                    B32Job { layout, panel: &panel, blocks, xq, xoff: &xoff, t, rows, r0: w.r0, count: w.count, out };
                 // SAFETY: as above; the panel holds `blocks` blocks and the
                 // activation rows t..t+take exist.
                 unsafe {
-                    match take {
-                        1 => run_q5::<1>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
-                        2 => run_q5::<2>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
-                        3 => run_q5::<3>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
-                        _ => run_q5::<MR>(dtype, &panel, blocks, xq, &xsum, t, rows, w.r0, w.count, out),
+                    match (take, layout.ggml_order) {
+                        (1, false) => job.run::<1>(),
+                        (2, false) => job.run::<2>(),
+                        (3, false) => job.run::<3>(),
+                        (_, false) => job.run::<MR>(),
+                        (1, true) => job.run_ggml::<1>(),
+                        (2, true) => job.run_ggml::<2>(),
+                        (3, true) => job.run_ggml::<3>(),
+                        (_, true) => job.run_ggml::<MR>(),
                     }
                 }
                 t += take;
@@ -131,39 +186,120 @@ pub(super) fn matmul_q5(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, 
     });
 }
 
-/// Unpacks a Q5_0 (`AFFINE` false) or Q5_1 panel: levels 0..32, `d`, and `m`
-/// (Q5_1) per block; rows past the matrix are zero.
+/// Unpacks a panel of 32-value blocks: unsigned levels, `d` and `m` (0
+/// where the type has none) per block; rows past the matrix are zero.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn unpack_q5<const AFFINE: bool>(w: &Rows, blocks: usize, panel: &mut Panel) {
-    let (qh_at, qs_at) = if AFFINE { (4, 8) } else { (2, 6) };
+unsafe fn unpack_b32(dtype: DType, layout: B32, w: &Rows, blocks: usize, panel: &mut Panel) {
     panel.levels.clear();
     panel.levels.resize(blocks * 8 * LANES, 0);
     panel.d.clear();
     panel.d.resize(blocks * LANES, 0.0);
     panel.m.clear();
     panel.m.resize(blocks * LANES, 0.0);
-    let bb = if AFFINE { 24 } else { 22 };
+    let bb = dtype.block_bytes();
     let m4 = _mm_set1_epi8(0x0f);
     let sixteen = _mm256_set1_epi8(16);
+    let flip = _mm256_set1_epi8(-128);
     // Chunk k of a row goes to lane j of the panel's chunk k: dwords 16 apart.
     let stride = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+    // Values 0..16 are the low nibbles of the 16 level bytes at `p`, 16..32 the high ones.
+    let nibbles = |p: &[u8]| {
+        // SAFETY: `p` holds 16 bytes.
+        let q = unsafe { _mm_loadu_si128(p[..16].as_ptr().cast()) };
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4))
+    };
     for j in 0..LANES {
         let Some(row) = w.row(j) else { continue };
         for (b, blk) in row.chunks_exact(bb).enumerate() {
             panel.d[b * LANES + j] = kquants::f16_at(blk, 0);
-            if AFFINE {
-                panel.m[b * LANES + j] = kquants::f16_at(blk, 2);
+            if let Some(at) = layout.min_at {
+                panel.m[b * LANES + j] = kquants::f16_at(blk, at);
             }
-            let qh = u32::from_le_bytes([blk[qh_at], blk[qh_at + 1], blk[qh_at + 2], blk[qh_at + 3]]);
-            // SAFETY: the block holds 16 nibble bytes at `qs_at`.
-            let q = unsafe { _mm_loadu_si128(blk[qs_at..qs_at + 16].as_ptr().cast()) };
-            // Values 0..16 are the low nibbles, 16..32 the high ones; bit v of qh is bit 4 of value v.
-            let nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4));
-            let lv = _mm256_mask_add_epi8(nib, qh, nib, sixteen);
+            let qh = |at: usize| u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+            let lv = match dtype {
+                DType::Q4_0 => nibbles(&blk[2..18]),
+                DType::Q4_1 => nibbles(&blk[4..20]),
+                // Bit v of qh is bit 4 of value v.
+                DType::Q5_0 => _mm256_mask_add_epi8(nibbles(&blk[6..22]), qh(2), nibbles(&blk[6..22]), sixteen),
+                DType::Q5_1 => _mm256_mask_add_epi8(nibbles(&blk[8..24]), qh(4), nibbles(&blk[8..24]), sixteen),
+                // Signed bytes + 128.
+                DType::Q8_0 => _mm256_xor_si256(
+                    // SAFETY: the block holds 32 level bytes at 2.
+                    unsafe { _mm256_loadu_si256(blk[2..34].as_ptr().cast()) },
+                    flip,
+                ),
+                _ => unreachable!("{} is not a 32-value block type", dtype.name()),
+            };
             // SAFETY: the panel holds `blocks`·8·16 dwords; chunk b·8 + k, lane j lies within.
             unsafe {
                 _mm256_i32scatter_epi32::<4>(panel.levels.as_mut_ptr().add(b * 8 * LANES + j).cast(), stride, lv)
             };
+        }
+    }
+}
+
+/// Activation rows `t..t+R` against one panel of 32-value blocks.
+struct B32Job<'a> {
+    layout: B32,
+    panel: &'a Panel,
+    blocks: usize,
+    xq: &'a [Q8Block],
+    xoff: &'a [i32],
+    t: usize,
+    rows: usize,
+    r0: usize,
+    count: usize,
+    out: OutPtr,
+}
+
+impl B32Job<'_> {
+    /// Per block, the exact `s = Σ level·x − offset·Σx` in each lane, then the
+    /// scalar dot's step: `acc + (d_w·d_x)·s` (Q4_0, Q5_0, Q8_0: the scalar's
+    /// `+ 0` for Q5_0 changes no sum that starts at +0), `acc + ((d_w·d_x)·s
+    /// + m_w·s_x)` (Q5_1), or for Q4_1 `m_w·s_x` summed apart and added last.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn run<const R: usize>(&self) {
+        let (panel, blocks, t) = (self.panel, self.blocks, self.t);
+        let has_min = self.layout.min_at.is_some();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut mins = [_mm512_setzero_ps(); R];
+        let lv = panel.levels.as_ptr();
+        for b in 0..blocks {
+            // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
+            let (wv, dw, mw) = unsafe {
+                let base = lv.add(b * 8 * LANES);
+                let wv: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(base.add(k * LANES).cast()));
+                (wv, _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)), _mm512_loadu_ps(panel.m.as_ptr().add(b * LANES)))
+            };
+            for i in 0..R {
+                let y = &self.xq[(t + i) * blocks + b];
+                let xp = y.qs.as_ptr();
+                let mut s0 = _mm512_set1_epi32(-self.xoff[(t + i) * blocks + b]);
+                let mut s1 = _mm512_setzero_si512();
+                for k in (0..8).step_by(2) {
+                    // SAFETY: `qs` holds 32 bytes; chunks k and k + 1 lie within it.
+                    unsafe {
+                        s0 = _mm512_dpbusd_epi32(s0, wv[k], splat4(xp.add(4 * k)));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], splat4(xp.add(4 * k + 4)));
+                    }
+                }
+                let s = _mm512_add_epi32(s0, s1);
+                let mut v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s));
+                if has_min {
+                    let m = _mm512_mul_ps(mw, _mm512_set1_ps(y.s));
+                    if self.layout.min_in_step {
+                        v = _mm512_add_ps(v, m);
+                    } else {
+                        mins[i] = _mm512_add_ps(mins[i], m);
+                    }
+                }
+                acc[i] = _mm512_add_ps(acc[i], v);
+            }
+        }
+        for i in 0..R {
+            let a = if has_min && !self.layout.min_in_step { _mm512_add_ps(acc[i], mins[i]) } else { acc[i] };
+            // SAFETY: row t + i of the output has `rows` floats; r0 + count ≤ rows.
+            unsafe { store_lanes(self.out.get().add((t + i) * self.rows + self.r0), a, self.count) };
         }
     }
 }
@@ -191,59 +327,56 @@ unsafe fn store_lanes(p: *mut f32, v: __m512, count: usize) {
     unsafe { _mm512_mask_storeu_ps(p, mask, v) };
 }
 
-/// Activation rows `t..t+R` against one Q5 panel: per block, the exact sum
-/// `Σ level·x − 16·Σx` (Q5_0) or `Σ level·x` (Q5_1) in each lane, then
-/// `acc + ((d_w·d_x)·s + m_w·s_x)` as the scalar dot (`+ 0` for Q5_0 is
-/// left out: it changes no sum that starts at +0).
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn run_q5<const R: usize>(
-    dtype: DType,
-    panel: &Panel,
-    blocks: usize,
-    xq: &[Q8Block],
-    xsum: &[i32],
-    t: usize,
-    rows: usize,
-    r0: usize,
-    count: usize,
-    out: OutPtr,
-) {
-    let affine = dtype == DType::Q5_1;
-    let mut acc = [_mm512_setzero_ps(); R];
-    let lv = panel.levels.as_ptr();
-    for b in 0..blocks {
-        // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
-        let (wv, dw, mw) = unsafe {
-            let base = lv.add(b * 8 * LANES);
-            let wv: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(base.add(k * LANES).cast()));
-            (wv, _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)), _mm512_loadu_ps(panel.m.as_ptr().add(b * LANES)))
-        };
-        for i in 0..R {
-            let y = &xq[(t + i) * blocks + b];
-            let xp = y.qs.as_ptr();
-            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for k in (0..8).step_by(2) {
-                // SAFETY: `qs` holds 32 bytes; chunks k and k + 1 lie within it.
-                unsafe {
-                    s0 = _mm512_dpbusd_epi32(s0, wv[k], splat4(xp.add(4 * k)));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[k + 1], splat4(xp.add(4 * k + 4)));
+impl B32Job<'_> {
+    /// ggml's AVX2 order, as `q8_avx2`'s kernels compute it: the exact i32
+    /// sum of each 4-value chunk `k` of a block is a float lane `k` of 8,
+    /// `acc_k = fma(d_w·d_x, sum_k, acc_k)` block after block, then the
+    /// lanes reduced as `hsum_float_8` does, plus (Q4_1) the `m_w·s_x` sum.
+    /// Here chunk k runs over all blocks before chunk k + 1, which keeps each
+    /// lane's order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn run_ggml<const R: usize>(&self) {
+        let (panel, blocks, t) = (self.panel, self.blocks, self.t);
+        let mut lanes = [[_mm512_setzero_ps(); 8]; R];
+        let lv = panel.levels.as_ptr();
+        for k in 0..8 {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..blocks {
+                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
+                let (wv, dw) = unsafe {
+                    (
+                        _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()),
+                        _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)),
+                    )
+                };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let y = &self.xq[(t + i) * blocks + b];
+                    let init = _mm512_set1_epi32(-self.xoff[((t + i) * blocks + b) * 8 + k]);
+                    // SAFETY: `qs` holds 32 bytes; chunk k lies within it.
+                    let s = unsafe { _mm512_dpbusd_epi32(init, wv, splat4(y.qs.as_ptr().add(4 * k))) };
+                    *a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s), *a);
                 }
             }
-            let mut s = _mm512_add_epi32(s0, s1);
-            if !affine {
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * xsum[(t + i) * blocks + b]));
+            for i in 0..R {
+                lanes[i][k] = acc[i];
             }
-            let mut v = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s));
-            if affine {
-                v = _mm512_add_ps(v, _mm512_mul_ps(mw, _mm512_set1_ps(y.s)));
-            }
-            acc[i] = _mm512_add_ps(acc[i], v);
         }
-    }
-    for (i, a) in acc.iter().enumerate() {
-        // SAFETY: row t + i of the output has `rows` floats; r0 + count ≤ rows.
-        unsafe { store_lanes(out.get().add((t + i) * rows + r0), *a, count) };
+        for (i, l) in lanes.iter().enumerate() {
+            let add = |a, b| _mm512_add_ps(a, b);
+            let mut v = add(add(add(l[0], l[4]), add(l[2], l[6])), add(add(l[1], l[5]), add(l[3], l[7])));
+            if self.layout.min_at.is_some() {
+                let mut mins = _mm512_setzero_ps();
+                for b in 0..blocks {
+                    let y = &self.xq[(t + i) * blocks + b];
+                    // SAFETY: the panel holds `blocks`·16 min scales.
+                    let mw = unsafe { _mm512_loadu_ps(panel.m.as_ptr().add(b * LANES)) };
+                    mins = add(mins, _mm512_mul_ps(mw, _mm512_set1_ps(y.s)));
+                }
+                v = add(v, mins);
+            }
+            // SAFETY: row t + i of the output has `rows` floats; r0 + count ≤ rows.
+            unsafe { store_lanes(self.out.get().add((t + i) * self.rows + self.r0), v, self.count) };
+        }
     }
 }
 
@@ -268,7 +401,7 @@ fn k_layout(dtype: DType) -> KLayout {
     }
 }
 
-/// As [`matmul_q5`] for K-quant weights and Q8_K activations.
+/// As [`matmul_b32`] for K-quant weights and Q8_K activations.
 pub(super) fn matmul_k(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, xq: &[Q8KBlock], n: usize, out: OutPtr) {
     assert!(available() && dtype.is_k_quant());
     let rb = blocks * dtype.block_bytes();
@@ -506,8 +639,8 @@ mod tests {
         let bb = dtype.block_bytes();
         let mut w: Vec<u8> = (0..rows * blocks * bb).map(|_| fill.unwrap_or(next(seed) as u8)).collect();
         let f16_at: &[usize] = match dtype {
-            DType::Q5_0 => &[0],
-            DType::Q5_1 => &[0, 2],
+            DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+            DType::Q4_1 | DType::Q5_1 => &[0, 2],
             _ => f16_field_offsets(dtype),
         };
         for blk in w.chunks_exact_mut(bb) {
@@ -536,7 +669,9 @@ mod tests {
             .collect()
     }
 
-    /// Every output of the panel matmul equals the scalar reference dot's bits.
+    /// Every output of the panel matmul equals the bits of the scalar
+    /// reference dot, or for the types whose AVX2 kernels follow ggml's float
+    /// order (Q4_0, Q4_1, Q8_0) those kernels' bits.
     fn check(dtype: DType, rows: usize, cols: usize, n: usize, seed: &mut u64, fill: Option<u8>, start: u64) {
         let w = weights(seed, dtype, rows, cols / dtype.block_len(), fill);
         let x = activations(seed, n, cols);
@@ -567,10 +702,16 @@ mod tests {
             for (q, row) in xq.chunks_mut(blocks).zip(x.chunks(cols)) {
                 q8::quantize_row_scalar(row, q);
             }
-            matmul_q5(dtype, &w, rows, blocks, &xq, n, optr);
+            matmul_b32(dtype, &w, rows, blocks, &xq, n, optr);
             for t in 0..n {
                 for r in 0..rows {
-                    let want = q8::dot(dtype, &w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
+                    let (wr, xr) = (&w[r * rb..(r + 1) * rb], &xq[t * blocks..(t + 1) * blocks]);
+                    // Q4_0, Q4_1 and Q8_0 follow the AVX2 kernels' (ggml's) order, the rest the scalar dot's.
+                    let want = if b32_layout(dtype).ggml_order {
+                        q8::dot_tile::<1, 1>(dtype, [wr], [xr])[0][0]
+                    } else {
+                        q8::dot(dtype, wr, xr)
+                    };
                     let got = out[t * rows + r];
                     assert_eq!(
                         got.to_bits(),
