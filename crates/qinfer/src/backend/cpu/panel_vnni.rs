@@ -351,14 +351,18 @@ impl B32Job<'_> {
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
                     let y = &self.xq[(t + i) * blocks + b];
-                    let init = _mm512_set1_epi32(-self.xoff[((t + i) * blocks + b) * 8 + k]);
+                    let init = if self.layout.offset == 0 {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(-self.xoff[((t + i) * blocks + b) * 8 + k])
+                    };
                     // SAFETY: `qs` holds 32 bytes; chunk k lies within it.
                     let s = unsafe { _mm512_dpbusd_epi32(init, wv, splat4(y.qs.as_ptr().add(4 * k))) };
                     *a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s), *a);
                 }
             }
-            for i in 0..R {
-                lanes[i][k] = acc[i];
+            for (l, a) in lanes.iter_mut().zip(acc) {
+                l[k] = a;
             }
         }
         for (i, l) in lanes.iter().enumerate() {
