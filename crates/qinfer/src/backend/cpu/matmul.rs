@@ -15,6 +15,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::out_ptr::OutPtr;
 use super::q8::{self, Q8Block};
 use super::q8k::{self, Q8KBlock};
 use super::simd::dot;
@@ -39,24 +40,6 @@ impl CpuMatrix {
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
         dequantize_into(self.dtype, &self.data.as_slice()[r * rb..(r + 1) * rb], out);
-    }
-}
-
-/// Raw pointer for disjoint parallel writes into one output buffer.
-#[derive(Clone, Copy)]
-pub(super) struct OutPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of elements (its own weight rows).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// Where every task writes its own disjoint elements of `out`.
-    pub(super) fn new(out: &mut [f32]) -> OutPtr {
-        OutPtr(out.as_mut_ptr())
-    }
-    /// A method (not field access) so closures capture the Send wrapper, not the raw pointer.
-    pub(super) fn get(self) -> *mut f32 {
-        self.0
     }
 }
 
@@ -93,7 +76,7 @@ fn matmul_float_portable(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let min_tiles = threads * 8;
     let rows_per_tile = rows_per_tile.min(w.rows.div_ceil(min_tiles)).max(1);
     let n_tiles = w.rows.div_ceil(rows_per_tile);
-    let optr = OutPtr(out.as_mut_ptr());
+    let optr = OutPtr::new(out);
     let cols = w.cols;
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
@@ -148,8 +131,7 @@ fn matmul_float_avx2(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(3))
     };
     let n_tiles = w.rows.div_ceil(rows_per_tile);
-    let job =
-        FloatJob { kind, bytes: w.data.as_slice(), rb, rows: w.rows, cols: w.cols, x, out: OutPtr(out.as_mut_ptr()) };
+    let job = FloatJob { kind, bytes: w.data.as_slice(), rb, rows: w.rows, cols: w.cols, x, out: OutPtr::new(out) };
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(w.rows);
@@ -259,15 +241,8 @@ fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         fit.min(w.rows.div_ceil(threads * 4).next_multiple_of(4))
     };
     let n_tiles = w.rows.div_ceil(rows_per_tile);
-    let job = Q8Job {
-        dtype: w.dtype,
-        bytes: w.data.as_slice(),
-        rb,
-        rows: w.rows,
-        xq: &xq,
-        blocks,
-        out: OutPtr(out.as_mut_ptr()),
-    };
+    let job =
+        Q8Job { dtype: w.dtype, bytes: w.data.as_slice(), rb, rows: w.rows, xq: &xq, blocks, out: OutPtr::new(out) };
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(w.rows);
@@ -309,7 +284,7 @@ fn matmul_q8k(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let rb = w.row_bytes();
     let rows_per_tile = w.rows.div_ceil(threads * 8).clamp(1, 64);
     let n_tiles = w.rows.div_ceil(rows_per_tile);
-    let (bytes, rows, optr) = (w.data.as_slice(), w.rows, OutPtr(out.as_mut_ptr()));
+    let (bytes, rows, optr) = (w.data.as_slice(), w.rows, OutPtr::new(out));
     let xq_ref = &xq;
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;

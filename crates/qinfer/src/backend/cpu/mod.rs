@@ -10,6 +10,7 @@ mod batch;
 pub mod gdn;
 pub mod matmul;
 pub mod moe;
+mod out_ptr;
 mod panel_vnni;
 pub mod q8;
 pub mod q8_avx2;

@@ -28,7 +28,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::act_blocks::{Q8Block, Q8KBlock};
-use super::matmul::OutPtr;
+use super::out_ptr::OutPtr;
 use crate::quant::kquants::{self, QK_K};
 use crate::tensor::DType;
 
@@ -95,11 +95,22 @@ impl Rows<'_> {
     }
 }
 
-/// Writes the 32 (or 256) levels of row `j`'s block `b` into the panel.
-#[inline(always)]
-fn put_levels(levels: &mut [u32], lv: &[u8], chunk0: usize, j: usize) {
-    for (k, c) in lv.chunks_exact(4).enumerate() {
-        levels[(chunk0 + k) * LANES + j] = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+/// Writes the 256 levels of row `j`'s super-block `b` into the panel: chunk
+/// k (values 4k..4k+4) goes to lane j of the panel's chunk b·64 + k.
+///
+/// # Safety
+/// The panel holds the chunks of super-block `b`; `j < 16`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn put_levels_k(levels: &mut [u32], lv: &[u8; QK_K], b: usize, j: usize) {
+    let stride = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    for q in 0..4 {
+        // SAFETY: `lv` holds 4·64 bytes; chunks b·64 + 16q .. +16 of lane j lie in the panel (caller).
+        unsafe {
+            let v = _mm512_loadu_si512(lv[64 * q..].as_ptr().cast());
+            let at = levels.as_mut_ptr().add((b * (QK_K / 4) + 16 * q) * LANES + j);
+            _mm512_i32scatter_epi32::<4>(at.cast(), stride, v);
+        }
     }
 }
 
@@ -528,7 +539,9 @@ unsafe fn unpack_k(dtype: DType, layout: KLayout, w: &Rows, blocks: usize, panel
         let Some(row) = w.row(j) else { continue };
         for (b, blk) in row.chunks_exact(bb).enumerate() {
             k_levels(dtype, layout, blk, &mut lv);
-            put_levels(&mut panel.levels, &lv, b * (QK_K / 4), j);
+            assert!(panel.levels.len() >= (b + 1) * (QK_K / 4) * LANES);
+            // SAFETY: asserted above; j < 16.
+            unsafe { put_levels_k(&mut panel.levels, &lv, b, j) };
             let (sc, mn, d, dmin) = k_scales(dtype, blk);
             panel.d[b * LANES + j] = d;
             panel.m[b * LANES + j] = dmin;
@@ -623,7 +636,7 @@ unsafe fn run_k<const R: usize, const G: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::matmul::OutPtr;
+    use super::super::out_ptr::OutPtr;
     use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::super::{q8, q8k};
     use super::*;
