@@ -247,19 +247,37 @@ pub enum FloatWeights {
 /// # Safety
 /// The CPU supports avx2, fma and f16c ([`has_avx2`]); every `x[i]` points at
 /// `cols` floats and every `w[j]` at `cols` values of `kind`.
+/// Prefill tiles (`MR` > 1) take the AVX-512 form where the CPU has it.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn float_tile<const MR: usize, const NR: usize>(
     kind: FloatWeights,
     w: [*const u8; NR],
     x: [*const f32; MR],
     cols: usize,
 ) -> [[f32; NR]; MR] {
-    use std::arch::x86_64::*;
-    if MR > 1 && has_avx512f() {
-        // SAFETY: AVX-512 F is present (checked); the caller's contract is the same.
-        return unsafe { float_tile_avx512::<MR, NR>(kind, w, x, cols) };
+    // SAFETY: the caller's contract, and AVX-512 F where that form is taken.
+    unsafe {
+        if MR > 1 && has_avx512f() {
+            float_tile_avx512::<MR, NR>(kind, w, x, cols)
+        } else {
+            float_tile_avx2::<MR, NR>(kind, w, x, cols)
+        }
     }
+}
+
+/// [`float_tile`] on AVX2: 8 values a step.
+///
+/// # Safety
+/// As [`float_tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_tile_avx2<const MR: usize, const NR: usize>(
+    kind: FloatWeights,
+    w: [*const u8; NR],
+    x: [*const f32; MR],
+    cols: usize,
+) -> [[f32; NR]; MR] {
+    use std::arch::x86_64::*;
     let width = match kind {
         FloatWeights::F32 => 4,
         FloatWeights::F16 | FloatWeights::BF16 => 2,
@@ -395,6 +413,61 @@ mod tests {
             let r: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((super::dot(&a, &b) as f64 - r).abs() < 1e-4 * (1.0 + r.abs()), "n={n}");
             assert!((super::dot_portable(&a, &b) as f64 - r).abs() < 1e-4 * (1.0 + r.abs()), "n={n}");
+        }
+    }
+
+    /// Both float tile forms (AVX2, and AVX-512 where the CPU has it) against
+    /// an f64 sum, for every stored width, tile shape remainders and column
+    /// counts with and without a tail past the vector width.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn float_tiles_match_f64_reference() {
+        use super::FloatWeights;
+        if !super::has_avx2() {
+            return;
+        }
+        fn check<const MR: usize, const NR: usize>(kind: FloatWeights, cols: usize) {
+            let xs: Vec<Vec<f32>> =
+                (0..MR).map(|i| (0..cols).map(|c| ((c * 7 + i * 3) % 13) as f32 * 0.25 - 1.5).collect()).collect();
+            let wf: Vec<Vec<f32>> =
+                (0..NR).map(|j| (0..cols).map(|c| ((c * 5 + j * 11) % 17) as f32 * 0.125 - 1.0).collect()).collect();
+            // Every value is exact in bf16 and f16.
+            let bytes: Vec<Vec<u8>> = wf
+                .iter()
+                .map(|r| {
+                    r.iter()
+                        .flat_map(|v| match kind {
+                            FloatWeights::F32 => v.to_le_bytes().to_vec(),
+                            FloatWeights::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
+                            FloatWeights::BF16 => half::bf16::from_f32(*v).to_le_bytes().to_vec(),
+                        })
+                        .collect()
+                })
+                .collect();
+            let w: [*const u8; NR] = std::array::from_fn(|j| bytes[j].as_ptr());
+            let x: [*const f32; MR] = std::array::from_fn(|i| xs[i].as_ptr());
+            // SAFETY: avx2 is present (checked by the caller); rows hold `cols` values.
+            let mut got = vec![unsafe { super::float_tile_avx2::<MR, NR>(kind, w, x, cols) }];
+            if super::has_avx512f() {
+                // SAFETY: AVX-512 F is present (checked).
+                got.push(unsafe { super::float_tile_avx512::<MR, NR>(kind, w, x, cols) });
+            }
+            for g in got {
+                for i in 0..MR {
+                    for j in 0..NR {
+                        let want: f64 = (0..cols).map(|c| xs[i][c] as f64 * wf[j][c] as f64).sum();
+                        assert!((g[i][j] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()), "{MR}x{NR} cols {cols}");
+                    }
+                }
+            }
+        }
+        for kind in [FloatWeights::F32, FloatWeights::F16, FloatWeights::BF16] {
+            for cols in [1, 7, 16, 33, 100, 896] {
+                check::<1, 1>(kind, cols);
+                check::<1, 4>(kind, cols);
+                check::<2, 3>(kind, cols);
+                check::<4, 3>(kind, cols);
+            }
         }
     }
 
