@@ -168,25 +168,6 @@ pub(super) fn has_avx2() -> bool {
         })
 }
 
-/// Whether the AVX-512 float kernels may run: AVX-512 F on top of what
-/// [`has_avx2`] needs.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(super) fn has_avx512f() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    allowed(CpuKernels::Avx512)
-        && has_avx2()
-        && *HAS.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                is_x86_feature_detected!("avx512f")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            {
-                false
-            }
-        })
-}
-
 /// Whether the AVX-512 VNNI kernels may run: AVX-512 F, BW, VL and VNNI, on top
 /// of what [`has_avx2`] needs.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -247,7 +228,9 @@ pub enum FloatWeights {
 /// # Safety
 /// The CPU supports avx2, fma and f16c ([`has_avx2`]); every `x[i]` points at
 /// `cols` floats and every `w[j]` at `cols` values of `kind`.
-/// Prefill tiles (`MR` > 1) take the AVX-512 form where the CPU has it.
+/// Every tile shape does the same arithmetic per output (8 lane sums, then
+/// the tail in order), so a row's result never depends on how many rows
+/// share its batch.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn float_tile<const MR: usize, const NR: usize>(
     kind: FloatWeights,
@@ -255,14 +238,8 @@ pub unsafe fn float_tile<const MR: usize, const NR: usize>(
     x: [*const f32; MR],
     cols: usize,
 ) -> [[f32; NR]; MR] {
-    // SAFETY: the caller's contract, and AVX-512 F where that form is taken.
-    unsafe {
-        if MR > 1 && has_avx512f() {
-            float_tile_avx512::<MR, NR>(kind, w, x, cols)
-        } else {
-            float_tile_avx2::<MR, NR>(kind, w, x, cols)
-        }
-    }
+    // SAFETY: the caller's contract.
+    unsafe { float_tile_avx2::<MR, NR>(kind, w, x, cols) }
 }
 
 /// [`float_tile`] on AVX2: 8 values a step.
@@ -332,77 +309,6 @@ unsafe fn float_tile_avx2<const MR: usize, const NR: usize>(
     out
 }
 
-/// The value of `kind` at index `k` of the row at `p`, widened.
-///
-/// # Safety
-/// `p` holds at least `k + 1` values of `kind`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn float_at(kind: FloatWeights, p: *const u8, k: usize) -> f32 {
-    // SAFETY: the caller guarantees index k is readable.
-    unsafe {
-        match kind {
-            FloatWeights::F32 => p.add(4 * k).cast::<f32>().read_unaligned(),
-            FloatWeights::F16 => half::f16::from_bits(p.add(2 * k).cast::<u16>().read_unaligned()).to_f32(),
-            FloatWeights::BF16 => f32::from_bits((p.add(2 * k).cast::<u16>().read_unaligned() as u32) << 16),
-        }
-    }
-}
-
-/// [`float_tile`] for prefill tiles on AVX-512 F: 16 values a step (twice the
-/// FMA width of AVX2), 16 lane sums per output reduced at the end, then the
-/// columns past the last whole 16 in order. Same exact products as the AVX2
-/// tile; the additions are grouped by 16 lanes instead of 8.
-///
-/// # Safety
-/// As [`float_tile`], and the CPU supports AVX-512 F ([`has_avx512f`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn float_tile_avx512<const MR: usize, const NR: usize>(
-    kind: FloatWeights,
-    w: [*const u8; NR],
-    x: [*const f32; MR],
-    cols: usize,
-) -> [[f32; NR]; MR] {
-    use std::arch::x86_64::*;
-    // SAFETY (all loads below): c + 16 <= cols, within every row (caller's contract).
-    let load = |p: *const u8, c: usize| unsafe {
-        match kind {
-            FloatWeights::F32 => _mm512_loadu_ps(p.add(4 * c).cast()),
-            FloatWeights::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * c).cast())),
-            // bf16 is the top half of an f32.
-            FloatWeights::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(p.add(2 * c).cast()),
-            ))),
-        }
-    };
-    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
-    let mut c = 0;
-    while c + 16 <= cols {
-        let wv: [__m512; NR] = std::array::from_fn(|j| load(w[j], c));
-        for i in 0..MR {
-            // SAFETY: as above.
-            let xv = unsafe { _mm512_loadu_ps(x[i].add(c)) };
-            for j in 0..NR {
-                acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-            }
-        }
-        c += 16;
-    }
-    let mut out = [[0f32; NR]; MR];
-    for i in 0..MR {
-        for j in 0..NR {
-            let mut sum = _mm512_reduce_add_ps(acc[i][j]);
-            for k in c..cols {
-                // SAFETY: k < cols in every row.
-                sum += unsafe { *x[i].add(k) * float_at(kind, w[j], k) };
-            }
-            out[i][j] = sum;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
@@ -416,8 +322,7 @@ mod tests {
         }
     }
 
-    /// Both float tile forms (AVX2, and AVX-512 where the CPU has it) against
-    /// an f64 sum, for every stored width, tile shape remainders and column
+    /// The AVX2 float tile against an f64 sum, for every stored width, tile shape remainders and column
     /// counts with and without a tail past the vector width.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -447,11 +352,7 @@ mod tests {
             let w: [*const u8; NR] = std::array::from_fn(|j| bytes[j].as_ptr());
             let x: [*const f32; MR] = std::array::from_fn(|i| xs[i].as_ptr());
             // SAFETY: avx2 is present (checked by the caller); rows hold `cols` values.
-            let mut got = vec![unsafe { super::float_tile_avx2::<MR, NR>(kind, w, x, cols) }];
-            if super::has_avx512f() {
-                // SAFETY: AVX-512 F is present (checked).
-                got.push(unsafe { super::float_tile_avx512::<MR, NR>(kind, w, x, cols) });
-            }
+            let got = vec![unsafe { super::float_tile_avx2::<MR, NR>(kind, w, x, cols) }];
             for g in got {
                 for i in 0..MR {
                     for j in 0..NR {
