@@ -226,7 +226,7 @@ fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         xq.par_chunks_mut(blocks).zip(x.par_chunks(cols)).for_each(|(q, row)| q8::quantize_row(row, q));
     }
     #[cfg(target_arch = "x86_64")]
-    if n >= PANEL_MIN_ROWS && super::panel_vnni::available() && super::panel_vnni::supports(w.dtype) {
+    if n >= PANEL_MIN_ROWS && super::panel_vnni::available() {
         super::panel_vnni::matmul_b32(w.dtype, w.data.as_slice(), w.rows, blocks, &xq, n, OutPtr::new(out));
         XQ.with(|b| *b.borrow_mut() = xq);
         return;

@@ -45,23 +45,6 @@ pub(super) fn available() -> bool {
     super::simd::has_avx512_vnni()
 }
 
-/// The weight types with panel kernels.
-pub(super) fn supports(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q4_0
-            | DType::Q4_1
-            | DType::Q5_0
-            | DType::Q5_1
-            | DType::Q8_0
-            | DType::Q2_K
-            | DType::Q3_K
-            | DType::Q4_K
-            | DType::Q5_K
-            | DType::Q6_K
-    )
-}
-
 /// One panel, unpacked. `levels[k·16 + j]` holds values 4k..4k+4 of row j as
 /// unsigned bytes; per block (or super-block) `b`, `d`/`m` hold each row's
 /// float scale and min scale (`dmin` for K-quants, 0 where the type has
@@ -152,7 +135,7 @@ pub(super) fn matmul_b32(
     n: usize,
     out: OutPtr,
 ) {
-    assert!(available() && supports(dtype) && !dtype.is_k_quant());
+    assert!(available() && dtype.is_quantized() && !dtype.is_k_quant());
     let rb = blocks * dtype.block_bytes();
     assert_eq!(bytes.len(), rows * rb);
     assert_eq!(xq.len(), n * blocks);
