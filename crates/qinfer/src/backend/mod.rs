@@ -11,6 +11,7 @@ use crate::Result;
 use crate::config::rope::Rope;
 use crate::kv::KvCache;
 use crate::quant::affine::AffineTensor;
+use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::Tensor;
 
 /// Shape of one attention call: `q` holds `num_heads` heads of `head_dim` per
@@ -146,6 +147,8 @@ pub trait Backend: Send + Sync {
     fn upload(&self, t: &Tensor) -> Result<Self::Weight>;
     /// Places an affine-quantized `[out, in]` matrix, kept packed.
     fn upload_affine(&self, t: &AffineTensor) -> Result<Self::Weight>;
+    /// Places an FP8 `[out, in]` matrix, kept one byte per value with its scales.
+    fn upload_fp8(&self, t: &Fp8Tensor) -> Result<Self::Weight>;
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
 
     /// Activations from host values (tests, and inputs that start on the host).

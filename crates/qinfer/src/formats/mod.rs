@@ -1,6 +1,7 @@
 //! File formats: each turns files into named [`Tensor`]s (Hugging Face names)
 //! plus configuration.
 
+pub mod fp8_config;
 pub mod gguf;
 pub mod hf_dir;
 pub mod mlx;
@@ -8,6 +9,7 @@ pub mod safetensors;
 
 use crate::Result;
 use crate::quant::affine::AffineParts;
+use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::Tensor;
 
 /// Weights by Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`).
@@ -23,6 +25,11 @@ pub trait TensorSource: Send + Sync {
     /// The weight `name` (`….weight`) when it is stored affine-quantized
     /// (MLX: `….scales` and `….biases` beside it); None when stored plainly.
     fn affine_parts(&self, _name: &str) -> Result<Option<AffineParts>> {
+        Ok(None)
+    }
+    /// The weight `name` when it is stored as FP8 with its scales (see
+    /// [`crate::quant::fp8`]); None when stored otherwise.
+    fn fp8(&self, _name: &str) -> Result<Option<Fp8Tensor>> {
         Ok(None)
     }
 }

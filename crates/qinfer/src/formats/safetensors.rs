@@ -10,8 +10,10 @@ use memmap2::Mmap;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::TensorSource;
+use super::fp8_config::Fp8Config;
 use super::mlx::{ModuleQuantization, QuantizationConfig};
 use crate::quant::affine::AffineParts;
+use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::{Bytes, DType, Tensor};
 use crate::{Error, Result};
 
@@ -36,6 +38,8 @@ pub struct SafetensorsSource {
     entries: BTreeMap<String, Entry>,
     /// config.json's `quantization` block (MLX checkpoints).
     quantization: Option<QuantizationConfig>,
+    /// config.json's FP8 `quantization_config` (Qwen's FP8 editions, compressed-tensors).
+    fp8: Option<Fp8Config>,
 }
 
 fn map_dtype(d: StDtype) -> Result<DType, String> {
@@ -44,8 +48,10 @@ fn map_dtype(d: StDtype) -> Result<DType, String> {
         StDtype::F16 => Ok(DType::F16),
         StDtype::BF16 => Ok(DType::BF16),
         StDtype::U32 => Ok(DType::U32),
+        StDtype::F8_E4M3 => Ok(DType::F8_E4M3),
         other => Err(format!(
-            "dtype {other:?} is not supported (expected F32, F16, BF16, or U32 for packed quantized weights)"
+            "dtype {other:?} is not supported (expected F32, F16, BF16, U32 for packed quantized weights, or \
+             F8_E4M3 for FP8 weights)"
         )),
     }
 }
@@ -114,7 +120,7 @@ impl SafetensorsSource {
             }
             files.push((path.clone(), Arc::new(MappedFile(map))));
         }
-        Ok(SafetensorsSource { files, entries, quantization: None })
+        Ok(SafetensorsSource { files, entries, quantization: None, fp8: None })
     }
 
     /// Reads quantized weights as config.json's `quantization` block describes.
@@ -124,6 +130,15 @@ impl SafetensorsSource {
 
     pub fn quantization(&self) -> Option<&QuantizationConfig> {
         self.quantization.as_ref()
+    }
+
+    /// Reads FP8 weights as config.json's FP8 `quantization_config` describes.
+    pub fn set_fp8(&mut self, c: Option<Fp8Config>) {
+        self.fp8 = c;
+    }
+
+    pub fn fp8_config(&self) -> Option<&Fp8Config> {
+        self.fp8.as_ref()
     }
 
     /// File paths and sizes, for `inspect`.
@@ -148,6 +163,40 @@ impl TensorSource for SafetensorsSource {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.files[e.file].1.clone();
         Tensor::new(name.to_string(), dtype, e.shape.clone(), Bytes::new(owner, e.start, e.len))
     }
+    fn fp8(&self, name: &str) -> Result<Option<Fp8Tensor>> {
+        if !self.entries.get(name).is_some_and(|e| e.dtype == Ok(DType::F8_E4M3)) {
+            return Ok(None);
+        }
+        let Some(cfg) = &self.fp8 else {
+            return Err(Error::tensor(name, "stored as F8_E4M3, but config.json has no FP8 `quantization_config`"));
+        };
+        // `X.weight` → `X.weight_scale_inv`; a fused expert stack `….gate_up_proj`
+        // (no `.weight`) → `….gate_up_proj_scale_inv`, or `_scales_inv` as
+        // transformers' FP8 experts name it.
+        let candidates: Vec<String> = match name.strip_suffix(".weight") {
+            Some(module) => vec![format!("{module}.{}", cfg.scale_suffix)],
+            None => {
+                let s = cfg.scale_suffix.strip_prefix("weight").unwrap_or(cfg.scale_suffix);
+                vec![format!("{name}{s}"), format!("{name}{}", s.replacen("_scale", "_scales", 1))]
+            }
+        };
+        let Some(scale_name) = candidates.iter().find(|c| self.contains(c)) else {
+            return Err(Error::tensor(name, format!("FP8 weight without its scale `{}`", candidates[0])));
+        };
+        let weight = self.raw_tensor(name)?;
+        let scale = self.raw_tensor(scale_name)?;
+        let scaling = cfg.scaling_for(&weight.shape, &scale.shape).ok_or_else(|| {
+            Error::tensor(
+                scale_name,
+                format!(
+                    "shape {:?} fits none of the scalings config.json declares ({:?}) for a weight of shape {:?}",
+                    scale.shape, cfg.scalings, weight.shape
+                ),
+            )
+        })?;
+        Fp8Tensor::from_stored(weight, scale, scaling).map(Some)
+    }
+
     fn affine_parts(&self, name: &str) -> Result<Option<AffineParts>> {
         let Some(module) = name.strip_suffix(".weight") else { return Ok(None) };
         let (scales, biases) = (format!("{module}.scales"), format!("{module}.biases"));

@@ -38,14 +38,14 @@ impl<B: ModelBackend> SparseMoe<B> {
         if let Some(gate_up) = stacked_name(has, &format!("{p}.experts.gate_up_proj")) {
             let down_name = stacked_name(has, &format!("{p}.experts.down_proj"))
                 .ok_or_else(|| Error::tensor(format!("{p}.experts.down_proj"), "missing (gate_up_proj is present)"))?;
-            let gu = ld.tensor(&gate_up, &[&[e_n, 2 * i, hidden]])?;
-            let down = ld.tensor(&down_name, &[&[e_n, hidden, i]])?;
+            let gu = ld.stored(&gate_up, &[e_n, 2 * i, hidden])?;
+            let down = ld.stored(&down_name, &[e_n, hidden, i])?;
             for e in 0..e_n {
-                let gu_e = gu.narrow(e, 1)?.reshape(vec![2 * i, hidden])?;
+                let gu_e = gu.narrow(e, 1)?.squeeze_outer()?;
                 experts.push(ExpertWeights {
-                    gate: ld.place(&gu_e.narrow(0, i)?)?,
-                    up: ld.place(&gu_e.narrow(i, i)?)?,
-                    down: ld.place(&down.narrow(e, 1)?.reshape(vec![hidden, i])?)?,
+                    gate: ld.place_stored(&gu_e.narrow(0, i)?)?,
+                    up: ld.place_stored(&gu_e.narrow(i, i)?)?,
+                    down: ld.place_stored(&down.narrow(e, 1)?.squeeze_outer()?)?,
                 });
             }
         } else if has(&format!("{p}.switch_mlp.gate_proj.weight")) {

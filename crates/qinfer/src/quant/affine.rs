@@ -90,6 +90,7 @@ impl AffineTensor {
             match t.dtype {
                 DType::F32 | DType::F16 | DType::BF16 => {}
                 DType::U32
+                | DType::F8_E4M3
                 | DType::Q4_0
                 | DType::Q4_1
                 | DType::Q5_0

@@ -37,13 +37,17 @@ pub enum DType {
     /// ggml Q6_K: 256 values in 16 groups of 16, signed 8-bit scales, f16 `d`;
     /// w = d·sc·(q − 32) with 6-bit q.
     Q6_K,
+    /// FP8 E4M3 ("fn": no infinities, one NaN pattern, max 448), one byte per
+    /// value: the `.weight` of an FP8 checkpoint's matrix, meaningless without
+    /// its scales (see [`crate::quant::fp8`]).
+    F8_E4M3,
 }
 
 impl DType {
     /// Values per block (1 for plain float types).
     pub fn block_len(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 | DType::U32 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::F8_E4M3 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => 32,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
@@ -53,6 +57,7 @@ impl DType {
         match self {
             DType::F32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F8_E4M3 => 1,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q5_0 => 22,
@@ -96,6 +101,7 @@ impl DType {
             DType::Q4_K => "Q4_K",
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
+            DType::F8_E4M3 => "F8_E4M3",
         }
     }
 }

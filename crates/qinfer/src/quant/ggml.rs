@@ -22,6 +22,12 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
                 *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
             }
         }
+        // Unscaled values (for `inspect`); weights go through `fp8` with their scales.
+        DType::F8_E4M3 => {
+            for (o, &b) in out.iter_mut().zip(src) {
+                *o = super::fp8::e4m3_to_f32(b);
+            }
+        }
         DType::F16 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
                 *o = f16::from_le_bytes([c[0], c[1]]).to_f32();

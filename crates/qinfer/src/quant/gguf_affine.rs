@@ -41,7 +41,7 @@ pub fn affine_bits(dtype: DType) -> Option<u32> {
         DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Some(5),
         DType::Q6_K => Some(6),
         DType::Q8_0 => Some(8),
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => None,
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::F8_E4M3 => None,
     }
 }
 
@@ -122,7 +122,7 @@ fn block_groups(dtype: DType, b: &[u8], out: &mut Vec<Group>) {
                 out.push(Group { q, scale, bias });
             }
         }
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => {
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::F8_E4M3 => {
             unreachable!("{} has no affine form", dtype.name())
         }
     }

@@ -125,6 +125,7 @@ pub fn unpack(dtype: DType, b: &[u8]) -> Unpacked {
         | DType::F16
         | DType::BF16
         | DType::U32
+        | DType::F8_E4M3
         | DType::Q4_0
         | DType::Q4_1
         | DType::Q5_0
@@ -163,6 +164,7 @@ pub fn dequantize_k(dtype: DType, src: &[u8], out: &mut [f32]) {
                 | DType::F16
                 | DType::BF16
                 | DType::U32
+                | DType::F8_E4M3
                 | DType::Q4_0
                 | DType::Q4_1
                 | DType::Q5_0
@@ -177,7 +179,7 @@ pub fn dequantize_k(dtype: DType, src: &[u8], out: &mut [f32]) {
 /// (scales and mins): random test and bench weights set these to finite values.
 pub fn f16_field_offsets(dtype: DType) -> &'static [usize] {
     match dtype {
-        DType::F32 | DType::F16 | DType::BF16 | DType::U32 => &[],
+        DType::F32 | DType::F16 | DType::BF16 | DType::U32 | DType::F8_E4M3 => &[],
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],

@@ -18,6 +18,7 @@ pub(super) fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
         | DType::Q3_K
         | DType::Q4_K
         | DType::Q5_K
-        | DType::Q6_K => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        | DType::Q6_K
+        | DType::F8_E4M3 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }

@@ -73,7 +73,8 @@ fn st_dtype(d: DType) -> Result<&'static str> {
         | DType::Q3_K
         | DType::Q4_K
         | DType::Q5_K
-        | DType::Q6_K => Err(Error::Invalid(format!("{} input cannot be requantized", d.name()))),
+        | DType::Q6_K
+        | DType::F8_E4M3 => Err(Error::Invalid(format!("{} input cannot be requantized", d.name()))),
     }
 }
 

@@ -7,6 +7,7 @@ pub mod random;
 use crate::backend::Backend;
 use crate::formats::TensorSource;
 use crate::quant::affine::AffineTensor;
+use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 use random::RandomWeights;
@@ -43,12 +44,48 @@ impl<B: Backend> WeightLoader<'_, B> {
         self.backend.upload(t)
     }
 
-    /// A vector or matrix, plain or affine-quantized (`shape` is the logical `[out, in]`).
+    /// A vector or matrix, plain, affine-quantized or FP8 (`shape` is the logical `[out, in]`).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
         if let Some(a) = self.affine(name, shape)? {
             return self.place_affine(&a);
         }
+        if let Some(f) = self.fp8(name, shape)? {
+            return self.place_fp8(&f);
+        }
         self.place(&self.tensor(name, &[shape])?)
+    }
+
+    /// The weight `name` when stored as FP8, checked against the logical `shape`.
+    pub fn fp8(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Tensor>> {
+        if let Some(r) = &self.random {
+            return r.fp8_tensor(name, shape);
+        }
+        let Some(f) = self.src.fp8(name)? else { return Ok(None) };
+        if f.shape() != shape {
+            return Err(Error::tensor(name, format!("expected shape {shape:?}, found {:?} (FP8)", f.shape())));
+        }
+        Ok(Some(f))
+    }
+
+    pub fn place_fp8(&self, f: &Fp8Tensor) -> Result<B::Weight> {
+        (self.on_tensor)(&f.weight);
+        self.backend.upload_fp8(f)
+    }
+
+    /// A weight as stored (plain or FP8) and not yet placed, for layers that
+    /// cut it up first (fused expert stacks).
+    pub fn stored(&self, name: &str, shape: &[usize]) -> Result<Stored> {
+        match self.fp8(name, shape)? {
+            Some(f) => Ok(Stored::Fp8(f)),
+            None => self.tensor(name, &[shape]).map(Stored::Plain),
+        }
+    }
+
+    pub fn place_stored(&self, s: &Stored) -> Result<B::Weight> {
+        match s {
+            Stored::Plain(t) => self.place(t),
+            Stored::Fp8(f) => self.place_fp8(f),
+        }
     }
 
     /// The weight `name` when stored affine-quantized, checked against the
@@ -100,6 +137,20 @@ impl<B: Backend> WeightLoader<'_, B> {
                     return Ok(vec![self.place_affine(&a)?]);
                 }
             } else if affine.iter().all(Option::is_none) {
+                let mut fp8 = Vec::new();
+                for (n, s) in names.iter().zip(shapes) {
+                    fp8.push(self.fp8(n, s)?);
+                }
+                if fp8.iter().all(Option::is_some) {
+                    let parts: Vec<&Fp8Tensor> = fp8.iter().flatten().collect();
+                    if let Some(f) = Fp8Tensor::concat_rows(&fused, &parts)? {
+                        return Ok(vec![self.place_fp8(&f)?]);
+                    }
+                    return names.iter().zip(shapes).map(|(n, s)| self.get(n, s)).collect();
+                }
+                if fp8.iter().any(Option::is_some) {
+                    return names.iter().zip(shapes).map(|(n, s)| self.get(n, s)).collect();
+                }
                 let mut plain = Vec::new();
                 for (n, s) in names.iter().zip(shapes) {
                     plain.push(self.tensor(n, &[s])?);
@@ -126,5 +177,30 @@ impl<B: Backend> WeightLoader<'_, B> {
         let shifted: Vec<f32> = t.to_f32_vec().iter().map(|w| 1.0 + w).collect();
         (self.on_tensor)(&t);
         self.backend.upload(&Tensor::from_f32(name, vec![dim], &shifted)?)
+    }
+}
+
+/// A weight as stored, before placement: plain (float or ggml blocks) or FP8.
+#[derive(Debug, Clone)]
+pub enum Stored {
+    Plain(Tensor),
+    Fp8(Fp8Tensor),
+}
+
+impl Stored {
+    /// Entries `[start, start + len)` along the outermost dimension (no copy).
+    pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(match self {
+            Stored::Plain(t) => Stored::Plain(t.narrow(start, len)?),
+            Stored::Fp8(f) => Stored::Fp8(f.narrow(start, len)?),
+        })
+    }
+
+    /// Drops a leading dimension of 1 (one expert of a stack).
+    pub fn squeeze_outer(&self) -> Result<Self> {
+        Ok(match self {
+            Stored::Plain(t) => Stored::Plain(t.reshape(t.shape[1..].to_vec())?),
+            Stored::Fp8(f) => Stored::Fp8(f.squeeze_outer()?),
+        })
     }
 }

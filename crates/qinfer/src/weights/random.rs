@@ -7,6 +7,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::quant::affine::{AffineParams, AffineTensor};
+use crate::quant::fp8::{Fp8Scaling, Fp8Tensor};
 use crate::quant::kquants;
 use crate::quant::recipe::Recipe;
 use crate::tensor::{Bytes, DType, Tensor};
@@ -24,6 +25,9 @@ pub struct RandomWeights {
     /// always; `v_proj` and `down_proj` on the layers `use_more_bits`
     /// picks) are stored as this type, of a model of `layers` layers.
     pub more_bits: Option<(DType, usize)>,
+    /// Store every layer matrix as block-scaled FP8 (Qwen's FP8 editions:
+    /// 128×128 blocks; embeddings, `lm_head` and MoE routers stay `dtype`).
+    pub fp8: bool,
     pub seed: u64,
 }
 
@@ -59,6 +63,8 @@ pub enum WeightStorage {
         low: DType,
         high: DType,
     },
+    /// Qwen's FP8 editions: E4M3 with a scale per 128×128 block, the rest bf16.
+    Fp8,
 }
 
 impl std::str::FromStr for WeightStorage {
@@ -86,6 +92,7 @@ impl std::str::FromStr for WeightStorage {
         match s {
             "q4_k_m" => return Ok(WeightStorage::GgufMix { low: DType::Q4_K, high: DType::Q6_K }),
             "q5_k_m" => return Ok(WeightStorage::GgufMix { low: DType::Q5_K, high: DType::Q6_K }),
+            "fp8" => return Ok(WeightStorage::Fp8),
             _ => {}
         }
         let affine = s
@@ -96,7 +103,7 @@ impl std::str::FromStr for WeightStorage {
             Some((bits, group_size)) => Ok(WeightStorage::Affine(AffineParams::new(bits, group_size, s)?)),
             None => Err(Error::Invalid(format!(
                 "unknown weight storage `{s}`: expected f32, f16, bf16, a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, \
-                 q2_k … q6_k), q4_k_m, q5_k_m or q<bits>g<group> (e.g. q4g64)"
+                 q2_k … q6_k), q4_k_m, q5_k_m, fp8 or q<bits>g<group> (e.g. q4g64)"
             ))),
         }
     }
@@ -108,6 +115,7 @@ impl std::fmt::Display for WeightStorage {
             WeightStorage::Plain(d) => write!(f, "{}", d.name()),
             WeightStorage::Affine(p) => write!(f, "q{}g{}", p.bits, p.group_size),
             WeightStorage::GgufMix { low, .. } => write!(f, "{}_m", low.name().to_lowercase()),
+            WeightStorage::Fp8 => write!(f, "fp8"),
         }
     }
 }
@@ -116,12 +124,15 @@ impl RandomWeights {
     /// Weights of a model of `layers` layers (the `_M` mixes pick by layer).
     pub fn new(storage: WeightStorage, layers: usize, seed: u64) -> Self {
         match storage {
-            WeightStorage::Plain(dtype) => RandomWeights { dtype, affine: None, more_bits: None, seed },
+            WeightStorage::Plain(dtype) => RandomWeights { dtype, affine: None, more_bits: None, fp8: false, seed },
             // Matrices whose rows do not split into groups stay bf16, as mlx leaves them.
-            WeightStorage::Affine(p) => RandomWeights { dtype: DType::BF16, affine: Some(p), more_bits: None, seed },
-            WeightStorage::GgufMix { low, high } => {
-                RandomWeights { dtype: low, affine: None, more_bits: Some((high, layers)), seed }
+            WeightStorage::Affine(p) => {
+                RandomWeights { dtype: DType::BF16, affine: Some(p), more_bits: None, fp8: false, seed }
             }
+            WeightStorage::GgufMix { low, high } => {
+                RandomWeights { dtype: low, affine: None, more_bits: Some((high, layers)), fp8: false, seed }
+            }
+            WeightStorage::Fp8 => RandomWeights { dtype: DType::BF16, affine: None, more_bits: None, fp8: true, seed },
         }
     }
 
@@ -177,6 +188,37 @@ impl RandomWeights {
         }))
     }
 
+    /// The matrix `name` as block-scaled FP8, when these weights are FP8 and
+    /// Qwen's recipe quantizes it: random finite E4M3 bytes, block scales
+    /// putting values at about ±1/√fan-in.
+    pub fn fp8_tensor(&self, name: &str, shape: &[usize]) -> Result<Option<Fp8Tensor>> {
+        let kept = ["embed_tokens", "lm_head", "mlp.gate.weight", "shared_expert_gate"];
+        if !self.fp8 || shape.len() < 2 || kept.iter().any(|k| name.contains(k)) {
+            return Ok(None);
+        }
+        let (rows, cols) = (shape[..shape.len() - 1].iter().product::<usize>(), shape[shape.len() - 1]);
+        let mut bytes = vec![0u8; rows * cols];
+        bytes.par_chunks_mut(4096).enumerate().for_each(|(i, chunk)| {
+            let mut rng = Rng::new(self.seed ^ (i as u64).wrapping_mul(0xD134_2543_DE82_EF95), name);
+            // 0x7F and 0xFF are NaN; the rest of the byte range is finite.
+            chunk.iter_mut().for_each(|b| *b = (rng.next() as u8) & 0xF7);
+        });
+        let block = 128;
+        let mut scale_shape = shape.to_vec();
+        let n = scale_shape.len();
+        scale_shape[n - 2] = shape[n - 2].div_ceil(block);
+        scale_shape[n - 1] = cols.div_ceil(block);
+        let mut rng = Rng::new(self.seed, name);
+        // Bytes up to ±240 (bit 3, the exponent's lowest, cleared), most within ±64.
+        let unit = 1.0 / (cols as f32).sqrt() / 64.0;
+        let scales: Vec<f32> =
+            (0..scale_shape.iter().product::<usize>()).map(|_| unit * (1.0 + 0.1 * rng.uniform())).collect();
+        let weight = Tensor::new(name.to_string(), DType::F8_E4M3, shape.to_vec(), Bytes::from_vec(bytes))?;
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        let scale = Tensor::from_f32(&format!("{stem}.weight_scale_inv"), scale_shape, &scales)?;
+        Fp8Tensor::from_stored(weight, scale, Fp8Scaling::Block { rows: block, cols: block }).map(Some)
+    }
+
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let mut rng = Rng::new(self.seed, name);
         let n: usize = shape.iter().product();
@@ -217,6 +259,9 @@ impl RandomWeights {
             }
             DType::U32 => {
                 return Err(Error::tensor(name, "random weights cannot be packed u32 (use an affine quantizer)"));
+            }
+            DType::F8_E4M3 => {
+                return Err(Error::tensor(name, "random FP8 weights need their scales (use the fp8 storage)"));
             }
             DType::Q4_0 | DType::Q4_1 => {
                 for _ in 0..n / 32 {
@@ -263,7 +308,7 @@ mod tests {
         for dtype in
             [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K]
         {
-            let r = RandomWeights { dtype, affine: None, more_bits: None, seed: 1 };
+            let r = RandomWeights { dtype, affine: None, more_bits: None, fp8: false, seed: 1 };
             let cols = dtype.block_len().max(64);
             let t = r.tensor("w", &[3, cols]).unwrap();
             assert_eq!(t.shape, vec![3, cols]);

@@ -31,6 +31,8 @@ pub struct Reference {
     pub truth: Option<Vec<f32>>,
     /// max |mlx-lm − truth|.
     pub mlx_err: f32,
+    /// Who computed logits.npy, for messages ("mlx-lm" unless set).
+    pub peer: &'static str,
 }
 
 impl Reference {
@@ -44,7 +46,12 @@ impl Reference {
             "{name}: hybrid fixture without logits_f64.npy (run scripts/mlx_f64_truth.py)"
         );
         let mlx_err = truth.as_ref().map_or(0.0, |t| max_abs_diff(&mlx, t));
-        Reference { name, mlx, truth, mlx_err }
+        Reference { name, mlx, truth, mlx_err, peer: "mlx-lm" }
+    }
+
+    /// The same checks with logits.npy computed by `peer`.
+    pub fn computed_by(self, peer: &'static str) -> Self {
+        Reference { peer, ..self }
     }
 
     /// Bound on |qinfer − truth|: the 1e-4 where mlx-lm's f32 reference
@@ -71,14 +78,15 @@ impl Reference {
         let mut bad = Vec::new();
         let d = max_abs_diff(got, &self.mlx);
         let peak = self.mlx.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let mut line = format!("{} {how}: |qinfer − mlx-lm| {d:.2e} (≤ {:.2e})", self.name, self.mlx_tol());
+        let peer = self.peer;
+        let mut line = format!("{} {how}: |qinfer − {peer}| {d:.2e} (≤ {:.2e})", self.name, self.mlx_tol());
         if d > self.mlx_tol() {
-            bad.push(format!("{} {how}: {d:.2e} from mlx-lm", self.name));
+            bad.push(format!("{} {how}: {d:.2e} from {peer}", self.name));
         }
         if let Some(truth) = &self.truth {
             let e = max_abs_diff(got, truth);
             line +=
-                &format!(", |qinfer − f64| {e:.2e} (≤ {:.2e}), |mlx-lm − f64| {:.2e}", self.truth_tol(), self.mlx_err);
+                &format!(", |qinfer − f64| {e:.2e} (≤ {:.2e}), |{peer} − f64| {:.2e}", self.truth_tol(), self.mlx_err);
             if e > self.truth_tol() {
                 bad.push(format!("{} {how}: {e:.2e} from the float64 truth", self.name));
             }

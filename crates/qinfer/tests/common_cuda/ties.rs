@@ -96,6 +96,9 @@ impl Backend for TieWatch {
     fn upload_affine(&self, t: &AffineTensor) -> Result<CpuWeight> {
         self.cpu.upload_affine(t)
     }
+    fn upload_fp8(&self, t: &qinfer::quant::fp8::Fp8Tensor) -> Result<CpuWeight> {
+        self.cpu.upload_fp8(t)
+    }
 
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> <CpuBackend as Backend>::Cache {
         self.cpu.new_cache(num_layers, kv_dim, capacity)

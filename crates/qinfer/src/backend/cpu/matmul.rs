@@ -119,7 +119,7 @@ fn matmul_float_avx2(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
         | DType::Q4_K
         | DType::Q5_K
         | DType::Q6_K => unreachable!("quantized weights use the integer paths"),
-        DType::U32 => unreachable!("packed words are rejected by upload"),
+        DType::U32 | DType::F8_E4M3 => unreachable!("packed words and FP8 bytes are rejected by upload"),
     };
     let threads = rayon::current_num_threads().max(1);
     let rb = w.row_bytes();
@@ -354,7 +354,8 @@ mod tests {
                 | DType::Q4_K
                 | DType::Q5_K
                 | DType::Q6_K
-                | DType::U32 => unreachable!(),
+                | DType::U32
+                | DType::F8_E4M3 => unreachable!(),
             })
             .collect()
     }

@@ -7,6 +7,7 @@ pub mod affine;
 mod affine_avx2;
 pub mod attention;
 mod batch;
+pub mod fp8;
 pub mod gdn;
 pub mod matmul;
 pub mod moe;
@@ -29,6 +30,7 @@ use crate::config::rope::Rope;
 use crate::kv::KvCache;
 use crate::kv::contiguous::ContiguousKv;
 use crate::quant::affine::AffineTensor;
+use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 use gdn::CpuGdnState;
@@ -59,6 +61,8 @@ pub enum CpuWeight {
     Matrix(CpuMatrix),
     /// MLX affine-quantized matrix, kept packed.
     Affine(affine::AffineMatrix),
+    /// FP8 matrix, one byte per value with its scales.
+    Fp8(fp8::Fp8Matrix),
     Vector(Vec<f32>),
 }
 
@@ -67,13 +71,16 @@ impl CpuWeight {
         match self {
             CpuWeight::Matrix(m) => m,
             CpuWeight::Affine(_) => panic!("expected a float or ggml-block matrix, found an affine-quantized one"),
+            CpuWeight::Fp8(_) => panic!("expected a float or ggml-block matrix, found an FP8 one"),
             CpuWeight::Vector(_) => panic!("expected a matrix weight, found a vector"),
         }
     }
     fn vector(&self) -> &[f32] {
         match self {
             CpuWeight::Vector(v) => v,
-            CpuWeight::Matrix(_) | CpuWeight::Affine(_) => panic!("expected a vector weight, found a matrix"),
+            CpuWeight::Matrix(_) | CpuWeight::Affine(_) | CpuWeight::Fp8(_) => {
+                panic!("expected a vector weight, found a matrix")
+            }
         }
     }
 }
@@ -130,6 +137,9 @@ impl Backend for CpuBackend {
         if t.dtype == DType::U32 {
             return Err(Error::tensor(&t.name, "packed u32 words need their `.scales` and `.biases` (MLX affine)"));
         }
+        if t.dtype == DType::F8_E4M3 {
+            return Err(Error::tensor(&t.name, "FP8 values need their scales (`weight_scale_inv` or `weight_scale`)"));
+        }
         match t.shape.len() {
             1 => Ok(CpuWeight::Vector(t.to_f32_vec())),
             2 => Ok(CpuWeight::Matrix(CpuMatrix {
@@ -146,6 +156,10 @@ impl Backend for CpuBackend {
         Ok(CpuWeight::Affine(affine::AffineMatrix::from_tensor(t)?))
     }
 
+    fn upload_fp8(&self, t: &Fp8Tensor) -> Result<CpuWeight> {
+        Ok(CpuWeight::Fp8(fp8::Fp8Matrix::from_tensor(t)?))
+    }
+
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> ContiguousKv {
         ContiguousKv::new(num_layers, kv_dim, capacity)
     }
@@ -158,6 +172,7 @@ impl Backend for CpuBackend {
         let (rows, cols) = match table {
             CpuWeight::Matrix(m) => (m.rows, m.cols),
             CpuWeight::Affine(m) => (m.rows, m.cols),
+            CpuWeight::Fp8(m) => (m.rows, m.cols),
             CpuWeight::Vector(_) => return Err(Error::Invalid("the embedding table is a vector".into())),
         };
         let mut out = CpuAct::zeros(ids.len(), cols);
@@ -168,6 +183,7 @@ impl Backend for CpuBackend {
             match table {
                 CpuWeight::Matrix(m) => m.decode_row(id as usize, row),
                 CpuWeight::Affine(m) => m.decode_row(id as usize, row),
+                CpuWeight::Fp8(m) => m.decode_row(id as usize, row),
                 CpuWeight::Vector(_) => unreachable!("rejected above"),
             }
         }
@@ -178,12 +194,14 @@ impl Backend for CpuBackend {
         let out_cols = match w {
             CpuWeight::Matrix(m) => m.rows,
             CpuWeight::Affine(m) => m.rows,
+            CpuWeight::Fp8(m) => m.rows,
             CpuWeight::Vector(_) => panic!("linear: expected a matrix weight, found a vector"),
         };
         let mut out = CpuAct::zeros(x.rows, out_cols);
         match w {
             CpuWeight::Matrix(m) => matmul(&x.data, x.rows, m, &mut out.data),
             CpuWeight::Affine(m) => affine::matmul(&x.data, x.rows, m, &mut out.data),
+            CpuWeight::Fp8(m) => fp8::matmul(&x.data, x.rows, m, &mut out.data),
             CpuWeight::Vector(_) => unreachable!("rejected above"),
         }
         if let Some(b) = bias {

@@ -76,7 +76,8 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K
-            | DType::U32 => unreachable!("{} does not take Q8_0 activations", dtype.name()),
+            | DType::U32
+            | DType::F8_E4M3 => unreachable!("{} does not take Q8_0 activations", dtype.name()),
         }
     }
     let mut out = [[0f32; NR]; MR];
@@ -159,7 +160,8 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f32 {
         | DType::Q4_K
         | DType::Q5_K
         | DType::Q6_K
-        | DType::U32 => {
+        | DType::U32
+        | DType::F8_E4M3 => {
             unreachable!("{} does not take Q8_0 activations", dtype.name())
         }
     }

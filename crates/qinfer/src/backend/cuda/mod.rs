@@ -189,6 +189,10 @@ impl Backend for CudaBackend {
         self.upload_affine_op(t)
     }
 
+    fn upload_fp8(&self, t: &crate::quant::fp8::Fp8Tensor) -> Result<CudaWeight> {
+        Err(crate::Error::tensor(&t.name, "FP8 weights do not run on the CUDA backend yet; use --device cpu"))
+    }
+
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
         CudaKv::new(num_layers, kv_dim, capacity, self.kv_precision)
     }
