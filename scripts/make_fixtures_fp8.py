@@ -74,6 +74,9 @@ CASES = {
     "qwen3_5_b32": ("qwen3_5", [32, 32], False, "Qwen3.5 hybrid (hub layout with vision tower), 32x32 blocks"),
     "qwen3_5_moe_b48x32_edge": ("qwen3_5_moe", [48, 32], True,
                                 "Qwen3.5-MoE fused experts [E, 2I, H]: 48-row blocks end inside gate|up (I = 32)"),
+    "qwen3_moe_ct_channel": ("qwen3_moe", "channel", True,
+                             "Qwen3-MoE as compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC: per-channel weight_scale)"),
+    "qwen3_ct_tensor": ("qwen3", "tensor", True, "Qwen3 as compressed-tensors FP8 with one weight_scale per matrix"),
 }
 
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate", "in_proj_a.", "in_proj_b.",
@@ -115,6 +118,22 @@ def quantize_edge(w: torch.Tensor, bm: int, bn: int):
     return q, inv
 
 
+def quantize_ct(w: torch.Tensor, strategy: str):
+    """compressed-tensors' symmetric FP8 weights (llm-compressor's minmax
+    observer): scale = max|w| / 448 over each row (`channel`) or the matrix
+    (`tensor`), q = e4m3(clamp(w / scale)), dequantized = q · scale."""
+    w = w.to(torch.float32)
+    if strategy == "channel":
+        amax = w.abs().amax(dim=-1, keepdim=True)
+    else:
+        amax = w.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = torch.clamp(w / scale, min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    if strategy == "tensor":
+        scale = scale.reshape(scale.shape[:-2] + (1,))
+    return q, scale
+
+
 def scale_key(name: str) -> str:
     return name[: -len(".weight")] + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
 
@@ -127,8 +146,10 @@ def dequantize(q: torch.Tensor, inv: torch.Tensor, bm: int, bn: int) -> torch.Te
 
 def convert(src: Path, dst: Path, block, edge: bool) -> dict[str, torch.Tensor]:
     """Writes the FP8 checkpoint; returns the dequantized f32 value of every quantized tensor."""
-    bm, bn = block
     tensors = load_file(str(src / "model.safetensors"))
+    if isinstance(block, str):
+        return convert_ct(src, dst, block, tensors)
+    bm, bn = block
     quantizer = Fp8Quantize(_Quantizer(block))
     out, deq, skipped = {}, {}, []
     for name in sorted(tensors):
@@ -164,6 +185,42 @@ def convert(src: Path, dst: Path, block, edge: bool) -> dict[str, torch.Tensor]:
     shutil.copy(src / "generation_config.json", dst / "generation_config.json")
     if skipped:
         print(f"    left bf16 (blocks do not divide): {skipped}")
+    return deq
+
+
+def convert_ct(src: Path, dst: Path, strategy: str, tensors) -> dict[str, torch.Tensor]:
+    """A compressed-tensors `float-quantized` checkpoint: `X.weight` E4M3 and
+    `X.weight_scale` f32 (`[out, 1]` per channel, `[1]` per tensor)."""
+    out, deq = {}, {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not (quantized_kind(name, t) and t.ndim == 2):
+            out[name] = t
+            continue
+        q, scale = quantize_ct(t, strategy)
+        out[name], out[name[: -len(".weight")] + ".weight_scale"] = q.contiguous(), scale.contiguous()
+        deq[name] = q.to(torch.float32) * scale.reshape(-1, 1) if strategy == "channel" else q.to(torch.float32) * scale
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "config_groups": {"group_0": {
+            "input_activations": {"dynamic": True, "num_bits": 8, "observer": None, "strategy": "token",
+                                  "symmetric": True, "type": "float"},
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {"dynamic": False, "num_bits": 8, "observer": "minmax", "strategy": strategy,
+                        "symmetric": True, "type": "float", "block_structure": None},
+        }},
+        "format": "float-quantized",
+        "ignore": sorted({n.rsplit(".", 1)[0] for n, t in tensors.items()
+                          if t.ndim >= 2 and n.endswith(".weight") and n not in deq}),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    shutil.copy(src / "generation_config.json", dst / "generation_config.json")
     return deq
 
 
@@ -267,7 +324,7 @@ def build(case: str) -> None:
         "case": case,
         "description": desc,
         "source": f"tests/fixtures/tiny/{src_name}",
-        "weight_block_size": block,
+        "scaling": block,
         "input_ids": input_ids,
         "logits": {"file": "logits.npy", "dtype": "float32", "shape": list(logits.shape)},
         "greedy": {"prompt": prompt, "new_tokens": greedy, "eos_disabled": True, "do_sample": False},

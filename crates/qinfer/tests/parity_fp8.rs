@@ -3,7 +3,8 @@
 //! (transformers' own `Fp8Quantize`, and partial edge blocks as Qwen's
 //! checkpoints have them), references from transformers in float32 on the
 //! dequantized weights and the float64 truth of the same weights
-//! (tests/fixtures/fp8).
+//! (tests/fixtures/fp8). Two cases are compressed-tensors repackagings
+//! (`weight_scale` per channel and per tensor).
 
 mod common;
 
@@ -17,12 +18,14 @@ use serde_json::Value;
 
 use common::mlx::Reference;
 
-const FIXTURES: [&str; 6] = [
+const FIXTURES: [&str; 8] = [
     "qwen3_5_b32",
     "qwen3_5_moe_b48x32_edge",
     "qwen3_b128_edge",
     "qwen3_b32",
+    "qwen3_ct_tensor",
     "qwen3_moe_b16x32",
+    "qwen3_moe_ct_channel",
     "qwen3_next_b48_edge",
 ];
 
@@ -92,4 +95,43 @@ fn greedy_continuations_match_transformers() {
         let (got, _) = generate(lm.as_ref(), &prompt, &SamplingParams::default(), &opts, |_| Ok(true)).unwrap();
         assert_eq!(got, want, "{}", dir.display());
     }
+}
+
+/// A copy of the qwen3_b32 fixture whose config.json `edit` rewrites; the
+/// error `loader::open` + `load_cpu` gives.
+fn error_with_config(edit: impl Fn(&mut Value)) -> String {
+    let src = fixtures().into_iter().find(|d| d.ends_with("qwen3_b32")).unwrap();
+    let dir = std::env::temp_dir().join(format!("qinfer-fp8-bad-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.safetensors", "generation_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
+    let err = match loader::open(&dir) {
+        Err(e) => e.to_string(),
+        Ok(m) => m.load_cpu(false).err().map(|e| e.to_string()).unwrap_or_default(),
+    };
+    std::fs::remove_dir_all(&dir).unwrap();
+    err
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+#[test]
+fn bad_fp8_configs_name_the_field_or_tensor() {
+    let e = error_with_config(|c| c["quantization_config"]["fmt"] = "e5m2".into());
+    assert!(e.contains("config.json") && e.contains("quantization_config.fmt") && e.contains("e5m2"), "{e}");
+    let e = error_with_config(|c| c["quantization_config"]["quant_method"] = "gptq".into());
+    assert!(e.contains("quant_method") && e.contains("gptq"), "{e}");
+    let e = error_with_config(|c| {
+        c.as_object_mut().unwrap().remove("quantization_config");
+    });
+    assert!(e.contains("F8_E4M3") && e.contains("self_attn"), "{e}");
+    // A block size the stored scales do not fit.
+    let e = error_with_config(|c| c["quantization_config"]["weight_block_size"] = serde_json::json!([16, 16]));
+    assert!(e.contains("weight_scale_inv") && e.contains("fits none"), "{e}");
 }

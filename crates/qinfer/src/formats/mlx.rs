@@ -62,7 +62,9 @@ impl QuantizationConfig {
         if let Some(method) = obj.get("quant_method") {
             return Err(Error::config(
                 format!("{field}.quant_method"),
-                format!("{method} is not supported; qinfer reads MLX affine quantization"),
+                format!(
+                    "{method} is not supported; qinfer reads MLX affine quantization and FP8 (\"fp8\", \"compressed-tensors\")"
+                ),
             ));
         }
         let default = params(block, field)?;
