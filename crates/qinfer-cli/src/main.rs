@@ -61,7 +61,7 @@ enum Command {
     Bench(commands::bench::Args),
     /// Architecture, shapes, dtypes, parameter count and file sizes.
     Inspect(commands::inspect::Args),
-    /// Write an MLX affine-quantized copy of a Hugging Face model.
+    /// Write an MLX affine-quantized or block-FP8 copy of a Hugging Face model.
     Quantize(commands::quantize::Args),
     /// Compile the CUDA kernels for a GPU architecture into the kernel cache
     /// (`QINFER_CACHE`, else ~/.cache/qinfer), ahead of the first run.

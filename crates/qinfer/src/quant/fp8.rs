@@ -271,7 +271,9 @@ pub fn quantize_blocks(w: &[f32], rows: usize, cols: usize, bm: usize, bn: usize
                     amax = amax.max(v.abs());
                 }
             }
-            let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
+            // torch evaluates `448 / amax` as `amax.reciprocal() * 448`: two
+            // roundings, which the scale (and ties of the values) must follow.
+            let scale = if amax > 0.0 { (1.0 / amax) * E4M3_MAX } else { 1.0 };
             for r in r0..r1 {
                 for c in c0..c1 {
                     q[r * cols + c] = f32_to_e4m3((w[r * cols + c] * scale).clamp(-E4M3_MAX, E4M3_MAX));

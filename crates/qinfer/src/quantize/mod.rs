@@ -11,8 +11,10 @@
 //! everything else is stored as is. Scales and biases take the weight's dtype.
 
 mod encode;
+mod fp8;
 mod metadata;
 
+pub use fp8::{Fp8QuantizeOptions, quantize_fp8};
 pub use metadata::parse_dtype;
 mod sanitize;
 mod writer;
@@ -47,7 +49,7 @@ pub struct QuantizeOptions {
 }
 
 /// Files copied next to the weights when the model has them.
-const SIDE_FILES: [&str; 8] = [
+pub(crate) const SIDE_FILES: [&str; 8] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -296,7 +298,7 @@ fn write_dir(
     let total_parameters =
         metadata::total_parameters(jobs.iter().map(|j| (j.planned.name.as_str(), &j.planned.shape[..])));
     writer::write_index(dir, &entries, total_parameters)?;
-    let mut st = SafetensorsWriter::create(&dir.join("model.safetensors"), entries)?;
+    let mut st = SafetensorsWriter::create(&dir.join("model.safetensors"), entries, "mlx")?;
     for (i, job) in jobs.iter().enumerate() {
         for (e, bytes) in job.entries()?.iter().zip(job.produce(source)?) {
             st.write(&e.name, &bytes)?;

@@ -33,11 +33,12 @@ pub struct SafetensorsWriter {
 }
 
 impl SafetensorsWriter {
-    /// Creates `path` and writes the header; the data must then come in
-    /// `entries` order through [`SafetensorsWriter::write`].
-    pub fn create(path: &Path, entries: Vec<Entry>) -> Result<Self> {
+    /// Creates `path` and writes the header with `{"format": format}`
+    /// metadata (`mlx`, or `pt` as transformers writes); the data must then
+    /// come in `entries` order through [`SafetensorsWriter::write`].
+    pub fn create(path: &Path, entries: Vec<Entry>, format: &str) -> Result<Self> {
         let mut header = serde_json::Map::new();
-        header.insert("__metadata__".into(), json!({"format": "mlx"}));
+        header.insert("__metadata__".into(), json!({"format": format}));
         let mut offset = 0usize;
         for e in &entries {
             header.insert(
