@@ -419,6 +419,15 @@ pub trait MoeOps: Backend {
         let _ = (x, router_logits, experts, routing);
         unsupported(self, "mixture-of-experts layers")
     }
+
+    /// Whether [`MoeOps::moe`] routes these experts without the host (so a
+    /// decode step over them can be recorded): the backend's
+    /// [`crate::backend::Capabilities::device_routing`], unless it cannot for
+    /// how these experts are stored.
+    fn routes_on_device(&self, experts: &[ExpertWeights<Self::Weight>]) -> bool {
+        let _ = experts;
+        self.capabilities().device_routing
+    }
 }
 
 /// Picking the next token where the logits are, so only its id crosses to

@@ -26,6 +26,11 @@ fn stacked_name(ld_has: impl Fn(&str) -> bool, base: &str) -> Option<String> {
 }
 
 impl<B: ModelBackend> SparseMoe<B> {
+    /// Whether `b` routes this layer's experts without the host.
+    pub fn routes_on_device(&self, b: &B) -> bool {
+        b.routes_on_device(&self.experts)
+    }
+
     /// `p` is the module prefix, e.g. `model.layers.3.mlp`. Experts may be stored
     /// one tensor per expert (`experts.N.gate_proj.weight`, the Qwen3-MoE and
     /// Qwen3-Next hub layout), fused (`experts.gate_up_proj` `[E, 2I, H]` with the

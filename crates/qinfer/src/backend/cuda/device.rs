@@ -18,8 +18,8 @@ use super::gdn::GDN_CHUNK_STATE_SHARED;
 use super::kernels::{Kernel, Kernels, module_resolver};
 use super::linear::GemvShape;
 use super::{
-    AffineSide, AffineWeight, BufferPool, CudaAct, CudaBackend, CudaWeight, STATIC_SHARED_ROOM, compile, moe_prefill,
-    sampling,
+    AffineSide, AffineWeight, BufferPool, CudaAct, CudaBackend, CudaWeight, Fp8Weight, STATIC_SHARED_ROOM, compile,
+    moe_prefill, sampling,
 };
 use crate::kv::KvPrecision;
 use crate::tensor::{DType, Tensor};
@@ -422,6 +422,21 @@ impl CudaBackend {
             biases: side(&t.biases),
             side: if bf16_scales { AffineSide::Bf16 } else { AffineSide::F32 },
         }))
+    }
+
+    /// [`crate::backend::Backend::upload_fp8`].
+    pub(super) fn upload_fp8_op(&self, t: &crate::quant::fp8::Fp8Tensor) -> Result<CudaWeight> {
+        let &[rows, cols] = t.shape() else {
+            return Err(Error::tensor(&t.name, format!("expected a 2-D matrix, found shape {:?}", t.shape())));
+        };
+        Ok(CudaWeight::Fp8(Fp8Weight {
+            rows,
+            cols,
+            group: t.group,
+            weight: self.upload_slice(t.weight.data.as_slice()),
+            scales: self.upload_slice(&t.scales.to_f32_vec()),
+        }))
+        .and_then(|w| self.check_op().map(|_| w))
     }
 
     /// [`crate::backend::Backend::check`].

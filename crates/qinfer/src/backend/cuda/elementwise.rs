@@ -100,6 +100,14 @@ impl CudaBackend {
             drop(d_ids);
             return Ok(out);
         }
+        if let CudaWeight::Fp8(w) = table {
+            check_token_ids(ids, w.rows)?;
+            let out = self.act(ids.len(), w.cols);
+            let (d_ids, ids_ptr) = self.device_ids(ids);
+            self.fp8_embed(w, ids.len(), ids_ptr, &out);
+            drop(d_ids);
+            return Ok(out);
+        }
         let CudaWeight::Matrix { dtype, rows, cols, buf } = table else {
             return Err(Error::Invalid("embedding table must be a matrix".into()));
         };

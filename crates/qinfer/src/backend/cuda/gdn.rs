@@ -335,7 +335,7 @@ impl CudaBackend {
         let (ty, w) = match weight {
             CudaWeight::Matrix { dtype, buf, .. } => (FloatType::of(*dtype), self.p(buf)),
             CudaWeight::Vector(v) => (FloatType::F32, self.p(v)),
-            CudaWeight::Affine(_) => {
+            CudaWeight::Affine(_) | CudaWeight::Fp8(_) => {
                 self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
                 return;
             }

@@ -357,6 +357,18 @@ impl CudaBackend {
             }
             return y;
         }
+        if let CudaWeight::Fp8(f) = w {
+            let mut y = self.act(x.rows, f.rows);
+            if x.cols != f.cols {
+                self.record(Err(format!("input width {} for a weight of {} columns", x.cols, f.cols)), "linear");
+            } else if x.rows <= GEMV_MAX_ROWS {
+                self.fp8_gemv(x, f, bias_ptr, &y);
+            } else {
+                self.fp8_gemm(x, f, &mut y, false);
+                self.add_bias(&y, bias_ptr);
+            }
+            return y;
+        }
         let CudaWeight::Matrix { dtype, rows: out_dim, cols: in_dim, buf } = w else {
             self.record(Err("expected a matrix weight, found a vector"), "linear");
             return self.act(x.rows, 1);
@@ -389,6 +401,7 @@ impl CudaBackend {
         h.quantized = None;
         let (rows, cols) = match w {
             CudaWeight::Affine(a) => (a.rows, a.cols),
+            CudaWeight::Fp8(f) => (f.rows, f.cols),
             CudaWeight::Matrix { rows, cols, .. } => (*rows, *cols),
             CudaWeight::Vector(_) => (0, 0),
         };
@@ -399,6 +412,7 @@ impl CudaBackend {
             let h_ptr = self.p(&h.buf);
             match w {
                 CudaWeight::Affine(a) => self.affine_gemv(x, a, h_ptr, h, next_norm),
+                CudaWeight::Fp8(f) => self.fp8_gemv(x, f, h_ptr, h),
                 CudaWeight::Matrix { dtype, buf, .. } => self.float_gemv(buf, *dtype, rows, cols, x, h_ptr, h, false),
                 CudaWeight::Vector(_) => unreachable!("`fits` excludes vectors"),
             }
@@ -408,6 +422,7 @@ impl CudaBackend {
             // Prefill: cuBLAS accumulates into h (beta = 1).
             match w {
                 CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
+                CudaWeight::Fp8(f) => self.fp8_gemm(x, f, h, true),
                 CudaWeight::Matrix { dtype, buf, .. } => {
                     let inputs = self.gemm_inputs(x, *dtype);
                     self.gemm_rows(x, &inputs, *dtype, self.p(buf), rows, cols, self.p(&h.buf), rows, true);

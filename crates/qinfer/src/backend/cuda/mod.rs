@@ -25,6 +25,7 @@ mod compile;
 mod constants;
 mod device;
 mod elementwise;
+mod fp8;
 mod gdn;
 mod graph;
 mod kernels;
@@ -60,7 +61,9 @@ use kernels::{Kernel, Kernels};
 #[doc(hidden)]
 pub use kernels::{kernel_names, unit_ptx};
 pub use linear::GemvShape;
-pub use types::{AffineSide, AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, QuantizedRow};
+pub use types::{
+    AffineSide, AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, Fp8Weight, QuantizedRow,
+};
 
 /// Shared memory left out of a kernel's dynamic allowance (the device's
 /// opt-in maximum per block, which counts static and dynamic together): room
@@ -190,7 +193,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_fp8(&self, t: &crate::quant::fp8::Fp8Tensor) -> Result<CudaWeight> {
-        Err(crate::Error::tensor(&t.name, "FP8 weights do not run on the CUDA backend yet; use --device cpu"))
+        self.upload_fp8_op(t)
     }
 
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
@@ -404,6 +407,10 @@ impl MoeOps for CudaBackend {
         routing: Routing,
     ) -> CudaAct {
         self.moe_op(x, router_logits, experts, routing)
+    }
+
+    fn routes_on_device(&self, experts: &[ExpertWeights<CudaWeight>]) -> bool {
+        self.routes_on_device_op(experts)
     }
 }
 

@@ -267,6 +267,13 @@ impl CudaBackend {
         out
     }
 
+    /// [`crate::backend::ops::MoeOps::routes_on_device`]: experts the
+    /// device kernels take (float and affine storage; FP8 experts run per
+    /// expert with the routing read back).
+    pub(super) fn routes_on_device_op(&self, experts: &[ExpertWeights<CudaWeight>]) -> bool {
+        experts.len() <= MAX_DEVICE_EXPERTS && self.expert_tables(experts).is_some()
+    }
+
     /// The layer's pointer tables, built on first use and kept by what they
     /// hold: every expert's device pointers and the first one's storage (the
     /// slice's own address would name the tables of a dropped model to a
@@ -293,6 +300,7 @@ impl CudaBackend {
                 match w {
                     CudaWeight::Matrix { buf, .. } => key.push(self.p(buf)),
                     CudaWeight::Affine(a) => key.extend([self.p(&a.packed), self.p(&a.scales), self.p(&a.biases)]),
+                    CudaWeight::Fp8(f) => key.extend([self.p(&f.weight), self.p(&f.scales)]),
                     CudaWeight::Vector(v) => key.push(self.p(v)),
                 }
             }
@@ -307,6 +315,7 @@ impl CudaBackend {
                     a.cols as u64,
                 ],
                 CudaWeight::Vector(v) => [3, v.len() as u64, 0, 0],
+                CudaWeight::Fp8(f) => [5, f.group as u64, f.rows as u64, f.cols as u64],
             });
         }
         key
@@ -365,7 +374,7 @@ impl CudaBackend {
                     vec: 32,
                 })
             }
-            CudaWeight::Vector(_) => None,
+            CudaWeight::Vector(_) | CudaWeight::Fp8(_) => None,
         }
     }
 

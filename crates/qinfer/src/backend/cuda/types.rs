@@ -108,7 +108,21 @@ pub enum CudaWeight {
     },
     /// MLX affine groups: packed levels as stored, scales and biases as f32.
     Affine(AffineWeight),
+    /// FP8 (E4M3) bytes as stored, with f32 scales per run of `group` columns.
+    Fp8(Fp8Weight),
     Vector(CudaSlice<f32>),
+}
+
+/// An FP8 `[rows, cols]` matrix (see [`crate::quant::fp8`]).
+pub struct Fp8Weight {
+    pub rows: usize,
+    pub cols: usize,
+    /// Columns per scale.
+    pub group: usize,
+    /// `rows × cols` E4M3 bytes.
+    pub weight: CudaSlice<u8>,
+    /// `rows × ⌈cols/group⌉` f32.
+    pub scales: CudaSlice<f32>,
 }
 
 /// An affine-quantized `[rows, cols]` matrix (see [`crate::quant::affine`]).

@@ -241,16 +241,16 @@ impl<B: ModelBackend> DecoderModel<B> {
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
         // Routing decided on the host (MoE on backends that route there)
         // differs per token: such passes are not replayable.
-        let routed = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
+        let routed_on_host = self.layers.iter().any(|l| match &l.ffn {
+            FeedForward::Sparse(moe) => !moe.routes_on_device(b),
+            _ => false,
+        });
         let active = match seq.adapter {
             Some(id) => self.adapters.active([(0..tokens.len(), Some(id))])?,
             None => adapters::Active::none(),
         };
         // A recorded step would keep one adapter's weights: steps with one run as they come.
-        let replayable = tokens.len() == 1
-            && (!routed || b.capabilities().device_routing)
-            && logits == Logits::Last
-            && active.is_empty();
+        let replayable = tokens.len() == 1 && !routed_on_host && logits == Logits::Last && active.is_empty();
         let DecoderSequence { cache, gdn, step, .. } = seq;
         let out = b.run_step(
             step,

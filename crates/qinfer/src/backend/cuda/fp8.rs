@@ -1,0 +1,102 @@
+//! FP8 linear layers (fp8.cu): the decode GEMV over the E4M3 bytes and their
+//! per-row group scales, bf16 tiles of dequantized rows for the prefill's
+//! cuBLAS GEMMs, and embedding rows from an FP8 table.
+
+use super::kernels::{Resolve, blocks, cfg, kernel_args};
+use super::linear::GEMV_MAX_ROWS;
+use super::{CudaAct, CudaBackend, Fp8Weight};
+use crate::Result;
+use crate::tensor::DType;
+
+/// The kernels of fp8.cu.
+pub(super) struct Fp8Kernels<K> {
+    gemv: K,
+    to_bf16: K,
+    embed: K,
+}
+
+impl<K> Fp8Kernels<K> {
+    pub(super) fn load(get: &mut Resolve<'_, K>) -> Result<Self> {
+        const U: &str = "fp8.cu";
+        Ok(Fp8Kernels {
+            gemv: get(U, "gemv_fp8".into())?,
+            to_bf16: get(U, "fp8_to_bf16".into())?,
+            embed: get(U, "embed_fp8".into())?,
+        })
+    }
+}
+
+kernel_args! {
+    /// `gemv_fp8`.
+    Fp8GemvArgs { w: u64, scales: u64, x: u64, bias: u64, y: u64, out_dim: i32, in_dim: i32, group: i32, n_act: i32 }
+}
+kernel_args! {
+    /// `fp8_to_bf16`.
+    Fp8ToBf16Args { w: u64, scales: u64, out: u64, row0: i32, rows: i32, in_dim: i32, group: i32 }
+}
+kernel_args! {
+    /// `embed_fp8`.
+    Fp8EmbedArgs { w: u64, scales: u64, ids: u64, out: u64, cols: i32, group: i32 }
+}
+
+/// Values per prefill tile of dequantized weights (bf16 scratch of 128 MiB).
+const FP8_TILE_VALUES: usize = 64 << 20;
+
+/// Weight rows per GEMV block (one per warp of 256 threads).
+const GEMV_ROWS_PER_BLOCK: usize = 8;
+
+impl CudaBackend {
+    /// `y = x · wᵀ (+ bias)` for up to [`GEMV_MAX_ROWS`] activation rows;
+    /// `bias` may be `y` itself (each output adds its own value).
+    pub(super) fn fp8_gemv(&self, x: &CudaAct, w: &Fp8Weight, bias: u64, y: &CudaAct) {
+        debug_assert!(x.rows <= GEMV_MAX_ROWS);
+        let args = Fp8GemvArgs {
+            w: self.p(&w.weight),
+            scales: self.p(&w.scales),
+            x: self.p(&x.buf),
+            bias,
+            y: self.p(&y.buf),
+            out_dim: w.rows as i32,
+            in_dim: w.cols as i32,
+            group: w.group as i32,
+            n_act: x.rows as i32,
+        };
+        let grid = (w.rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, 1, 1);
+        self.launch(&self.k.fp8.gemv, cfg(grid, (GEMV_ROWS_PER_BLOCK * 32) as u32, 0), &args);
+    }
+
+    /// Prefill: `y (+)= x · wᵀ` through bf16 tiles of dequantized rows and cuBLAS.
+    pub(super) fn fp8_gemm(&self, x: &CudaAct, w: &Fp8Weight, y: &mut CudaAct, accumulate: bool) {
+        let tile_rows = (FP8_TILE_VALUES / w.cols.max(1)).clamp(1, w.rows);
+        let scratch = self.uninit::<u16>(tile_rows * w.cols);
+        let inputs = self.gemm_inputs(x, DType::BF16);
+        for r0 in (0..w.rows).step_by(tile_rows) {
+            let rows = tile_rows.min(w.rows - r0);
+            let args = Fp8ToBf16Args {
+                w: self.p(&w.weight),
+                scales: self.p(&w.scales),
+                out: self.p(&scratch),
+                row0: r0 as i32,
+                rows: rows as i32,
+                in_dim: w.cols as i32,
+                group: w.group as i32,
+            };
+            self.launch(&self.k.fp8.to_bf16, cfg(blocks((rows * w.cols).div_ceil(4), 256), 256, 0), &args);
+            let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
+            self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows, accumulate);
+        }
+    }
+
+    /// Embedding rows `ids` (on the device at `ids_ptr`) of an FP8 table.
+    pub(super) fn fp8_embed(&self, w: &Fp8Weight, ids: usize, ids_ptr: u64, out: &CudaAct) {
+        let args = Fp8EmbedArgs {
+            w: self.p(&w.weight),
+            scales: self.p(&w.scales),
+            ids: ids_ptr,
+            out: self.p(&out.buf),
+            cols: w.cols as i32,
+            group: w.group as i32,
+        };
+        self.launch(&self.k.fp8.embed, cfg((ids as u32, 1, 1), 128, 0), &args);
+    }
+}
