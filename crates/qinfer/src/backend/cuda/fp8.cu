@@ -25,11 +25,48 @@ __device__ __forceinline__ void e4m3x4_scaled(unsigned v, float (&out)[4]) {
 // The 2^8 the decoded values lack (see e4m3x4_scaled).
 #define FP8_UNSCALE 256.0f
 
+// acc[a] += Σ_k x[a][c0 + k] · w_k · scale for the 16 E4M3 bytes in q at
+// columns c0.. of a row whose scales are srow.
+__device__ __forceinline__ void fp8_accumulate16(uint4 q, int c0, const float* __restrict__ srow, int group,
+                                                 bool uniform, const float* __restrict__ x, int in_dim, int n_act,
+                                                 float (&acc)[GEMV_MAX_ROWS]) {
+    unsigned words[4] = {q.x, q.y, q.z, q.w};
+    float wv[16];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float f[4];
+        e4m3x4_scaled(words[k], f);
+#pragma unroll
+        for (int m = 0; m < 4; m++) wv[4 * k + m] = f[m];
+    }
+    if (uniform) {
+        float u = __ldg(srow + c0 / group) * FP8_UNSCALE;
+#pragma unroll
+        for (int k = 0; k < 16; k++) wv[k] *= u;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 16; k++) wv[k] *= __ldg(srow + (c0 + k) / group) * FP8_UNSCALE;
+    }
+#pragma unroll
+    for (int a = 0; a < GEMV_MAX_ROWS; a++) {
+        if (a < n_act) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)a * in_dim + c0);
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float4 v = __ldg(xr + k);
+                sum += v.x * wv[4 * k] + v.y * wv[4 * k + 1] + v.z * wv[4 * k + 2] + v.w * wv[4 * k + 3];
+            }
+            acc[a] += sum;
+        }
+    }
+}
+
 // y[a][o] = Σ_c x[a][c] · w[o][c] · scale(o, c) (+ bias[o]) for n_act ≤
 // GEMV_MAX_ROWS activation rows. One warp per weight row, 16 bytes per lane
-// per step, two steps in flight; a run of 16 values shares one scale when
-// `group` is a multiple of 16 (the checkpoints' 128-column blocks, whole
-// rows), else each value looks its scale up.
+// per step and two steps' loads in flight; a run of 16 values shares one
+// scale when `group` is a multiple of 16 (the checkpoints' 128-column
+// blocks, whole rows), else each value looks its scale up.
 extern "C" __global__ void __launch_bounds__(256)
     gemv_fp8(const unsigned char* __restrict__ w, const float* __restrict__ scales, const float* __restrict__ x,
              const float* bias, float* y, int out_dim, int in_dim, int group, int n_act) {
@@ -45,47 +82,18 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int a = 0; a < GEMV_MAX_ROWS; a++) acc[a] = 0.0f;
     bool uniform = group % 16 == 0;
     int vec_end = (in_dim % 16 == 0) ? in_dim : 0;
-    for (int c0 = lane * 16; c0 < vec_end; c0 += 32 * 16) {
-        uint4 q = __ldg(reinterpret_cast<const uint4*>(row + c0));
-        unsigned words[4] = {q.x, q.y, q.z, q.w};
-        float wv[16];
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            float f[4];
-            e4m3x4_scaled(words[k], f);
-#pragma unroll
-            for (int m = 0; m < 4; m++) wv[4 * k + m] = f[m];
-        }
-        float s[16];
-        if (uniform) {
-            float u = __ldg(srow + c0 / group) * FP8_UNSCALE;
-#pragma unroll
-            for (int k = 0; k < 16; k++) s[k] = u;
-        } else {
-#pragma unroll
-            for (int k = 0; k < 16; k++) s[k] = __ldg(srow + (c0 + k) / group) * FP8_UNSCALE;
-        }
-#pragma unroll
-        for (int k = 0; k < 16; k++) wv[k] *= s[k];
-#pragma unroll
-        for (int a = 0; a < GEMV_MAX_ROWS; a++) {
-            if (a < n_act) {
-                const float4* xr = reinterpret_cast<const float4*>(x + (size_t)a * in_dim + c0);
-                float sum = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    float4 v = __ldg(xr + k);
-                    sum += v.x * wv[4 * k] + v.y * wv[4 * k + 1] + v.z * wv[4 * k + 2] + v.w * wv[4 * k + 3];
-                }
-                acc[a] += sum;
-            }
-        }
+    const int step = 32 * 16;
+    for (int c0 = lane * 16; c0 < vec_end; c0 += 2 * step) {
+        bool second = c0 + step < vec_end;
+        uint4 q0 = __ldg(reinterpret_cast<const uint4*>(row + c0));
+        uint4 q1 = second ? __ldg(reinterpret_cast<const uint4*>(row + c0 + step)) : make_uint4(0, 0, 0, 0);
+        fp8_accumulate16(q0, c0, srow, group, uniform, x, in_dim, n_act, acc);
+        if (second) fp8_accumulate16(q1, c0 + step, srow, group, uniform, x, in_dim, n_act, acc);
     }
     // Rows whose width is not a multiple of 16: one value per lane per step.
-    for (int c = vec_end + lane; c < in_dim && vec_end == 0; c += 32) {
-        unsigned b = row[c];
+    for (int c = lane; c < in_dim && vec_end == 0; c += 32) {
         float f[4];
-        e4m3x4_scaled(b, f);
+        e4m3x4_scaled(row[c], f);
         float wc = f[0] * srow[c / group] * FP8_UNSCALE;
         for (int a = 0; a < n_act; a++) acc[a] += x[(size_t)a * in_dim + c] * wc;
     }

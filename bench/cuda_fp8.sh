@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for FP8 weights: the CUDA tests that FP8 touches
+# (cuda_fp8 against the CPU and the FP8 fixtures, the kernel-source rules,
+# linear layers and the fixture models, whose MoE recording changed), the
+# device-to-device bandwidth, then qinfer bench on random-weight Qwen3-8B
+# (and 30B-A3B) in FP8 beside bf16 and q4g64, same machine, same run.
+# Expects .device/ from scripts/cuda_device_bundle.sh.
+# Usage: bench/cuda_fp8.sh; writes $OUT/runs/*.json and $OUT/tests.log.
+set -uo pipefail
+OUT="${OUT:-/tmp/qinfer-out}"
+mkdir -p "$OUT/runs"
+mkdir -p /work && ln -sfn "$PWD" /work/main
+export QINFER_CACHE=/tmp/qinfer-cache
+mkdir -p "$QINFER_CACHE"
+[ -f .device/ptx.tar.xz ] && tar -C "$QINFER_CACHE" -xJf .device/ptx.tar.xz
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/runs/gpu.txt"
+python3 - <<'PY' > "$OUT/runs/bandwidth.json"
+import json, torch
+n = 1 << 30
+a = torch.randn(n, device="cuda"); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+torch.cuda.synchronize()
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+times = []
+for _ in range(10):
+    s.record(); b.copy_(a); e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e) / 1e3)
+times.sort()
+t = times[len(times) // 2]
+print(json.dumps({"bytes_read_plus_written": 2 * 4 * n, "median_s": t, "GBps": 2 * 4 * n / t / 1e9}))
+PY
+: > "$OUT/tests.log"
+for t in ${TESTS:-cuda_fp8 kernel_sources cuda_linear cuda_model}; do
+  echo "== $t" >> "$OUT/tests.log"
+  QINFER_REQUIRE_GPU=1 timeout 300 ".device/$t" --test-threads=1 --nocapture >> "$OUT/tests.log" 2>&1
+  echo "== $t rc $?" >> "$OUT/tests.log"
+done
+grep -E "^== |test result|panicked" "$OUT/tests.log"
+for spec in ${BENCH:-qwen3-8b:fp8 qwen3-8b:bf16 qwen3-8b:q4g64}; do
+  cfg="${spec%%:*}"; dtype="${spec##*:}"
+  timeout 240 .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
+    -p 512,8192 -n 128 -r 2 --json > "$OUT/runs/$cfg-$dtype.json" 2> "$OUT/runs/$cfg-$dtype.err"
+  echo "== bench $cfg $dtype: rc $?"
+  tail -3 "$OUT/runs/$cfg-$dtype.err"
+done
