@@ -86,6 +86,14 @@ impl Fp8Config {
                 format!("`{fmt}` is not supported; qinfer reads e4m3 FP8"),
             ));
         }
+        if let Some(fmt) = str_field(block, "scale_fmt", field)?
+            && fmt != "float"
+        {
+            return Err(Error::config(
+                format!("{field}.scale_fmt"),
+                format!("`{fmt}` is not supported; qinfer reads float (f32, f16 or bf16) scales"),
+            ));
+        }
         let static_activations = match str_field(block, "activation_scheme", field)? {
             None | Some("dynamic") => false,
             Some("static") => true,
@@ -247,6 +255,8 @@ mod tests {
         assert!(e.contains("quantization_config.fmt") && e.contains("e5m2"), "{e}");
         let e = err(json!({"quant_method": "fp8", "weight_block_size": [128]}));
         assert!(e.contains("quantization_config.weight_block_size"), "{e}");
+        let e = err(json!({"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}));
+        assert!(e.contains("quantization_config.scale_fmt") && e.contains("ue8m0"), "{e}");
         let e = err(json!({"quant_method": "fp8", "activation_scheme": "weird"}));
         assert!(e.contains("quantization_config.activation_scheme"), "{e}");
         let e = err(json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
