@@ -79,6 +79,10 @@ pub fn matmul(x: &[f32], n: usize, w: &Fp8Matrix, out: &mut [f32]) {
                 let off = (r - r0) * cols;
                 w.decode_row(r, &mut buf[off..off + cols]);
             }
+            #[cfg(target_arch = "x86_64")]
+            if super::simd::has_avx2() {
+                return tiles_avx2(x, n, cols, &buf, r0, r1, w.rows, optr);
+            }
             for t in 0..n {
                 let xr = &x[t * cols..(t + 1) * cols];
                 for r in r0..r1 {
@@ -90,6 +94,58 @@ pub fn matmul(x: &[f32], n: usize, w: &Fp8Matrix, out: &mut [f32]) {
             }
         });
     });
+}
+
+/// The decoded rows `r0..r1` (in `buf`) against every activation row in
+/// register tiles of up to 4 activation rows × 3 weight rows, as the float
+/// weights' prefill does; every tile shape sums alike, so a row's result
+/// does not depend on its batch.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn tiles_avx2(x: &[f32], n: usize, cols: usize, buf: &[f32], r0: usize, r1: usize, rows: usize, out: OutPtr) {
+    use super::simd::{FloatWeights, float_tile};
+    fn run<const MR: usize, const NR: usize>(
+        x: &[f32],
+        t: usize,
+        cols: usize,
+        buf: &[f32],
+        r0: usize,
+        r: usize,
+        rows: usize,
+        out: OutPtr,
+    ) {
+        let xs: [*const f32; MR] = std::array::from_fn(|i| x[(t + i) * cols..].as_ptr());
+        let ws: [*const u8; NR] = std::array::from_fn(|j| buf[(r + j - r0) * cols..].as_ptr().cast());
+        // SAFETY: avx2 is present (checked by the caller); every pointer has
+        // `cols` f32 values after it.
+        let v = unsafe { float_tile::<MR, NR>(FloatWeights::F32, ws, xs, cols) };
+        for (i, vi) in v.iter().enumerate() {
+            for (j, vij) in vi.iter().enumerate() {
+                // SAFETY: (t + i, r + j) is in bounds and written by this tile only.
+                unsafe { *out.get().add((t + i) * rows + r + j) = *vij };
+            }
+        }
+    }
+    let mut t = 0;
+    while t < n {
+        let mr = (n - t).min(4);
+        let mut r = r0;
+        while r < r1 {
+            let nr = (r1 - r).min(3);
+            match (mr, nr) {
+                (1, 3) => run::<1, 3>(x, t, cols, buf, r0, r, rows, out),
+                (2, 3) => run::<2, 3>(x, t, cols, buf, r0, r, rows, out),
+                (3, 3) => run::<3, 3>(x, t, cols, buf, r0, r, rows, out),
+                (4, 3) => run::<4, 3>(x, t, cols, buf, r0, r, rows, out),
+                (1, _) => run::<1, 1>(x, t, cols, buf, r0, r, rows, out),
+                (2, _) => run::<2, 1>(x, t, cols, buf, r0, r, rows, out),
+                (3, _) => run::<3, 1>(x, t, cols, buf, r0, r, rows, out),
+                _ => run::<4, 1>(x, t, cols, buf, r0, r, rows, out),
+            }
+            r += if nr == 3 { 3 } else { 1 };
+        }
+        t += mr;
+    }
 }
 
 #[cfg(test)]
