@@ -9,7 +9,8 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/qinfer-out}"
 mkdir -p "$OUT/runs"
-mkdir -p /work && ln -sfn "$PWD" /work/main
+# The test binaries look for fixtures under the path they were built in.
+mkdir -p /work && ln -sfn "$PWD" /work/main && ln -sfn "$PWD" /work/wt-gpu
 export QINFER_CACHE=/tmp/qinfer-cache
 mkdir -p "$QINFER_CACHE"
 [ -f .device/ptx.tar.xz ] && tar -C "$QINFER_CACHE" -xJf .device/ptx.tar.xz

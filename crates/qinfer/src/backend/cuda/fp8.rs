@@ -10,7 +10,9 @@ use crate::tensor::DType;
 
 /// The kernels of fp8.cu.
 pub(super) struct Fp8Kernels<K> {
-    gemv: K,
+    /// `gemv_fp8_r4a1` (one activation row, 4 weight rows a block) and
+    /// `gemv_fp8_r2a8` (up to [`GEMV_MAX_ROWS`], 2 a block).
+    gemv: [K; 2],
     to_bf16: K,
     embed: K,
 }
@@ -27,7 +29,7 @@ impl<K> Fp8Kernels<K> {
 }
 
 kernel_args! {
-    /// `gemv_fp8`.
+    /// `gemv_fp8_r{R}a{A}`.
     Fp8GemvArgs { w: u64, scales: u64, x: u64, bias: u64, y: u64, out_dim: i32, in_dim: i32, group: i32, n_act: i32 }
 }
 kernel_args! {
@@ -42,8 +44,8 @@ kernel_args! {
 /// Values per prefill tile of dequantized weights (bf16 scratch of 128 MiB).
 const FP8_TILE_VALUES: usize = 64 << 20;
 
-/// Weight rows per GEMV block (one per warp of 256 threads).
-const GEMV_ROWS_PER_BLOCK: usize = 8;
+/// Threads of a GEMV block.
+const GEMV_THREADS: u32 = 256;
 
 impl CudaBackend {
     /// `y = x · wᵀ (+ bias)` for up to [`GEMV_MAX_ROWS`] activation rows;
@@ -61,8 +63,9 @@ impl CudaBackend {
             group: w.group as i32,
             n_act: x.rows as i32,
         };
-        let grid = (w.rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, 1, 1);
-        self.launch(&self.k.fp8.gemv, cfg(grid, (GEMV_ROWS_PER_BLOCK * 32) as u32, 0), &args);
+        let (kernel, rows_per_block) = if x.rows == 1 { (&self.k.fp8.gemv[0], 4) } else { (&self.k.fp8.gemv[1], 2) };
+        let grid = (w.rows.div_ceil(rows_per_block) as u32, 1, 1);
+        self.launch(kernel, cfg(grid, GEMV_THREADS, 0), &args);
     }
 
     /// Prefill: `y (+)= x · wᵀ` through bf16 tiles of dequantized rows and cuBLAS.
@@ -81,7 +84,8 @@ impl CudaBackend {
                 in_dim: w.cols as i32,
                 group: w.group as i32,
             };
-            self.launch(&self.k.fp8.to_bf16, cfg(blocks((rows * w.cols).div_ceil(4), 256), 256, 0), &args);
+            let threads = if w.cols.is_multiple_of(16) { rows * w.cols / 16 } else { rows * w.cols };
+            self.launch(&self.k.fp8.to_bf16, cfg(blocks(threads, 256), 256, 0), &args);
             let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
             self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows, accumulate);
         }
