@@ -25,7 +25,7 @@ pub fn dequantize_into(dtype: DType, src: &[u8], out: &mut [f32]) {
         // Unscaled values (for `inspect`); weights go through `fp8` with their scales.
         DType::F8_E4M3 => {
             for (o, &b) in out.iter_mut().zip(src) {
-                *o = super::fp8::e4m3_to_f32(b);
+                *o = super::e4m3::e4m3_to_f32(b);
             }
         }
         DType::F16 => {

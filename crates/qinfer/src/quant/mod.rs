@@ -4,6 +4,7 @@
 
 pub mod affine;
 pub mod dtype;
+pub mod e4m3;
 pub mod fp8;
 pub mod ggml;
 pub mod gguf_affine;

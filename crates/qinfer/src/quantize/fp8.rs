@@ -19,8 +19,7 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
-use super::SIDE_FILES;
-use super::writer::{Entry, SafetensorsWriter, write_json};
+use super::writer::{Entry, SIDE_FILES, SafetensorsWriter, write_json};
 use crate::formats::TensorSource;
 use crate::formats::hf_dir::HfDirectory;
 use crate::quant::fp8::quantize_blocks;

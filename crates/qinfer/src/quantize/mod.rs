@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use self::encode::encode;
 use self::sanitize::Planned;
-use self::writer::{Entry, SafetensorsWriter};
+use self::writer::{Entry, SIDE_FILES, SafetensorsWriter};
 use crate::config::{Architecture, ModelConfig};
 use crate::formats::TensorSource;
 use crate::formats::hf_dir::HfDirectory;
@@ -47,18 +47,6 @@ pub struct QuantizeOptions {
     /// Replace an existing output directory.
     pub force: bool,
 }
-
-/// Files copied next to the weights when the model has them.
-pub(crate) const SIDE_FILES: [&str; 8] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-];
 
 fn st_dtype(d: DType) -> Result<&'static str> {
     match d {

@@ -15,6 +15,18 @@ use serde_json::{Value, json};
 
 use crate::{Error, Result};
 
+/// Files copied next to the weights when the model has them.
+pub const SIDE_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+];
+
 /// One tensor of the output file, known before its bytes are.
 #[derive(Debug, Clone)]
 pub struct Entry {
