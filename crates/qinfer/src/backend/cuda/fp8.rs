@@ -21,7 +21,7 @@ impl<K> Fp8Kernels<K> {
     pub(super) fn load(get: &mut Resolve<'_, K>) -> Result<Self> {
         const U: &str = "fp8.cu";
         Ok(Fp8Kernels {
-            gemv: get(U, "gemv_fp8".into())?,
+            gemv: [get(U, "gemv_fp8_r4a1".into())?, get(U, "gemv_fp8_r2a8".into())?],
             to_bf16: get(U, "fp8_to_bf16".into())?,
             embed: get(U, "embed_fp8".into())?,
         })
