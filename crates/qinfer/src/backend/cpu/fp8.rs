@@ -91,6 +91,54 @@ unsafe fn decode_row_avx2(q: &[u8], scales: &[f32], group: usize, out: &mut [f32
     }
 }
 
+/// Rows `r..r + NR` against one activation row, each decoded 8 values at a
+/// time in registers as [`decode_row_avx2`] decodes them and summed in
+/// `simd::float_tile`'s order (8 lanes, then the halves, then the tail), so
+/// the result equals the decoded-tile path bit for bit.
+///
+/// # Safety
+/// avx2, fma and f16c are present; rows `r..r + NR` exist; `x` holds `cols`
+/// values; `w.group` is a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_dot_avx2<const NR: usize>(w: &Fp8Matrix, r: usize, x: &[f32]) -> [f32; NR] {
+    use std::arch::x86_64::*;
+    let (cols, groups, group) = (w.cols, w.groups(), w.group);
+    let bytes = w.weight.as_slice();
+    let q: [&[u8]; NR] = std::array::from_fn(|j| &bytes[(r + j) * cols..(r + j + 1) * cols]);
+    let s: [&[f32]; NR] = std::array::from_fn(|j| &w.scales[(r + j) * groups..(r + j + 1) * groups]);
+    let sign = _mm_set1_epi16(0x80);
+    let mag = _mm_set1_epi16(0x7F);
+    let mut acc = [_mm256_setzero_ps(); NR];
+    let mut c = 0;
+    while c + 8 <= cols {
+        // SAFETY: c + 8 <= cols for x and every row.
+        unsafe {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(c));
+            for j in 0..NR {
+                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(q[j].as_ptr().add(c).cast()));
+                let h =
+                    _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(_mm_and_si128(b, mag), 7));
+                let wv = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(s[j][c / group] * 256.0));
+                acc[j] = _mm256_fmadd_ps(xv, wv, acc[j]);
+            }
+        }
+        c += 8;
+    }
+    let mut out = [0f32; NR];
+    for j in 0..NR {
+        let v = acc[j];
+        let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let mut sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+        for k in c..cols {
+            sum += x[k] * (E4M3_TABLE[q[j][k] as usize] * s[j][k / group]);
+        }
+        out[j] = sum;
+    }
+    out
+}
+
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -107,6 +155,35 @@ pub fn matmul(x: &[f32], n: usize, w: &Fp8Matrix, out: &mut [f32]) {
     let rows_per_tile = (TILE_FLOATS / cols.max(1)).clamp(1, 64).min(w.rows.div_ceil(threads * 8)).max(1);
     let n_tiles = w.rows.div_ceil(rows_per_tile);
     let optr = OutPtr::new(out);
+    #[cfg(target_arch = "x86_64")]
+    if n == 1 && w.group.is_multiple_of(8) && super::simd::has_avx2() {
+        // Decode: rows decoded in registers and dotted at once (one read of
+        // the bytes), in the same order as the tiles below.
+        let per = w.rows.div_ceil(threads * 8).next_multiple_of(4).max(4);
+        (0..w.rows.div_ceil(per)).into_par_iter().for_each(|tile| {
+            let (r0, r1) = (tile * per, ((tile + 1) * per).min(w.rows));
+            let mut r = r0;
+            while r < r1 {
+                let take = if r + 4 <= r1 { 4 } else { 1 };
+                // SAFETY: avx2, fma and f16c are present; rows r..r + take
+                // exist; x holds `cols` values; group is a multiple of 8.
+                let v: [f32; 4] = unsafe {
+                    if take == 4 {
+                        decode_dot_avx2::<4>(w, r, x)
+                    } else {
+                        let [a] = decode_dot_avx2::<1>(w, r, x);
+                        [a, 0.0, 0.0, 0.0]
+                    }
+                };
+                for (j, vj) in v.iter().take(take).enumerate() {
+                    // SAFETY: row r + j is this task's and in bounds.
+                    unsafe { *optr.get().add(r + j) = *vj };
+                }
+                r += take;
+            }
+        });
+        return;
+    }
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(w.rows);
