@@ -43,3 +43,19 @@ for spec in ${BENCH:-qwen3-8b:fp8 qwen3-8b:bf16 qwen3-8b:q4g64}; do
   echo "== bench $cfg $dtype: rc $?"
   tail -3 "$OUT/runs/$cfg-$dtype.err"
 done
+# Batched decode (continuous batching, paged KV) at 64 sequences.
+for spec in ${BATCH:-qwen3-8b:fp8:64 qwen3-8b:bf16:64}; do
+  IFS=: read -r cfg dtype conc <<< "$spec"
+  timeout 200 .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
+    -p 1024 -n 128 -r 1 --concurrency "$conc" --json > "$OUT/runs/$cfg-$dtype-batch$conc.json" 2> "$OUT/runs/$cfg-$dtype-batch$conc.err"
+  echo "== batch $cfg $dtype x$conc: rc $?"
+  tail -2 "$OUT/runs/$cfg-$dtype-batch$conc.err"
+done
+# The MoE in FP8 (experts run per expert with host routing for now).
+for spec in ${MOE:-qwen3-30b-a3b:fp8}; do
+  cfg="${spec%%:*}"; dtype="${spec##*:}"
+  timeout 150 .device/qinfer --device cuda bench --config "bench/configs/$cfg.json" --random-weights --dtype "$dtype" \
+    -p 512 -n 32 -r 1 --json > "$OUT/runs/$cfg-$dtype.json" 2> "$OUT/runs/$cfg-$dtype.err"
+  echo "== bench $cfg $dtype: rc $?"
+  tail -2 "$OUT/runs/$cfg-$dtype.err"
+done
