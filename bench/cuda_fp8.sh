@@ -59,3 +59,19 @@ for spec in ${MOE:-qwen3-30b-a3b:fp8}; do
   echo "== bench $cfg $dtype: rc $?"
   tail -2 "$OUT/runs/$cfg-$dtype.err"
 done
+# Everything in one file (the call brings back only a few files).
+python3 - "$OUT/runs" > "$OUT/summary.json" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+out = {"gpu": open(os.path.join(d, "gpu.txt")).read().strip().splitlines()[-1],
+       "bandwidth": json.load(open(os.path.join(d, "bandwidth.json"))), "runs": {}}
+for f in sorted(os.listdir(d)):
+    if f.endswith(".json") and f != "bandwidth.json":
+        try:
+            j = json.load(open(os.path.join(d, f)))
+            out["runs"][f[:-5]] = {r["test"]: round(r["avg_ts"], 1) for r in j["results"]}
+        except Exception as e:
+            out["runs"][f[:-5]] = f"unreadable: {e}"
+print(json.dumps(out, indent=1))
+PY
+cat "$OUT/summary.json"

@@ -140,8 +140,18 @@ GEMV_FP8_KERNEL(gemv_fp8_r2a8, 2, GEMV_MAX_ROWS)
 // cuBLAS, never a resident copy). Rows a multiple of 16 wide: one thread per
 // 16 values, one 16-byte load and two 16-byte stores; otherwise one value
 // per thread.
+// With `lo`, also the remainder v − bf16(v) in bf16 (the parity
+// configuration's second GEMM: about 16 bits of each weight, where bf16
+// alone keeps 8 of the up to 28 an E4M3 value times an f32 scale has).
+__device__ __forceinline__ void fp8_store_bf16(__nv_bfloat16* out, __nv_bfloat16* lo, size_t at, float v) {
+    __nv_bfloat16 h = __float2bfloat16(v);
+    out[at] = h;
+    if (lo) lo[at] = __float2bfloat16(v - __bfloat162float(h));
+}
+
 extern "C" __global__ void fp8_to_bf16(const unsigned char* __restrict__ w, const float* __restrict__ scales,
-                                       __nv_bfloat16* __restrict__ out, int row0, int rows, int in_dim, int group) {
+                                       __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ lo, int row0,
+                                       int rows, int in_dim, int group) {
     grid_dependency_wait();
     int groups = (in_dim + group - 1) / group;
     long t = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -154,16 +164,26 @@ extern "C" __global__ void fp8_to_bf16(const unsigned char* __restrict__ w, cons
         unsigned words[4] = {q.x, q.y, q.z, q.w};
         const float* srow = scales + row * groups;
         __align__(16) __nv_bfloat16 v[16];
+        __align__(16) __nv_bfloat16 rest[16];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float f[4];
             e4m3x4_scaled(words[k], f);
 #pragma unroll
-            for (int m = 0; m < 4; m++) v[4 * k + m] = __float2bfloat16(f[m] * srow[(c + 4 * k + m) / group] * FP8_UNSCALE);
+            for (int m = 0; m < 4; m++) {
+                float x = f[m] * srow[(c + 4 * k + m) / group] * FP8_UNSCALE;
+                v[4 * k + m] = __float2bfloat16(x);
+                rest[4 * k + m] = __float2bfloat16(x - __bfloat162float(v[4 * k + m]));
+            }
         }
         uint4* dst = reinterpret_cast<uint4*>(out + (size_t)r * in_dim + c);
         dst[0] = reinterpret_cast<const uint4*>(v)[0];
         dst[1] = reinterpret_cast<const uint4*>(v)[1];
+        if (lo) {
+            uint4* dlo = reinterpret_cast<uint4*>(lo + (size_t)r * in_dim + c);
+            dlo[0] = reinterpret_cast<const uint4*>(rest)[0];
+            dlo[1] = reinterpret_cast<const uint4*>(rest)[1];
+        }
         return;
     }
     if (t >= (long)rows * in_dim) return;
@@ -171,7 +191,7 @@ extern "C" __global__ void fp8_to_bf16(const unsigned char* __restrict__ w, cons
     size_t row = (size_t)(row0 + r);
     float f[4];
     e4m3x4_scaled(w[row * in_dim + c], f);
-    out[t] = __float2bfloat16(f[0] * scales[row * groups + c / group] * FP8_UNSCALE);
+    fp8_store_bf16(out, lo, t, f[0] * scales[row * groups + c / group] * FP8_UNSCALE);
 }
 
 // Embedding rows `ids` of an FP8 table, one block per id.

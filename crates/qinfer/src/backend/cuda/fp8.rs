@@ -34,7 +34,7 @@ kernel_args! {
 }
 kernel_args! {
     /// `fp8_to_bf16`.
-    Fp8ToBf16Args { w: u64, scales: u64, out: u64, row0: i32, rows: i32, in_dim: i32, group: i32 }
+    Fp8ToBf16Args { w: u64, scales: u64, out: u64, lo: u64, row0: i32, rows: i32, in_dim: i32, group: i32 }
 }
 kernel_args! {
     /// `embed_fp8`.
@@ -68,10 +68,15 @@ impl CudaBackend {
         self.launch(kernel, cfg(grid, GEMV_THREADS, 0), &args);
     }
 
-    /// Prefill: `y (+)= x · wᵀ` through bf16 tiles of dequantized rows and cuBLAS.
+    /// Prefill: `y (+)= x · wᵀ` through bf16 tiles of dequantized rows and
+    /// cuBLAS. With split activations (the parity configuration) the weights
+    /// are split too, `w ≈ hi + lo` in bf16, and a second GEMM adds `x · loᵀ`:
+    /// an E4M3 value times an f32 scale has up to 28 significant bits, which
+    /// bf16 alone cuts to 8.
     pub(super) fn fp8_gemm(&self, x: &CudaAct, w: &Fp8Weight, y: &mut CudaAct, accumulate: bool) {
         let tile_rows = (FP8_TILE_VALUES / w.cols.max(1)).clamp(1, w.rows);
         let scratch = self.uninit::<u16>(tile_rows * w.cols);
+        let lo = self.split_activations.then(|| self.uninit::<u16>(tile_rows * w.cols));
         let inputs = self.gemm_inputs(x, DType::BF16);
         for r0 in (0..w.rows).step_by(tile_rows) {
             let rows = tile_rows.min(w.rows - r0);
@@ -79,6 +84,7 @@ impl CudaBackend {
                 w: self.p(&w.weight),
                 scales: self.p(&w.scales),
                 out: self.p(&scratch),
+                lo: lo.as_ref().map_or(0, |l| self.p(l)),
                 row0: r0 as i32,
                 rows: rows as i32,
                 in_dim: w.cols as i32,
@@ -88,6 +94,9 @@ impl CudaBackend {
             self.launch(&self.k.fp8.to_bf16, cfg(blocks(threads, 256), 256, 0), &args);
             let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
             self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows, accumulate);
+            if let Some(l) = &lo {
+                self.gemm_rows(x, &inputs, DType::BF16, self.p(l), rows, w.cols, y_ptr, w.rows, true);
+            }
         }
     }
 
