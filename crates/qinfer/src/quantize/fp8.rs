@@ -17,9 +17,9 @@
 use std::path::Path;
 
 use rayon::prelude::*;
-use serde_json::{Value, json};
+use serde_json::json;
 
-use super::writer::{Entry, SIDE_FILES, SafetensorsWriter, write_json};
+use super::writer::{Entry, SafetensorsWriter, write_model_dir};
 use crate::formats::TensorSource;
 use crate::formats::hf_dir::HfDirectory;
 use crate::quant::fp8::quantize_blocks;
@@ -144,45 +144,19 @@ pub fn quantize_fp8(src: &Path, out: &Path, opts: &Fp8QuantizeOptions, progress:
         "modules_to_not_convert": not_converted.into_iter().collect::<Vec<_>>(),
     });
 
-    // Written to a sibling temporary directory and renamed into place, so an
-    // error never leaves a partial model at `out`.
-    let tmp = out.with_file_name(format!(
-        ".{}.tmp-{}",
-        out.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let result = write(&tmp, src, &cfg, entries, &plan, &model.source, opts.block, progress);
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out.exists() {
-        std::fs::remove_dir_all(out).map_err(|e| Error::io(out, e))?;
-    }
-    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
+    write_model_dir(out, src, &cfg, |dir| write(dir, entries, &plan, &model.source, opts.block, progress))
 }
 
 type Planned = (String, Vec<usize>, DType, bool);
 
-#[allow(clippy::too_many_arguments)]
 fn write(
     dir: &Path,
-    src: &Path,
-    cfg: &Value,
     entries: Vec<Entry>,
     plan: &[Planned],
     source: &dyn TensorSource,
     block: [usize; 2],
     progress: &dyn Fn(usize, usize),
 ) -> Result<()> {
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    write_json(&dir.join("config.json"), cfg)?;
-    for f in SIDE_FILES {
-        if src.join(f).exists() {
-            std::fs::copy(src.join(f), dir.join(f)).map_err(|e| Error::io(src.join(f), e))?;
-        }
-    }
     // Produce in the file's (sorted) order.
     let order: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
     let mut st = SafetensorsWriter::create(&dir.join("model.safetensors"), entries.clone(), "pt")?;

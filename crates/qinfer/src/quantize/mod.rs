@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use self::encode::encode;
 use self::sanitize::Planned;
-use self::writer::{Entry, SIDE_FILES, SafetensorsWriter};
+use self::writer::{Entry, SafetensorsWriter};
 use crate::config::{Architecture, ModelConfig};
 use crate::formats::TensorSource;
 use crate::formats::hf_dir::HfDirectory;
@@ -207,22 +207,7 @@ pub fn quantize(src: &Path, out: &Path, opts: &QuantizeOptions, progress: &dyn F
     cfg["quantization_config"] = quant;
     metadata::finish_config(&mut cfg, src, model.config.arch)?;
 
-    // Everything goes to a sibling temporary directory, renamed into place at
-    // the end, so an error never leaves a partial model at `out`.
-    let tmp = out.with_file_name(format!(
-        ".{}.tmp-{}",
-        out.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let result = write_dir(&tmp, src, &cfg, &jobs, &model.source, progress);
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out.exists() {
-        std::fs::remove_dir_all(out).map_err(|e| Error::io(out, e))?;
-    }
-    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
+    writer::write_model_dir(out, src, &cfg, |dir| write_dir(dir, &jobs, &model.source, progress))
 }
 
 /// mlx-lm's `quantize_model` for one weight: None when it stays unquantized
@@ -263,22 +248,7 @@ fn module_params(
     Ok(Some(params))
 }
 
-fn write_dir(
-    dir: &Path,
-    src: &Path,
-    cfg: &Value,
-    jobs: &[Job],
-    source: &dyn TensorSource,
-    progress: &dyn Fn(usize, usize),
-) -> Result<()> {
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    writer::write_json(&dir.join("config.json"), cfg)?;
-    for f in SIDE_FILES {
-        if src.join(f).exists() {
-            std::fs::copy(src.join(f), dir.join(f)).map_err(|e| Error::io(src.join(f), e))?;
-        }
-    }
+fn write_dir(dir: &Path, jobs: &[Job], source: &dyn TensorSource, progress: &dyn Fn(usize, usize)) -> Result<()> {
     let mut entries = Vec::new();
     for j in jobs {
         entries.extend(j.entries()?);

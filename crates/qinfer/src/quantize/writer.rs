@@ -27,6 +27,37 @@ pub const SIDE_FILES: [&str; 8] = [
     "chat_template.jinja",
 ];
 
+/// Writes a model directory at `out` through `fill`, which gets a fresh
+/// sibling temporary directory already holding `config.json` (`cfg`) and
+/// the side files `src` has; renamed into place at the end (replacing what
+/// was at `out`), so an error never leaves a partial model there.
+pub fn write_model_dir(out: &Path, src: &Path, cfg: &Value, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = out.with_file_name(format!(
+        ".{}.tmp-{}",
+        out.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let result = (|| {
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        write_json(&tmp.join("config.json"), cfg)?;
+        for f in SIDE_FILES {
+            if src.join(f).exists() {
+                std::fs::copy(src.join(f), tmp.join(f)).map_err(|e| Error::io(src.join(f), e))?;
+            }
+        }
+        fill(&tmp)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if out.exists() {
+        std::fs::remove_dir_all(out).map_err(|e| Error::io(out, e))?;
+    }
+    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
+}
+
 /// One tensor of the output file, known before its bytes are.
 #[derive(Debug, Clone)]
 pub struct Entry {
