@@ -59,6 +59,25 @@ impl Fp8Matrix {
     }
 }
 
+/// Eight E4M3 bytes at `p` times `scale`: each byte's sign, exponent and
+/// mantissa moved into an f16's fields give its value times 2^-8 exactly
+/// (E4M3's exponent bias is 7, f16's 15; subnormals included), widened by
+/// F16C and multiplied by scale·2^8: the same f32 product as the table.
+///
+/// # Safety
+/// avx2 and f16c are present; 8 bytes are readable at `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn decode8(p: *const u8, scale: f32) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    let b = _mm_cvtepu8_epi16(unsafe { _mm_loadl_epi64(p.cast()) });
+    let sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    let mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, mag)), _mm256_set1_ps(scale * 256.0))
+}
+
 /// [`Fp8Matrix::decode_row`] 8 values a step: a byte's sign, exponent and
 /// mantissa moved into an f16's fields give its value times 2^-8 exactly
 /// (E4M3's exponent bias is 7, f16's 15; subnormals included), widened by
@@ -72,17 +91,11 @@ impl Fp8Matrix {
 unsafe fn decode_row_avx2(q: &[u8], scales: &[f32], group: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let n = q.len();
-    let sign = _mm_set1_epi16(0x80);
-    let mag = _mm_set1_epi16(0x7F);
     let mut c = 0;
     while c + 8 <= n {
         // SAFETY: c + 8 ≤ n for both slices.
         unsafe {
-            let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(q.as_ptr().add(c).cast()));
-            let h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(_mm_and_si128(b, mag), 7));
-            let v = _mm256_cvtph_ps(h);
-            let s = _mm256_set1_ps(scales[c / group] * 256.0);
-            _mm256_storeu_ps(out.as_mut_ptr().add(c), _mm256_mul_ps(v, s));
+            _mm256_storeu_ps(out.as_mut_ptr().add(c), decode8(q.as_ptr().add(c), scales[c / group]));
         }
         c += 8;
     }
@@ -107,8 +120,6 @@ unsafe fn decode_dot_avx2<const NR: usize>(w: &Fp8Matrix, r: usize, x: &[f32]) -
     let bytes = w.weight.as_slice();
     let q: [&[u8]; NR] = std::array::from_fn(|j| &bytes[(r + j) * cols..(r + j + 1) * cols]);
     let s: [&[f32]; NR] = std::array::from_fn(|j| &w.scales[(r + j) * groups..(r + j + 1) * groups]);
-    let sign = _mm_set1_epi16(0x80);
-    let mag = _mm_set1_epi16(0x7F);
     let mut acc = [_mm256_setzero_ps(); NR];
     let mut c = 0;
     while c + 8 <= cols {
@@ -116,11 +127,7 @@ unsafe fn decode_dot_avx2<const NR: usize>(w: &Fp8Matrix, r: usize, x: &[f32]) -
         unsafe {
             let xv = _mm256_loadu_ps(x.as_ptr().add(c));
             for j in 0..NR {
-                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(q[j].as_ptr().add(c).cast()));
-                let h =
-                    _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(_mm_and_si128(b, mag), 7));
-                let wv = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(s[j][c / group] * 256.0));
-                acc[j] = _mm256_fmadd_ps(xv, wv, acc[j]);
+                acc[j] = _mm256_fmadd_ps(xv, decode8(q[j].as_ptr().add(c), s[j][c / group]), acc[j]);
             }
         }
         c += 8;
