@@ -10,3 +10,4 @@ pub mod ggml;
 pub mod gguf_affine;
 pub mod kquants;
 pub mod recipe;
+pub mod turbo;
