@@ -217,7 +217,7 @@ pub enum SpeculativeKind {
 
 impl EngineArgs {
     pub fn config(&self, lm: &dyn qinfer::models::LanguageModel, device: &qinfer::loader::Device) -> EngineConfig {
-        let gpu = !matches!(device, qinfer::loader::Device::Cpu);
+        let gpu = !matches!(device, qinfer::loader::Device::Cpu { .. });
         let tokens = self.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
         let gib = |g: f64| (g.max(0.0) * (1u64 << 30) as f64) as usize;
         let mut cfg =

@@ -28,11 +28,12 @@ struct Cli {
     /// finishes (measuring the overlap; same results, slower).
     #[arg(long, global = true)]
     no_overlapped_launches: bool,
-    /// How the CUDA KV cache stores keys and values: f16 (the default: half
-    /// the memory, and half the bytes each decode step reads from a long
-    /// context) or f32 (as computed).
-    #[arg(long, global = true, value_name = "f16|f32")]
-    kv_cache: Option<qinfer::kv::KvPrecision>,
+    /// How KV caches store keys and values. On the CPU (default f32): f32,
+    /// f16, fp8, turbo8, turbo4, turbo3, turbo2, or k<K>v<V> for different
+    /// key and value widths (e.g. k8v4; `4p` keys are TurboQuant_prod). On
+    /// CUDA (default f16): f16 or f32.
+    #[arg(long, global = true, value_name = "FORMAT")]
+    kv_cache: Option<qinfer::kv::KvFormat>,
     /// Log level filter (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "warn")]
     log: String,
@@ -84,12 +85,13 @@ fn main() {
     let options = qinfer::loader::CudaOptions {
         graphs: !cli.no_cuda_graphs,
         overlapped_launches: !cli.no_overlapped_launches,
-        kv: cli.kv_cache.unwrap_or_default(),
+        kv: Default::default(),
     };
-    let device = cli.device.with_cuda_options(options).unwrap_or_else(|e| {
-        eprintln!("error: {e}");
-        std::process::exit(2);
-    });
+    let device =
+        cli.device.with_cuda_options(options).and_then(|d| d.with_kv_format(cli.kv_cache)).unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        });
     let result = match cli.command {
         Command::Run(a) => commands::run::main(a, device),
         Command::Generate(a) => commands::generate::main(a, device),

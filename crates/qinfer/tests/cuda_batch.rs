@@ -24,6 +24,7 @@ use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::kv::KvPrecision;
 use qinfer::kv::batch::{BatchLayout, BatchSeq};
+use qinfer::kv::contiguous::LayerRows;
 use qinfer::loader::{self, CudaOptions, Device};
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::SamplingParams;
@@ -306,7 +307,9 @@ fn paged_prologue_matches_cpu() {
                 }
                 // The rows written: f32 as computed; f16 within its rounding.
                 let (keys_g, values_g) = p.gpu.kv_pool_to_host(pool_g, 1).unwrap();
-                let (keys_c, values_c) = pool_c.layer(1);
+                let LayerRows::F32 { keys: keys_c, values: values_c } = pool_c.layer(1) else {
+                    panic!("the CPU pool stores f32 rows")
+                };
                 let tol = if kv == KvPrecision::F16 { 1e-3 } else { 1e-5 };
                 for (name, got, want) in [("keys", &keys_g, keys_c), ("values", &values_g, values_c)] {
                     let e = rel(got, want);
@@ -400,7 +403,7 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
         let path = dir.join(format!("{name}.json"));
         std::fs::write(&path, cfg.to_string()).unwrap();
         let storage = "f32".parse().unwrap();
-        let (_, cpu) = loader::random_model(&path, storage, Device::Cpu).unwrap();
+        let (_, cpu) = loader::random_model(&path, storage, Device::CPU).unwrap();
         let cuda = Device::Cuda { ordinal: 0, options: CudaOptions::default() };
         let (_, gpu) = loader::random_model(&path, storage, cuda).unwrap();
         let (cpu, gpu): (Arc<dyn LanguageModel>, Arc<dyn LanguageModel>) = (Arc::from(cpu), Arc::from(gpu));

@@ -45,7 +45,7 @@ fn random_affine_models_decode_like_the_cpu() {
         std::fs::write(&config, json).unwrap();
         for (storage, kv) in [("q4g64", KvPrecision::F16), ("q8g32", KvPrecision::F16), ("q4g128", KvPrecision::F32)] {
             let storage = storage.parse().unwrap();
-            let (_, cpu) = loader::random_model(&config, storage, Device::Cpu).unwrap();
+            let (_, cpu) = loader::random_model(&config, storage, Device::CPU).unwrap();
             let cuda = Device::Cuda { ordinal: 0, options: loader::CudaOptions { kv, ..Default::default() } };
             let (_, gpu) = loader::random_model(&config, storage, cuda).unwrap();
             let (mut sc, mut sg) = (cpu.new_sequence(64), gpu.new_sequence(64));

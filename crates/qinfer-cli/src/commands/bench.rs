@@ -228,7 +228,7 @@ fn concurrency_rows(
         if c == 0 {
             bail!("--concurrency values must be at least 1");
         }
-        let gpu = !matches!(device, Device::Cpu);
+        let gpu = !matches!(device, Device::Cpu { .. });
         let budget = a.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
         let block = qinfer::kv::blocks::DEFAULT_BLOCK_SIZE;
         let cfg = EngineConfig {
@@ -290,7 +290,7 @@ fn multi_turn_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: 
         turn_tokens: a.turn_tokens.max(1),
         answer_tokens: a.n_gen.max(1),
     };
-    let gpu = !matches!(device, Device::Cpu);
+    let gpu = !matches!(device, Device::Cpu { .. });
     let budget = a.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 });
     let longest = shape.system_tokens + shape.turns * (shape.turn_tokens + shape.answer_tokens);
     ensure!(

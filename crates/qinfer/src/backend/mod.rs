@@ -9,7 +9,7 @@ pub mod ops;
 
 use crate::Result;
 use crate::config::rope::Rope;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvShape};
 use crate::quant::affine::AffineTensor;
 use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::Tensor;
@@ -149,6 +149,14 @@ pub trait Backend: Send + Sync {
     fn upload_affine(&self, t: &AffineTensor) -> Result<Self::Weight>;
     /// Places an FP8 `[out, in]` matrix, kept one byte per value with its scales.
     fn upload_fp8(&self, t: &Fp8Tensor) -> Result<Self::Weight>;
+    /// Readies KV storage for a model whose caches have `shape` (every
+    /// layer of the model; `attention[l]` tells the layers that keep keys
+    /// and values): a backend that encodes them builds its codecs here, and
+    /// rejects a shape its format cannot hold.
+    fn prepare_kv(&self, shape: KvShape, attention: &[bool]) -> Result<()> {
+        let _ = (shape, attention);
+        Ok(())
+    }
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> Self::Cache;
 
     /// Activations from host values (tests, and inputs that start on the host).

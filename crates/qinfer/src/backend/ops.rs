@@ -291,10 +291,11 @@ pub trait BatchOps: FusedOps {
         let _ = (num_layers, kv_dim, num_blocks, block_size);
         unsupported(self, "batched forwards")
     }
-    /// Bytes one stored key or value takes in a pool (f32 unless a backend
-    /// stores them narrower).
-    fn kv_value_bytes(&self) -> usize {
-        4
+    /// Bytes of pool one token takes: the keys and values of
+    /// `attention_layers` layers of `kv_dim` (f32 unless a backend stores
+    /// them narrower).
+    fn kv_bytes_per_token(&self, attention_layers: usize, kv_dim: usize) -> usize {
+        2 * attention_layers * kv_dim * 4
     }
     /// Bytes `pool` holds on its device.
     fn kv_pool_bytes(&self, pool: &Self::KvPool) -> usize {
@@ -320,7 +321,7 @@ pub trait BatchOps: FusedOps {
         batch: &BatchLayout,
     ) -> (Self::Act, Option<Self::Act>) {
         let (q, k, gate) = self.split_norm_rope(projected, k, shape, norms, eps, &batch.positions, rope);
-        self.write_kv_paged(pool, layer, &k, v, &batch.slots);
+        self.write_kv_batch(pool, layer, &k, v, batch);
         (q, gate)
     }
     /// [`BatchOps::paged_prologue`] from a stacked q|k|v projection (the
@@ -340,6 +341,11 @@ pub trait BatchOps: FusedOps {
     ) -> (Self::Act, Option<Self::Act>) {
         let (projected, k, v) = self.split_qkv(qkv, shape);
         self.paged_prologue(projected, k, &v, shape, norms, eps, rope, pool, layer, batch)
+    }
+    /// Writes a batch's rows of `k` and `v` to their slots (`batch.slots`)
+    /// of `layer`; a backend that encodes rows per sequence sees the sequences.
+    fn write_kv_batch(&self, pool: &mut Self::KvPool, layer: usize, k: &Self::Act, v: &Self::Act, batch: &BatchLayout) {
+        self.write_kv_paged(pool, layer, k, v, &batch.slots)
     }
     /// Writes row `i` of `k` and `v` to slot `slots[i]` of `layer`.
     fn write_kv_paged(&self, pool: &mut Self::KvPool, layer: usize, k: &Self::Act, v: &Self::Act, slots: &[u32]) {

@@ -6,11 +6,31 @@
 
 pub mod batch;
 pub mod blocks;
+pub mod codecs;
+pub mod coded;
 pub mod contiguous;
+pub mod format;
 pub mod host_tier;
 pub mod paged;
 pub mod prefix;
 pub mod snapshots;
+
+pub use format::{KvFormat, KvSide};
+
+/// The shape of a model's KV cache: its attention layers, each storing
+/// `num_kv_heads` vectors of `head_dim` per position for keys and for values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvShape {
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
 
 /// Per-sequence key/value storage for every layer. Positions `[0, len())` are
 /// committed; a forward writes rows past `len()` and then commits them.

@@ -6,7 +6,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::ops::ModelBackend;
 use crate::config::ModelConfig;
 use crate::formats::TensorSource;
-use crate::kv::KvPrecision;
+use crate::kv::{KvFormat, KvPrecision};
 use crate::models::LanguageModel;
 use crate::models::decoder::DecoderModel;
 use crate::tensor::Tensor;
@@ -23,7 +23,7 @@ pub struct CudaOptions {
     /// (programmatic dependent launch, compute capability 9.0 and later;
     /// `--no-overlapped-launches` measures what it gains).
     pub overlapped_launches: bool,
-    /// How KV caches store keys and values (`--kv-cache f16|f32`).
+    /// How KV caches store keys and values (`--kv-cache f16|f32` on CUDA).
     pub kv: KvPrecision,
 }
 
@@ -44,9 +44,6 @@ impl CudaOptions {
         if self.overlapped_launches != d.overlapped_launches {
             set.push("--no-overlapped-launches");
         }
-        if self.kv != d.kv {
-            set.push("--kv-cache");
-        }
         set
     }
 }
@@ -54,26 +51,51 @@ impl CudaOptions {
 /// Where a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
-    Cpu,
+    /// The CPU, its KV caches in `kv` (f32 unless `--kv-cache` says otherwise).
+    Cpu { kv: KvFormat },
     /// CUDA device by ordinal (builds with the `cuda` feature).
-    Cuda {
-        ordinal: usize,
-        options: CudaOptions,
-    },
+    Cuda { ordinal: usize, options: CudaOptions },
 }
 
 impl Device {
+    /// The CPU with an f32 KV cache.
+    pub const CPU: Device = Device::Cpu { kv: KvFormat::F32 };
+
     /// The same device with `options`; an error naming the flags when they
-    /// are set on the CPU, which has none of them (its KV cache is f32).
+    /// are set on the CPU, which has none of them.
     pub fn with_cuda_options(self, options: CudaOptions) -> std::result::Result<Self, String> {
         match self {
             Device::Cuda { ordinal, .. } => Ok(Device::Cuda { ordinal, options }),
-            Device::Cpu if options == CudaOptions::default() => Ok(Device::Cpu),
-            Device::Cpu => Err(format!(
+            Device::Cpu { .. } if options == CudaOptions::default() => Ok(self),
+            Device::Cpu { .. } => Err(format!(
                 "{} {} CUDA options (--device cuda[:N])",
                 options.flags_set().join(", "),
                 if options.flags_set().len() == 1 { "is a" } else { "are" }
             )),
+        }
+    }
+}
+
+impl Device {
+    /// The same device storing KV caches in `format` (its default when
+    /// `None`); an error naming the formats the device takes otherwise.
+    pub fn with_kv_format(self, format: Option<KvFormat>) -> std::result::Result<Self, String> {
+        match self {
+            Device::Cpu { .. } => Ok(Device::Cpu { kv: format.unwrap_or(KvFormat::F32) }),
+            Device::Cuda { ordinal, mut options } => {
+                options.kv = match format {
+                    None => KvPrecision::default(),
+                    Some(KvFormat::F16) => KvPrecision::F16,
+                    Some(KvFormat::F32) => KvPrecision::F32,
+                    Some(f) => {
+                        return Err(format!(
+                            "the CUDA backend stores KV caches as f16 or f32; --kv-cache {f} runs on the CPU \
+                             (--device cpu) for now"
+                        ));
+                    }
+                };
+                Ok(Device::Cuda { ordinal, options })
+            }
         }
     }
 }
@@ -83,7 +105,7 @@ impl std::str::FromStr for Device {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let options = CudaOptions::default();
         match s {
-            "cpu" => Ok(Device::Cpu),
+            "cpu" => Ok(Device::CPU),
             "cuda" => Ok(Device::Cuda { ordinal: 0, options }),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(ordinal)) => Ok(Device::Cuda { ordinal, options }),
@@ -112,7 +134,7 @@ pub(crate) fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Resul
         }))
     }
     match device {
-        Device::Cpu => build(cfg, weights, CpuBackend::new()),
+        Device::Cpu { kv } => build(cfg, weights, CpuBackend::with_kv_format(kv)),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal, options } => {
             let mut backend = crate::backend::cuda::CudaBackend::new(ordinal)?.with_kv_precision(options.kv);
@@ -142,12 +164,24 @@ mod tests {
         assert_eq!(CudaOptions::default().kv, KvPrecision::F16);
         let plain = CudaOptions { graphs: false, overlapped_launches: false, kv: "f32".parse().unwrap() };
         assert_eq!(cuda.with_cuda_options(plain).unwrap(), Device::Cuda { ordinal: 1, options: plain });
-        assert_eq!(Device::Cpu.with_cuda_options(CudaOptions::default()).unwrap(), Device::Cpu);
-        let e = Device::Cpu.with_cuda_options(CudaOptions { kv: KvPrecision::F32, ..Default::default() }).unwrap_err();
-        assert!(e.contains("--kv-cache is a CUDA option"), "{e}");
-        let e = Device::Cpu.with_cuda_options(plain).unwrap_err();
-        assert!(e.contains("--no-cuda-graphs, --no-overlapped-launches, --kv-cache are CUDA options"), "{e}");
+        assert_eq!(Device::CPU.with_cuda_options(CudaOptions::default()).unwrap(), Device::CPU);
+        let e = Device::CPU.with_cuda_options(CudaOptions { graphs: false, ..Default::default() }).unwrap_err();
+        assert!(e.contains("--no-cuda-graphs is a CUDA option"), "{e}");
+        let e = Device::CPU.with_cuda_options(plain).unwrap_err();
+        assert!(e.contains("--no-cuda-graphs, --no-overlapped-launches are CUDA options"), "{e}");
         assert!("bf16".parse::<KvPrecision>().unwrap_err().contains("expected f16 or f32"));
         assert!("cuda:x".parse::<Device>().is_err());
+    }
+
+    #[test]
+    fn kv_formats_apply_per_device() {
+        let turbo4: KvFormat = "turbo4".parse().unwrap();
+        assert_eq!(Device::CPU.with_kv_format(Some(turbo4)).unwrap(), Device::Cpu { kv: turbo4 });
+        assert_eq!(Device::CPU.with_kv_format(None).unwrap(), Device::CPU);
+        let cuda: Device = "cuda".parse().unwrap();
+        let Device::Cuda { options, .. } = cuda.with_kv_format(Some(KvFormat::F32)).unwrap() else { unreachable!() };
+        assert_eq!(options.kv, KvPrecision::F32);
+        let e = cuda.with_kv_format(Some(turbo4)).unwrap_err();
+        assert!(e.contains("--kv-cache turbo4 runs on the CPU"), "{e}");
     }
 }

@@ -124,7 +124,7 @@ impl LoadedModel {
 
     /// Places the weights on the CPU backend (see [`LoadedModel::load`]).
     pub fn load_cpu(&self, show_progress: bool) -> Result<Box<dyn LanguageModel>> {
-        self.load(Device::Cpu, show_progress)
+        self.load(Device::CPU, show_progress)
     }
 
     /// Places the weights on `device`, with a progress bar on stderr when

@@ -104,11 +104,7 @@ pub trait LanguageModel: Send + Sync {
     /// layer), for sizing a pool.
     fn kv_bytes_per_token(&self) -> usize {
         let cfg = self.config();
-        2 * cfg.num_attention_layers() * cfg.kv_dim() * self.kv_value_bytes()
-    }
-    /// Bytes one stored key or value takes in the batch KV pool.
-    fn kv_value_bytes(&self) -> usize {
-        4
+        2 * cfg.num_attention_layers() * cfg.kv_dim() * 4
     }
     /// Zeroes the recurrent states in `slot` (a new sequence starts there).
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {

@@ -38,7 +38,7 @@ pub fn causal_attention(
 }
 
 /// The first position a query at `pos` sees.
-fn window_start(pos: usize, window: Option<usize>) -> usize {
+pub(super) fn window_start(pos: usize, window: Option<usize>) -> usize {
     match window {
         Some(w) => (pos + 1).saturating_sub(w),
         None => 0,
@@ -47,20 +47,20 @@ fn window_start(pos: usize, window: Option<usize>) -> usize {
 
 /// Query rows attended together: each key and value row read once serves
 /// every row of the tile and every query head of its key head.
-const TILE_ROWS: usize = 16;
+pub(super) const TILE_ROWS: usize = 16;
 
 /// A unit of work: query rows `rows` (of sequence `seq`) for key head
 /// `kvh` and its query heads `heads` (indices within its group).
-struct Tile {
-    seq: usize,
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-    heads: std::ops::Range<usize>,
+pub(super) struct Tile {
+    pub seq: usize,
+    pub rows: std::ops::Range<usize>,
+    pub kvh: usize,
+    pub heads: std::ops::Range<usize>,
 }
 
 /// `rows` of sequence `seq` in tiles of [`TILE_ROWS`], for each key head
 /// and all its `group` query heads.
-fn tiles_of(seq: usize, rows: std::ops::Range<usize>, nkv: usize, group: usize) -> Vec<Tile> {
+pub(super) fn tiles_of(seq: usize, rows: std::ops::Range<usize>, nkv: usize, group: usize) -> Vec<Tile> {
     let mut tiles = Vec::new();
     for kvh in 0..nkv {
         let mut r = rows.start;
@@ -76,7 +76,7 @@ fn tiles_of(seq: usize, rows: std::ops::Range<usize>, nkv: usize, group: usize) 
 /// Tiles of one query head each when there are fewer tiles than threads
 /// (a decode step of few sequences): more parallel work, each key row read
 /// once per head instead of once per group. The bits do not change.
-fn spread(tiles: Vec<Tile>, threads: usize) -> Vec<Tile> {
+pub(super) fn spread(tiles: Vec<Tile>, threads: usize) -> Vec<Tile> {
     if tiles.len() >= threads {
         return tiles;
     }
@@ -122,6 +122,57 @@ fn run_tiles<'a>(
     }
 }
 
+/// Each (row, head) of a tile: the positions `lo..=pos` it attends to,
+/// where its scores start in one buffer, and the positions any of them sees.
+pub(super) struct Spans {
+    pub spans: Vec<(usize, usize)>,
+    pub offsets: Vec<usize>,
+    pub total: usize,
+    pub first: usize,
+    pub last: usize,
+}
+
+impl Spans {
+    pub(super) fn of(s: &AttentionShape, t: &Tile, pos: &impl Fn(usize, usize) -> usize) -> Spans {
+        let spans: Vec<(usize, usize)> = t
+            .rows
+            .clone()
+            .flat_map(|r| {
+                let p = pos(t.seq, r);
+                std::iter::repeat_n((window_start(p, s.window), p), t.heads.len())
+            })
+            .collect();
+        let offsets: Vec<usize> = spans
+            .iter()
+            .scan(0, |acc, &(lo, p)| {
+                let at = *acc;
+                *acc += p + 1 - lo;
+                Some(at)
+            })
+            .collect();
+        let total = spans.iter().map(|&(lo, p)| p + 1 - lo).sum();
+        let first = spans.iter().map(|s| s.0).min().unwrap_or(0);
+        let last = spans.iter().map(|s| s.1).max().unwrap_or(0);
+        Spans { spans, offsets, total, first, last }
+    }
+}
+
+/// Scores to softmax weights, per (row, head).
+pub(super) fn softmax_spans(scores: &mut [f32], spans: &[(usize, usize)], offsets: &[usize]) {
+    for (i, &(lo, p)) in spans.iter().enumerate() {
+        let sc = &mut scores[offsets[i]..offsets[i] + p + 1 - lo];
+        let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in sc.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        for x in sc.iter_mut() {
+            *x /= sum;
+        }
+    }
+}
+
 /// One tile: for each of its rows and each query head of its key head, the
 /// softmax of the scaled dot products over positions `lo..=pos`, then the
 /// weighted sum of values. Every (row, head) sums in position order, as
@@ -139,27 +190,8 @@ fn attend_tile<'a>(
 ) -> Vec<f32> {
     let (hd, nh) = (s.head_dim, s.num_heads);
     let group = nh / s.num_kv_heads;
-    // Per (row, head): its span and its scores.
-    let spans: Vec<(usize, usize)> = t
-        .rows
-        .clone()
-        .flat_map(|r| {
-            let p = pos(t.seq, r);
-            std::iter::repeat_n((window_start(p, s.window), p), t.heads.len())
-        })
-        .collect();
-    let offsets: Vec<usize> = spans
-        .iter()
-        .scan(0, |acc, &(lo, p)| {
-            let at = *acc;
-            *acc += p + 1 - lo;
-            Some(at)
-        })
-        .collect();
-    let total = spans.iter().map(|&(lo, p)| p + 1 - lo).sum();
+    let Spans { spans, offsets, total, first, last } = Spans::of(s, t, pos);
     let mut scores = vec![0f32; total];
-    let first = spans.iter().map(|s| s.0).min().unwrap_or(0);
-    let last = spans.iter().map(|s| s.1).max().unwrap_or(0);
     let heads = t.heads.len();
     let query = |i: usize| {
         let (r, g) = (t.rows.start + i / heads, t.heads.start + i % heads);
@@ -174,19 +206,7 @@ fn attend_tile<'a>(
             }
         }
     }
-    // Softmax per (row, head), then the weights.
-    for (i, &(lo, p)) in spans.iter().enumerate() {
-        let sc = &mut scores[offsets[i]..offsets[i] + p + 1 - lo];
-        let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in sc.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        for x in sc.iter_mut() {
-            *x /= sum;
-        }
-    }
+    softmax_spans(&mut scores, &spans, &offsets);
     let mut out = vec![0f32; spans.len() * hd];
     for j in first..=last {
         let v = kv(t.seq, j, t.kvh).1;

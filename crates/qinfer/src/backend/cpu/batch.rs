@@ -3,10 +3,11 @@
 
 use std::ops::Range;
 
-use super::{CpuAct, CpuBackend, attention};
+use super::{CpuAct, CpuBackend, attention, attention_coded};
 use crate::backend::AttentionShape;
 use crate::backend::ops::BatchOps;
 use crate::kv::batch::BatchLayout;
+use crate::kv::contiguous::LayerRows;
 use crate::kv::paged::PagedKv;
 use crate::{Error, Result};
 
@@ -14,7 +15,24 @@ impl BatchOps for CpuBackend {
     type KvPool = PagedKv;
 
     fn new_kv_pool(&self, num_layers: usize, kv_dim: usize, num_blocks: usize, block_size: usize) -> Result<PagedKv> {
-        Ok(PagedKv::new(num_layers, kv_dim, num_blocks, block_size))
+        Ok(match self.kv_codecs() {
+            Some(p) => {
+                assert_eq!(
+                    (p.codecs.shape.num_layers, p.codecs.shape.kv_dim()),
+                    (num_layers, kv_dim),
+                    "the prepared KV shape"
+                );
+                PagedKv::coded(p.codecs, num_blocks, block_size)
+            }
+            None => PagedKv::new(num_layers, kv_dim, num_blocks, block_size),
+        })
+    }
+
+    fn kv_bytes_per_token(&self, attention_layers: usize, kv_dim: usize) -> usize {
+        match self.kv_codecs() {
+            Some(p) => attention_layers * (p.codecs.key_row_bytes() + p.codecs.value_row_bytes()),
+            None => 2 * attention_layers * kv_dim * 4,
+        }
     }
 
     fn kv_pool_bytes(&self, pool: &PagedKv) -> usize {
@@ -22,20 +40,23 @@ impl BatchOps for CpuBackend {
     }
 
     fn read_kv_block(&self, pool: &PagedKv, block: u32) -> Vec<u8> {
-        bytemuck::cast_slice(&pool.read_block(block)).to_vec()
+        pool.read_block(block)
     }
 
     fn write_kv_block(&self, pool: &mut PagedKv, block: u32, bytes: &[u8]) -> Result<()> {
-        if bytes.len() != pool.block_values() * 4 {
+        if bytes.len() != pool.block_bytes() {
             return Err(Error::Invalid(format!(
                 "a KV block of {} bytes for a pool whose blocks hold {}",
                 bytes.len(),
-                pool.block_values() * 4
+                pool.block_bytes()
             )));
         }
-        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
-        pool.write_block(block, &values);
+        pool.write_block(block, bytes);
         Ok(())
+    }
+
+    fn write_kv_batch(&self, pool: &mut PagedKv, layer: usize, k: &CpuAct, v: &CpuAct, batch: &BatchLayout) {
+        pool.write_batch(layer, &k.data, &v.data, batch);
     }
 
     fn write_kv_paged(&self, pool: &mut PagedKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[u32]) {
@@ -51,9 +72,13 @@ impl BatchOps for CpuBackend {
         batch: &BatchLayout,
     ) -> CpuAct {
         assert_eq!(q.rows, batch.rows(), "paged_attention: one query row per batch row");
-        let (keys, values) = pool.layer(layer);
         let mut out = CpuAct::zeros(q.rows, shape.num_heads * shape.head_dim);
-        attention::paged_attention(&q.data, keys, values, batch, shape, &mut out.data);
+        match pool.layer(layer) {
+            LayerRows::F32 { keys, values } => {
+                attention::paged_attention(&q.data, keys, values, batch, shape, &mut out.data)
+            }
+            LayerRows::Coded(kv) => attention_coded::paged_attention(&q.data, &kv, batch, shape, &mut out.data),
+        }
         out
     }
 

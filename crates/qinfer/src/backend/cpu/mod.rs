@@ -6,6 +6,7 @@ pub mod affine;
 #[cfg(target_arch = "x86_64")]
 mod affine_avx2;
 pub mod attention;
+pub mod attention_coded;
 mod batch;
 pub mod fp8;
 pub mod gdn;
@@ -27,8 +28,11 @@ use super::ops::{FusedOps, GdnOps, MoeOps, SamplingOps};
 use super::{AttentionShape, Backend, Capabilities, ExpertWeights, Routing};
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
-use crate::kv::KvCache;
-use crate::kv::contiguous::ContiguousKv;
+use std::sync::{Arc, Mutex};
+
+use crate::kv::codecs::KvCodecs;
+use crate::kv::contiguous::{ContiguousKv, LayerRows};
+use crate::kv::{KvCache, KvFormat, KvShape};
 use crate::quant::affine::AffineTensor;
 use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::{DType, Tensor};
@@ -89,12 +93,50 @@ impl CpuWeight {
 /// dispatch costs more than the work (decode calls these ~10× per layer per token).
 const PAR_MIN_VALUES: usize = 1 << 15;
 
-#[derive(Debug, Default, Clone)]
-pub struct CpuBackend;
+/// The CPU backend. Its KV caches store keys and values as `kv` says (f32
+/// unless asked otherwise); the codecs of an encoded format are built once
+/// the model's cache shape is known ([`Backend::prepare_kv`]).
+#[derive(Default, Clone)]
+pub struct CpuBackend {
+    kv: KvFormat,
+    codecs: Arc<Mutex<Option<PreparedKv>>>,
+}
+
+/// The codecs of a model's attention layers and where its layers keep them.
+#[derive(Clone)]
+struct PreparedKv {
+    codecs: Arc<KvCodecs>,
+    /// Per model layer, its attention layer (`None`: it keeps no KV).
+    attention_index: Vec<Option<usize>>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CpuBackend {{ kv: {} }}", self.kv)
+    }
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// A backend whose KV caches store keys and values in `kv`.
+    pub fn with_kv_format(kv: KvFormat) -> Self {
+        CpuBackend { kv, codecs: Default::default() }
+    }
+
+    pub fn kv_format(&self) -> KvFormat {
+        self.kv
+    }
+
+    /// The codecs of an encoded KV format (none for f32).
+    fn kv_codecs(&self) -> Option<PreparedKv> {
+        if self.kv == KvFormat::F32 {
+            return None;
+        }
+        let codecs = self.codecs.lock().expect("KV codecs").clone();
+        Some(codecs.expect("prepare_kv builds the KV codecs before the first cache"))
     }
 }
 
@@ -160,8 +202,33 @@ impl Backend for CpuBackend {
         Ok(CpuWeight::Fp8(fp8::Fp8Matrix::from_tensor(t)?))
     }
 
+    fn prepare_kv(&self, shape: KvShape, attention: &[bool]) -> Result<()> {
+        if self.kv != KvFormat::F32 {
+            let mut n = 0;
+            let attention_index = (attention.iter())
+                .map(|&a| {
+                    n += a as usize;
+                    a.then_some(n - 1)
+                })
+                .collect();
+            let codecs = Arc::new(KvCodecs::new(self.kv, KvShape { num_layers: n, ..shape })?);
+            *self.codecs.lock().expect("KV codecs") = Some(PreparedKv { codecs, attention_index });
+        }
+        Ok(())
+    }
+
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> ContiguousKv {
-        ContiguousKv::new(num_layers, kv_dim, capacity)
+        match self.kv_codecs() {
+            Some(p) => {
+                assert_eq!(
+                    (p.attention_index.len(), p.codecs.shape.kv_dim()),
+                    (num_layers, kv_dim),
+                    "the prepared KV shape"
+                );
+                ContiguousKv::coded(p.codecs, &p.attention_index, capacity)
+            }
+            None => ContiguousKv::new(num_layers, kv_dim, capacity),
+        }
     }
 
     fn act_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CpuAct {
@@ -255,9 +322,15 @@ impl Backend for CpuBackend {
 
     fn attention(&self, q: &CpuAct, cache: &ContiguousKv, layer: usize, shape: &AttentionShape) -> CpuAct {
         let start = cache.len();
-        let (keys, values) = cache.layer(layer, start + q.rows);
         let mut out = CpuAct::zeros(q.rows, shape.num_heads * shape.head_dim);
-        attention::causal_attention(&q.data, q.rows, start, keys, values, shape, &mut out.data);
+        match cache.layer(layer, start + q.rows) {
+            LayerRows::F32 { keys, values } => {
+                attention::causal_attention(&q.data, q.rows, start, keys, values, shape, &mut out.data)
+            }
+            LayerRows::Coded(kv) => {
+                attention_coded::causal_attention(&q.data, q.rows, start, &kv, shape, &mut out.data)
+            }
+        }
         out
     }
 

@@ -15,8 +15,8 @@ use crate::backend::ops::ModelBackend;
 use crate::config::rope::Rope;
 use crate::config::{LayerKind, ModelConfig};
 use crate::formats::TensorSource;
-use crate::kv::KvCache;
 use crate::kv::batch::BatchLayout;
+use crate::kv::{KvCache, KvShape};
 use crate::layers::attention::Attention;
 use crate::layers::block::BlockInput;
 use crate::layers::gdn::GatedDeltaNet;
@@ -166,6 +166,10 @@ impl<B: ModelBackend> DecoderModel<B> {
                 backend.name()
             )));
         }
+        // Before any weight: a KV format the model's heads cannot take fails fast.
+        let kv_shape = KvShape { num_layers: cfg.num_layers, num_kv_heads: cfg.num_kv_heads, head_dim: cfg.head_dim };
+        let attention: Vec<bool> = cfg.layer_kinds.iter().map(|k| *k == LayerKind::Attention).collect();
+        backend.prepare_kv(kv_shape, &attention)?;
         let TextRoot { root, lm_head: lm_head_name } = spec.text_root(src);
         let unit_offset = cfg.arch.features().unit_offset_norms;
         let norms_shifted = unit_offset && norms_stored_shifted(src, &cfg, root)?;
@@ -402,8 +406,8 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
     }
-    fn kv_value_bytes(&self) -> usize {
-        self.backend.kv_value_bytes()
+    fn kv_bytes_per_token(&self) -> usize {
+        self.backend.kv_bytes_per_token(self.cfg.num_attention_layers(), self.cfg.kv_dim())
     }
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.reset_slot(&self.backend, slot)

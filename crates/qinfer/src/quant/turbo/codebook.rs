@@ -33,7 +33,8 @@ const GRID: usize = 1 << 16;
 /// The codebook for `dim`-dimensional unit vectors at `bits` bits per
 /// coordinate (1 to 6), computed once per process and shared.
 pub fn lloyd_max(dim: usize, bits: u32) -> Arc<Codebook> {
-    static CACHE: OnceLock<Mutex<HashMap<(usize, u32), Arc<Codebook>>>> = OnceLock::new();
+    type Cache = Mutex<HashMap<(usize, u32), Arc<Codebook>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(c) = cache.lock().expect("codebook cache").get(&(dim, bits)) {
         return c.clone();
