@@ -25,7 +25,7 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
     ("tokenizer", &["formats"], "tokenizers and chat templates"),
     ("lora", &["tensor", "formats"], "LoRA adapters read from their files"),
     // Rule 2: host bookkeeping only, never the backend.
-    ("kv", &["tensor", "config"], "KV cache formats and bookkeeping"),
+    ("kv", &["tensor", "quant", "config"], "KV cache formats (their codecs in quant) and bookkeeping"),
     // Rule 1: the backend imports nothing above itself.
     ("backend", &["tensor", "quant", "config", "sampling", "kv"], "compute backends"),
     ("weights", &["tensor", "quant", "config", "formats", "backend"], "weights by name and shape"),

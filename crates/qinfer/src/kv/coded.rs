@@ -10,14 +10,27 @@
 //! key, which would otherwise set the quantization step of every
 //! coordinate. Subtracting it is exact: a key offset shifts all of a
 //! query's scores equally (softmax does not change), and a value offset is
-//! added back once to the weighted sum (the weights sum to one). A
-//! sequence's anchor lives with its first block, so sequences sharing a
-//! cached prefix share it.
+//! added back once to the weighted sum (the weights sum to one).
+//!
+//! Keys are also divided per channel by scales from the spread of the
+//! sequence's first [`SCALE_ROWS`] keys (the fourth root of each channel's
+//! variance over the head's mean, so halfway between one step for all
+//! channels and one per channel), and queries multiplied by them, which
+//! leaves scores unchanged: a rotation spreads quantization error evenly
+//! over channels, and this keeps less of it in channels whose keys vary
+//! little. A sequence's anchor lives with its first block, so sequences
+//! sharing a cached prefix share it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::codecs::KvCodecs;
+
+/// Rows whose spread sets a sequence's per-channel key scales.
+const SCALE_ROWS: usize = 16;
+
+/// An anchor's values per `kv_dim`: key offsets, value offsets, key scales.
+const ANCHOR_VALUES: usize = 3;
 
 /// One layer of encoded rows, as attention reads it.
 pub struct CodedLayer<'a> {
@@ -33,12 +46,22 @@ impl CodedLayer<'_> {
     /// The value offset of anchor `id`, which attention adds to its output
     /// (key offsets only shift scores, which softmax ignores).
     pub fn value_anchor(&self, id: u32) -> &[f32] {
-        &self.anchor(id)[self.codecs.shape.kv_dim()..]
+        self.part(id, 1)
     }
 
     /// The key offset of anchor `id`.
     pub fn key_anchor(&self, id: u32) -> &[f32] {
-        &self.anchor(id)[..self.codecs.shape.kv_dim()]
+        self.part(id, 0)
+    }
+
+    /// The per-channel key scales of anchor `id` (queries are multiplied by them).
+    pub fn key_scales(&self, id: u32) -> &[f32] {
+        self.part(id, 2)
+    }
+
+    fn part(&self, id: u32, i: usize) -> &[f32] {
+        let d = self.codecs.shape.kv_dim();
+        &self.anchor(id)[i * d..(i + 1) * d]
     }
 
     fn anchor(&self, id: u32) -> &[f32] {
@@ -76,7 +99,28 @@ impl CodedRows {
     /// (position 0's key and value).
     fn set_anchor(&mut self, layer: usize, id: u32, k: &[f32], v: &[f32]) {
         let d = self.codecs.shape.kv_dim();
-        self.anchors[layer].insert(id, [&k[..d], &v[..d]].concat().into());
+        let hd = self.codecs.shape.head_dim;
+        let n = (k.len() / d).min(SCALE_ROWS);
+        let scales = |x: &[f32]| {
+            let mut ms = vec![0f32; d];
+            for row in x.chunks_exact(d).take(n) {
+                for ((m, a), b) in ms.iter_mut().zip(row).zip(&x[..d]) {
+                    *m += (a - b) * (a - b) / n as f32;
+                }
+            }
+            let mut s = vec![1f32; d];
+            for (sh, mh) in s.chunks_exact_mut(hd).zip(ms.chunks_exact(hd)) {
+                let mean = mh.iter().sum::<f32>() / hd as f32;
+                if n > 1 && mean > 0.0 {
+                    for (si, mi) in sh.iter_mut().zip(mh) {
+                        *si = ((mi.max(mean * 1e-2)) / mean).powf(0.25);
+                    }
+                }
+            }
+            s
+        };
+        let a = [&k[..d], &v[..d], &scales(k)].concat();
+        self.anchors[layer].insert(id, a.into());
     }
 
     /// Anchor `id` of `layer` (`[keys | values]`, `kv_dim` each), if set.
@@ -84,14 +128,14 @@ impl CodedRows {
         self.anchors[layer].get(&id).map(|a| &a[..])
     }
 
-    /// Rows of `k` and `v` minus anchor `id`.
+    /// Rows of `k` and `v` relative to anchor `id`: minus its offsets, over its scales.
     fn relative(&self, layer: usize, id: u32, k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let d = self.codecs.shape.kv_dim();
         let a = self.anchor(layer, id).expect("a sequence's first rows set its anchor");
-        let minus = |rows: &[f32], off: &[f32]| {
-            rows.chunks_exact(d).flat_map(|r| r.iter().zip(off).map(|(x, o)| x - o)).collect()
+        let rel = |rows: &[f32], off: &[f32], s: &[f32]| {
+            rows.chunks_exact(d).flat_map(|r| r.iter().zip(off).zip(s).map(|((x, o), s)| (x - o) / s)).collect()
         };
-        (minus(k, &a[..d]), minus(v, &a[d..]))
+        (rel(k, &a[..d], &a[2 * d..]), rel(v, &a[d..2 * d], &vec![1.0; d]))
     }
 
     /// Encodes rows of `k` and `v` (`[n, kv_dim]`) as positions `[at, at+n)`
@@ -146,7 +190,7 @@ impl CodedRows {
     /// Bytes of `block_size` slots over every layer, with the anchor the
     /// block may carry (zeros if none).
     pub fn block_bytes(&self, block_size: usize) -> usize {
-        let anchor = 2 * self.codecs.shape.kv_dim() * 4;
+        let anchor = ANCHOR_VALUES * self.codecs.shape.kv_dim() * 4;
         self.keys.len() * (block_size * (self.codecs.key_row_bytes() + self.codecs.value_row_bytes()) + anchor)
     }
 
@@ -154,7 +198,7 @@ impl CodedRows {
     pub fn read_block(&self, block: u32, block_size: usize) -> Vec<u8> {
         let (kb, vb) = (block_size * self.codecs.key_row_bytes(), block_size * self.codecs.value_row_bytes());
         let mut out = Vec::with_capacity(self.block_bytes(block_size));
-        let zeros = vec![0f32; 2 * self.codecs.shape.kv_dim()];
+        let zeros = vec![0f32; ANCHOR_VALUES * self.codecs.shape.kv_dim()];
         for (l, (k, v)) in self.keys.iter().zip(&self.values).enumerate() {
             out.extend_from_slice(&k[block as usize * kb..(block as usize + 1) * kb]);
             out.extend_from_slice(&v[block as usize * vb..(block as usize + 1) * vb]);
@@ -167,7 +211,7 @@ impl CodedRows {
     pub fn write_block(&mut self, block: u32, block_size: usize, data: &[u8]) {
         let (kb, vb) = (block_size * self.codecs.key_row_bytes(), block_size * self.codecs.value_row_bytes());
         let b = block as usize;
-        let ab = 2 * self.codecs.shape.kv_dim() * 4;
+        let ab = ANCHOR_VALUES * self.codecs.shape.kv_dim() * 4;
         for (l, (k, v)) in self.keys.iter_mut().zip(self.values.iter_mut()).enumerate() {
             let at = l * (kb + vb + ab);
             k[b * kb..(b + 1) * kb].copy_from_slice(&data[at..at + kb]);

@@ -59,9 +59,9 @@ fn run_tiles(
         #[cfg(target_arch = "x86_64")]
         if super::simd::has_avx2() {
             // SAFETY: the CPU supports avx2 and fma (checked above).
-            return unsafe { attend_tile_avx2(q, s, t, kv, &pos, &slot) };
+            return unsafe { attend_tile_avx2(q, s, t, kv, &pos, &slot, &anchor) };
         }
-        attend_tile(q, s, t, kv, &pos, &slot, dot, axpy)
+        attend_tile(q, s, t, kv, &pos, &slot, &anchor, dot, axpy)
     };
     let results: Vec<Vec<f32>> =
         if work < 1 << 16 { tiles.iter().map(run).collect() } else { tiles.par_iter().map(run).collect() };
@@ -90,6 +90,7 @@ fn attend_tile(
     kv: &CodedLayer,
     pos: &impl Fn(usize, usize) -> usize,
     slot: &impl Fn(usize, usize) -> usize,
+    anchor: &impl Fn(usize) -> u32,
     dot: impl Fn(&[f32], &[f32]) -> f32,
     axpy: impl Fn(f32, &[f32], &mut [f32]),
 ) -> Vec<f32> {
@@ -102,10 +103,14 @@ fn attend_tile(
     let heads = t.heads.len();
     let ql = kc.query_len();
     let mut prepared = vec![0f32; spans.len() * ql];
+    let key_scales = &kv.key_scales(anchor(t.seq))[t.kvh * hd..(t.kvh + 1) * hd];
+    let mut scaled = vec![0f32; hd];
     for (i, p) in prepared.chunks_exact_mut(ql).enumerate() {
         let (r, g) = (t.rows.start + i / heads, t.heads.start + i % heads);
         let h = t.kvh * group + g;
-        kc.prepare_query(&q[r * nh * hd + h * hd..r * nh * hd + (h + 1) * hd], p);
+        let qh = &q[r * nh * hd + h * hd..r * nh * hd + (h + 1) * hd];
+        scaled.iter_mut().zip(qh).zip(key_scales).for_each(|((o, x), s)| *o = x * s);
+        kc.prepare_query(&scaled, p);
     }
     let mut scores = vec![0f32; total];
     let mut key = vec![0f32; ql];
@@ -149,9 +154,10 @@ unsafe fn attend_tile_avx2(
     kv: &CodedLayer,
     pos: &impl Fn(usize, usize) -> usize,
     slot: &impl Fn(usize, usize) -> usize,
+    anchor: &impl Fn(usize) -> u32,
 ) -> Vec<f32> {
     // SAFETY: the CPU supports avx2 and fma (this function's contract).
-    attend_tile(q, s, t, kv, pos, slot, |a, b| unsafe { super::simd::dot_fused(a, b) }, super::simd::axpy_fused)
+    attend_tile(q, s, t, kv, pos, slot, anchor, |a, b| unsafe { super::simd::dot_fused(a, b) }, super::simd::axpy_fused)
 }
 
 #[cfg(test)]
@@ -193,6 +199,7 @@ mod tests {
                 let kv = rows.layer(layer);
                 let (c, keys, values) = (kv.codec_layer, kv.keys, kv.values);
                 let (ka, va) = (kv.key_anchor(0), kv.value_anchor(0));
+                let ks = kv.key_scales(0);
                 // Position 0 is the anchor: stored as zero offsets.
                 assert_eq!(ka, &k[..kv_dim]);
                 let mut got = vec![f32::NAN; q.len()];
@@ -212,7 +219,9 @@ mod tests {
                         let p = start + t;
                         let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
                         let mut pq = vec![0f32; kc.query_len()];
-                        kc.prepare_query(&q[(t * nh + h) * hd..][..hd], &mut pq);
+                        let qs: Vec<f32> =
+                            q[(t * nh + h) * hd..][..hd].iter().zip(&ks[kvh * hd..]).map(|(x, s)| x * s).collect();
+                        kc.prepare_query(&qs, &mut pq);
                         let sc: Vec<f32> = (lo..=p)
                             .map(|j| {
                                 let key = decode(keys, j * codecs.key_row_bytes() + kvh * kc.bytes(), kc);
@@ -228,7 +237,7 @@ mod tests {
                             o.iter_mut().zip(&val).for_each(|(o, v)| *o += w / sum * v);
                         }
                         vc.finish(&mut o);
-                        o.iter_mut().zip(&va[kvh * hd..(kvh + 1) * hd]).for_each(|(o, a)| *o += a);
+                        o.iter_mut().zip(&va[kvh * hd..]).for_each(|(o, a)| *o += a);
                         for (a, b) in got[(t * nh + h) * hd..][..hd].iter().zip(&o) {
                             assert!((a - b).abs() < 2e-5, "{format} {window:?}: {a} vs {b}");
                         }
@@ -246,10 +255,16 @@ mod tests {
                         let mut vr = decode(values, j * codecs.value_row_bytes() + h * vc.bytes(), vc);
                         kc.finish(&mut kr);
                         vc.finish(&mut vr);
-                        kr.iter_mut().zip(&ka[h * hd..(h + 1) * hd]).for_each(|(x, a)| *x += a);
-                        vr.iter_mut().zip(&va[h * hd..(h + 1) * hd]).for_each(|(x, a)| *x += a);
+                        kr.iter_mut().zip(&ka[h * hd..]).zip(&ks[h * hd..]).for_each(|((x, a), s)| *x = *x * s + a);
+                        vr.iter_mut().zip(&va[h * hd..]).for_each(|(x, a)| *x += a);
                         dk[j * kv_dim + h * hd..][..hd].copy_from_slice(&kr);
                         dv[j * kv_dim + h * hd..][..hd].copy_from_slice(&vr);
+                    }
+                }
+                if format == "f16" {
+                    // Decoding and undoing the anchor gives the rows written.
+                    for (a, b) in dk.iter().zip(&k).chain(dv.iter().zip(&v)) {
+                        assert!((a - b).abs() < 2e-3 * b.abs().max(1.0), "f16 rows: {a} vs {b}");
                     }
                 }
                 let mut want = vec![f32::NAN; q.len()];
