@@ -425,3 +425,80 @@ fn batch_runs_every_valid_line_in_input_order_and_names_bad_ones() {
     assert_eq!((rows[3]["text"].as_str().unwrap(), rows[3]["finish_reason"].as_str().unwrap()), (cut, "stop"));
     assert!(!dir.join("results.partial").exists());
 }
+
+/// `--kv-cache`: an encoded cache runs (at 8 bits the fixture's greedy
+/// continuation is still transformers'), and formats a device or model
+/// cannot take are errors naming the format, the device or the head size.
+#[test]
+fn kv_cache_formats_run_or_say_why_not() {
+    let r = reference("qwen3");
+    let (prompt, want) = (ids(&r["greedy"]["prompt"]), ids(&r["greedy"]["new_tokens"]));
+    let dir = fixture("qwen3");
+    let n = want.len().to_string();
+    let args = ["generate", "--model", dir.to_str().unwrap(), "--tokens", &csv(&prompt), "--max-tokens", &n];
+    let o = qinfer(&[&["--kv-cache", "turbo8"], &args[..], &["--ignore-eos", "--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(ids(&v["tokens"]), want);
+
+    let o = qinfer(&[&["--kv-cache", "q8_0"], &args[..]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("q8_0") && stderr(&o).contains("k8v4"), "{}", stderr(&o));
+
+    let o = qinfer(&[&["--device", "cuda", "--kv-cache", "turbo4"], &args[..]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--kv-cache turbo4 runs on the CPU"), "{}", stderr(&o));
+
+    // TurboQuant's rotation needs a power-of-two head size.
+    let d = temp_dir("kvhead");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["head_dim"] = 24.into();
+    let path = d.join("config.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let bench = ["bench", "--random-weights", "--config", path.to_str().unwrap(), "-p", "4", "-n", "2", "-r", "1"];
+    let o = qinfer(&[&["--kv-cache", "turbo4"], &bench[..]].concat());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("head dimension") && stderr(&o).contains("24"), "{}", stderr(&o));
+    // fp8 has no rotation, so the same model runs.
+    let o = qinfer(&[&["--kv-cache", "fp8"], &bench[..]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `perplexity --kl-base-kv-cache`: a cache against itself diverges by
+/// nothing and agrees on every top token; a 3-bit cache diverges.
+#[test]
+fn perplexity_reports_kl_divergence_between_kv_formats() {
+    let Some(model) = default_model() else {
+        return;
+    };
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/text/gpl3_excerpt.txt");
+    let d = temp_dir("kl");
+    let run = |kv: &str| {
+        let out = d.join(format!("{kv}.json"));
+        let o = qinfer(&[
+            "--kv-cache",
+            kv,
+            "perplexity",
+            "--model",
+            model.to_str().unwrap(),
+            "--file",
+            text.to_str().unwrap(),
+            "--ctx",
+            "128",
+            "--kl-base-kv-cache",
+            "f32",
+            "--json",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(out).unwrap()).unwrap()
+    };
+    let same = run("f32");
+    assert_eq!(same["mean_kl"].as_f64().unwrap(), 0.0);
+    assert_eq!(same["same_top"].as_f64().unwrap(), 1.0);
+    assert_eq!(same["ppl"], same["ppl_base"]);
+    let turbo3 = run("turbo3");
+    assert!(turbo3["mean_kl"].as_f64().unwrap() > 1e-4, "{turbo3}");
+    assert_eq!(turbo3["ppl_base"], same["ppl_base"]);
+}
