@@ -231,6 +231,17 @@ impl EngineArgs {
                 cfg.num_blocks * cfg.block_size,
             )
         });
+        let per_token = lm.kv_bytes_per_token();
+        eprintln!(
+            "KV pool: {} tokens ({} blocks of {}, {per_token} bytes a token{})",
+            cfg.num_blocks * cfg.block_size,
+            cfg.num_blocks,
+            cfg.block_size,
+            match device {
+                qinfer::loader::Device::Cpu { kv } => format!(", {kv} cache"),
+                qinfer::loader::Device::Cuda { options, .. } => format!(", {:?} cache", options.kv).to_lowercase(),
+            }
+        );
         cfg.speculative = self.speculative.map(|kind| match kind {
             SpeculativeKind::Ngram => SpeculativeConfig::ngram(self.draft_tokens as usize),
         });
