@@ -215,6 +215,26 @@ pub enum SpeculativeKind {
     Ngram,
 }
 
+/// The KV pool `cfg` gives `lm` on `device`: the tokens it holds, in blocks
+/// of what size, and the bytes a token takes in the cache's format.
+pub fn kv_pool_summary(
+    lm: &dyn qinfer::models::LanguageModel,
+    cfg: &EngineConfig,
+    device: &qinfer::loader::Device,
+) -> String {
+    let format = match device {
+        qinfer::loader::Device::Cpu { kv } => kv.to_string(),
+        qinfer::loader::Device::Cuda { options, .. } => format!("{:?}", options.kv).to_lowercase(),
+    };
+    format!(
+        "KV pool of {} tokens ({} blocks of {}, {} bytes a token in {format})",
+        cfg.num_blocks * cfg.block_size,
+        cfg.num_blocks,
+        cfg.block_size,
+        lm.kv_bytes_per_token()
+    )
+}
+
 impl EngineArgs {
     pub fn config(&self, lm: &dyn qinfer::models::LanguageModel, device: &qinfer::loader::Device) -> EngineConfig {
         let gpu = !matches!(device, qinfer::loader::Device::Cpu { .. });
@@ -231,17 +251,6 @@ impl EngineArgs {
                 cfg.num_blocks * cfg.block_size,
             )
         });
-        let per_token = lm.kv_bytes_per_token();
-        eprintln!(
-            "KV pool: {} tokens ({} blocks of {}, {per_token} bytes a token{})",
-            cfg.num_blocks * cfg.block_size,
-            cfg.num_blocks,
-            cfg.block_size,
-            match device {
-                qinfer::loader::Device::Cpu { kv } => format!(", {kv} cache"),
-                qinfer::loader::Device::Cuda { options, .. } => format!(", {:?} cache", options.kv).to_lowercase(),
-            }
-        );
         cfg.speculative = self.speculative.map(|kind| match kind {
             SpeculativeKind::Ngram => SpeculativeConfig::ngram(self.draft_tokens as usize),
         });

@@ -157,6 +157,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let stop_ids = if a.ignore_eos { Vec::new() } else { stop_tokens(&model, Some(&tok)) };
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
     let cfg = a.engine.config(lm.as_ref(), &device);
+    eprintln!("{}", crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device));
     let adapter = a.lora.place(lm.as_ref())?;
     let mut core = EngineCore::new(lm.clone(), Some(tok.clone()), cfg)?;
 

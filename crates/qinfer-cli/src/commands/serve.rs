@@ -111,8 +111,9 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
             adapters.push(qinfer_server::ServedAdapter { name, id, path });
         }
         let cfg = engine_args.config(lm.as_ref(), &device);
+        let pool = crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device);
         let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
-        eprintln!("qinfer serve: {name} is ready ({} KiB of KV cache, {})", engine.kv_bytes() >> 10, task_name(&task));
+        eprintln!("qinfer serve: {name} is ready ({pool}, {} KiB; {})", engine.kv_bytes() >> 10, task_name(&task));
         Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task, adapters })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
