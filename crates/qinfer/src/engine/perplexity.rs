@@ -39,7 +39,7 @@ pub struct KlResult {
     pub scored_tokens: usize,
 }
 
-/// Log-softmax in f64.
+/// Log-softmax in f64 (for the KL divergence; perplexity keeps [`log_prob`]'s rounding).
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln() + max;
@@ -63,10 +63,7 @@ pub fn kl_divergence(
     let vocab = model.config().vocab_size;
     let (mut nll, mut nll_base, mut kls, mut same) = (0f64, 0f64, Vec::new(), 0usize);
     for c in 0..tokens.len() / ctx {
-        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-        if let Some(b) = bos {
-            chunk[0] = b;
-        }
+        let chunk = chunk_of(tokens, c, ctx, bos);
         let mut seq = model.new_sequence(ctx);
         let logits = model.forward(seq.as_mut(), &chunk, Logits::All)?;
         let mut seq = base.new_sequence(ctx);
@@ -74,9 +71,9 @@ pub fn kl_divergence(
         for j in ctx / 2..ctx - 1 {
             let (l, b) = (&logits[j * vocab..(j + 1) * vocab], &base_logits[j * vocab..(j + 1) * vocab]);
             let (lp, bp) = (log_softmax(l), log_softmax(b));
-            let next = tokens[c * ctx + j + 1] as usize;
-            nll -= lp[next];
-            nll_base -= bp[next];
+            let next = tokens[c * ctx + j + 1];
+            nll -= log_prob(l, next);
+            nll_base -= log_prob(b, next);
             kls.push(bp.iter().zip(&lp).map(|(b, l)| b.exp() * (b - l)).sum::<f64>().max(0.0));
             same += (argmax(l) == argmax(b)) as usize;
         }
@@ -94,6 +91,15 @@ pub fn kl_divergence(
         same_top: same as f64 / n as f64,
         scored_tokens: n,
     })
+}
+
+/// Chunk `c` of `ctx` tokens, its first replaced by BOS when the vocabulary adds one.
+fn chunk_of(tokens: &[u32], c: usize, ctx: usize, bos: Option<u32>) -> Vec<u32> {
+    let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
+    if let Some(b) = bos {
+        chunk[0] = b;
+    }
+    chunk
 }
 
 fn check_chunks(tokens: &[u32], ctx: usize) -> Result<()> {
@@ -124,10 +130,7 @@ pub fn perplexity(
     let (mut nll, mut count) = (0f64, 0usize);
     let mut running = Vec::with_capacity(chunks);
     for c in 0..chunks {
-        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-        if let Some(b) = bos {
-            chunk[0] = b;
-        }
+        let chunk = chunk_of(tokens, c, ctx, bos);
         let mut seq = model.new_sequence(ctx);
         let logits = model.forward(seq.as_mut(), &chunk, Logits::All)?;
         for j in first..ctx - 1 {

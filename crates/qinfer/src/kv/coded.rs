@@ -132,10 +132,10 @@ impl CodedRows {
     fn relative(&self, layer: usize, id: u32, k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let d = self.codecs.shape.kv_dim();
         let a = self.anchor(layer, id).expect("a sequence's first rows set its anchor");
-        let rel = |rows: &[f32], off: &[f32], s: &[f32]| {
-            rows.chunks_exact(d).flat_map(|r| r.iter().zip(off).zip(s).map(|((x, o), s)| (x - o) / s)).collect()
-        };
-        (rel(k, &a[..d], &a[2 * d..]), rel(v, &a[d..2 * d], &vec![1.0; d]))
+        let keys =
+            k.chunks_exact(d).flat_map(|r| r.iter().zip(&a[..d]).zip(&a[2 * d..]).map(|((x, o), s)| (x - o) / s));
+        let values = v.chunks_exact(d).flat_map(|r| r.iter().zip(&a[d..2 * d]).map(|(x, o)| x - o));
+        (keys.collect(), values.collect())
     }
 
     /// Encodes rows of `k` and `v` (`[n, kv_dim]`) as positions `[at, at+n)`

@@ -48,18 +48,6 @@ impl KvSide {
             KvSide::TurboProd(b) => format!("{b}p"),
         }
     }
-
-    /// Bits one vector of `head_dim` takes, scales included.
-    pub fn bits_per_vector(self, head_dim: usize) -> usize {
-        let d = head_dim;
-        match self {
-            KvSide::F32 => 32 * d,
-            KvSide::F16 => 16 * d,
-            KvSide::Fp8 | KvSide::Turbo(8) => 8 * d + 32,
-            KvSide::Turbo(b) => b as usize * d + 16,
-            KvSide::TurboProd(b) => b as usize * d + 32,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,12 +66,6 @@ impl Default for KvFormat {
 impl KvFormat {
     pub const F32: KvFormat = KvFormat { keys: KvSide::F32, values: KvSide::F32 };
     pub const F16: KvFormat = KvFormat { keys: KvSide::F16, values: KvSide::F16 };
-
-    /// Bits per stored key or value coordinate, averaged over both sides,
-    /// scales included.
-    pub fn bits_per_value(&self, head_dim: usize) -> f64 {
-        (self.keys.bits_per_vector(head_dim) + self.values.bits_per_vector(head_dim)) as f64 / (2 * head_dim) as f64
-    }
 
     /// Whether a side is TurboQuant (its vectors are rotated; the head
     /// dimension must be a power of two).
@@ -156,6 +138,9 @@ mod tests {
         assert!("turbo5".parse::<KvFormat>().unwrap_err().contains("8, 4, 3 and 2"));
         assert!("q8_0".parse::<KvFormat>().unwrap_err().contains("k8v4"));
         // 4.125 bits per value at head_dim 128 (one f16 scale per vector).
-        assert_eq!(KvFormat { keys: KvSide::Turbo(4), values: KvSide::Turbo(4) }.bits_per_value(128), 4.125);
+        let shape = crate::kv::KvShape { num_layers: 1, num_kv_heads: 2, head_dim: 128 };
+        let codecs = crate::kv::codecs::KvCodecs::new("turbo4".parse().unwrap(), shape).unwrap();
+        assert_eq!(codecs.key_row_bytes() * 8, 2 * (4 * 128 + 16));
+        assert_eq!(codecs.value_row_bytes(), codecs.key_row_bytes());
     }
 }
