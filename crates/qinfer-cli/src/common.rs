@@ -224,7 +224,10 @@ pub fn kv_pool_summary(
 ) -> String {
     let format = match device {
         qinfer::loader::Device::Cpu { kv } => kv.to_string(),
-        qinfer::loader::Device::Cuda { options, .. } => format!("{:?}", options.kv).to_lowercase(),
+        qinfer::loader::Device::Cuda { options, .. } => match options.coded_kv {
+            Some(f) => f.to_string(),
+            None => format!("{:?}", options.kv).to_lowercase(),
+        },
     };
     format!(
         "KV pool of {} tokens ({} blocks of {}, {} bytes a token in {format})",

@@ -24,6 +24,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use half::f16;
+
 use super::codecs::KvCodecs;
 
 /// Rows whose spread sets a sequence's per-channel key scales.
@@ -119,7 +121,14 @@ impl CodedRows {
             }
             s
         };
-        let a = [&k[..d], &v[..d], &scales(k)].concat();
+        // Stored in f16 (as the CUDA pool stores them); each is used as
+        // stored, so the rounding changes nothing that softmax or the
+        // added-back offset would not undo.
+        let a: Vec<f32> = [&k[..d], &v[..d], &scales(k)]
+            .concat()
+            .iter()
+            .map(|&x| f16::from_f32(x.clamp(-65504.0, 65504.0)).to_f32())
+            .collect();
         self.anchors[layer].insert(id, a.into());
     }
 

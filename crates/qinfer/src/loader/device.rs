@@ -25,11 +25,14 @@ pub struct CudaOptions {
     pub overlapped_launches: bool,
     /// How KV caches store keys and values (`--kv-cache f16|f32` on CUDA).
     pub kv: KvPrecision,
+    /// An encoded format of the paged pool (`--kv-cache turbo4`, `fp8`, …):
+    /// the batching engine's cache; one sequence's contiguous cache stays `kv`.
+    pub coded_kv: Option<KvFormat>,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { graphs: true, overlapped_launches: true, kv: KvPrecision::default() }
+        CudaOptions { graphs: true, overlapped_launches: true, kv: KvPrecision::default(), coded_kv: None }
     }
 }
 
@@ -83,16 +86,13 @@ impl Device {
         match self {
             Device::Cpu { .. } => Ok(Device::Cpu { kv: format.unwrap_or(KvFormat::F32) }),
             Device::Cuda { ordinal, mut options } => {
-                options.kv = match format {
-                    None => KvPrecision::default(),
-                    Some(KvFormat::F16) => KvPrecision::F16,
-                    Some(KvFormat::F32) => KvPrecision::F32,
-                    Some(f) => {
-                        return Err(format!(
-                            "the CUDA backend stores KV caches as f16 or f32; --kv-cache {f} runs on the CPU \
-                             (--device cpu) for now"
-                        ));
-                    }
+                // Encoded formats are checked against the CUDA kernels when
+                // the backend is made (`CudaBackend::with_coded_kv`).
+                (options.kv, options.coded_kv) = match format {
+                    None => (KvPrecision::default(), None),
+                    Some(KvFormat::F16) => (KvPrecision::F16, None),
+                    Some(KvFormat::F32) => (KvPrecision::F32, None),
+                    Some(f) => (KvPrecision::default(), Some(f)),
                 };
                 Ok(Device::Cuda { ordinal, options })
             }
@@ -138,6 +138,9 @@ pub(crate) fn place(cfg: ModelConfig, weights: Weights, device: Device) -> Resul
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal, options } => {
             let mut backend = crate::backend::cuda::CudaBackend::new(ordinal)?.with_kv_precision(options.kv);
+            if let Some(f) = options.coded_kv {
+                backend = backend.with_coded_kv(f)?;
+            }
             if !options.graphs {
                 backend = backend.without_graphs();
             }
@@ -162,7 +165,8 @@ mod tests {
         let cuda: Device = "cuda:1".parse().unwrap();
         assert_eq!(cuda, Device::Cuda { ordinal: 1, options: CudaOptions::default() });
         assert_eq!(CudaOptions::default().kv, KvPrecision::F16);
-        let plain = CudaOptions { graphs: false, overlapped_launches: false, kv: "f32".parse().unwrap() };
+        let plain =
+            CudaOptions { graphs: false, overlapped_launches: false, kv: "f32".parse().unwrap(), coded_kv: None };
         assert_eq!(cuda.with_cuda_options(plain).unwrap(), Device::Cuda { ordinal: 1, options: plain });
         assert_eq!(Device::CPU.with_cuda_options(CudaOptions::default()).unwrap(), Device::CPU);
         let e = Device::CPU.with_cuda_options(CudaOptions { graphs: false, ..Default::default() }).unwrap_err();
@@ -181,7 +185,7 @@ mod tests {
         let cuda: Device = "cuda".parse().unwrap();
         let Device::Cuda { options, .. } = cuda.with_kv_format(Some(KvFormat::F32)).unwrap() else { unreachable!() };
         assert_eq!(options.kv, KvPrecision::F32);
-        let e = cuda.with_kv_format(Some(turbo4)).unwrap_err();
-        assert!(e.contains("--kv-cache turbo4 runs on the CPU"), "{e}");
+        let Device::Cuda { options, .. } = cuda.with_kv_format(Some(turbo4)).unwrap() else { unreachable!() };
+        assert_eq!((options.kv, options.coded_kv), (KvPrecision::F16, Some(turbo4)));
     }
 }

@@ -4,6 +4,7 @@
 //! tables, and the row copies that per-sequence ops (Gated DeltaNet) need.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
@@ -13,6 +14,7 @@ use super::attention_plan::{
     DECODE_HEADS, DECODE_THREADS, batch_decode_plan, decode_shared, decode_whole_shared, flash_tile, kv_slot, kv_suffix,
 };
 use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
+use super::kv_coded::CudaCodecs;
 use super::linear::GEMV_MAX_ROWS;
 use super::norm_rope::rope_style;
 use super::{CudaAct, CudaBackend, CudaWeight};
@@ -89,20 +91,30 @@ kernel_args! {
 }
 
 /// Every layer's keys and values for `num_blocks · block_size` slots on the
-/// device, stored as [`KvPrecision`] says (the backend's, as its contiguous
-/// caches store them): per layer a key and a value buffer of
-/// `[slots, kv_dim]` values, slot `block · block_size + offset`.
+/// device. Plainly stored ([`KvPrecision`], the backend's, as its contiguous
+/// caches store them): per layer a key and a value buffer of `[slots,
+/// kv_dim]` values, slot `block · block_size + offset`. Encoded (a coded
+/// format, kv_coded.rs): per layer the buffers [`CudaCodecs::part_bytes`]
+/// lists, each holding its blocks one after another.
 pub struct CudaKvPool {
     kv_dim: usize,
     block_size: usize,
     num_blocks: usize,
     precision: KvPrecision,
-    layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
+    coded: Option<Arc<CudaCodecs>>,
+    /// Per layer its buffers, and the bytes each gives one block.
+    layers: Vec<Vec<CudaSlice<u8>>>,
+    part_bytes: Vec<usize>,
 }
 
 impl CudaKvPool {
     pub fn precision(&self) -> KvPrecision {
         self.precision
+    }
+
+    /// The codecs of an encoded pool.
+    pub fn codecs(&self) -> Option<&CudaCodecs> {
+        self.coded.as_deref()
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -117,16 +129,25 @@ impl CudaKvPool {
         self.num_blocks * self.block_size
     }
 
-    /// The byte range of `block` in each layer's key (and value) buffer.
-    fn block_bytes(&self, block: u32) -> Range<usize> {
-        let n = self.block_size * self.kv_dim * self.precision.bytes();
+    /// The key and value buffers of `layer` of a plain pool.
+    fn plain(&self, layer: usize) -> (&CudaSlice<u8>, &CudaSlice<u8>) {
+        (&self.layers[layer][0], &self.layers[layer][1])
+    }
+
+    /// Every buffer of `layer`.
+    pub(super) fn layer_parts(&self, layer: usize) -> &[CudaSlice<u8>] {
+        &self.layers[layer]
+    }
+
+    /// The byte range of `block` in each buffer of a layer.
+    fn block_ranges(&self, block: u32) -> Vec<Range<usize>> {
         assert!((block as usize) < self.num_blocks, "block {block} of a pool of {}", self.num_blocks);
-        block as usize * n..(block as usize + 1) * n
+        self.part_bytes.iter().map(|&n| block as usize * n..(block as usize + 1) * n).collect()
     }
 
     /// Bytes the pool holds on the device.
     pub fn bytes(&self) -> usize {
-        2 * self.layers.len() * self.num_slots() * self.kv_dim * self.precision.bytes()
+        self.layers.len() * self.num_blocks * self.part_bytes.iter().sum::<usize>()
     }
 }
 
@@ -136,7 +157,7 @@ impl CudaKvPool {
 /// then per sequence its first row and after them the number of rows (at
 /// [`seq_rows_at`]). i32 throughout: the pool's slots are bounded to fit
 /// (`new_kv_pool_op`).
-fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
+pub(super) fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
     let rows = layout.rows();
     let len = seq_rows_at(layout) + layout.seqs.len() + 1;
     let int = |v: usize, what: &str| i32::try_from(v).map_err(|_| format!("{what} {v} does not fit an i32"));
@@ -169,7 +190,7 @@ fn batch_table(layout: &BatchLayout) -> std::result::Result<Vec<i32>, String> {
 }
 
 /// Where the batch table's first rows of the sequences start.
-fn seq_rows_at(layout: &BatchLayout) -> usize {
+pub(super) fn seq_rows_at(layout: &BatchLayout) -> usize {
     3 * layout.rows() + layout.seqs.len() + layout.seqs.iter().map(|s| s.block_table.len()).sum::<usize>()
 }
 
@@ -194,27 +215,46 @@ impl CudaBackend {
         let precision = self.kv_precision;
         let err = |e: String| Error::Invalid(format!("cuda:{}: KV pool: {e}", self.ordinal));
         let slots = num_blocks.checked_mul(block_size).filter(|&s| s <= i32::MAX as usize);
-        let Some(slots) = slots else {
+        if slots.is_none() {
             return Err(err(format!("{num_blocks} blocks of {block_size} slots exceed 2^31 slots")));
+        }
+        let coded = self.kv_coded_codecs()?;
+        let part_bytes = match &coded {
+            Some(c) => {
+                if (c.shape().num_layers, c.shape().kv_dim()) != (num_layers, kv_dim) {
+                    return Err(err(format!(
+                        "{num_layers} layers of {kv_dim} KV dims for codecs of {} layers of {}",
+                        c.shape().num_layers,
+                        c.shape().kv_dim()
+                    )));
+                }
+                c.part_bytes(block_size)
+            }
+            None => vec![block_size * kv_dim * precision.bytes(); 2],
         };
-        let bytes = slots * kv_dim * precision.bytes();
         let mut layers = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
-            let alloc = || self.stream.alloc_zeros::<u8>(bytes.max(4));
-            let pair = alloc().and_then(|k| alloc().map(|v| (k, v)));
-            layers.push(pair.map_err(|e| err(format!("allocating {num_layers} × 2 × {bytes} bytes: {e}")))?);
+            let mut parts = Vec::with_capacity(part_bytes.len());
+            for &n in &part_bytes {
+                let buf = self.stream.alloc_zeros::<u8>((n * num_blocks).max(4)).map_err(|e| {
+                    let total: usize = part_bytes.iter().sum::<usize>() * num_blocks * num_layers;
+                    err(format!("allocating {total} bytes: {e}"))
+                })?;
+                parts.push(buf);
+            }
+            layers.push(parts);
         }
-        Ok(CudaKvPool { kv_dim, block_size, num_blocks, precision, layers })
+        Ok(CudaKvPool { kv_dim, block_size, num_blocks, precision, coded, layers, part_bytes })
     }
 
     /// [`crate::backend::ops::BatchOps::read_kv_block`]: per layer the
     /// block's keys then its values, in the pool's storage; empty, the error
     /// recorded, when a copy fails.
     pub(super) fn read_kv_block_op(&self, pool: &CudaKvPool, block: u32) -> Vec<u8> {
-        let range = pool.block_bytes(block);
-        let mut out = Vec::with_capacity(2 * pool.layers.len() * range.len());
-        for (keys, values) in &pool.layers {
-            for buf in [keys, values] {
+        let ranges = pool.block_ranges(block);
+        let mut out = Vec::with_capacity(pool.layers.len() * pool.part_bytes.iter().sum::<usize>());
+        for parts in &pool.layers {
+            for (buf, range) in parts.iter().zip(&ranges) {
                 match self.stream.clone_dtoh(&buf.slice(range.clone())) {
                     Ok(bytes) => out.extend_from_slice(&bytes),
                     Err(e) => {
@@ -229,18 +269,19 @@ impl CudaBackend {
 
     /// [`crate::backend::ops::BatchOps::write_kv_block`].
     pub(super) fn write_kv_block_op(&self, pool: &mut CudaKvPool, block: u32, bytes: &[u8]) -> Result<()> {
-        let range = pool.block_bytes(block);
-        let want = 2 * pool.layers.len() * range.len();
+        let ranges = pool.block_ranges(block);
+        let want = pool.layers.len() * pool.part_bytes.iter().sum::<usize>();
         if bytes.len() != want {
             return Err(Error::Invalid(format!(
                 "a KV block of {} bytes for a pool whose blocks hold {want}",
                 bytes.len()
             )));
         }
-        let mut parts = bytes.chunks_exact(range.len());
-        for (keys, values) in &mut pool.layers {
-            for buf in [keys, values] {
-                let part = parts.next().expect("counted above");
+        let mut at = 0;
+        for parts in &mut pool.layers {
+            for (buf, range) in parts.iter_mut().zip(&ranges) {
+                let part = &bytes[at..at + range.len()];
+                at += range.len();
                 self.stream
                     .memcpy_htod(part, &mut buf.slice_mut(range.clone()))
                     .map_err(|e| Error::Invalid(format!("cuda:{}: restoring a KV block: {e}", self.ordinal)))?;
@@ -253,7 +294,10 @@ impl CudaBackend {
     /// (tests read back what was written).
     pub fn kv_pool_to_host(&self, pool: &CudaKvPool, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_op()?;
-        let (keys, values) = &pool.layers[layer];
+        if pool.coded.is_some() {
+            return Err(Error::Invalid("an encoded KV pool holds no f32 rows to read back".into()));
+        }
+        let (keys, values) = pool.plain(layer);
         let n = pool.num_slots() * pool.kv_dim;
         let read = |buf: &CudaSlice<u8>| -> Result<Vec<f32>> {
             let bytes = self.stream.clone_dtoh(buf).map_err(|e| Error::Invalid(format!("KV pool read: {e}")))?;
@@ -273,7 +317,7 @@ impl CudaBackend {
     /// it is the last one's; None (the error recorded) when it cannot be
     /// made. The pointer stays valid for every launch issued before the next
     /// table replaces it: the old buffer is freed in stream order.
-    fn batch_table_ptr(&self, batch: &BatchLayout) -> Option<u64> {
+    pub(super) fn batch_table_ptr(&self, batch: &BatchLayout) -> Option<u64> {
         let Ok(mut cache) = self.batch_table.lock() else {
             self.record(Err("batch table lock poisoned"), "batch table");
             return None;
@@ -343,7 +387,11 @@ impl CudaBackend {
         let Some(table) = self.batch_table_ptr(batch) else { return (q, gate) };
         self.rope_at(&mut q, hd, table, rope);
         self.rope_at(&mut k, hd, table, rope);
-        self.write_kv_slots(pool, layer, &k, v, table + (2 * batch.rows() * 4) as u64, &batch.slots);
+        if pool.coded.is_some() {
+            self.write_coded(pool, layer, &k, v, batch);
+        } else {
+            self.write_kv_slots(pool, layer, &k, v, table + (2 * batch.rows() * 4) as u64, &batch.slots);
+        }
         (q, gate)
     }
 
@@ -363,6 +411,11 @@ impl CudaBackend {
         layer: usize,
         batch: &BatchLayout,
     ) -> (CudaAct, Option<CudaAct>) {
+        if pool.coded.is_some() {
+            // Encoding takes whole rows of keys: the split composition.
+            let (projected, k, v) = crate::backend::ops::FusedOps::split_qkv(self, qkv, shape);
+            return self.paged_prologue_op(projected, k, &v, shape, norms, eps, rope, pool, layer, batch);
+        }
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let q = self.act(qkv.rows, nh * hd);
         let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
@@ -398,7 +451,7 @@ impl CudaBackend {
             _ => 0,
         };
         let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
-        let (keys, values) = &pool.layers[layer];
+        let (keys, values) = pool.plain(layer);
         let args = PagedQkvPrologueArgs {
             qkv: self.p(&qkv.buf),
             q: self.p(&q.buf),
@@ -463,7 +516,12 @@ impl CudaBackend {
     /// device at `slots_ptr` (checked on the host's copy, `slots`).
     fn write_kv_slots(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, ptr: u64, slots: &[u32]) {
         let d = pool.kv_dim;
-        let bad = if layer >= pool.layers.len() {
+        let bad = if pool.coded.is_some() {
+            Some(
+                "an encoded KV pool is written a batch at a time (write_kv_batch), relative to each sequence's anchor"
+                    .into(),
+            )
+        } else if layer >= pool.layers.len() {
             Some(format!("layer {layer} of a pool of {}", pool.layers.len()))
         } else if (k.rows, k.cols, v.rows, v.cols) != (slots.len(), d, slots.len(), d) {
             Some(format!("k {}×{} and v {}×{} for {} slots of {d}", k.rows, k.cols, v.rows, v.cols, slots.len()))
@@ -477,7 +535,7 @@ impl CudaBackend {
         if n == 0 {
             return;
         }
-        let (keys, values) = &pool.layers[layer];
+        let (keys, values) = pool.plain(layer);
         let args = PagedKvWriteArgs {
             k: self.p(&k.buf),
             v: self.p(&v.buf),
@@ -507,11 +565,15 @@ impl CudaBackend {
         if q.rows == 0 {
             return out;
         }
+        if pool.coded.is_some() {
+            self.coded_attention_op(q, pool, layer, s, batch, &out);
+            return out;
+        }
         let Some(table) = self.batch_table_ptr(batch) else { return out };
         if self.paged_attention_tiled(q, pool, layer, s, batch, table, &out) {
             return out;
         }
-        let (keys, values) = &pool.layers[layer];
+        let (keys, values) = pool.plain(layer);
         let args = PagedAttentionArgs {
             q: self.p(&q.buf),
             keys: self.p(keys),
@@ -552,7 +614,7 @@ impl CudaBackend {
         out: &CudaAct,
     ) -> bool {
         let Some(hd) = Self::head_dim_slot(s.head_dim) else { return false };
-        let (keys, values) = &pool.layers[layer];
+        let (keys, values) = pool.plain(layer);
         let (keys, values) = (self.p(keys), self.p(values));
         let longest = batch.seqs.iter().map(|q| q.rows.len()).max().unwrap_or(0);
         let n_keys = batch.seqs.iter().map(|q| q.start + q.rows.len()).max().unwrap_or(0);

@@ -32,6 +32,7 @@ pub const UNITS: &[Unit] = &[
     unit!("fp8.cu"),
     unit!("attention.cu"),
     unit!("batch.cu"),
+    unit!("kv_coded.cu"),
     unit!("flash.cu"),
     unit!("norm_rope.cu"),
     unit!("elementwise.cu"),

@@ -5,7 +5,7 @@
 //! between the two sides. The .cu files define none of these names
 //! themselves (tests/kernel_sources.rs checks).
 
-use super::{affine, attention_plan, batch, gdn, linear, moe, moe_prefill, sampling};
+use super::{affine, attention_plan, batch, gdn, kv_coded, linear, moe, moe_prefill, sampling};
 
 /// Every shared constant: (the kernels' name, its value).
 pub(super) const SHARED: &[(&str, usize)] = &[
@@ -22,6 +22,9 @@ pub(super) const SHARED: &[(&str, usize)] = &[
     ("COMBINE_DIMS", attention_plan::COMBINE_DIMS),
     ("PAGED_THREADS", batch::PAGED_THREADS),
     ("PAGED_LANE_DIMS", batch::PAGED_LANE_DIMS),
+    ("CODED_THREADS", kv_coded::CODED_THREADS),
+    ("CODED_HEADS", kv_coded::CODED_HEADS),
+    ("CODED_CHUNK", kv_coded::CODED_CHUNK),
     ("GDN_CONV_RUN", gdn::GDN_CONV_RUN),
     ("GDN_SCAN_COLS", gdn::GDN_SCAN_COLS),
     ("GDN_CHUNK", gdn::GDN_CHUNK),

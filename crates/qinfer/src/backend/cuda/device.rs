@@ -159,6 +159,8 @@ impl CudaBackend {
             grouped_moe_rows: None,
             fold_split_prologue: true,
             kv_precision: KvPrecision::default(),
+            kv_coded: None,
+            kv_codecs: Mutex::new(None),
             graphs: true,
             overlap_launches: major >= 9,
             gemv_shape: None,
@@ -273,6 +275,25 @@ impl CudaBackend {
     pub fn with_kv_precision(mut self, kv: KvPrecision) -> Self {
         self.kv_precision = kv;
         self
+    }
+
+    /// A paged pool encoded in `format` (one the CUDA kernels take, see
+    /// [`coded_pair`](super::kv_coded::coded_pair)); contiguous caches stay
+    /// plain.
+    pub fn with_coded_kv(mut self, format: crate::kv::KvFormat) -> Result<Self> {
+        super::kv_coded::coded_pair(format).map_err(Error::Invalid)?;
+        self.kv_coded = Some(format);
+        Ok(self)
+    }
+
+    /// The codecs of the encoded pool format, if there is one; an error
+    /// when the model's cache shape has not been given yet.
+    pub(super) fn kv_coded_codecs(&self) -> Result<Option<Arc<super::kv_coded::CudaCodecs>>> {
+        if self.kv_coded.is_none() {
+            return Ok(None);
+        }
+        let c = self.kv_codecs.lock().map_err(|_| Error::Invalid("KV codecs lock poisoned".into()))?.clone();
+        c.map(Some).ok_or_else(|| Error::Invalid("prepare_kv builds the KV codecs before the first pool".into()))
     }
 
     /// Prefill GEMMs carry activations at about 16 bits (see `split_activations`).

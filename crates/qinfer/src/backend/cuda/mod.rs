@@ -29,6 +29,7 @@ mod fp8;
 mod gdn;
 mod graph;
 mod kernels;
+mod kv_coded;
 mod linear;
 mod moe;
 mod moe_prefill;
@@ -45,13 +46,13 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::ops::{BatchOps, FusedOps, GdnOps, MoeOps, SamplingOps};
 use super::{AttentionShape, Backend, Capabilities, ExpertWeights, GdnWeights, QkvShape, Routing};
-use crate::Result;
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
-use crate::kv::KvPrecision;
 use crate::kv::batch::BatchLayout;
+use crate::kv::{KvPrecision, KvShape};
 use crate::sampling::{RowPick, SamplingParams};
 use crate::tensor::Tensor;
+use crate::{Error, Result};
 pub use batch::CudaKvPool;
 pub use compile::prebuild as prebuild_kernels;
 #[doc(hidden)]
@@ -60,6 +61,7 @@ pub use graph::CudaStep;
 use kernels::{Kernel, Kernels};
 #[doc(hidden)]
 pub use kernels::{kernel_names, unit_ptx};
+pub use kv_coded::coded_pair;
 pub use linear::GemvShape;
 pub use types::{
     AffineSide, AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, Fp8Weight, QuantizedRow,
@@ -93,6 +95,10 @@ pub struct CudaBackend {
     fold_split_prologue: bool,
     /// How new KV caches store keys and values.
     kv_precision: KvPrecision,
+    /// An encoded format for the paged pool (kv_coded.rs), and its codecs
+    /// once the model's cache shape is known ([`Backend::prepare_kv`]).
+    kv_coded: Option<crate::kv::KvFormat>,
+    kv_codecs: Mutex<Option<Arc<kv_coded::CudaCodecs>>>,
     /// Record decode steps as CUDA graphs and replay them.
     graphs: bool,
     /// Launch kernels with programmatic stream serialization (compute
@@ -196,7 +202,27 @@ impl Backend for CudaBackend {
         self.upload_fp8_op(t)
     }
 
+    fn prepare_kv(&self, shape: KvShape, attention: &[bool]) -> Result<()> {
+        if let Some(format) = self.kv_coded {
+            let layers = attention.iter().filter(|&&a| a).count();
+            let codecs = self.prepare_coded(format, KvShape { num_layers: layers, ..shape })?;
+            *self.kv_codecs.lock().map_err(|_| Error::Invalid("KV codecs lock poisoned".into()))? = Some(codecs);
+        }
+        Ok(())
+    }
+
     fn new_cache(&self, num_layers: usize, kv_dim: usize, capacity: usize) -> CudaKv {
+        if let Some(format) = self.kv_coded {
+            // One sequence's contiguous cache (run, generate) is plain on
+            // CUDA: say so at its first use rather than store another format.
+            self.record(
+                Err(format!(
+                    "--kv-cache {format} on CUDA is a paged-pool format: it serves the batching engine (batch, \
+                     serve, bench --concurrency); one sequence's cache here stores f16 or f32"
+                )),
+                "a sequence's KV cache",
+            );
+        }
         CudaKv::new(num_layers, kv_dim, capacity, self.kv_precision)
     }
 
@@ -429,6 +455,21 @@ impl BatchOps for CudaBackend {
 
     fn kv_pool_bytes(&self, pool: &CudaKvPool) -> usize {
         pool.bytes()
+    }
+
+    fn kv_bytes_per_token(&self, attention_layers: usize, kv_dim: usize) -> usize {
+        match self.kv_codecs.lock().ok().and_then(|c| c.clone()) {
+            Some(c) => c.bytes_per_token(attention_layers),
+            None => 2 * attention_layers * kv_dim * self.kv_precision.bytes(),
+        }
+    }
+
+    fn write_kv_batch(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, batch: &BatchLayout) {
+        if pool.codecs().is_some() {
+            self.write_coded(pool, layer, k, v, batch)
+        } else {
+            self.write_kv_paged_op(pool, layer, k, v, &batch.slots)
+        }
     }
 
     fn read_kv_block(&self, pool: &CudaKvPool, block: u32) -> Vec<u8> {

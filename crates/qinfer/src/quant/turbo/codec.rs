@@ -100,6 +100,24 @@ impl VectorCodec {
         }
     }
 
+    /// The rotation of the rotated formats.
+    pub fn rotation(&self) -> Option<&Rotation> {
+        match self {
+            VectorCodec::Uniform8 { rotation }
+            | VectorCodec::LloydMax { rotation, .. }
+            | VectorCodec::Prod { rotation, .. } => Some(rotation),
+            _ => None,
+        }
+    }
+
+    /// The Lloyd–Max codebook of the formats that have one.
+    pub fn codebook(&self) -> Option<&Codebook> {
+        match self {
+            VectorCodec::LloydMax { codebook, .. } | VectorCodec::Prod { codebook, .. } => Some(codebook),
+            _ => None,
+        }
+    }
+
     /// Bytes one vector takes.
     pub fn bytes(&self) -> usize {
         let d = self.dim();

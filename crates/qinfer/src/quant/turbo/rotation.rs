@@ -58,6 +58,11 @@ impl Rotation {
         self.signs.len()
     }
 
+    /// The random signs `D` (±1), which a device applies as the CPU does.
+    pub fn signs(&self) -> &[f32] {
+        &self.signs
+    }
+
     /// `x ← R·x`.
     pub fn forward(&self, x: &mut [f32]) {
         for (v, s) in x.iter_mut().zip(&self.signs) {
