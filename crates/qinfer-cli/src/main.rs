@@ -85,7 +85,7 @@ fn main() {
     let options = qinfer::loader::CudaOptions {
         graphs: !cli.no_cuda_graphs,
         overlapped_launches: !cli.no_overlapped_launches,
-        kv: Default::default(),
+        ..Default::default()
     };
     let device =
         cli.device.with_cuda_options(options).and_then(|d| d.with_kv_format(cli.kv_cache)).unwrap_or_else(|e| {
