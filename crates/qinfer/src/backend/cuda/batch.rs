@@ -338,6 +338,34 @@ impl CudaBackend {
         Some(p)
     }
 
+    /// The batch table of `batch` with row r's slot set to r (the q|k|v
+    /// prologue then writes keys and values as rows of a scratch), uploaded
+    /// once per batch as [`CudaBackend::batch_table_ptr`] is.
+    pub(super) fn row_slot_table_ptr(&self, batch: &BatchLayout) -> Option<u64> {
+        let Ok(mut cache) = self.row_slot_table.lock() else {
+            self.record(Err("batch table lock poisoned"), "row-slot table");
+            return None;
+        };
+        if let Some(c) = cache.as_ref().filter(|c| c.layout == *batch) {
+            return Some(self.p(&c.table));
+        }
+        let mut table = match batch_table(batch) {
+            Ok(t) => t,
+            Err(e) => {
+                self.record(Err(e), "row-slot table");
+                return None;
+            }
+        };
+        let rows = batch.rows();
+        for (r, slot) in table[2 * rows..3 * rows].iter_mut().enumerate() {
+            *slot = r as i32;
+        }
+        let table = self.upload_slice(&table);
+        let p = self.p(&table);
+        *cache = Some(BatchTableCache { layout: batch.clone(), table });
+        Some(p)
+    }
+
     /// The slots `slots` on the device: the current batch table's when they
     /// are its slot mapping, else a copy (returned, to be kept until the
     /// launch that reads it has been issued).
@@ -411,11 +439,6 @@ impl CudaBackend {
         layer: usize,
         batch: &BatchLayout,
     ) -> (CudaAct, Option<CudaAct>) {
-        if pool.coded.is_some() {
-            // Encoding takes whole rows of keys: the split composition.
-            let (projected, k, v) = crate::backend::ops::FusedOps::split_qkv(self, qkv, shape);
-            return self.paged_prologue_op(projected, k, &v, shape, norms, eps, rope, pool, layer, batch);
-        }
         let (nh, nkv, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let q = self.act(qkv.rows, nh * hd);
         let gate = shape.output_gate.then(|| self.act(qkv.rows, nh * hd));
@@ -443,21 +466,32 @@ impl CudaBackend {
         if qkv.rows == 0 {
             return (q, gate);
         }
-        let (Some(table), Some(inv_freq)) = (self.batch_table_ptr(batch), self.rope_table(rope)) else {
+        // An encoded pool: the keys and values land as f32 rows of a scratch
+        // (a table whose slot of row r is r), then are encoded as a batch.
+        let coded = pool.coded.is_some();
+        let table = if coded { self.row_slot_table_ptr(batch) } else { self.batch_table_ptr(batch) };
+        let (Some(table), Some(inv_freq)) = (table, self.rope_table(rope)) else {
             return (q, gate);
         };
+        let rows = coded.then(|| (self.act(qkv.rows, nkv * hd), self.act(qkv.rows, nkv * hd)));
         let norm_ptr = |w: &CudaWeight| match w {
             CudaWeight::Vector(v) => self.p(v),
             _ => 0,
         };
         let (q_norm, k_norm) = norms.map(|(a, b)| (norm_ptr(a), norm_ptr(b))).unwrap_or((0, 0));
-        let (keys, values) = pool.plain(layer);
+        let (keys, values, precision) = match &rows {
+            Some((k, v)) => (self.p(&k.buf), self.p(&v.buf), KvPrecision::F32),
+            None => {
+                let (k, v) = pool.plain(layer);
+                (self.p(k), self.p(v), pool.precision)
+            }
+        };
         let args = PagedQkvPrologueArgs {
             qkv: self.p(&qkv.buf),
             q: self.p(&q.buf),
             gate: gate.as_ref().map(|g| self.p(&g.buf)).unwrap_or(0),
-            keys: self.p(keys),
-            values: self.p(values),
+            keys,
+            values,
             q_norm,
             k_norm,
             inv_freq,
@@ -473,7 +507,10 @@ impl CudaBackend {
         };
         let threads = (hd.div_ceil(32) * 32).min(256) as u32;
         let c = cfg((qkv.rows as u32, (nh + nkv) as u32, 1), threads, (hd * 4) as u32);
-        self.launch(&self.k.attention.qkv_prologue_paged[kv_slot(pool.precision)], c, &args);
+        self.launch(&self.k.attention.qkv_prologue_paged[kv_slot(precision)], c, &args);
+        if let Some((k, v)) = &rows {
+            self.write_coded(pool, layer, k, v, batch);
+        }
         (q, gate)
     }
 

@@ -182,6 +182,7 @@ impl CudaBackend {
             sampling,
             moe_tables: Mutex::new(HashMap::new()),
             batch_table: Mutex::new(None),
+            row_slot_table: Mutex::new(None),
         })
     }
 

@@ -126,7 +126,7 @@ __device__ void coded_anchor(const float* k, const float* v, __half* anchors, co
     a[2 * kv_dim + col] = to_anchor(s);
 }
 
-// One warp per (row, KV head): the row's key or value of that head made
+// One warp per (row, KV head) and side (blockIdx.y: keys, values): the row's key or value of that head made
 // relative to its sequence's anchor, rotated, quantized and stored at its slot.
 template <int HD>
 __device__ void coded_encode(const float* x, unsigned char* codes, float* scales, const __half* anchors,
@@ -235,12 +235,17 @@ __device__ void coded_encode(const float* x, unsigned char* codes, float* scales
         grid_dependency_wait();                                                                                  \
         coded_anchor<HD>(k, v, anchors, table, rows, kv_heads);                                                   \
     }                                                                                                            \
-    extern "C" __global__ void coded_kv_encode##HD(const float* x, unsigned char* codes, float* scales,          \
-                                                   const __half* anchors, const float* signs, const float* book, \
-                                                   const int* table, int rows, int kv_heads, int block_size,     \
-                                                   int fmt, int side) {                                          \
+    extern "C" __global__ void coded_kv_encode##HD(                                                              \
+        const float* k, const float* v, unsigned char* kcodes, float* kscales, unsigned char* vcodes,            \
+        float* vscales, const __half* anchors, const float* ksigns, const float* vsigns, const float* books,     \
+        const int* table, int rows, int kv_heads, int block_size, int kfmt, int vfmt) {                          \
         grid_dependency_wait();                                                                                  \
-        coded_encode<HD>(x, codes, scales, anchors, signs, book, table, rows, kv_heads, block_size, fmt, side);   \
+        if (blockIdx.y == 0)                                                                                     \
+            coded_encode<HD>(k, kcodes, kscales, anchors, ksigns, books, table, rows, kv_heads, block_size, kfmt, \
+                             SIDE_KEYS);                                                                         \
+        else                                                                                                     \
+            coded_encode<HD>(v, vcodes, vscales, anchors, vsigns, books + 32, table, rows, kv_heads, block_size,  \
+                             vfmt, 1);                                                                           \
     }
 CODED_WRITE(64)
 CODED_WRITE(128)
@@ -308,7 +313,7 @@ __device__ void coded_attention(const float* q, const unsigned char* kcodes, con
     constexpr int H = CODED_HEADS, P = HD / 32, KB = fmt_bits<KF>(), VB = fmt_bits<VF>();
     constexpr int KCB = HD * KB / 8, VCB = HD * VB / 8;
     constexpr int T = HD / 8, KP = CODED_THREADS / T;  // threads per value row, value rows at once
-    __shared__ float qr[H][HD];
+    __shared__ __align__(16) float qr[H][HD];
     __shared__ float sc[H][CODED_CHUNK];
     __shared__ float red[KP][H][HD];
     __shared__ float klut[16], vlut[16];
@@ -367,10 +372,15 @@ __device__ void coded_attention(const float* q, const unsigned char* kcodes, con
             unsigned w[KB];
             load_words<KB>(row_codes, c, w);
 #pragma unroll
-            for (int i = 0; i < 32; i++) {
-                float val = code_value<KF>(code_at<KB>(w, i), klut);
+            for (int i = 0; i < 32; i += 4) {
+                float v0 = code_value<KF>(code_at<KB>(w, i), klut), v1 = code_value<KF>(code_at<KB>(w, i + 1), klut);
+                float v2 = code_value<KF>(code_at<KB>(w, i + 2), klut), v3 = code_value<KF>(code_at<KB>(w, i + 3), klut);
 #pragma unroll
-                for (int g = 0; g < H; g++) d[g] += qr[g][32 * c + i] * val;
+                for (int g = 0; g < H; g++) {
+                    // One broadcast load for four of the head's coordinates.
+                    float4 qv = *reinterpret_cast<const float4*>(&qr[g][32 * c + i]);
+                    d[g] += qv.x * v0 + qv.y * v1 + qv.z * v2 + qv.w * v3;
+                }
             }
         }
         float s = __ldg(kscales + vi) * scale_factor<KF>();

@@ -94,8 +94,8 @@ kernel_args! {
 kernel_args! {
     /// `coded_kv_encode{hd}`.
     EncodeArgs {
-        x: u64, codes: u64, scales: u64, anchors: u64, signs: u64, book: u64, table: u64, rows: i32, kv_heads: i32,
-        block_size: i32, fmt: i32, side: i32,
+        k: u64, v: u64, kcodes: u64, kscales: u64, vcodes: u64, vscales: u64, anchors: u64, ksigns: u64, vsigns: u64,
+        books: u64, table: u64, rows: i32, kv_heads: i32, block_size: i32, kfmt: i32, vfmt: i32,
     }
 }
 kernel_args! {
@@ -240,26 +240,31 @@ impl CudaBackend {
         let parts = pool.layer_parts(layer);
         let anchors = self.p(&parts[ANCHORS]);
         let rows = batch.rows() as i32;
-        let args = AnchorArgs { k: self.p(&k.buf), v: self.p(&v.buf), anchors, table, rows, kv_heads: heads as i32 };
-        self.launch(&self.k.coded.anchor[c.hd_slot], cfg((rows as u32, heads as u32, 1), d as u32, 0), &args);
-        let warps = batch.rows() * heads;
-        for (side, x, codes, scales) in [(0, k, KEY_CODES, KEY_SCALES), (1, v, VALUE_CODES, VALUE_SCALES)] {
-            let args = EncodeArgs {
-                x: self.p(&x.buf),
-                codes: self.p(&parts[codes]),
-                scales: self.p(&parts[scales]),
-                anchors,
-                signs: c.signs_ptr(self, layer, side),
-                book: c.book_ptr(self, side),
-                table,
-                rows,
-                kv_heads: heads as i32,
-                block_size: pool.block_size() as i32,
-                fmt: c.ids[side] as i32,
-                side: side as i32,
-            };
-            self.launch(&self.k.coded.encode[c.hd_slot], cfg((warps.div_ceil(4) as u32, 1, 1), 128, 0), &args);
+        if batch.seqs.iter().any(|s| s.start == 0 && !s.rows.is_empty()) {
+            let args =
+                AnchorArgs { k: self.p(&k.buf), v: self.p(&v.buf), anchors, table, rows, kv_heads: heads as i32 };
+            self.launch(&self.k.coded.anchor[c.hd_slot], cfg((rows as u32, heads as u32, 1), d as u32, 0), &args);
         }
+        let warps = batch.rows() * heads;
+        let args = EncodeArgs {
+            k: self.p(&k.buf),
+            v: self.p(&v.buf),
+            kcodes: self.p(&parts[KEY_CODES]),
+            kscales: self.p(&parts[KEY_SCALES]),
+            vcodes: self.p(&parts[VALUE_CODES]),
+            vscales: self.p(&parts[VALUE_SCALES]),
+            anchors,
+            ksigns: c.signs_ptr(self, layer, 0),
+            vsigns: c.signs_ptr(self, layer, 1),
+            books: c.book_ptr(self, 0),
+            table,
+            rows,
+            kv_heads: heads as i32,
+            block_size: pool.block_size() as i32,
+            kfmt: c.ids[0] as i32,
+            vfmt: c.ids[1] as i32,
+        };
+        self.launch(&self.k.coded.encode[c.hd_slot], cfg((warps.div_ceil(4) as u32, 2, 1), 128, 0), &args);
     }
 
     /// [`crate::backend::ops::BatchOps::paged_attention`] over a coded

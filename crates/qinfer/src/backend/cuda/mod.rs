@@ -150,6 +150,8 @@ pub struct CudaBackend {
     moe_tables: Mutex<HashMap<Vec<u64>, Arc<moe::ExpertTables>>>,
     /// The batched forward's last batch table on the device (see batch.rs).
     batch_table: Mutex<Option<batch::BatchTableCache>>,
+    /// The same with each row's slot its own index (an encoded pool's prologue).
+    row_slot_table: Mutex<Option<batch::BatchTableCache>>,
 }
 
 impl Backend for CudaBackend {
