@@ -75,11 +75,11 @@ fn keys(r: &mut Rng, rows: usize, kv_dim: usize) -> Vec<f32> {
 }
 
 /// Each format the CUDA pool takes, per shape and batch: GPU attention
-/// against the CPU's over the same rows encoded by the same codecs. Codes
-/// may differ where a coordinate lies on a threshold within the sums'
-/// rounding (the two sum a vector's norm in different orders), and prompt
-/// chunks attend on f16 tensor cores over the decoded rows on the GPU:
-/// bounds allow that, not a wrong sign, level, anchor or block.
+/// against the CPU's over the same rows encoded by the same codecs. The
+/// two sum a vector's norm and scale in the same order, so they pick the
+/// same codes; what differs is the attention's own summation order, a
+/// rare anchor scale a rounding apart (`powf`), and for prompt chunks the
+/// f16 tensor-core attention over the decoded rows on the GPU.
 #[test]
 fn coded_paged_attention_matches_cpu() {
     if gpu().is_none() {
@@ -151,6 +151,7 @@ fn coded_paged_attention_matches_cpu() {
                     if prompts { " with prompt chunks" } else { "" }
                 );
                 // Per row head: the error relative to the output's size.
+                let tol = if prompts { 2e-2 } else { 1e-3 };
                 let (mut worst, mut close) = (0f32, 0usize);
                 let heads = got.len() / hd;
                 for (g_h, w_h) in got.chunks_exact(hd).zip(want.chunks_exact(hd)) {
@@ -158,11 +159,11 @@ fn coded_paged_attention_matches_cpu() {
                     let e = g_h.iter().zip(w_h).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / norm;
                     assert!(e.is_finite(), "{what}: non-finite output");
                     worst = worst.max(e);
-                    close += (e < 2e-2) as usize;
+                    close += (e < tol) as usize;
                 }
-                println!("{what}: worst head error {worst:.2e} of its RMS, {close}/{heads} heads within 2e-2");
+                println!("{what}: worst head error {worst:.2e} of its RMS, {close}/{heads} heads within {tol:e}");
                 assert!(worst < 0.25, "{what}: a head off by {worst} of its RMS");
-                assert!(close * 100 >= heads * 97, "{what}: only {close} of {heads} heads within 2e-2");
+                assert!(close * 100 >= heads * 99, "{what}: only {close} of {heads} heads within {tol:e}");
             }
         }
     }

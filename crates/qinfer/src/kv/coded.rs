@@ -27,6 +27,7 @@ use std::sync::Arc;
 use half::f16;
 
 use super::codecs::KvCodecs;
+use crate::quant::turbo::codec::butterfly;
 
 /// Rows whose spread sets a sequence's per-channel key scales.
 const SCALE_ROWS: usize = 16;
@@ -71,6 +72,20 @@ impl CodedLayer<'_> {
     }
 }
 
+/// The sum of one head's values in the order the CUDA anchor kernel's
+/// block reduction takes it (a warp's butterfly per 32 channels, then one
+/// over the warps' sums), so both backends make the same key scales.
+fn head_sum(x: &[f32]) -> f32 {
+    if x.len() % 32 != 0 || x.len() > 32 * 32 {
+        return x.iter().sum();
+    }
+    let mut warps = [0f32; 32];
+    for (w, chunk) in warps.iter_mut().zip(x.chunks_exact(32)) {
+        *w = butterfly(chunk.try_into().expect("32 channels"));
+    }
+    butterfly(warps)
+}
+
 pub struct CodedRows {
     pub codecs: Arc<KvCodecs>,
     /// The codecs' layer of each of these rows' layers.
@@ -112,7 +127,7 @@ impl CodedRows {
             }
             let mut s = vec![1f32; d];
             for (sh, mh) in s.chunks_exact_mut(hd).zip(ms.chunks_exact(hd)) {
-                let mean = mh.iter().sum::<f32>() / hd as f32;
+                let mean = head_sum(mh) / hd as f32;
                 if n > 1 && mean > 0.0 {
                     for (si, mi) in sh.iter_mut().zip(mh) {
                         *si = ((mi.max(mean * 1e-2)) / mean).powf(0.25);

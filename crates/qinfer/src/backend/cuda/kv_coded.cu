@@ -183,9 +183,11 @@ __device__ void coded_encode(const float* x, unsigned char* codes, float* scales
     // Lloyd–Max: levels book[0..2^bits), thresholds after them.
     int levels = 1 << bits;
     const float* thresholds = book + 16;
+    // Sums in the order the CPU takes them (quant/turbo/codec.rs
+    // `lane_sum`): each lane's terms in order, unfused, then the butterfly.
     float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < P; i++) ss += y[i] * y[i];
+    for (int i = 0; i < P; i++) ss = __fadd_rn(ss, __fmul_rn(y[i], y[i]));
     float norm = sqrtf(warp_sum(ss));
     unsigned code[P];
     float dot = 0.0f, sq = 0.0f;
@@ -197,8 +199,8 @@ __device__ void coded_encode(const float* x, unsigned char* codes, float* scales
         for (int j = 0; j < levels - 1; j++) c += thresholds[j] < z;
         code[i] = norm > 0.0f ? c : 0u;
         float l = book[code[i]];
-        dot += y[i] * l;
-        sq += l * l;
+        dot = __fadd_rn(dot, __fmul_rn(y[i], l));
+        sq = __fadd_rn(sq, __fmul_rn(l, l));
     }
     dot = warp_sum(dot);
     sq = warp_sum(sq);
@@ -409,26 +411,44 @@ __device__ void coded_attention(const float* q, const unsigned char* kcodes, con
     for (int g = 0; g < H; g++)
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[g][i] = 0.0f;
-    for (int j = lo + kp; j < hi; j += KP) {
-        int b = __ldg(t.blocks + j / block_size);
-        size_t vi = ((size_t)b * kv_heads + kvh) * block_size + j % block_size;
-        const unsigned char* p = vcodes + vi * VCB + gi * VB;
-        unsigned long long word = 0;
-        if constexpr (VB == 8) word = __ldg(reinterpret_cast<const unsigned long long*>(p));
-        else if constexpr (VB == 4) word = __ldg(reinterpret_cast<const unsigned*>(p));
-        else if constexpr (VB == 2) word = __ldg(reinterpret_cast<const unsigned short*>(p));
-        else
+    // VALUE_RUN rows' codes and scales are loaded before any is used, so
+    // each warp keeps that many loads in flight (one row's 8 codes each
+    // would leave the memory system idle between a warp's rows).
+    constexpr int VALUE_RUN = 8;
+    for (int j0 = lo + kp; j0 < hi; j0 += KP * VALUE_RUN) {
+        unsigned long long words[VALUE_RUN];
+        float vsc[VALUE_RUN];
 #pragma unroll
-            for (int k = 0; k < VB; k++) word |= (unsigned long long)__ldg(p + k) << (8 * k);
-        float s = __ldg(vscales + vi) * scale_factor<VF>();
-        float w[H];
+        for (int u = 0; u < VALUE_RUN; u++) {
+            int j = j0 + u * KP;
+            words[u] = 0;
+            vsc[u] = 0.0f;
+            if (j < hi) {
+                int b = __ldg(t.blocks + j / block_size);
+                size_t vi = ((size_t)b * kv_heads + kvh) * block_size + j % block_size;
+                const unsigned char* p = vcodes + vi * VCB + gi * VB;
+                if constexpr (VB == 8) words[u] = __ldg(reinterpret_cast<const unsigned long long*>(p));
+                else if constexpr (VB == 4) words[u] = __ldg(reinterpret_cast<const unsigned*>(p));
+                else if constexpr (VB == 2) words[u] = __ldg(reinterpret_cast<const unsigned short*>(p));
+                else
 #pragma unroll
-        for (int g = 0; g < H; g++) w[g] = sc[g][j - lo] * s;
+                    for (int k = 0; k < VB; k++) words[u] |= (unsigned long long)__ldg(p + k) << (8 * k);
+                vsc[u] = __ldg(vscales + vi) * scale_factor<VF>();
+            }
+        }
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float val = code_value<VF>((unsigned)(word >> (i * VB)) & ((1u << VB) - 1), vlut);
+        for (int u = 0; u < VALUE_RUN; u++) {
+            int j = j0 + u * KP;
+            if (j >= hi) break;
+            float w[H];
 #pragma unroll
-            for (int g = 0; g < H; g++) acc[g][i] += w[g] * val;
+            for (int g = 0; g < H; g++) w[g] = sc[g][j - lo] * vsc[u];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float val = code_value<VF>((unsigned)(words[u] >> (i * VB)) & ((1u << VB) - 1), vlut);
+#pragma unroll
+                for (int g = 0; g < H; g++) acc[g][i] += w[g] * val;
+            }
         }
     }
 #pragma unroll

@@ -268,6 +268,34 @@ impl VectorCodec {
     }
 }
 
+/// `Σ f(i)` for `i < n` in the order the CUDA kernels sum a head vector
+/// (kv_coded.cu), so that both backends pick the same codes: for `n` a
+/// multiple of 32, each of 32 lanes sums its `n/32` consecutive terms in
+/// order, then the lanes' sums are added as a warp's butterfly adds them
+/// (partners 16, 8, 4, 2, 1 apart); otherwise in order.
+pub fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    if n % 32 != 0 {
+        return (0..n).fold(0.0, |a, i| a + f(i));
+    }
+    let p = n / 32;
+    let mut lanes = [0f32; 32];
+    for (l, s) in lanes.iter_mut().enumerate() {
+        *s = (l * p..(l + 1) * p).fold(0.0, |a, i| a + f(i));
+    }
+    butterfly(lanes)
+}
+
+/// The sum a warp's xor-shuffle reduction leaves in every lane.
+pub fn butterfly(mut lanes: [f32; 32]) -> f32 {
+    for o in [16, 8, 4, 2, 1] {
+        let before = lanes;
+        for (l, s) in lanes.iter_mut().enumerate() {
+            *s = before[l] + before[l ^ o];
+        }
+    }
+    lanes[0]
+}
+
 /// The codebook's levels times `s`, indexed by code.
 #[inline]
 fn scaled_levels(codebook: &Codebook, s: f32) -> [f32; 16] {
@@ -281,19 +309,16 @@ fn scaled_levels(codebook: &Codebook, s: f32) -> [f32; 16] {
 /// Codes of the rotated vector `y` into `out` (packed), returning the scale
 /// that minimizes `‖y − s·levels[codes]‖²`.
 fn quantize_rotated(y: &[f32], codebook: &Codebook, bits: u32, out: &mut [u8]) -> f32 {
-    let norm = y.iter().map(|v| v * v).sum::<f32>().sqrt();
+    let norm = lane_sum(y.len(), |i| y[i] * y[i]).sqrt();
     if norm == 0.0 {
         out.fill(0);
         return 0.0;
     }
     let to_z = (y.len() as f32).sqrt() / norm;
     let codes: Vec<u8> = y.iter().map(|v| codebook.index(v * to_z) as u8).collect();
-    let (mut dot, mut sq) = (0f32, 0f32);
-    for (v, &c) in y.iter().zip(&codes) {
-        let l = codebook.levels[c as usize];
-        dot += v * l;
-        sq += l * l;
-    }
+    let level = |i: usize| codebook.levels[codes[i] as usize];
+    let dot = lane_sum(y.len(), |i| y[i] * level(i));
+    let sq = lane_sum(y.len(), |i| level(i) * level(i));
     bits::pack(&codes, bits, out);
     if sq > 0.0 { dot / sq } else { 0.0 }
 }
@@ -411,6 +436,22 @@ mod tests {
                 assert!((mse_mean - truth).abs() > 10.0 * stderr, "MSE mean {mse_mean} truth {truth}");
             }
         }
+    }
+
+    /// The device's summation order: each of 32 lanes in order, then the
+    /// butterfly; the same sum as a plain one up to rounding, and exactly
+    /// the sequential sum when the length is no multiple of 32.
+    #[test]
+    fn lane_sums_follow_the_warp_order() {
+        let x: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173).collect();
+        let plain: f64 = x.iter().map(|&v| v as f64).sum();
+        assert!((lane_sum(256, |i| x[i]) as f64 - plain).abs() < 1e-3);
+        let seq = x[..24].iter().fold(0f32, |a, v| a + v);
+        assert_eq!(lane_sum(24, |i| x[i]).to_bits(), seq.to_bits());
+        // Four lanes of 1 and the rest 0: 4 whatever the pairing.
+        let mut lanes = [0f32; 32];
+        lanes[..4].fill(1.0);
+        assert_eq!(butterfly(lanes), 4.0);
     }
 
     /// The plain formats' precision: f16 and FP8 as their element types
