@@ -151,7 +151,9 @@ fn coded_paged_attention_matches_cpu() {
                     if prompts { " with prompt chunks" } else { "" }
                 );
                 // Per row head: the error relative to the output's size.
-                let tol = if prompts { 2e-2 } else { 1e-3 };
+                // Decode rows: the CPU's arithmetic but for sums' order and a
+                // rare anchor scale (bound), so nearly every head within 1e-3.
+                let (tol, bound, share) = if prompts { (2e-2, 5e-2, 99) } else { (1e-3, 2e-2, 97) };
                 let (mut worst, mut close) = (0f32, 0usize);
                 let heads = got.len() / hd;
                 for (g_h, w_h) in got.chunks_exact(hd).zip(want.chunks_exact(hd)) {
@@ -162,8 +164,8 @@ fn coded_paged_attention_matches_cpu() {
                     close += (e < tol) as usize;
                 }
                 println!("{what}: worst head error {worst:.2e} of its RMS, {close}/{heads} heads within {tol:e}");
-                assert!(worst < 0.25, "{what}: a head off by {worst} of its RMS");
-                assert!(close * 100 >= heads * 99, "{what}: only {close} of {heads} heads within {tol:e}");
+                assert!(worst < bound, "{what}: a head off by {worst} of its RMS");
+                assert!(close * 100 >= heads * share, "{what}: only {close} of {heads} heads within {tol:e}");
             }
         }
     }

@@ -23,8 +23,12 @@ use crate::{Error, Result};
 pub(super) const CODED_THREADS: usize = 128;
 /// Query heads one `coded_attention` block serves (`CODED_HEADS`).
 pub(super) const CODED_HEADS: usize = 4;
-/// Most keys of one `coded_attention` split (`CODED_CHUNK`).
-pub(super) const CODED_CHUNK: usize = 1024;
+/// Most keys of one `coded_attention` split (`CODED_CHUNK`): short splits
+/// and many blocks, since each thread scores whole keys and the kernel
+/// lives on how many loads are in flight.
+pub(super) const CODED_CHUNK: usize = 256;
+/// Blocks per multiprocessor the split plan aims for.
+const BLOCKS_PER_SM: usize = 16;
 
 const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// The kernels' id of FP8 E4M3 (2, 3, 4 are Lloyd–Max bits, 8 uniform int8).
@@ -411,10 +415,10 @@ impl CudaBackend {
 
 /// Keys per split and splits for `items` blocks of rows × KV heads × head
 /// groups over `n_keys` keys at most: enough splits to give each of the
-/// device's `sms` multiprocessors about four blocks, each split at least 64
-/// keys and at most [`CODED_CHUNK`].
+/// device's `sms` multiprocessors about [`BLOCKS_PER_SM`] blocks, each split
+/// at least 64 keys and at most [`CODED_CHUNK`].
 fn coded_plan(n_keys: usize, items: usize, sms: usize) -> (usize, usize) {
-    let want = (4 * sms.max(1)).div_ceil(items.max(1)).max(1);
+    let want = (BLOCKS_PER_SM * sms.max(1)).div_ceil(items.max(1)).max(1);
     let chunk = n_keys.div_ceil(want).next_multiple_of(64).clamp(64, CODED_CHUNK);
     (chunk, n_keys.div_ceil(chunk).max(1))
 }
