@@ -23,12 +23,14 @@ use crate::{Error, Result};
 pub(super) const CODED_THREADS: usize = 128;
 /// Query heads one `coded_attention` block serves (`CODED_HEADS`).
 pub(super) const CODED_HEADS: usize = 4;
-/// Most keys of one `coded_attention` split (`CODED_CHUNK`): short splits
-/// and many blocks, since each thread scores whole keys and the kernel
-/// lives on how many loads are in flight.
-pub(super) const CODED_CHUNK: usize = 256;
-/// Blocks per multiprocessor the split plan aims for.
-const BLOCKS_PER_SM: usize = 16;
+/// Most keys of one `coded_attention` split (`CODED_CHUNK`).
+pub(super) const CODED_CHUNK: usize = 1024;
+/// Blocks per multiprocessor the split plan aims for: four. Splits of at
+/// most 256 keys and sixteen blocks made one sequence at 32k keys 8% slower
+/// (each block's fixed work, the query's rotation, the softmax, the
+/// reduction and the value's rotation back, weighs more), 16 sequences 2%
+/// faster (bench/NOTES.md).
+const BLOCKS_PER_SM: usize = 4;
 
 const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// The kernels' id of FP8 E4M3 (2, 3, 4 are Lloyd–Max bits, 8 uniform int8).
