@@ -76,7 +76,7 @@ impl CodedLayer<'_> {
 /// block reduction takes it (a warp's butterfly per 32 channels, then one
 /// over the warps' sums), so both backends make the same key scales.
 fn head_sum(x: &[f32]) -> f32 {
-    if x.len() % 32 != 0 || x.len() > 32 * 32 {
+    if !x.len().is_multiple_of(32) || x.len() > 32 * 32 {
         return x.iter().sum();
     }
     let mut warps = [0f32; 32];

@@ -274,7 +274,7 @@ impl VectorCodec {
 /// order, then the lanes' sums are added as a warp's butterfly adds them
 /// (partners 16, 8, 4, 2, 1 apart); otherwise in order.
 pub fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
-    if n % 32 != 0 {
+    if !n.is_multiple_of(32) {
         return (0..n).fold(0.0, |a, i| a + f(i));
     }
     let p = n / 32;
