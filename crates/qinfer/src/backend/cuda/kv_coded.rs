@@ -9,8 +9,9 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::attention_plan::flash_tile;
-use super::batch::{CudaKvPool, PagedFlashArgs, batch_table, seq_rows_at};
+use super::batch::{PagedFlashArgs, batch_table, seq_rows_at};
 use super::kernels::{Resolve, cfg, kernel_args, resolve_n};
+use super::kv_pool::CudaKvPool;
 use super::linear::GEMV_MAX_ROWS;
 use super::{CudaAct, CudaBackend};
 use crate::backend::AttentionShape;

@@ -30,6 +30,7 @@ mod gdn;
 mod graph;
 mod kernels;
 mod kv_coded;
+mod kv_pool;
 mod linear;
 mod moe;
 mod moe_prefill;
@@ -53,7 +54,6 @@ use crate::kv::{KvPrecision, KvShape};
 use crate::sampling::{RowPick, SamplingParams};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
-pub use batch::CudaKvPool;
 pub use compile::prebuild as prebuild_kernels;
 #[doc(hidden)]
 pub use constants::kernel_constants;
@@ -62,6 +62,7 @@ use kernels::{Kernel, Kernels};
 #[doc(hidden)]
 pub use kernels::{kernel_names, unit_ptx};
 pub use kv_coded::coded_pair;
+pub use kv_pool::CudaKvPool;
 pub use linear::GemvShape;
 pub use types::{
     AffineSide, AffineWeight, BufferPool, CudaAct, CudaGdnState, CudaKv, CudaWeight, Fp8Weight, QuantizedRow,
