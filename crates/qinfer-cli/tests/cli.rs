@@ -445,9 +445,12 @@ fn kv_cache_formats_run_or_say_why_not() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("q8_0") && stderr(&o).contains("k8v4"), "{}", stderr(&o));
 
+    // On CUDA an encoded format is the batching engine's; here (no GPU, or
+    // a build without CUDA) asking for it fails on the device, by name.
+    // Which formats the CUDA pool takes is the CUDA backend's unit test.
     let o = qinfer(&[&["--device", "cuda", "--kv-cache", "turbo4"], &args[..]].concat());
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("--kv-cache turbo4 runs on the CPU"), "{}", stderr(&o));
+    assert!(stderr(&o).to_lowercase().contains("cuda"), "{}", stderr(&o));
 
     // TurboQuant's rotation needs a power-of-two head size.
     let d = temp_dir("kvhead");
