@@ -16,6 +16,7 @@ mod out_ptr;
 mod panel_vnni;
 pub mod q8;
 pub mod q8_avx2;
+mod q8_avx512;
 pub mod q8k;
 mod q8k_avx2;
 pub mod simd;

@@ -57,6 +57,22 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
         "dot_tile: weight rows do not match {blocks} blocks"
     );
     #[cfg(target_arch = "x86_64")]
+    if MR == 1 && NR.is_multiple_of(2) && NR <= 4 && super::simd::has_avx512_vnni() {
+        use super::q8_avx512 as k;
+        let (wp, xp) = (w.map(|r| r.as_ptr()), x[0].as_ptr());
+        // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C are present (checked
+        // above); every row holds `blocks` blocks (asserted above).
+        let row = match dtype {
+            DType::Q4_0 => Some(unsafe { k::rows_q4_0(wp, xp, blocks) }),
+            DType::Q4_1 => Some(unsafe { k::rows_q4_1(wp, xp, blocks) }),
+            DType::Q8_0 => Some(unsafe { k::rows_q8_0(wp, xp, blocks) }),
+            _ => None,
+        };
+        if let Some(row) = row {
+            return std::array::from_fn(|_| row);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
         use super::q8_avx2 as k;
         let (wp, xp) = (w.map(|r| r.as_ptr()), x.map(|r| r.as_ptr()));
