@@ -86,13 +86,11 @@ fn spread(v: __m256, lo: i32, hi: i32) -> __m512 {
 #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
 #[inline]
 unsafe fn row_scales<const NR: usize>(w: &[*const u8; NR], at: usize, dx: f32) -> __m256 {
-    let mut h = [0u16; 8];
-    for (j, p) in w.iter().enumerate() {
-        // SAFETY: the caller guarantees 2 readable bytes.
-        h[j] = unsafe { p.add(at).cast::<u16>().read_unaligned() };
-    }
-    // SAFETY: `h` holds 8 values.
-    let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast()) });
+    // Built in registers (element inserts): a store of the halves and a
+    // vector load of them would stall on store forwarding every block.
+    // SAFETY: the caller guarantees 2 readable bytes at each row's offset.
+    let h = |j: usize| if j < NR { unsafe { w[j].add(at).cast::<i16>().read_unaligned() } } else { 0 };
+    let d = _mm256_cvtph_ps(_mm_set_epi16(h(7), h(6), h(5), h(4), h(3), h(2), h(1), h(0)));
     _mm256_mul_ps(d, _mm256_set1_ps(dx))
 }
 
@@ -162,14 +160,11 @@ pub unsafe fn rows_q4_1<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
         let y = unsafe { &*x.add(b) };
         // SAFETY: `qs` is 32 bytes.
         let xq = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) });
-        let mut dm = [0u32; 4];
-        for (j, p) in w.iter().enumerate() {
-            // SAFETY: block `b` of row j starts with its f16 `d` and `m`.
-            dm[j] = unsafe { p.add(b * 20).cast::<u32>().read_unaligned() };
-        }
-        // [d0, m0, d1, m1, ...] times [d_x, s_x, ...]: the scales and this block's min terms.
-        // SAFETY: `dm` holds 4 values.
-        let dmv = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(dm.as_ptr().cast()) });
+        // SAFETY: block `b` of each row starts with its f16 `d` and `m`.
+        let dm = |j: usize| if j < NR { unsafe { w[j].add(b * 20).cast::<i32>().read_unaligned() } } else { 0 };
+        // [d0, m0, d1, m1, ...] times [d_x, s_x, ...]: the scales and this block's
+        // min terms (built in registers, not through memory: see `row_scales`).
+        let dmv = _mm256_cvtph_ps(_mm_set_epi32(dm(3), dm(2), dm(1), dm(0)));
         let prod = _mm256_mul_ps(
             dmv,
             _mm256_castsi256_ps(_mm256_set1_epi64x((y.d.to_bits() as u64 | (y.s.to_bits() as u64) << 32) as i64)),
