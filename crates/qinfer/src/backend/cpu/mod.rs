@@ -159,7 +159,7 @@ impl Backend for CpuBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            fused_projections: false,
+            fused_projections: true,
             sample_ahead: false,
             reuse_sequences: false,
             device_routing: false,
@@ -422,7 +422,26 @@ impl Backend for CpuBackend {
     }
 }
 
-impl FusedOps for CpuBackend {}
+impl FusedOps for CpuBackend {
+    /// silu(gate) ⊙ up read in place from the stacked rows (no copies of the
+    /// two halves), with [`Backend::silu_mul`]'s arithmetic.
+    fn swiglu(&self, gate_up: &CpuAct) -> CpuAct {
+        let width = gate_up.cols / 2;
+        let mut out = CpuAct::zeros(gate_up.rows, width);
+        let row = |(o, gu): (&mut [f32], &[f32])| {
+            let (g, u) = gu.split_at(width);
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        if out.data.len() < PAR_MIN_VALUES {
+            out.data.chunks_mut(width).zip(gate_up.data.chunks(2 * width)).for_each(row);
+        } else {
+            out.data.par_chunks_mut(width).zip(gate_up.data.par_chunks(2 * width)).for_each(row);
+        }
+        out
+    }
+}
 
 impl GdnOps for CpuBackend {
     type GdnState = CpuGdnState;
