@@ -188,6 +188,12 @@ pub(super) const AFFINE_MMA_MAX_ACT: usize = 4;
 /// Stages of each warp's ring in the tensor-core affine GEMV (`AMMA_STAGES`).
 pub(super) const AFFINE_MMA_STAGES: usize = 3;
 
+/// Launches of the tensor-core affine GEMV one call may take, each over the
+/// next rows it holds (each launch reads the weights again): four launches
+/// of 4-bit levels read about 2 bytes a weight, against 4.5 for the prefill
+/// path (levels read, a bf16 copy written, then read by cuBLAS).
+pub(super) const AFFINE_MMA_MAX_LAUNCHES: usize = 4;
+
 /// Dynamic shared memory the tensor-core affine GEMV may use.
 pub(super) const AFFINE_MMA_MAX_SHARED: usize = 200 * 1024;
 /// At most this much, two of its blocks fit on an SM (228 KiB, less 1 KiB
@@ -220,10 +226,16 @@ fn affine_mma_shared_size(w: &AffineWeight, act_rows: usize) -> Option<usize> {
     // One row may come quantized by slices of 16 ([`QuantizedRow`]): 12 bytes each.
     let stats = if act_rows == 1 { w.cols / 16 * 12 } else { act_rows * (w.cols / 64 * unit_stats) };
     let shared = AFFINE_MMA_WARPS * AFFINE_MMA_STAGES * stage + act_rows * 2 * w.cols + stats;
-    let max_act = if group == 32 { 2 } else { AFFINE_MMA_MAX_ACT };
-    let applies =
-        w.cols.is_multiple_of(units * 64) && (1..=max_act).contains(&act_rows) && shared <= AFFINE_MMA_MAX_SHARED;
+    let applies = w.cols.is_multiple_of(units * 64)
+        && (1..=affine_mma_act_rows(w)).contains(&act_rows)
+        && shared <= AFFINE_MMA_MAX_SHARED;
     applies.then_some(shared)
+}
+
+/// Activation rows one launch of the tensor-core affine GEMV takes: groups
+/// of 32 keep a sum per half of each unit, so they take fewer.
+fn affine_mma_act_rows(w: &AffineWeight) -> usize {
+    if w.params.group_size == 32 { 2 } else { AFFINE_MMA_MAX_ACT }
 }
 
 impl CudaBackend {
@@ -238,7 +250,7 @@ impl CudaBackend {
         y: &mut CudaAct,
         hand_on: Option<u64>,
     ) {
-        // 4- and 8-bit levels, up to four tokens: the tensor-core kernel.
+        // 4- and 8-bit levels, up to four tokens a launch: the tensor-core kernel.
         if let Some(shared) = self.affine_mma_shared(w, x.rows) {
             self.affine_mma(x, None, w, bias_ptr, y, false, shared, hand_on);
             return;
@@ -292,11 +304,17 @@ impl CudaBackend {
         tiles.div_ceil(rounds) as u32
     }
 
-    /// Shared memory of a tensor-core affine GEMV launch ([`affine_mma_shared_size`]),
-    /// None where it does not apply or a fixed GEMV shape is set (profiling
-    /// the CUDA-core kernels).
-    pub(super) fn affine_mma_shared(&self, w: &AffineWeight, act_rows: usize) -> Option<usize> {
-        affine_mma_shared_size(w, act_rows)
+    /// Shared memory of each launch of a tensor-core affine GEMV over `rows`
+    /// activation rows ([`affine_mma_shared_size`]; more rows than one launch
+    /// takes go in up to [`AFFINE_MMA_MAX_LAUNCHES`] launches), None where it
+    /// does not apply or a fixed GEMV shape is set (profiling the CUDA-core
+    /// kernels).
+    pub(super) fn affine_mma_shared(&self, w: &AffineWeight, rows: usize) -> Option<usize> {
+        let per_launch = affine_mma_act_rows(w);
+        if rows > per_launch * AFFINE_MMA_MAX_LAUNCHES {
+            return None;
+        }
+        affine_mma_shared_size(w, rows.min(per_launch))
             .filter(|&shared| self.gemv_shape.is_none() && shared <= self.affine_mma_max_shared)
     }
 
@@ -342,46 +360,52 @@ impl CudaBackend {
             .position(|&g| g == w.params.group_size)
             .and_then(|i| self.k.affine.of(w)?.mma[i].as_ref())
             .map(|k| &k[swiglu as usize]);
-        let (wp, scales, biases, xp, yp) =
-            (self.p(&w.packed), self.p(&w.scales), self.p(&w.biases), self.p(&x.buf), self.p(&y.buf));
-        let (out_dim, in_dim, n_act) = (w.rows as i32, w.cols as i32, x.rows as i32);
-        if swiglu {
-            let args = AffineMmaSwigluArgs {
-                w: wp,
-                scales,
-                biases,
-                x: xp,
-                norm_w,
-                eps,
-                y: yp,
-                out_dim,
-                in_dim,
-                n_act,
-                row_in,
-                row_out,
-                lead,
-            };
-            self.launch_opt(kernel, "tensor-core affine GEMV", c, &args);
-        } else {
-            let row_out_norm = y.quantized.as_ref().map_or(0, |q| q.norm);
-            let args = AffineMmaArgs {
-                w: wp,
-                scales,
-                biases,
-                x: xp,
-                norm_w,
-                eps,
-                bias: bias_ptr,
-                y: yp,
-                out_dim,
-                in_dim,
-                n_act,
-                row_in,
-                row_out,
-                row_out_norm,
-                lead,
-            };
-            self.launch_opt(kernel, "tensor-core affine GEMV", c, &args);
+        let (wp, scales, biases) = (self.p(&w.packed), self.p(&w.scales), self.p(&w.biases));
+        let (out_dim, in_dim) = (w.rows as i32, w.cols as i32);
+        // Rows past what one launch takes: one launch per slice of them.
+        let per_launch = affine_mma_act_rows(w);
+        for t0 in (0..x.rows).step_by(per_launch) {
+            let n_act = per_launch.min(x.rows - t0) as i32;
+            let xp = self.p(&x.buf) + (t0 * x.cols * 4) as u64;
+            let yp = self.p(&y.buf) + (t0 * y.cols * 4) as u64;
+            if swiglu {
+                let args = AffineMmaSwigluArgs {
+                    w: wp,
+                    scales,
+                    biases,
+                    x: xp,
+                    norm_w,
+                    eps,
+                    y: yp,
+                    out_dim,
+                    in_dim,
+                    n_act,
+                    row_in,
+                    row_out,
+                    lead,
+                };
+                self.launch_opt(kernel, "tensor-core affine GEMV", c, &args);
+            } else {
+                let row_out_norm = y.quantized.as_ref().map_or(0, |q| q.norm);
+                let args = AffineMmaArgs {
+                    w: wp,
+                    scales,
+                    biases,
+                    x: xp,
+                    norm_w,
+                    eps,
+                    bias: bias_ptr,
+                    y: yp,
+                    out_dim,
+                    in_dim,
+                    n_act,
+                    row_in,
+                    row_out,
+                    row_out_norm,
+                    lead,
+                };
+                self.launch_opt(kernel, "tensor-core affine GEMV", c, &args);
+            }
         }
     }
 

@@ -349,7 +349,7 @@ impl CudaBackend {
             let mut y = self.act(x.rows, a.rows);
             if x.cols != a.cols {
                 self.record(Err(format!("input width {} for a weight of {} columns", x.cols, a.cols)), "linear");
-            } else if x.rows <= GEMV_MAX_ROWS {
+            } else if x.rows <= GEMV_MAX_ROWS || self.affine_mma_shared(a, x.rows).is_some() {
                 self.affine_gemv(x, a, bias_ptr, &mut y, None);
             } else {
                 self.affine_gemm(x, a, &mut y, false);
@@ -418,7 +418,8 @@ impl CudaBackend {
             }
             return;
         }
-        if fits && bias.is_none() && x.rows > GEMV_MAX_ROWS {
+        let tensor_core_gemv = matches!(w, CudaWeight::Affine(a) if self.affine_mma_shared(a, x.rows).is_some());
+        if fits && bias.is_none() && x.rows > GEMV_MAX_ROWS && !tensor_core_gemv {
             // Prefill: cuBLAS accumulates into h (beta = 1).
             match w {
                 CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
