@@ -63,7 +63,8 @@ fn every_gemv_launch_shape_matches_cpu() {
         let gpu = CudaBackend::new(0).unwrap().with_poisoned_outputs().with_gemv_shape(shape);
         for dtype in [DType::BF16, DType::F32] {
             for (inp, out) in [(4096, 37), (1000, 5), (100, 9), (1000, 14), (256, 2)] {
-                for act in [1, 5] {
+                // Float weights take the GEMV up to 4 rows.
+                for act in [1, 4] {
                     let w = tensor("w", dtype, vec![out, inp], &r.vec(out * inp));
                     let x = r.vec(act * inp);
                     let yc = cpu.linear(&cpu.act_from_host(act, inp, &x), &cpu.upload(&w).unwrap(), None);
