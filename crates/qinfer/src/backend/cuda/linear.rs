@@ -18,11 +18,10 @@ pub(super) const GEMV_MAX_ROWS: usize = 8;
 
 /// Float weights go through the GEMV up to this many rows, cuBLAS above:
 /// the GEMV's multiply-adds grow with the rows while cuBLAS reads the weights
-/// once at any of these counts (on an H100, a Qwen3-8B bf16 decode step of 8
-/// sequences took 13.4 ms through the GEMV and 7.6 ms through cuBLAS; of 4,
-/// 9.2 ms through the GEMV, against 7.2 ms for 5 through cuBLAS, so 3 and 4
-/// rows may pay on cuBLAS too, not yet measured).
-pub(super) const FLOAT_GEMV_MAX_ROWS: usize = 4;
+/// once at any of these counts. On an H100, a Qwen3-8B bf16 decode step took
+/// 5.7 ms for 1 sequence and 7.3 ms for 2 through the GEMV, 9.2 ms for 4 and
+/// 13.4 ms for 8; through cuBLAS, 7.2 ms for 5 and 7.6 ms for 8.
+pub(super) const FLOAT_GEMV_MAX_ROWS: usize = 2;
 
 /// The GEMV kernels compiled: (weight rows per block, activation-row bound).
 pub(super) const GEMV_SHAPES: [(usize, usize); 5] = [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
