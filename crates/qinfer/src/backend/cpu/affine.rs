@@ -136,8 +136,6 @@ fn gemv_avx2(x: &[f32], w: &AffineMatrix, out: &mut [f32]) {
     let rows_per_tile = w.rows.div_ceil(threads * 8).next_multiple_of(NR).clamp(NR, 256);
     let (bits, gs, cols) = (w.params.bits, w.params.group_size, w.cols);
     let optr = OutPtr(out.as_mut_ptr());
-    // AVX-512: two rows per register, the same bits (`affine_avx512`).
-    let wide = super::simd::has_avx512_vnni();
     for_row_tiles(w.rows, rows_per_tile, w.rows * cols, |r0, r1| {
         let mut r = r0;
         while r < r1 {
@@ -145,18 +143,10 @@ fn gemv_avx2(x: &[f32], w: &AffineMatrix, out: &mut [f32]) {
             let mut v = [0f32; NR];
             macro_rules! rows {
                 ($bits:literal) => {
-                    // SAFETY: avx2/fma present (checked in `matmul`), AVX-512 F where `wide`;
-                    // rows r..r+nr exist and hold
+                    // SAFETY: avx2/fma present (checked in `matmul`); rows r..r+nr exist and hold
                     // `cols` values in whole groups; x holds `cols` floats.
                     unsafe {
-                        if nr == NR && wide {
-                            v = super::affine_avx512::dot_row_pair::<$bits>(
-                                gs,
-                                [w.row_ptrs(r), w.row_ptrs(r + 1)],
-                                x.as_ptr(),
-                                cols,
-                            );
-                        } else if nr == NR {
+                        if nr == NR {
                             v = dot_rows::<$bits, NR>(gs, std::array::from_fn(|j| w.row_ptrs(r + j)), x.as_ptr(), cols);
                         } else {
                             v[0] = dot_rows::<$bits, 1>(gs, [w.row_ptrs(r)], x.as_ptr(), cols)[0];

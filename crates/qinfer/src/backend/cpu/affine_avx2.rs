@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 /// # Safety
 /// `p` points at `bits` readable bytes.
 #[inline(always)]
-pub(super) unsafe fn run_bits(bits: u32, p: *const u8) -> u64 {
+unsafe fn run_bits(bits: u32, p: *const u8) -> u64 {
     // SAFETY: each arm reads exactly `bits` bytes from `p` (caller's contract).
     unsafe {
         let u16_at = |o: usize| p.add(o).cast::<u16>().read_unaligned() as u64;
@@ -33,7 +33,7 @@ pub(super) unsafe fn run_bits(bits: u32, p: *const u8) -> u64 {
 /// The 8 levels of one run as i32 lanes, value `k` in lane `k`.
 #[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn levels(bits: u32, run: u64) -> __m256i {
+fn levels(bits: u32, run: u64) -> __m256i {
     let mask = _mm256_set1_epi32((1i32 << bits) - 1);
     if bits <= 4 {
         // 8 values fit 32 bits: shift lane k right by k·bits.

@@ -5,7 +5,6 @@ pub mod act_blocks;
 pub mod affine;
 #[cfg(target_arch = "x86_64")]
 mod affine_avx2;
-mod affine_avx512;
 pub mod attention;
 pub mod attention_coded;
 mod batch;
