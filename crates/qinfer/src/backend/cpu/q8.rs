@@ -65,6 +65,7 @@ pub fn dot_tile<const MR: usize, const NR: usize>(
         let row = match dtype {
             DType::Q4_0 => Some(unsafe { k::rows_q4_0(wp, xp, blocks) }),
             DType::Q4_1 => Some(unsafe { k::rows_q4_1(wp, xp, blocks) }),
+            DType::Q5_0 => Some(unsafe { k::rows_q5_0(wp, xp, blocks) }),
             DType::Q8_0 => Some(unsafe { k::rows_q8_0(wp, xp, blocks) }),
             _ => None,
         };

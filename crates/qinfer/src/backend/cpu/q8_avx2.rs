@@ -295,7 +295,7 @@ fn bytes_from_bits(qh: u32) -> __m256i {
 
 /// The exact i32 sums of four 8-lane vectors, in that order.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum4_i32(v: [__m256i; 4]) -> __m128i {
+pub(super) fn hsum4_i32(v: [__m256i; 4]) -> __m128i {
     // Within each 128-bit half: [Σa, Σb, Σc, Σd] of that half's lanes.
     let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))

@@ -1,4 +1,4 @@
-//! Decode dots (one activation row) of Q4_0, Q4_1 and Q8_0 weights on
+//! Decode dots (one activation row) of Q4_0, Q4_1, Q5_0 and Q8_0 weights on
 //! AVX-512 VNNI: two weight rows share each 512-bit register.
 //!
 //! The AVX2 kernels (`q8_avx2`) follow ggml's float order: per block, 8 i32
@@ -188,6 +188,53 @@ pub unsafe fn rows_q4_1<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
     out
 }
 
+/// Q5_0 weight rows (`d`, 4 bytes `qh`, 16 nibble bytes; w = d·(q − 16),
+/// bit `k` of `qh` the 5th bit of value `k`) against one row of `Q8Block`s:
+/// equal to `q8_avx2::tile_q5_0::<1, NR>`, and so to the scalar dot, bit for
+/// bit. Each block's sums are exact integers (the order of the lanes does not
+/// matter), then the scalar's float step `acc + ((d_w·d_x)·s + 0)` per row.
+///
+/// # Safety
+/// As [`rows_q4_0`], with Q5_0 blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn rows_q5_0<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, blocks: usize) -> [f32; NR] {
+    debug_assert!(NR.is_multiple_of(2) && NR <= 4);
+    let mut acc = _mm_setzero_ps();
+    let sixteen = _mm512_set1_epi8(16);
+    for b in 0..blocks {
+        prefetch_next_rows(&w, b * 22, blocks * 22);
+        // SAFETY: block `b` of `x` is in bounds (caller's contract).
+        let y = unsafe { &*x.add(b) };
+        // SAFETY: `qs` is 32 bytes.
+        let xq = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(y.qs.as_ptr().cast()) });
+        // Σ(q − 16)·x per 4-value chunk = Σq·x − 16·Σx: the bias is the same for every row.
+        let bias = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), sixteen, xq));
+        let mut sums = [_mm256_setzero_si256(); 4];
+        for p in 0..NR / 2 {
+            // SAFETY: block `b` of rows 2p and 2p + 1 is in bounds: `qh` at byte 2,
+            // the nibbles at bytes 6..22.
+            let (lo, hi, q) = unsafe {
+                let (a, c) = (w[2 * p].add(b * 22), w[2 * p + 1].add(b * 22));
+                let qh = |r: *const u8| r.add(2).cast::<u32>().read_unaligned() as u64;
+                (qh(a), qh(c), nibble_pair(a.add(6), c.add(6)))
+            };
+            // Byte k of each half is value k: the 5th bits of both rows as one byte mask.
+            let q = _mm512_mask_add_epi8(q, lo | hi << 32, q, sixteen);
+            let sum = _mm512_dpbusd_epi32(bias, q, xq);
+            sums[2 * p] = _mm512_castsi512_si256(sum);
+            sums[2 * p + 1] = _mm512_extracti64x4_epi64::<1>(sum);
+        }
+        let s = _mm_cvtepi32_ps(super::q8_avx2::hsum4_i32(sums));
+        // SAFETY: every row's block `b` starts with its f16 scale.
+        let d = _mm256_castps256_ps128(unsafe { row_scales(&w, b * 22, y.d) });
+        acc = _mm_add_ps(acc, _mm_add_ps(_mm_mul_ps(d, s), _mm_setzero_ps()));
+    }
+    let mut out = [0f32; 4];
+    // SAFETY: `out` holds 4 floats.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), acc) };
+    std::array::from_fn(|j| out[j])
+}
+
 /// Q8_0 weight rows (`d`, 32 signed bytes) against one row of `Q8Block`s:
 /// equal to `q8_avx2::tile_q8_0::<1, NR>` bit for bit.
 ///
@@ -278,6 +325,10 @@ mod tests {
                     rows_q4_1::<NR>(rows, x.as_ptr(), blocks),
                     q8_avx2::tile_q4_1::<1, NR>(rows, [x.as_ptr()], blocks)[0],
                 ),
+                DType::Q5_0 => (
+                    rows_q5_0::<NR>(rows, x.as_ptr(), blocks),
+                    q8_avx2::tile_q5_0::<1, NR>(rows, [x.as_ptr()], blocks)[0],
+                ),
                 _ => (
                     rows_q8_0::<NR>(rows, x.as_ptr(), blocks),
                     q8_avx2::tile_q8_0::<1, NR>(rows, [x.as_ptr()], blocks)[0],
@@ -301,7 +352,7 @@ mod tests {
             return;
         }
         let mut seed = fresh_seed("q8_avx512");
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q8_0] {
             for blocks in [1usize, 2, 18, 48] {
                 for _ in 0..20 {
                     let w = weights(&mut seed, dtype, 4, blocks, None);
