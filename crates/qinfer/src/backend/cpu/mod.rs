@@ -337,11 +337,7 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, gate: &CpuAct, up: &CpuAct) -> CpuAct {
         let mut out = CpuAct::zeros(gate.rows, gate.cols);
-        let silu_mul = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
-            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
-        };
+        let silu_mul = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| silu_mul_into(o, g, u);
         if out.data.len() < PAR_MIN_VALUES {
             silu_mul((&mut out.data, (&gate.data, &up.data)));
         } else {
@@ -422,17 +418,22 @@ impl Backend for CpuBackend {
     }
 }
 
+/// `o = silu(g)·u`, element by element (one expression for every SwiGLU form).
+fn silu_mul_into(o: &mut [f32], g: &[f32], u: &[f32]) {
+    for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
 impl FusedOps for CpuBackend {
     /// silu(gate) ⊙ up read in place from the stacked rows (no copies of the
-    /// two halves), with [`Backend::silu_mul`]'s arithmetic.
+    /// two halves).
     fn swiglu(&self, gate_up: &CpuAct) -> CpuAct {
         let width = gate_up.cols / 2;
         let mut out = CpuAct::zeros(gate_up.rows, width);
         let row = |(o, gu): (&mut [f32], &[f32])| {
             let (g, u) = gu.split_at(width);
-            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
+            silu_mul_into(o, g, u);
         };
         if out.data.len() < PAR_MIN_VALUES {
             out.data.chunks_mut(width).zip(gate_up.data.chunks(2 * width)).for_each(row);

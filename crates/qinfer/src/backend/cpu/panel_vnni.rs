@@ -620,18 +620,10 @@ unsafe fn run_k<const R: usize, const G: usize>(
 #[cfg(test)]
 mod tests {
     use super::super::out_ptr::OutPtr;
-    use super::super::test_rng::{finite_f16, fresh_seed, next};
+    use super::super::test_rng::{avx512_vnni_or_skip, finite_f16, fresh_seed, next};
     use super::super::{q8, q8k};
     use super::*;
     use crate::quant::kquants::f16_field_offsets;
-
-    fn available_or_skip() -> bool {
-        if available() {
-            return true;
-        }
-        eprintln!("skipped: no AVX-512 F/BW/VNNI on this CPU");
-        false
-    }
 
     /// Random level and scale bytes with random finite f16 fields, or every
     /// byte `fill` (saturated levels) with f16 fields of 0.5.
@@ -730,7 +722,7 @@ mod tests {
     /// 4-row activation groups, one and several blocks.
     #[test]
     fn random_panels_match_scalar_bit_for_bit() {
-        if !available_or_skip() {
+        if !avx512_vnni_or_skip() {
             return;
         }
         let mut seed = fresh_seed("panel_vnni");
@@ -747,7 +739,7 @@ mod tests {
     /// integer sums the kernels form.
     #[test]
     fn extreme_panels_match_scalar_bit_for_bit() {
-        if !available_or_skip() {
+        if !avx512_vnni_or_skip() {
             return;
         }
         let mut seed = 1;

@@ -74,7 +74,7 @@ pub unsafe fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
@@ -124,7 +124,7 @@ const PREFETCH_GROUPS: usize = 1;
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn prefetch_ahead<const MR: usize, const NR: usize>(w: &[*const u8; NR], at: usize, row_bytes: usize) {
+pub(super) fn prefetch_ahead<const MR: usize, const NR: usize>(w: &[*const u8; NR], at: usize, row_bytes: usize) {
     if MR == 1 {
         for p in w {
             // A prefetch never faults, so the address may lie past the matrix.

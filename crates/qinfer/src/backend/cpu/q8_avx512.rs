@@ -18,25 +18,9 @@
 use std::arch::x86_64::*;
 
 use super::act_blocks::Q8Block;
-
-/// The 8-lane reduction of `q8_avx2` (ggml's `hsum_float_8`), on one half.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
-}
-
-/// Prefetches the same block `NR` rows further on (rows are contiguous), as
-/// the AVX2 decode tiles do.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn prefetch_next_rows<const NR: usize>(w: &[*const u8; NR], at: usize, row_bytes: usize) {
-    for p in w {
-        // A prefetch never faults, so the address may lie past the matrix.
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at + NR * row_bytes).cast());
-    }
-}
+// The AVX2 tiles' reduction (ggml's `hsum_float_8`) and decode prefetch,
+// shared so that the two kernel families cannot drift apart.
+use super::q8_avx2::{hsum, prefetch_ahead};
 
 /// The 16 nibble bytes at `a` and at `b` as 64 levels: the 128-bit quarters
 /// hold a's low nibbles, a's high nibbles, b's low, b's high (each row's half
@@ -120,7 +104,7 @@ pub unsafe fn rows_q4_0<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
     debug_assert!(NR.is_multiple_of(2) && NR <= 8);
     let mut acc = [_mm512_setzero_ps(); NR];
     for b in 0..blocks {
-        prefetch_next_rows(&w, b * 18, blocks * 18);
+        prefetch_ahead::<1, NR>(&w, b * 18, blocks * 18);
         // SAFETY: block `b` of `x` is in bounds (caller's contract).
         let y = unsafe { &*x.add(b) };
         // SAFETY: `qs` is 32 bytes.
@@ -155,7 +139,7 @@ pub unsafe fn rows_q4_1<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
     // Lanes 2j and 2j + 1: row j's d·d_x (unused) and its running Σ m·s.
     let mut mins = _mm256_setzero_ps();
     for b in 0..blocks {
-        prefetch_next_rows(&w, b * 20, blocks * 20);
+        prefetch_ahead::<1, NR>(&w, b * 20, blocks * 20);
         // SAFETY: block `b` of `x` is in bounds (caller's contract).
         let y = unsafe { &*x.add(b) };
         // SAFETY: `qs` is 32 bytes.
@@ -202,7 +186,7 @@ pub unsafe fn rows_q5_0<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
     let mut acc = _mm_setzero_ps();
     let sixteen = _mm512_set1_epi8(16);
     for b in 0..blocks {
-        prefetch_next_rows(&w, b * 22, blocks * 22);
+        prefetch_ahead::<1, NR>(&w, b * 22, blocks * 22);
         // SAFETY: block `b` of `x` is in bounds (caller's contract).
         let y = unsafe { &*x.add(b) };
         // SAFETY: `qs` is 32 bytes.
@@ -246,7 +230,7 @@ pub unsafe fn rows_q8_0<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
     let mut acc = [_mm512_setzero_ps(); NR];
     let flip = _mm512_set1_epi8(-128);
     for b in 0..blocks {
-        prefetch_next_rows(&w, b * 34, blocks * 34);
+        prefetch_ahead::<1, NR>(&w, b * 34, blocks * 34);
         // SAFETY: block `b` of `x` is in bounds (caller's contract).
         let y = unsafe { &*x.add(b) };
         // SAFETY: `qs` is 32 bytes.
@@ -268,17 +252,9 @@ pub unsafe fn rows_q8_0<const NR: usize>(w: [*const u8; NR], x: *const Q8Block, 
 #[cfg(test)]
 mod tests {
     use super::super::q8_avx2;
-    use super::super::test_rng::{finite_f16, fresh_seed, next};
+    use super::super::test_rng::{avx512_vnni_or_skip, finite_f16, fresh_seed, next};
     use super::*;
     use crate::tensor::DType;
-
-    fn available_or_skip() -> bool {
-        if super::super::simd::has_avx512_vnni() {
-            return true;
-        }
-        eprintln!("skipped: no AVX-512 F/BW/VL/VNNI on this CPU");
-        false
-    }
 
     /// `rows` rows of `blocks` random blocks (any finite f16 scales), or with
     /// every level byte `fill` (saturated levels) and scales of 0.5.
@@ -348,7 +324,7 @@ mod tests {
 
     #[test]
     fn decode_rows_equal_the_avx2_tiles_bit_for_bit() {
-        if !available_or_skip() {
+        if !avx512_vnni_or_skip() {
             return;
         }
         let mut seed = fresh_seed("q8_avx512");

@@ -1,6 +1,6 @@
 //! Random inputs for the CPU kernels' tests: a xorshift generator seeded
 //! fresh each run (the seed printed, so a failure can be replayed) and the
-//! f16 fields of quantized blocks; and the AVX2 tests' CPU check.
+//! f16 fields of quantized blocks; and the SIMD tests' CPU checks.
 
 /// A fresh seed per run, printed under `label`, so repeated runs cover new inputs.
 pub fn fresh_seed(label: &str) -> u64 {
@@ -38,5 +38,15 @@ pub fn avx2_or_skip() -> bool {
     let ci = std::env::var_os("QINFER_CI").is_some_and(|v| v == "1");
     assert!(!ci, "QINFER_CI=1 forbids skipping: no avx2/fma/f16c on this CPU");
     eprintln!("skipped: no avx2/fma/f16c on this CPU");
+    false
+}
+
+/// Whether the AVX-512 VNNI kernels can be tested here; the caller skips,
+/// saying so, where the CPU lacks them (CI's machines need not have them).
+pub fn avx512_vnni_or_skip() -> bool {
+    if super::simd::has_avx512_vnni() {
+        return true;
+    }
+    eprintln!("skipped: no AVX-512 F/BW/VL/VNNI on this CPU");
     false
 }

@@ -361,13 +361,15 @@ impl CudaBackend {
             .and_then(|i| self.k.affine.of(w)?.mma[i].as_ref())
             .map(|k| &k[swiglu as usize]);
         let (wp, scales, biases) = (self.p(&w.packed), self.p(&w.scales), self.p(&w.biases));
+        let (x0, y0) = (self.p(&x.buf), self.p(&y.buf));
         let (out_dim, in_dim) = (w.rows as i32, w.cols as i32);
+        let row_out_norm = y.quantized.as_ref().map_or(0, |q| q.norm);
         // Rows past what one launch takes: one launch per slice of them.
         let per_launch = affine_mma_act_rows(w);
         for t0 in (0..x.rows).step_by(per_launch) {
             let n_act = per_launch.min(x.rows - t0) as i32;
-            let xp = self.p(&x.buf) + (t0 * x.cols * 4) as u64;
-            let yp = self.p(&y.buf) + (t0 * y.cols * 4) as u64;
+            let xp = x0 + (t0 * x.cols * 4) as u64;
+            let yp = y0 + (t0 * y.cols * 4) as u64;
             if swiglu {
                 let args = AffineMmaSwigluArgs {
                     w: wp,
@@ -386,7 +388,6 @@ impl CudaBackend {
                 };
                 self.launch_opt(kernel, "tensor-core affine GEMV", c, &args);
             } else {
-                let row_out_norm = y.quantized.as_ref().map_or(0, |q| q.norm);
                 let args = AffineMmaArgs {
                     w: wp,
                     scales,

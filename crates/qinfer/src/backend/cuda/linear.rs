@@ -349,6 +349,17 @@ impl CudaBackend {
         }
     }
 
+    /// Whether `rows` activation rows through `w` take the prefill GEMM
+    /// (cuBLAS) rather than a GEMV: the one place `linear` and `linear_add`
+    /// decide it.
+    fn takes_gemm(&self, w: &CudaWeight, rows: usize) -> bool {
+        match w {
+            CudaWeight::Affine(a) => rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, rows).is_none(),
+            CudaWeight::Matrix { .. } => rows > FLOAT_GEMV_MAX_ROWS,
+            CudaWeight::Fp8(_) | CudaWeight::Vector(_) => rows > GEMV_MAX_ROWS,
+        }
+    }
+
     /// [`Backend::linear`].
     pub(super) fn linear_op(&self, x: &CudaAct, w: &CudaWeight, bias: Option<&CudaWeight>) -> CudaAct {
         let bias_ptr = bias_ptr(self, bias);
@@ -356,7 +367,7 @@ impl CudaBackend {
             let mut y = self.act(x.rows, a.rows);
             if x.cols != a.cols {
                 self.record(Err(format!("input width {} for a weight of {} columns", x.cols, a.cols)), "linear");
-            } else if x.rows <= GEMV_MAX_ROWS || self.affine_mma_shared(a, x.rows).is_some() {
+            } else if !self.takes_gemm(w, x.rows) {
                 self.affine_gemv(x, a, bias_ptr, &mut y, None);
             } else {
                 self.affine_gemm(x, a, &mut y, false);
@@ -368,7 +379,7 @@ impl CudaBackend {
             let mut y = self.act(x.rows, f.rows);
             if x.cols != f.cols {
                 self.record(Err(format!("input width {} for a weight of {} columns", x.cols, f.cols)), "linear");
-            } else if x.rows <= GEMV_MAX_ROWS {
+            } else if !self.takes_gemm(w, x.rows) {
                 self.fp8_gemv(x, f, bias_ptr, &y);
             } else {
                 self.fp8_gemm(x, f, &mut y, false);
@@ -385,7 +396,7 @@ impl CudaBackend {
             self.record(Err(format!("input width {} for a weight of {in_dim} columns", x.cols)), "linear");
             return y;
         }
-        if x.rows <= FLOAT_GEMV_MAX_ROWS {
+        if !self.takes_gemm(w, x.rows) {
             self.float_gemv(buf, *dtype, *out_dim, *in_dim, x, bias_ptr, &y, false);
         } else {
             self.gemm(x, w, &mut y);
@@ -425,12 +436,7 @@ impl CudaBackend {
             }
             return;
         }
-        let takes_gemm = match w {
-            CudaWeight::Affine(a) => x.rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, x.rows).is_none(),
-            CudaWeight::Matrix { .. } => x.rows > FLOAT_GEMV_MAX_ROWS,
-            _ => x.rows > GEMV_MAX_ROWS,
-        };
-        if fits && bias.is_none() && takes_gemm {
+        if fits && bias.is_none() && self.takes_gemm(w, x.rows) {
             // Prefill: cuBLAS accumulates into h (beta = 1).
             match w {
                 CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
