@@ -30,13 +30,15 @@ rm -f .device/cuda_* .device/kernel_sources
   cargo test --release --features cuda -p qinfer --test 'cuda_*' --test kernel_sources --no-run --message-format=json 2>/dev/null
   cargo bench --features cuda -p qinfer --bench cuda_profile --no-run --message-format=json 2>/dev/null
 } | artifacts | while read -r name exe; do cp "$exe" ".device/$name"; strip ".device/$name"; done
-cp target/release/qinfer .device/qinfer
+# Where cargo put the build (CARGO_TARGET_DIR when set).
+bin="${CARGO_TARGET_DIR:-target}/release/qinfer"
+cp "$bin" .device/qinfer
 strip .device/qinfer
 rm -f .device/ptx.tar.xz
 if [ -n "${CUDA_HOME:-}" ] && { [ -d "$CUDA_HOME/lib" ] || [ -d "$CUDA_HOME/lib64" ]; }; then
   cache=$(mktemp -d)
   LD_LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}" QINFER_CACHE="$cache" \
-    target/release/qinfer kernels --arch "$arch"
+    "$bin" kernels --arch "$arch"
   tar -C "$cache" -cJf .device/ptx.tar.xz kernels
   rm -rf "$cache"
 else
