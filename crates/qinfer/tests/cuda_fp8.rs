@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use common_cuda::*;
 use qinfer::backend::Backend;
 use qinfer::backend::cuda::CudaBackend;
+use qinfer::backend::ops::FusedOps;
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::kv::KvPrecision;
 use qinfer::loader;
@@ -43,6 +44,8 @@ fn fp8_linear_matches_cpu() {
     let mut r = Rng::fresh();
     let cases = [
         (4096, 96, Fp8Scaling::Block { rows: 128, cols: 128 }),
+        (12288, 40, Fp8Scaling::Block { rows: 128, cols: 128 }), // x too wide for 4 rows a launch
+        (1024, 48, Fp8Scaling::Block { rows: 16, cols: 64 }),
         (200, 70, Fp8Scaling::Block { rows: 128, cols: 128 }), // partial edge blocks
         (96, 40, Fp8Scaling::Block { rows: 16, cols: 24 }),    // groups not a multiple of 16
         (100, 33, Fp8Scaling::Channel),                        // rows with a tail
@@ -55,15 +58,31 @@ fn fp8_linear_matches_cpu() {
         let ws = p.split.upload_fp8(&w).unwrap();
         let b = tensor("b", DType::F32, vec![out], &r.vec(out));
         let (bc, bg) = p.weights(&b);
-        for rows in [1, 3, 8, 9, 40] {
-            let (xc, xg) = p.acts(rows, inp, &r.vec(rows * inp));
+        // The tensor-core GEMV (widths and groups multiples of 64, up to 16
+        // rows where x fits its shared memory) splits x in two f16 and sums
+        // in f32; the CUDA-core GEMV is f32 math; both on the exact weights.
+        // The GEMM path rounds weights and activations to bf16.
+        let group = match scaling {
+            Fp8Scaling::Block { cols, .. } => cols,
+            _ => inp,
+        };
+        let mma_rows = if inp % 64 == 0 && group % 64 == 0 { if inp > 6000 { 8 } else { 16 } } else { 0 };
+        for rows in [1, 2, 3, 8, 9, 16, 40] {
+            // Large activations take the kernels' path for values past f16.
+            let scale = if rows == 3 { 1e5 } else { 1.0 };
+            let x: Vec<f32> = r.vec(rows * inp).iter().map(|v| v * scale).collect();
+            let (xc, xg) = p.acts(rows, inp, &x);
             let with_bias = rows % 2 == 1;
             let yc = p.cpu.linear(&xc, &wc, with_bias.then_some(&bc));
             let yg = p.gpu.linear(&xg, &wg, with_bias.then_some(&bg));
-            // The GEMV is f32 math on the exact weights; the GEMM path rounds
-            // weights and activations to bf16.
-            let tol = if rows > 8 { 2e-2 } else { 1e-5 };
+            let tol = if rows > 8 && rows > mma_rows { 2e-2 } else { 1e-5 };
             p.check(&format!("fp8 linear {scaling:?} {rows}x{inp}->{out}"), &yc, &yg, tol);
+            // The weight as a stacked gate|up: the tensor-core GEMV's swiglu
+            // epilogue, or the GEMV and the swiglu kernel.
+            if out % 2 == 0 {
+                let (sc, sg) = (p.cpu.linear_swiglu(&xc, &wc), p.gpu.linear_swiglu(&xg, &wg));
+                p.check(&format!("fp8 linear_swiglu {scaling:?} {rows}x{inp}->2x{}", out / 2), &sc, &sg, tol);
+            }
             if rows > 8 {
                 let xs = p.split.act_from_host(rows, inp, &p.cpu.to_host(&xc));
                 let ys = p.split.linear(&xs, &ws, None);

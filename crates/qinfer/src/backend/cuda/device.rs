@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 use super::affine::AFFINE_MMA_MAX_SHARED;
 use super::attention::{HEAD_DIMS, KV_PRECISIONS};
 use super::attention_plan::{decode_whole_keys, decode_whole_shared, flash_tile, kv_slot};
+use super::fp8::FP8_MMA_MAX_SHARED;
 use super::gdn::GDN_CHUNK_STATE_SHARED;
 use super::kernels::{Kernel, Kernels, module_resolver};
 use super::linear::GemvShape;
@@ -113,6 +114,12 @@ impl CudaBackend {
             allow_shared(kernel, affine_mma_max_shared, "affine GEMV shared memory")?;
             prefer_shared(kernel)?;
         }
+        let fp8_mma_max_shared = ((major, minor) >= (8, 9)).then_some(FP8_MMA_MAX_SHARED.min(block_shared));
+        if let Some(bytes) = fp8_mma_max_shared {
+            for kernel in k.fp8.mma_kernels() {
+                allow_shared(kernel, bytes, "FP8 GEMV shared memory")?;
+            }
+        }
         for kernel in k.moe.grouped_gemms() {
             allow_shared(kernel, moe_prefill::GROUPED_SHARED, "grouped MoE GEMM shared memory")?;
             prefer_shared(kernel)?;
@@ -169,6 +176,7 @@ impl CudaBackend {
             decode_whole,
             flash,
             affine_mma_max_shared,
+            fp8_mma_max_shared,
             max_block_shared: block_shared,
             sm_count,
             rope_tables: Mutex::new(HashMap::new()),

@@ -13,6 +13,10 @@ pub(super) struct Fp8Kernels<K> {
     /// `gemv_fp8_r4a1` (one activation row, 4 weight rows a block) and
     /// `gemv_fp8_r2a8` (up to [`GEMV_MAX_ROWS`], 2 a block).
     gemv: [K; 2],
+    /// The tensor-core GEMV for 1, 2 and 4 activation rows:
+    /// `gemv_fp8_mma_a{1,2,4}`, then the same with the swiglu epilogue
+    /// (`gemv_fp8_mma_swiglu_a{1,2,4}`).
+    mma: [K; 6],
     to_bf16: K,
     embed: K,
 }
@@ -22,14 +26,29 @@ impl<K> Fp8Kernels<K> {
         const U: &str = "fp8.cu";
         Ok(Fp8Kernels {
             gemv: [get(U, "gemv_fp8_r4a1".into())?, get(U, "gemv_fp8_r2a8".into())?],
+            mma: [
+                get(U, "gemv_fp8_mma_a1".into())?,
+                get(U, "gemv_fp8_mma_a2".into())?,
+                get(U, "gemv_fp8_mma_a4".into())?,
+                get(U, "gemv_fp8_mma_swiglu_a1".into())?,
+                get(U, "gemv_fp8_mma_swiglu_a2".into())?,
+                get(U, "gemv_fp8_mma_swiglu_a4".into())?,
+            ],
             to_bf16: get(U, "fp8_to_bf16".into())?,
             embed: get(U, "embed_fp8".into())?,
         })
     }
 }
 
+impl<K> Fp8Kernels<K> {
+    /// The tensor-core GEMVs, which need shared memory past the default.
+    pub(super) fn mma_kernels(&self) -> &[K] {
+        &self.mma
+    }
+}
+
 kernel_args! {
-    /// `gemv_fp8_r{R}a{A}`.
+    /// `gemv_fp8_r{R}a{A}` and `gemv_fp8_mma_a{A}`.
     Fp8GemvArgs { w: u64, scales: u64, x: u64, bias: u64, y: u64, out_dim: i32, in_dim: i32, group: i32, n_act: i32 }
 }
 kernel_args! {
@@ -47,10 +66,53 @@ const FP8_TILE_VALUES: usize = 64 << 20;
 /// Threads of a GEMV block.
 const GEMV_THREADS: u32 = 256;
 
+/// Warps of a tensor-core FP8 GEMV block (`FP8_MMA_WARPS`).
+pub(super) const FP8_MMA_WARPS: usize = 8;
+/// Activation rows one tensor-core FP8 launch takes at most.
+const FP8_MMA_MAX_ACT: usize = 4;
+/// Launches of [`FP8_MMA_MAX_ACT`] rows a GEMV may take before the prefill
+/// GEMM is cheaper (each launch reads the weight again).
+const FP8_MMA_MAX_LAUNCHES: usize = 4;
+/// Shared memory the tensor-core FP8 GEMV may take for its copy of x (two
+/// blocks an SM; one x value of one row takes 4 bytes, `FP8_MMA_PAD` halves
+/// a copy more).
+pub(super) const FP8_MMA_MAX_SHARED: usize = 108 * 1024;
+/// Halves between consecutive staged copies of x beyond its width
+/// (`FP8_MMA_PAD`): a row's lo copy then lies 16 bytes off its hi copy's
+/// banks, and the two are read without a bank conflict.
+pub(super) const FP8_MMA_PAD: usize = 8;
+
+/// Activation rows per tensor-core FP8 launch and its shared memory, for
+/// `rows` rows through `w`: the most rows (4, 2 or 1) whose copy of x fits
+/// shared memory, in at most [`FP8_MMA_MAX_LAUNCHES`] launches. None where
+/// the kernel does not apply: a width or group not a multiple of 64, or x
+/// too wide or too many rows.
+fn fp8_mma_launch(w: &Fp8Weight, rows: usize, max_shared: usize) -> Option<(usize, usize)> {
+    if rows == 0 || !w.cols.is_multiple_of(64) || !w.group.is_multiple_of(64) {
+        return None;
+    }
+    let mut act = rows.min(FP8_MMA_MAX_ACT).next_power_of_two();
+    loop {
+        let shared = act * 2 * (w.cols + FP8_MMA_PAD) * 2;
+        if shared <= max_shared {
+            return (rows.div_ceil(act) <= FP8_MMA_MAX_LAUNCHES).then_some((act, shared));
+        }
+        if act == 1 {
+            return None;
+        }
+        act /= 2;
+    }
+}
+
 impl CudaBackend {
-    /// `y = x · wᵀ (+ bias)` for up to [`GEMV_MAX_ROWS`] activation rows;
-    /// `bias` may be `y` itself (each output adds its own value).
+    /// `y = x · wᵀ (+ bias)` for up to [`GEMV_MAX_ROWS`] activation rows, or
+    /// as many as the tensor-core GEMV takes; `bias` may be `y` itself with
+    /// one row (each output adds its own value).
     pub(super) fn fp8_gemv(&self, x: &CudaAct, w: &Fp8Weight, bias: u64, y: &CudaAct) {
+        if let Some(launch) = self.fp8_mma_launch(w, x.rows) {
+            self.fp8_mma(x, w, bias, y, launch, false);
+            return;
+        }
         debug_assert!(x.rows <= GEMV_MAX_ROWS);
         let args = Fp8GemvArgs {
             w: self.p(&w.weight),
@@ -66,6 +128,53 @@ impl CudaBackend {
         let (kernel, rows_per_block) = if x.rows == 1 { (&self.k.fp8.gemv[0], 4) } else { (&self.k.fp8.gemv[1], 2) };
         let grid = (w.rows.div_ceil(rows_per_block) as u32, 1, 1);
         self.launch(kernel, cfg(grid, GEMV_THREADS, 0), &args);
+    }
+
+    /// silu(gate)·up of a stacked gate|up weight in one tensor-core GEMV,
+    /// None where that kernel does not apply (the caller takes the two steps).
+    pub(super) fn fp8_swiglu(&self, x: &CudaAct, gate_up: &Fp8Weight) -> Option<CudaAct> {
+        if !gate_up.rows.is_multiple_of(2) || x.cols != gate_up.cols {
+            return None;
+        }
+        let launch = self.fp8_mma_launch(gate_up, x.rows)?;
+        let y = self.act(x.rows, gate_up.rows / 2);
+        self.fp8_mma(x, gate_up, 0, &y, launch, true);
+        Some(y)
+    }
+
+    /// The tensor-core GEMV in launches of `act` rows (`launch`, from
+    /// [`Self::fp8_mma_launch`]); with `swiglu`, `w` is a stacked gate|up
+    /// weight and y its silu(gate)·up, half as wide.
+    fn fp8_mma(&self, x: &CudaAct, w: &Fp8Weight, bias: u64, y: &CudaAct, launch: (usize, usize), swiglu: bool) {
+        let (act, shared) = launch;
+        let kernel = &self.k.fp8.mma[act.trailing_zeros() as usize + if swiglu { 3 } else { 0 }];
+        let (out_dim, block_rows) = if swiglu { (w.rows / 2, 8) } else { (w.rows, 16) };
+        let grid = (out_dim.div_ceil(block_rows) as u32, 1, 1);
+        for r0 in (0..x.rows).step_by(act) {
+            let args = Fp8GemvArgs {
+                w: self.p(&w.weight),
+                scales: self.p(&w.scales),
+                x: self.p(&x.buf) + (r0 * w.cols * 4) as u64,
+                bias,
+                y: self.p(&y.buf) + (r0 * out_dim * 4) as u64,
+                out_dim: out_dim as i32,
+                in_dim: w.cols as i32,
+                group: w.group as i32,
+                n_act: act.min(x.rows - r0) as i32,
+            };
+            self.launch(kernel, cfg(grid, (FP8_MMA_WARPS * 32) as u32, shared as u32), &args);
+        }
+    }
+
+    /// The tensor-core GEMV's launch for `rows` rows (see [`fp8_mma_launch`]),
+    /// None where it does not apply here: before compute capability 8.9 (no
+    /// E4M3 conversion instruction) or with a fixed GEMV shape (profiling).
+    pub(super) fn fp8_mma_launch(&self, w: &Fp8Weight, rows: usize) -> Option<(usize, usize)> {
+        let max_shared = self.fp8_mma_max_shared?;
+        if self.gemv_shape.is_some() {
+            return None;
+        }
+        fp8_mma_launch(w, rows, max_shared)
     }
 
     /// Prefill: `y (+)= x · wᵀ` through bf16 tiles of dequantized rows and

@@ -356,7 +356,8 @@ impl CudaBackend {
         match w {
             CudaWeight::Affine(a) => rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, rows).is_none(),
             CudaWeight::Matrix { .. } => rows > FLOAT_GEMV_MAX_ROWS,
-            CudaWeight::Fp8(_) | CudaWeight::Vector(_) => rows > GEMV_MAX_ROWS,
+            CudaWeight::Fp8(f) => rows > GEMV_MAX_ROWS && self.fp8_mma_launch(f, rows).is_none(),
+            CudaWeight::Vector(_) => rows > GEMV_MAX_ROWS,
         }
     }
 
@@ -461,6 +462,11 @@ impl CudaBackend {
         let CudaWeight::Matrix { dtype, rows, cols: in_dim, buf } = gate_up else {
             if let CudaWeight::Affine(w) = gate_up
                 && let Some(y) = self.affine_swiglu(x, None, w)
+            {
+                return y;
+            }
+            if let CudaWeight::Fp8(w) = gate_up
+                && let Some(y) = self.fp8_swiglu(x, w)
             {
                 return y;
             }

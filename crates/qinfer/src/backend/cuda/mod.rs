@@ -119,6 +119,9 @@ pub struct CudaBackend {
     flash: [bool; 3],
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
+    /// Dynamic shared memory a tensor-core FP8 GEMV block may take here;
+    /// None before compute capability 8.9 (no E4M3 conversion instruction).
+    fp8_mma_max_shared: Option<usize>,
     /// Dynamic shared memory any block may opt into on this device.
     max_block_shared: usize,
     /// Streaming multiprocessors: grid size of the kernels that loop over
