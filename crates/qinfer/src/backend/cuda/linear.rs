@@ -23,6 +23,18 @@ pub(super) const GEMV_MAX_ROWS: usize = 8;
 /// 13.4 ms for 8; through cuBLAS, 7.2 ms for 5 and 7.6 ms for 8.
 pub(super) const FLOAT_GEMV_MAX_ROWS: usize = 2;
 
+/// Float weights of fewer values than this keep the GEMV up to
+/// [`GEMV_MAX_ROWS`] rows: reading them costs next to nothing either way, and
+/// the GEMV's f32 math keeps what cuBLAS would round to bf16 (a MoE router's
+/// expert choice, a Gated DeltaNet gate over a short prompt).
+const FLOAT_GEMM_MIN_VALUES: usize = 1 << 20;
+
+/// Whether `rows` activation rows through a float `[out_dim, in_dim]` weight
+/// take the GEMV rather than cuBLAS.
+fn float_takes_gemv(rows: usize, out_dim: usize, in_dim: usize) -> bool {
+    rows <= FLOAT_GEMV_MAX_ROWS || (rows <= GEMV_MAX_ROWS && out_dim * in_dim < FLOAT_GEMM_MIN_VALUES)
+}
+
 /// The GEMV kernels compiled: (weight rows per block, activation-row bound).
 pub(super) const GEMV_SHAPES: [(usize, usize); 5] = [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8)];
 /// The shapes of the float GEMVs' gate|up → silu·up form (`{kernel}_swiglu`).
@@ -355,7 +367,7 @@ impl CudaBackend {
     fn takes_gemm(&self, w: &CudaWeight, rows: usize) -> bool {
         match w {
             CudaWeight::Affine(a) => rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, rows).is_none(),
-            CudaWeight::Matrix { .. } => rows > FLOAT_GEMV_MAX_ROWS,
+            CudaWeight::Matrix { rows: out_dim, cols: in_dim, .. } => !float_takes_gemv(rows, *out_dim, *in_dim),
             CudaWeight::Fp8(f) => rows > GEMV_MAX_ROWS && self.fp8_mma_launch(f, rows).is_none(),
             CudaWeight::Vector(_) => rows > GEMV_MAX_ROWS,
         }
@@ -472,7 +484,7 @@ impl CudaBackend {
             }
             return self.swiglu(&self.linear_op(x, gate_up, None));
         };
-        if x.rows > FLOAT_GEMV_MAX_ROWS || x.cols != *in_dim || rows % 2 != 0 {
+        if !float_takes_gemv(x.rows, *rows, *in_dim) || x.cols != *in_dim || rows % 2 != 0 {
             return self.swiglu(&self.linear_op(x, gate_up, None));
         }
         let y = self.act(x.rows, rows / 2);
