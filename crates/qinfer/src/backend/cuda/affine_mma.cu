@@ -454,11 +454,8 @@ __device__ void gemv_affine_mma(const unsigned* __restrict__ w, const S* __restr
     // dot: no more MMAs than a unit of one group (at most 2 activations).
     constexpr bool HALVES = GROUP == 32;
     constexpr int SIDE_COPY = SIDE < 16 ? SIDE : 16;  // bytes a cp.async moves
-    // 128-byte aligned, as it was when every kernel shared one module (whose
-    // flash.cu buffer set the alignment): on its own this unit put the
-    // buffer 64 bytes off a 128-byte boundary, the one SASS difference
-    // between the two builds, and the handed-on row's bulk copies land at
-    // its start.
+    // 128-byte aligned as in the one-module build (flash.cu's buffer set it
+    // there): the handed-on row's bulk copies land at its start.
     extern __shared__ __align__(128) uint4 amma_shared[];
     __shared__ float partial[2][AMMA_WARPS][16][AMMA_MAX_ACT];
     __shared__ uint4 zeros[AMMA_WARPS];
