@@ -221,15 +221,19 @@ __device__ __forceinline__ void mma_f16_16816(float (&c)[4], unsigned a0, unsign
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Largest |v| over the block (NaN ignored), for every thread.
-__device__ __forceinline__ float fp8_block_max(float v, float* red) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float m = 0.0f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); k++) m = fmaxf(m, red[k]);
-    return m;
+// One row of x (times s) staged as f16 hi and lo copies, pitch halves
+// apart; true where a value reached FP8_MMA_X_LIMIT (or is not finite).
+__device__ __forceinline__ bool fp8_stage_row(const float* __restrict__ xr, float s, __half* hi, int pitch,
+                                              int in_dim) {
+    bool big = false;
+    for (int c = threadIdx.x; c < in_dim; c += blockDim.x) {
+        float v = xr[c] * s;
+        big |= !(fabsf(v) < FP8_MMA_X_LIMIT);
+        __half h = __float2half_rn(v);
+        hi[c] = h;
+        hi[pitch + c] = __float2half_rn(v - __half2float(h));
+    }
+    return big;
 }
 
 template <int ACT, bool PAIRED>
@@ -239,41 +243,26 @@ __device__ void gemv_fp8_mma(const unsigned char* __restrict__ w, const float* _
     extern __shared__ __align__(16) unsigned char fp8_mma_shared[];
     __half* xs = reinterpret_cast<__half*>(fp8_mma_shared);  // [ACT][hi, lo][in_dim + pad]
     __shared__ float part[FP8_MMA_WARPS][16][ACT];
-    __shared__ float red[32];
     __shared__ float unscale[ACT];
     int pitch = in_dim + FP8_MMA_PAD;
     // Stage x: hi and lo per value; again after a power-of-two scale in the
     // rare case that a value is too large for f16.
     bool big = false;
-    for (int t = 0; t < n_act; t++) {
-        __half* hi = xs + (size_t)(2 * t) * pitch;
-        for (int c = threadIdx.x; c < in_dim; c += blockDim.x) {
-            float v = x[(size_t)t * in_dim + c];
-            big |= !(fabsf(v) < FP8_MMA_X_LIMIT);
-            __half h = __float2half_rn(v);
-            hi[c] = h;
-            hi[pitch + c] = __float2half_rn(v - __half2float(h));
-        }
-    }
+    for (int t = 0; t < n_act; t++)
+        big |= fp8_stage_row(x + (size_t)t * in_dim, 1.0f, xs + (size_t)(2 * t) * pitch, pitch, in_dim);
     if (threadIdx.x < ACT) unscale[threadIdx.x] = 1.0f;
     if (__syncthreads_or(big)) {
         for (int t = 0; t < n_act; t++) {
+            const float* xr = x + (size_t)t * in_dim;
             float m = 0.0f;
-            for (int c = threadIdx.x; c < in_dim; c += blockDim.x) m = fmaxf(m, fabsf(x[(size_t)t * in_dim + c]));
-            m = fp8_block_max(m, red);
+            for (int c = threadIdx.x; c < in_dim; c += blockDim.x) m = fmaxf(m, fabsf(xr[c]));
+            m = block_max(m);
             // 2^-e with m·2^-e under the limit; inf and NaN go through as
             // they are (the sums are then not finite, as the reference's).
             int e = 0;
             if (isfinite(m) && m >= FP8_MMA_X_LIMIT) frexpf(m / FP8_MMA_X_LIMIT, &e);
-            float s = ldexpf(1.0f, -e);
             if (threadIdx.x == 0) unscale[t] = ldexpf(1.0f, e);
-            __half* hi = xs + (size_t)(2 * t) * pitch;
-            for (int c = threadIdx.x; c < in_dim; c += blockDim.x) {
-                float v = x[(size_t)t * in_dim + c] * s;
-                __half h = __float2half_rn(v);
-                hi[c] = h;
-                hi[pitch + c] = __float2half_rn(v - __half2float(h));
-            }
+            fp8_stage_row(xr, ldexpf(1.0f, -e), xs + (size_t)(2 * t) * pitch, pitch, in_dim);
         }
     }
     __syncthreads();
