@@ -20,14 +20,35 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_r4(const __nv_bfloat
     gemv<__nv_bfloat16, 8, 4, 1>(w, x, nullptr, y, o, i, 1);
 }
 
+// Four E4M3 bytes as floats through the conversion instruction (fp8.cu's pair form).
 __device__ __forceinline__ void e4m3x4_hw(unsigned v, float (&out)[4]) {
-    unsigned lo, hi;
-    unsigned short a = v & 0xffff, b = v >> 16;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(a));
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(b));
+    unsigned lo = e4m3x2_to_f16x2(v), hi = e4m3x2_to_f16x2(v >> 16);
     float2 e = __half22float2(*reinterpret_cast<const __half2*>(&lo));
     float2 o = __half22float2(*reinterpret_cast<const __half2*>(&hi));
     out[0] = e.x; out[1] = e.y; out[2] = o.x; out[3] = o.y;
+}
+
+// x[16·i .. 16·i + 16).
+__device__ __forceinline__ void load_x16(const float* __restrict__ x, int i, float (&xv)[16]) {
+    const float4* xr = reinterpret_cast<const float4*>(x + i * 16);
+#pragma unroll
+    for (int j = 0; j < 4; j++) { float4 v = xr[j]; xv[4*j]=v.x; xv[4*j+1]=v.y; xv[4*j+2]=v.z; xv[4*j+3]=v.w; }
+}
+
+// Σ of 16 E4M3 weights times xv, by the conversion instruction (HW) or the
+// f16-field trick (whose 2^-8 is undone here).
+template <bool HW>
+__device__ __forceinline__ float chunk_sum(uint4 q, const float (&xv)[16]) {
+    unsigned words[4] = {q.x, q.y, q.z, q.w};
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float f[4];
+        if (HW) e4m3x4_hw(words[k], f); else e4m3x4_scaled(words[k], f);
+#pragma unroll
+        for (int m = 0; m < 4; m++) s += f[m] * xv[4*k+m];
+    }
+    return s * (HW ? 1.f : 256.f);
 }
 
 // Block-strided variant: ROWS rows per block, THREADS threads, HW cvt or bit trick, group uniform (128).
@@ -47,22 +68,9 @@ __global__ void __launch_bounds__(THREADS) fp8_block(const unsigned char* __rest
 #pragma unroll
         for (int r = 0; r < ROWS; r++) q[r] = __ldcs(rows[r] + i);
         float xv[16];
-        const float4* xr = reinterpret_cast<const float4*>(x + i * 16);
+        load_x16(x, i, xv);
 #pragma unroll
-        for (int j = 0; j < 4; j++) { float4 v = xr[j]; xv[4*j]=v.x; xv[4*j+1]=v.y; xv[4*j+2]=v.z; xv[4*j+3]=v.w; }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            unsigned words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-            float s = 0.f;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                float f[4];
-                if (HW) e4m3x4_hw(words[k], f); else e4m3x4_scaled(words[k], f);
-#pragma unroll
-                for (int m = 0; m < 4; m++) s += f[m] * xv[4*k+m];
-            }
-            acc[r] += s * srows[r][i * 16 / 128] * (HW ? 1.f : 256.f);
-        }
+        for (int r = 0; r < ROWS; r++) acc[r] += chunk_sum<HW>(q[r], xv) * srows[r][i * 16 / 128];
     }
     __shared__ float part[THREADS / 32][ROWS];
     int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
@@ -98,22 +106,9 @@ __global__ void __launch_bounds__(128) fp8_warp(const unsigned char* __restrict_
             int i = base + u * 32 + lane;
             if (i >= chunks) continue;
             float xv[16];
-            const float4* xr = reinterpret_cast<const float4*>(x + i * 16);
+            load_x16(x, i, xv);
 #pragma unroll
-            for (int j = 0; j < 4; j++) { float4 v = xr[j]; xv[4*j]=v.x; xv[4*j+1]=v.y; xv[4*j+2]=v.z; xv[4*j+3]=v.w; }
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                unsigned words[4] = {q[u][r].x, q[u][r].y, q[u][r].z, q[u][r].w};
-                float s = 0.f;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    float f[4];
-                    if (HW) e4m3x4_hw(words[k], f); else e4m3x4_scaled(words[k], f);
-#pragma unroll
-                    for (int m = 0; m < 4; m++) s += f[m] * xv[4*k+m];
-                }
-                acc[r] += s * srows[r][i * 16 / 128] * (HW ? 1.f : 256.f);
-            }
+            for (int r = 0; r < R; r++) acc[r] += chunk_sum<HW>(q[u][r], xv) * srows[r][i * 16 / 128];
         }
     }
     for (int r = 0; r < R; r++) { float v = warp_sum(acc[r]); if (lane == 0 && row0 + r < out_dim) y[row0 + r] = v; }
