@@ -241,7 +241,7 @@ pub unsafe fn float_tile<const MR: usize, const NR: usize>(
     // bf16 decode only: f16's 512-bit conversion measured no faster.
     if MR == 1 && NR == 4 && kind == FloatWeights::BF16 && has_avx512_vnni() {
         // SAFETY: the caller's contract; AVX-512 F is present (checked above).
-        let v = unsafe { float_rows4_avx512(kind, [w[0], w[1], w[2], w[3]], x[0], cols) };
+        let v = unsafe { bf16_rows4_avx512([w[0], w[1], w[2], w[3]], x[0], cols) };
         let mut out = [[0f32; NR]; MR];
         out[0].copy_from_slice(&v);
         return out;
@@ -250,34 +250,25 @@ pub unsafe fn float_tile<const MR: usize, const NR: usize>(
     unsafe { float_tile_avx2::<MR, NR>(kind, w, x, cols) }
 }
 
-/// One activation row against 4 weight rows, two rows a 512-bit register:
-/// each row's 8 lanes take the FMAs [`float_tile_avx2`] gives them, in the
-/// same order, and are summed the same way, so the sums are equal bit for bit.
+/// One activation row against 4 bf16 weight rows, two rows a 512-bit
+/// register: each row's 8 lanes take the FMAs [`float_tile_avx2`] gives them,
+/// in the same order, and are summed the same way, so the sums are equal bit
+/// for bit.
 ///
 /// # Safety
-/// As [`float_tile`], and the CPU has AVX-512 F.
+/// As [`float_tile`] with bf16 rows, and the CPU has AVX-512 F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn float_rows4_avx512(kind: FloatWeights, w: [*const u8; 4], x: *const f32, cols: usize) -> [f32; 4] {
+unsafe fn bf16_rows4_avx512(w: [*const u8; 4], x: *const f32, cols: usize) -> [f32; 4] {
     use std::arch::x86_64::*;
+    // Rows a and b at column c, 8 values each: bf16 is the top half of an f32.
     // SAFETY (all loads below): c + 8 <= cols, within every row (caller's contract).
     let pair = |a: *const u8, b: *const u8, c: usize| unsafe {
-        match kind {
-            FloatWeights::F32 => _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a.add(4 * c).cast()))),
-                _mm256_castps_pd(_mm256_loadu_ps(b.add(4 * c).cast())),
-            )),
-            FloatWeights::F16 => _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(a.add(2 * c).cast())),
-                _mm_loadu_si128(b.add(2 * c).cast()),
-            )),
-            FloatWeights::BF16 => {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_inserti128_si256::<1>(
-                    _mm256_castsi128_si256(_mm_loadu_si128(a.add(2 * c).cast())),
-                    _mm_loadu_si128(b.add(2 * c).cast()),
-                ))))
-            }
-        }
+        let both = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(a.add(2 * c).cast())),
+            _mm_loadu_si128(b.add(2 * c).cast()),
+        );
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
     };
     let mut acc = [_mm512_setzero_ps(); 2];
     let mut c = 0;
@@ -299,7 +290,7 @@ unsafe fn float_rows4_avx512(kind: FloatWeights, w: [*const u8; 4], x: *const f3
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[1]))),
     ];
     // SAFETY: the same contract, for the tails the AVX2 tile sums.
-    std::array::from_fn(|j| unsafe { float_lanes_and_tail(kind, halves[j], w[j], x, c, cols) })
+    std::array::from_fn(|j| unsafe { float_lanes_and_tail(FloatWeights::BF16, halves[j], w[j], x, c, cols) })
 }
 
 /// [`float_tile`] on AVX2: 8 values a step.
@@ -349,9 +340,8 @@ unsafe fn float_tile_avx2<const MR: usize, const NR: usize>(
     out
 }
 
-/// The 8 lane sums of one output added up (lanes 4–7 onto 0–3, then pairs,
-/// then the two left), plus the columns `c..cols` past the last whole step
-/// in order.
+/// The 8 lane sums of one output added up as [`super::q8_avx2::hsum`] does,
+/// plus the columns `c..cols` past the last whole step in order.
 ///
 /// # Safety
 /// `x` points at `cols` floats and `w` at `cols` values of `kind`; AVX2.
@@ -365,22 +355,18 @@ unsafe fn float_lanes_and_tail(
     c: usize,
     cols: usize,
 ) -> f32 {
-    use std::arch::x86_64::*;
-    let s4 = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    let mut sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    let mut sum = super::q8_avx2::hsum(v);
     for k in c..cols {
         // SAFETY: k < cols, so `x[k]` and the value at `w` + its width · k are readable.
-        let wf = unsafe {
-            let xk = *x.add(k);
-            let wf = match kind {
+        let (xk, wk) = unsafe {
+            let wk = match kind {
                 FloatWeights::F32 => w.add(4 * k).cast::<f32>().read_unaligned(),
                 FloatWeights::F16 => half::f16::from_bits(w.add(2 * k).cast::<u16>().read_unaligned()).to_f32(),
                 FloatWeights::BF16 => f32::from_bits((w.add(2 * k).cast::<u16>().read_unaligned() as u32) << 16),
             };
-            xk * wf
+            (*x.add(k), wk)
         };
-        sum += wf;
+        sum += xk * wk;
     }
     sum
 }
@@ -398,7 +384,7 @@ mod tests {
         }
     }
 
-    /// The AVX2 float tile against an f64 sum, for every stored width, tile shape remainders and column
+    /// bf16 decode on AVX-512 against the AVX2 tile, bit for bit, at column
     /// counts with and without a tail past the vector width.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -408,47 +394,37 @@ mod tests {
         if !avx512_vnni_or_skip() {
             return;
         }
-        let mut seed = fresh_seed("float_rows4_avx512");
+        let mut seed = fresh_seed("bf16_rows4_avx512");
         let start = seed;
-        // Values of any sign and a wide range of magnitudes, exact in every kind.
+        // Values of any sign and a wide range of magnitudes.
         let value = |seed: &mut u64| {
             let r = next(seed);
-            let m = half::bf16::from_f32(((r % 2001) as f32 - 1000.0) / 256.0);
+            let m = ((r % 2001) as f32 - 1000.0) / 256.0;
             let e = ((r >> 16) % 24) as i32 - 12;
-            half::f16::from_f32(m.to_f32() * 2f32.powi(e)).to_f32()
+            m * 2f32.powi(e)
         };
-        for kind in [FloatWeights::F32, FloatWeights::F16, FloatWeights::BF16] {
-            for cols in [1, 7, 8, 9, 16, 33, 100, 896, 1000] {
-                let x: Vec<f32> = (0..cols).map(|_| value(&mut seed)).collect();
-                let bytes: Vec<Vec<u8>> = (0..4)
-                    .map(|_| {
-                        (0..cols)
-                            .flat_map(|_| {
-                                let v = value(&mut seed);
-                                match kind {
-                                    FloatWeights::F32 => v.to_le_bytes().to_vec(),
-                                    FloatWeights::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
-                                    FloatWeights::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
-                                }
-                            })
-                            .collect()
-                    })
-                    .collect();
-                let w: [*const u8; 4] = std::array::from_fn(|j| bytes[j].as_ptr());
-                // SAFETY: AVX-512 F and AVX2 are present (checked above); rows hold `cols` values.
-                let (wide, narrow) = unsafe {
-                    (
-                        super::float_rows4_avx512(kind, w, x.as_ptr(), cols),
-                        super::float_tile_avx2::<1, 4>(kind, w, [x.as_ptr()], cols)[0],
-                    )
-                };
-                for j in 0..4 {
-                    assert_eq!(wide[j].to_bits(), narrow[j].to_bits(), "{kind:?} cols {cols} row {j} (seed {start})");
-                }
+        for cols in [1, 7, 8, 9, 16, 33, 100, 896, 1000] {
+            let x: Vec<f32> = (0..cols).map(|_| value(&mut seed)).collect();
+            let bytes: Vec<Vec<u8>> = (0..4)
+                .map(|_| (0..cols).flat_map(|_| half::bf16::from_f32(value(&mut seed)).to_le_bytes()).collect())
+                .collect();
+            let w: [*const u8; 4] = std::array::from_fn(|j| bytes[j].as_ptr());
+            // SAFETY: AVX-512 F and AVX2 are present (checked above); rows hold `cols` values.
+            let (wide, narrow) = unsafe {
+                (
+                    super::bf16_rows4_avx512(w, x.as_ptr(), cols),
+                    super::float_tile_avx2::<1, 4>(FloatWeights::BF16, w, [x.as_ptr()], cols)[0],
+                )
+            };
+            for j in 0..4 {
+                assert_eq!(wide[j].to_bits(), narrow[j].to_bits(), "cols {cols} row {j} (seed {start})");
             }
         }
     }
 
+    /// The AVX2 float tile against an f64 sum, for every stored width, tile shape remainders and column
+    /// counts with and without a tail past the vector width.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn float_tiles_match_f64_reference() {
         use super::FloatWeights;
