@@ -445,7 +445,7 @@ impl EngineCore {
                 break;
             }
             let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
-            if !decoding || seq.prompt_only() || seq.constraint.is_some() || !seq.sampler.params().verifies_drafts() {
+            if !decoding || seq.prompt_only() || seq.constraint.is_some() {
                 continue;
             }
             if !seq.backoff.ready() {
@@ -584,7 +584,10 @@ impl EngineCore {
                 self.speculative.drafted += drafted as u64;
                 self.speculative.accepted += step.accepted as u64;
                 seq.backoff.verified(step.accepted);
-                for &t in &drafts[..step.accepted.min(drafted)] {
+                for (i, &t) in drafts[..step.accepted.min(drafted)].iter().enumerate() {
+                    if let Some(lp) = step.draft_logprobs.get(i) {
+                        seq.push_logprob(lp.clone());
+                    }
                     finish = seq.push(t, tok.as_deref(), self.cfg.max_model_len)?;
                     seq.computed += 1;
                     if finish.is_some() {

@@ -51,8 +51,9 @@ pub struct StepSeq<'a> {
     /// The LoRA adapter its rows run with.
     pub adapter: Option<u64>,
     /// Its last rows are this many draft tokens to verify (speculative
-    /// decoding): every row from the one before them on is picked, greedily,
-    /// and the drafts are accepted while they equal the picks.
+    /// decoding): every row from the one before them on is picked by its
+    /// sampler's acceptance rule ([`Sampler::verify`]; greedy ones where the
+    /// logits are, keeping the drafts while they equal the picks).
     pub drafts: usize,
 }
 
@@ -78,9 +79,11 @@ pub struct StepOut {
     /// The constraint failed (or allowed nothing): the pick was made
     /// without it and the sequence should end.
     pub constraint_error: Option<String>,
-    /// Of its drafts, how many lead equal to the picks (accepted): they
-    /// come before `token`, which is the pick after the last of them.
+    /// Of its drafts, how many were accepted: they come before `token`,
+    /// which is the pick after the last of them.
     pub accepted: usize,
+    /// The log probabilities of the accepted drafts (when asked for).
+    pub draft_logprobs: Vec<TokenLogprob>,
 }
 
 pub struct Runner {
@@ -192,7 +195,7 @@ impl Runner {
         let mut picks: Vec<Option<RowPick>> = Vec::with_capacity(batch.logits_rows.len());
         for s in seqs.iter_mut().filter(|s| s.sample.is_some() || s.scores.is_some()) {
             match (&mut s.sample, &s.constraint, s.scores) {
-                (Some((sampler, context)), None, None) if s.drafts > 0 => {
+                (Some((sampler, context)), None, None) if s.drafts > 0 && sampler.params().verifies_on_device() => {
                     // Row i picks after the drafts before it (greedy: no draw).
                     let known = context.len() - s.drafts;
                     for i in 0..=s.drafts {
@@ -201,8 +204,9 @@ impl Runner {
                         })?));
                     }
                 }
-                (Some((sampler, context)), None, None) => picks.push(sampler.row_pick(context)),
-                _ => picks.push(None),
+                (Some((sampler, context)), None, None) if s.drafts == 0 => picks.push(sampler.row_pick(context)),
+                // Drafts verified on the host: every row's logits come back.
+                _ => picks.extend((0..=s.drafts).map(|_| None)),
             }
         }
         let out = self.model.forward_batch(self.state.as_mut(), &tokens, &batch, &picks)?;
@@ -229,6 +233,17 @@ impl Runner {
                 let drafts = &s.tokens[s.tokens.len() - s.drafts..];
                 o.accepted = drafts.iter().zip(&got).take_while(|(d, p)| d == p).count();
                 o.token = Some(got[o.accepted]);
+            } else if s.drafts > 0 {
+                let rows: Vec<&[f32]> = logit_rows.by_ref().take(rows).collect();
+                let (sampler, context) = s.sample.as_mut().expect("check_drafts saw a sampler");
+                let known = context.len() - s.drafts;
+                let mut v = sampler.verify(&rows, &context[known..], &context[..known]);
+                o.accepted = v.accepted;
+                o.token = Some(v.token);
+                if sampler.params().logprobs.is_some() {
+                    o.logprob = v.logprobs.pop();
+                    o.draft_logprobs = v.logprobs;
+                }
             } else if logits_row {
                 let row = logit_rows.next().expect("one logits row per sampling or scoring sequence");
                 if let Some(ids) = s.scores {
@@ -272,21 +287,16 @@ impl Runner {
     }
 }
 
-/// Drafts are verified greedily, by picks made where the logits are: a
-/// sequence with drafts samples at temperature 0 with nothing kept on the
-/// host, no constraint and no scores.
+/// Drafts are verified by the sequence's sampler: a sequence with drafts
+/// samples, without a constraint or scores, and its context ends with them.
 fn check_drafts(s: &StepSeq<'_>) -> Result<()> {
     let ok = match &s.sample {
-        Some((sampler, context)) => {
-            sampler.params().verifies_drafts() && context.len() >= s.drafts && s.tokens.len() > s.drafts
-        }
+        Some((_, context)) => context.len() >= s.drafts && s.tokens.len() > s.drafts,
         None => false,
     };
     if !ok || s.constraint.is_some() || s.scores.is_some() {
         return Err(Error::Invalid(
-            "draft tokens are verified only for greedy sampling without constraints, scores, logprobs, bias or \
-             frequency/presence penalties"
-                .into(),
+            "draft tokens are verified only for sampling sequences without constraints or scores".into(),
         ));
     }
     Ok(())

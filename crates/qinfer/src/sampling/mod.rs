@@ -10,6 +10,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::{Error, Result};
 
+pub mod verify;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// 0 means greedy (argmax).
@@ -92,10 +94,10 @@ impl SamplingParams {
             || self.logprobs.is_some()
     }
 
-    /// Whether draft tokens can be verified under these parameters:
-    /// greedy acceptance, by picks made where the logits are (temperature
-    /// 0, nothing kept on the host).
-    pub fn verifies_drafts(&self) -> bool {
+    /// Whether draft tokens are verified where the logits are (greedy
+    /// acceptance by device picks: temperature 0, nothing kept on the host);
+    /// other parameters verify on the host ([`Sampler::verify`]).
+    pub fn verifies_on_device(&self) -> bool {
         self.temperature == 0.0 && !self.host_only()
     }
 }
@@ -287,49 +289,90 @@ pub fn pick(p: &SamplingParams, logits: &mut [f32], penalized: &[u32], u: f32) -
     if p.temperature == 0.0 {
         return argmax(logits);
     }
-    // Candidates sorted by logit, descending; ties keep the lower id first.
-    // With top-k, only the k kept are sorted (a total order: the same k).
-    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
-    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    if p.top_k > 0 && p.top_k < cand.len() {
-        cand.select_nth_unstable_by(p.top_k - 1, order);
-        cand.truncate(p.top_k);
+    Candidates::new(p, logits).draw(u)
+}
+
+/// What a non-greedy pick chooses among (penalties already applied): the
+/// kept tokens, most likely first, and their probabilities before the
+/// renormalization that top-p and min-p imply (`total` is their sum).
+pub struct Candidates {
+    pub tokens: Vec<u32>,
+    pub probs: Vec<f32>,
+    pub total: f64,
+}
+
+impl Candidates {
+    /// Temperature, top-k, top-p and min-p over `logits`.
+    pub fn new(p: &SamplingParams, logits: &[f32]) -> Self {
+        // Candidates sorted by logit, descending; ties keep the lower id first.
+        // With top-k, only the k kept are sorted (a total order: the same k).
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, l)| (i as u32, l / p.temperature)).collect();
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, order);
+            cand.truncate(p.top_k);
+        }
+        cand.sort_by(order);
+        let max = cand[0].1;
+        // Probabilities in f32, their running sums in f64: over 150k candidates
+        // an f32 running sum drifts by up to ~1e-3, enough to move the top-p cut
+        // or the draw by a candidate.
+        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
+        let sum: f64 = probs.iter().map(|&x| f64::from(x)).sum();
+        probs.iter_mut().for_each(|x| *x = (f64::from(*x) / sum) as f32);
+        if p.top_p < 1.0 {
+            // Keep the smallest prefix whose mass reaches top_p (always at least one).
+            let mut acc = 0.0f64;
+            let mut keep = probs.len();
+            for (i, pr) in probs.iter().enumerate() {
+                acc += f64::from(*pr);
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let cut = probs[0] * p.min_p;
+            let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
+            probs.truncate(keep);
+        }
+        let total: f64 = probs.iter().map(|&x| f64::from(x)).sum();
+        let tokens = cand[..probs.len()].iter().map(|c| c.0).collect();
+        Candidates { tokens, probs, total }
     }
-    cand.sort_by(order);
-    let max = cand[0].1;
-    // Probabilities in f32, their running sums in f64: over 150k candidates
-    // an f32 running sum drifts by up to ~1e-3, enough to move the top-p cut
-    // or the draw by a candidate.
-    let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
-    let sum: f64 = probs.iter().map(|&x| f64::from(x)).sum();
-    probs.iter_mut().for_each(|x| *x = (f64::from(*x) / sum) as f32);
-    if p.top_p < 1.0 {
-        // Keep the smallest prefix whose mass reaches top_p (always at least one).
-        let mut acc = 0.0f64;
-        let mut keep = probs.len();
-        for (i, pr) in probs.iter().enumerate() {
-            acc += f64::from(*pr);
-            if acc >= f64::from(p.top_p) {
-                keep = i + 1;
-                break;
+
+    /// The candidate the uniform draw `u` lands on.
+    pub fn draw(&self, u: f32) -> u32 {
+        let mut r = f64::from(u) * self.total;
+        for (i, pr) in self.probs.iter().enumerate() {
+            r -= f64::from(*pr);
+            if r <= 0.0 {
+                return self.tokens[i];
             }
         }
-        probs.truncate(keep);
+        self.tokens[self.probs.len() - 1]
     }
-    if p.min_p > 0.0 {
-        let cut = probs[0] * p.min_p;
-        let keep = probs.iter().take_while(|x| **x >= cut).count().max(1);
-        probs.truncate(keep);
-    }
-    let total: f64 = probs.iter().map(|&x| f64::from(x)).sum();
-    let mut r = f64::from(u) * total;
-    for (i, pr) in probs.iter().enumerate() {
-        r -= f64::from(*pr);
-        if r <= 0.0 {
-            return cand[i].0;
+
+    /// `token`'s probability under the pick (0 when it is not kept).
+    pub fn prob(&self, token: u32) -> f64 {
+        match self.tokens.iter().position(|&t| t == token) {
+            Some(i) => f64::from(self.probs[i]) / self.total,
+            None => 0.0,
         }
     }
-    cand[probs.len() - 1].0
+
+    /// The same pick with `token` taken out (the others renormalized); None
+    /// when nothing else is left.
+    pub fn without(mut self, token: u32) -> Option<Self> {
+        if let Some(i) = self.tokens.iter().position(|&t| t == token) {
+            self.tokens.remove(i);
+            self.probs.remove(i);
+            self.total = self.probs.iter().map(|&x| f64::from(x)).sum();
+        }
+        (!self.tokens.is_empty() && self.total > 0.0).then_some(self)
+    }
 }
 
 #[cfg(test)]
