@@ -196,10 +196,13 @@ pub struct EngineArgs {
     /// dropped). On the CPU the pool is host memory already.
     #[arg(long, default_value_t = 0.0)]
     pub prefix_cache_host_gb: f64,
-    /// Speculative decoding for greedy requests: `ngram` proposes draft
-    /// tokens by looking the last tokens up in the prompt and output so far,
-    /// and each step verifies them in its forward (outputs are unchanged).
-    #[arg(long, value_enum)]
+    /// Speculative decoding: `ngram` proposes draft tokens by looking the
+    /// last tokens up in the prompt and output so far; `draft:PATH` runs a
+    /// smaller model with the same vocabulary (a directory or .gguf file)
+    /// ahead of each sequence. Each step verifies the drafts in its forward:
+    /// greedy outputs are unchanged, sampled ones follow the same
+    /// distribution (rejection sampling).
+    #[arg(long, value_parser = parse_speculative, value_name = "ngram|draft:PATH")]
     pub speculative: Option<SpeculativeKind>,
     /// Most draft tokens proposed and verified per sequence and step (with
     /// --speculative).
@@ -208,11 +211,70 @@ pub struct EngineArgs {
 }
 
 /// Where draft tokens come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SpeculativeKind {
     /// Prompt lookup: the tokens that followed the latest earlier occurrence
     /// of the last 4 (down to 2) tokens.
     Ngram,
+    /// A draft model, from this path.
+    Draft(PathBuf),
+}
+
+/// `--speculative`'s value.
+pub fn parse_speculative(s: &str) -> std::result::Result<SpeculativeKind, String> {
+    match s {
+        "ngram" => Ok(SpeculativeKind::Ngram),
+        "mtp" => Err("the MTP proposer (a checkpoint's own multi-token-prediction layers) is not built yet; use \
+                      `ngram` or `draft:PATH`"
+            .into()),
+        _ => match s.strip_prefix("draft:") {
+            Some(path) if !path.is_empty() => Ok(SpeculativeKind::Draft(PathBuf::from(path))),
+            _ => Err(format!("expected `ngram` or `draft:PATH`, got {s:?}")),
+        },
+    }
+}
+
+impl SpeculativeKind {
+    /// The engine's speculation with at most `draft_tokens` per step.
+    pub fn config(&self, draft_tokens: usize) -> SpeculativeConfig {
+        match self {
+            SpeculativeKind::Ngram => SpeculativeConfig::ngram(draft_tokens),
+            SpeculativeKind::Draft(_) => SpeculativeConfig::draft_model(draft_tokens),
+        }
+    }
+
+    /// Loads the draft model on `device` (None for proposers without one),
+    /// checking that it tokenizes as `target` does.
+    pub fn load_draft(
+        &self,
+        device: qinfer::loader::Device,
+        target: Option<&Tokenizer>,
+    ) -> Result<Option<std::sync::Arc<dyn qinfer::models::LanguageModel>>> {
+        let SpeculativeKind::Draft(path) = self else { return Ok(None) };
+        let model = open_model(Some(path)).context("the draft model")?;
+        if let (Some(t), Some(d)) = (target, model.tokenizer.as_ref()) {
+            same_vocabulary(t, d).with_context(|| format!("the draft model {}", path.display()))?;
+        }
+        let lm = model.load(device, false).with_context(|| format!("loading the draft model {}", path.display()))?;
+        Ok(Some(std::sync::Arc::from(lm)))
+    }
+}
+
+/// Errors unless `draft` maps every token id to the same token as `target`.
+fn same_vocabulary(target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
+    let (n, m) = (target.vocab_size(), draft.vocab_size());
+    if n != m {
+        bail!("its tokenizer has {m} tokens and the target's {n}: a draft model must share the target's vocabulary");
+    }
+    if let Some(id) = (0..n as u32).find(|&i| target.id_to_token(i) != draft.id_to_token(i)) {
+        bail!(
+            "token {id} is {:?} in its tokenizer and {:?} in the target's: a draft model must share the target's \
+             vocabulary",
+            draft.id_to_token(id),
+            target.id_to_token(id)
+        );
+    }
+    Ok(())
 }
 
 /// The KV pool `cfg` gives `lm` on `device`: the tokens it holds, in blocks
@@ -254,9 +316,7 @@ impl EngineArgs {
                 cfg.num_blocks * cfg.block_size,
             )
         });
-        cfg.speculative = self.speculative.map(|kind| match kind {
-            SpeculativeKind::Ngram => SpeculativeConfig::ngram(self.draft_tokens as usize),
-        });
+        cfg.speculative = self.speculative.as_ref().map(|kind| kind.config(self.draft_tokens as usize));
         cfg
     }
 }

@@ -8,102 +8,15 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-use qinfer::engine::core::{EngineConfig, EngineCore};
+use common::engine::{config, fixtures, ids, load, reference, request, requests, run};
+use qinfer::engine::core::EngineCore;
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::handle::Engine;
 use qinfer::engine::prefix::PrefixCacheConfig;
-use qinfer::engine::request::{FinishReason, Request, StopConditions};
-use qinfer::engine::speculative::SpeculativeConfig;
-use qinfer::loader;
-use qinfer::models::LanguageModel;
+use qinfer::engine::request::{FinishReason, Request};
 use qinfer::sampling::SamplingParams;
-use serde_json::Value;
-
-fn fixtures() -> Vec<PathBuf> {
-    common::exact_fixture_dirs("tiny", &common::TINY_FIXTURES, "reference.json")
-}
-
-fn reference(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn load(dir: &Path) -> Arc<dyn LanguageModel> {
-    let m = loader::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    Arc::from(m.load_cpu(false).unwrap())
-}
-
-fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Request {
-    Request { prompt, sampling, stop: StopConditions { max_tokens, ..Default::default() }, ..Default::default() }
-}
-
-/// The requests each test mixes: transformers' greedy prompt first, then
-/// prompts of 1 to 80 tokens cut from the fixture's input (some past a
-/// 64-token chunk), greedy and seeded sampling, short and long budgets.
-fn requests(r: &Value) -> Vec<Request> {
-    // The fixture's input, repeated where it is shorter than 80 tokens.
-    let input: Vec<u32> = ids(&r["input_ids"]).into_iter().cycle().take(80).collect();
-    let want = ids(&r["greedy"]["new_tokens"]);
-    let sampled = |seed| SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed, ..Default::default() };
-    vec![
-        request(ids(&r["greedy"]["prompt"]), want.len(), SamplingParams::default()),
-        request(input[..1].to_vec(), 9, SamplingParams::default()),
-        request(input[3..74].to_vec(), 12, SamplingParams::default()),
-        request(input[10..17].to_vec(), 30, sampled(7)),
-        request(input.clone(), 5, SamplingParams::default()),
-        request(input[20..53].to_vec(), 16, sampled(11)),
-        request(input[5..70].to_vec(), 20, SamplingParams { repetition_penalty: 1.3, ..Default::default() }),
-    ]
-}
 
 /// Without the prefix cache: the tests of that cache compare against this.
-fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize) -> EngineConfig {
-    EngineConfig {
-        max_batched_tokens,
-        max_num_seqs,
-        block_size: 16,
-        num_blocks,
-        max_model_len: 1024,
-        prefix_cache: None,
-        speculative: None,
-    }
-}
-
-/// Runs `reqs` through `core`, request `i` joining before step `joins[i]`;
-/// returns each one's tokens and finish reason.
-fn run(core: &mut EngineCore, reqs: &[Request], joins: &[usize]) -> Vec<(Vec<u32>, FinishReason)> {
-    let mut got: HashMap<u64, (Vec<u32>, Option<FinishReason>)> = HashMap::new();
-    let mut step = 0;
-    loop {
-        for (i, r) in reqs.iter().enumerate() {
-            if joins[i] == step {
-                core.add(i as u64, r.clone()).unwrap();
-            }
-        }
-        if core.num_unfinished() == 0 && joins.iter().all(|&j| j < step) {
-            break;
-        }
-        for out in core.step().unwrap() {
-            let e = got.entry(out.id).or_default();
-            e.0.extend(&out.token_ids);
-            assert!(e.1.is_none(), "output after the finish");
-            e.1 = out.finish;
-            assert_eq!(out.usage.completion_tokens, e.0.len());
-        }
-        step += 1;
-        assert!(step < 10_000, "the engine does not finish");
-    }
-    assert!(core.pools_whole(), "blocks or state slots leaked");
-    (0..reqs.len() as u64).map(|i| got.remove(&i).map(|(t, f)| (t, f.expect("finished"))).unwrap()).collect()
-}
-
 #[test]
 fn batched_outputs_equal_alone_and_transformers() {
     for dir in fixtures() {
@@ -310,63 +223,4 @@ fn logprobs_are_log_softmax_of_transformers_logits() {
         }
         assert_eq!(seen, input.len(), "{name}");
     }
-}
-
-/// Speculative decoding (n-gram prompt lookup, greedy verification in the
-/// step's forward): every request's tokens and finish equal plain
-/// decoding's, exactly, in the same mixes (chunked prefills, preemption,
-/// the prefix cache), with stop tokens landing among accepted drafts; the
-/// hybrids, whose recurrent states cannot roll back, are refused by name.
-#[test]
-fn speculative_decoding_changes_no_token() {
-    let mut accepted_anywhere = 0;
-    for dir in fixtures() {
-        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let r = reference(&dir);
-        let model = load(&dir);
-        let spec = |k, mut cfg: EngineConfig| {
-            cfg.speculative = Some(SpeculativeConfig::ngram(k));
-            EngineCore::new(model.clone(), None, cfg)
-        };
-        if model.config().gdn.is_some() {
-            let e = spec(4, config(512, 4, 64)).err().expect("hybrids refuse speculation").to_string();
-            assert!(e.contains("speculative") && e.contains(model.config().arch.name()), "{name}: {e}");
-            continue;
-        }
-        let mut reqs = requests(&r);
-        // Prompts that repeat themselves, which lookup finds drafts in: a
-        // 9-token phrase four times, and the fixture's input twice.
-        let input = ids(&r["input_ids"]);
-        let phrase: Vec<u32> = input.iter().copied().cycle().skip(2).take(9).collect();
-        reqs.push(request(phrase.repeat(4), 40, SamplingParams::default()));
-        reqs.push(request([input.clone(), input.clone()].concat(), 24, SamplingParams::default()));
-        let joins = [0, 0, 1, 1, 3, 6, 9, 0, 2];
-        let plain = run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &reqs, &joins);
-        // A stop token among the greedy outputs: the ninth request's sixth token.
-        let mut stopped = reqs.clone();
-        stopped[7].stop.stop_token_ids = vec![plain[7].0[5]];
-        let plain_stopped =
-            run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &stopped, &joins);
-        assert_eq!(plain_stopped[7].1, FinishReason::Stop, "{name}");
-        for (k, cfg, cached) in
-            [(4, config(80, 4, 12), false), (2, config(80, 4, 9), true), (7, config(512, 8, 64), false)]
-        {
-            let mut cfg = cfg;
-            if cached {
-                cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 0, host_bytes: 0 });
-            }
-            let mut core = spec(k, cfg).unwrap();
-            let got = run(&mut core, &reqs, &joins);
-            for (i, (a, b)) in plain.iter().zip(&got).enumerate() {
-                assert_eq!(a, b, "{name}: request {i}, {k} draft tokens: plain vs speculative");
-            }
-            let stats = core.speculative_stats();
-            let mut core = spec(k, cfg).unwrap();
-            assert_eq!(run(&mut core, &stopped, &joins), plain_stopped, "{name}: stop tokens, {k} draft tokens");
-            println!("{name}: {k} draft tokens, {stats:?} ({} preemptions)", core.preemptions());
-            assert!(stats.accepted <= stats.drafted && stats.verifications > 0, "{name}: {stats:?}");
-            accepted_anywhere += stats.accepted;
-        }
-    }
-    assert!(accepted_anywhere > 0, "no draft token was ever accepted: the verification path went untested");
 }

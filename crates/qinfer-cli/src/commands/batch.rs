@@ -159,7 +159,11 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let cfg = a.engine.config(lm.as_ref(), &device);
     eprintln!("{}", crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device));
     let adapter = a.lora.place(lm.as_ref())?;
-    let mut core = EngineCore::new(lm.clone(), Some(tok.clone()), cfg)?;
+    let draft = match &a.engine.speculative {
+        Some(kind) => kind.load_draft(device, Some(&tok))?,
+        None => None,
+    };
+    let mut core = EngineCore::with_draft(lm.clone(), Some(tok.clone()), cfg, draft)?;
 
     // Parse every line; a bad one becomes its error result, the rest run.
     let mut results: Vec<(Value, Option<Value>)> = Vec::new();

@@ -11,7 +11,6 @@ use anyhow::{Result, bail, ensure};
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Pooling, Request, StopConditions, Task};
-use qinfer::engine::speculative::SpeculativeConfig;
 use qinfer::loader::Device;
 use qinfer::lora::AdapterId;
 use qinfer::models::{LanguageModel, Logits};
@@ -78,7 +77,7 @@ pub struct Args {
     /// With --concurrency: speculative decoding of the greedy requests, as
     /// the engine commands' `--speculative` (the tg rows count accepted
     /// drafts as generated tokens and report the acceptance).
-    #[arg(long, value_enum, requires = "concurrency")]
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH", requires = "concurrency")]
     speculative: Option<crate::common::SpeculativeKind>,
     /// Most draft tokens per sequence and step (with --speculative).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -240,11 +239,13 @@ fn concurrency_rows(
             prefix_cache: (!a.no_prefix_cache).then(|| {
                 PrefixCacheConfig::for_model(lm.as_ref(), 64, PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES, c * (p + n))
             }),
-            speculative: a.speculative.map(|kind| match kind {
-                crate::common::SpeculativeKind::Ngram => SpeculativeConfig::ngram(a.draft_tokens as usize),
-            }),
+            speculative: a.speculative.as_ref().map(|kind| kind.config(a.draft_tokens as usize)),
         };
-        let mut core = EngineCore::new(lm.clone(), None, cfg)?;
+        let draft = match &a.speculative {
+            Some(kind) => kind.load_draft(*device, None)?,
+            None => None,
+        };
+        let mut core = EngineCore::with_draft(lm.clone(), None, cfg, draft)?;
         concurrent(&mut core, (c, p, n), vocab, 0, a.embed, adapter)?;
         let runs = (1..=a.repetitions.max(1))
             .map(|run| concurrent(&mut core, (c, p, n), vocab, run, a.embed, adapter))

@@ -112,7 +112,11 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         }
         let cfg = engine_args.config(lm.as_ref(), &device);
         let pool = crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device);
-        let engine = Engine::start(lm, tok, cfg).map_err(|e| e.to_string())?;
+        let draft = match &engine_args.speculative {
+            Some(kind) => kind.load_draft(device, tok.as_deref()).map_err(|e| format!("{e:#}"))?,
+            None => None,
+        };
+        let engine = Engine::start_with_draft(lm, tok, cfg, draft).map_err(|e| e.to_string())?;
         eprintln!("qinfer serve: {name} is ready ({pool}, {} KiB; {})", engine.kv_bytes() >> 10, task_name(&task));
         Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task, adapters })
     };

@@ -9,12 +9,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use super::draft::{DraftWant, Drafter};
 use super::prefix::{
     BlockAt, PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, SnapshotAt, register_full_blocks, spill,
 };
 use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
-use super::speculative::{SpeculativeConfig, SpeculativeStats};
+use super::speculative::{Proposer, SpeculativeConfig, SpeculativeStats, ngram_lookup};
 use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
@@ -109,10 +110,31 @@ pub struct EngineCore {
     preemptions: usize,
     prefix: Option<PrefixCache>,
     speculative: SpeculativeStats,
+    /// The draft model's proposer (with [`Proposer::Draft`]).
+    drafter: Option<Drafter>,
 }
 
 impl EngineCore {
     pub fn new(model: Arc<dyn LanguageModel>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self> {
+        Self::with_draft(model, tokenizer, cfg, None)
+    }
+
+    /// An engine whose speculative decoding drafts with `draft` (which
+    /// [`Proposer::Draft`] needs, and no other proposer takes).
+    pub fn with_draft(
+        model: Arc<dyn LanguageModel>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        cfg: EngineConfig,
+        draft: Option<Arc<dyn LanguageModel>>,
+    ) -> Result<Self> {
+        let drafts_with_model = cfg.speculative.is_some_and(|s| s.proposer == Proposer::Draft);
+        if drafts_with_model != draft.is_some() {
+            return Err(Error::Invalid(if drafts_with_model {
+                "draft-model speculative decoding needs a draft model".into()
+            } else {
+                "a draft model was given without draft-model speculative decoding".into()
+            }));
+        }
         if cfg.max_batched_tokens == 0 || cfg.max_num_seqs == 0 || cfg.block_size == 0 {
             return Err(Error::Invalid(
                 "max_batched_tokens, max_num_seqs and block_size must all be at least 1".into(),
@@ -173,7 +195,14 @@ impl EngineCore {
             }
             PrefixCache { snapshots, host, stats: PrefixStats::default() }
         });
+        let drafter = match draft {
+            Some(d) => {
+                Some(Drafter::new(d, runner.model().as_ref(), cfg.num_blocks, cfg.block_size, cfg.max_batched_tokens)?)
+            }
+            None => None,
+        };
         Ok(EngineCore {
+            drafter,
             runner,
             tokenizer,
             cfg,
@@ -194,6 +223,11 @@ impl EngineCore {
 
     pub fn kv_bytes(&self) -> usize {
         self.runner.kv_bytes()
+    }
+
+    /// Bytes of the draft model's KV pool (0 without one).
+    pub fn draft_kv_bytes(&self) -> usize {
+        self.drafter.as_ref().map_or(0, Drafter::kv_bytes)
     }
 
     /// Preemptions so far.
@@ -264,6 +298,7 @@ impl EngineCore {
     pub fn pools_whole(&self) -> bool {
         self.runner.blocks.is_whole()
             && self.runner.slots.is_whole()
+            && self.drafter.as_ref().is_none_or(Drafter::is_whole)
             && self.prefix.as_ref().is_none_or(PrefixCache::is_whole)
     }
 
@@ -301,6 +336,9 @@ impl EngineCore {
 
     fn free(&mut self, seq: &mut Sequence) {
         seq.blocks.release(&mut self.runner.blocks);
+        if let Some(d) = &mut self.drafter {
+            d.release(seq.id);
+        }
         seq.registered = 0;
         if let Some(slot) = seq.state_slot.take() {
             self.runner.slots.release(slot);
@@ -434,13 +472,15 @@ impl EngineCore {
         Ok(plan)
     }
 
-    /// Appends draft tokens to the greedy decode steps of `taken` that the
+    /// Appends draft tokens to the decode steps of `taken` that the
     /// proposer has some for, while the step's token budget and the KV
     /// pool's free blocks last (speculation never preempts anyone).
     fn propose_drafts(&mut self, taken: &mut [(Sequence, usize)]) {
         let Some(spec) = self.cfg.speculative else { return };
         let mut budget = self.cfg.max_batched_tokens.saturating_sub(taken.iter().map(|(_, n)| n).sum());
-        for (seq, n) in taken.iter_mut() {
+        // (index into taken, most drafts it may take).
+        let mut wants = Vec::new();
+        for (i, (seq, n)) in taken.iter_mut().enumerate() {
             if budget == 0 {
                 break;
             }
@@ -454,12 +494,38 @@ impl EngineCore {
             // Drafts past the output's or the context's end could never be kept.
             let room = (seq.stop.max_tokens.saturating_sub(seq.generated() + 1))
                 .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1))
-                .min(budget);
-            let drafts = spec.propose(&seq.tokens, room);
+                .min(budget)
+                .min(spec.draft_tokens);
+            if room > 0 {
+                budget -= room;
+                wants.push((i, room));
+            }
+        }
+        let proposals = match (spec.proposer, &mut self.drafter) {
+            (Proposer::Ngram { min, max }, _) => {
+                wants.iter().map(|&(i, room)| ngram_lookup(&taken[i].0.tokens, min, max, room)).collect()
+            }
+            (Proposer::Draft, Some(drafter)) => {
+                let asks: Vec<DraftWant<'_>> = (wants.iter())
+                    .map(|&(i, k)| DraftWant { id: taken[i].0.id, tokens: &taken[i].0.tokens, k })
+                    .collect();
+                match drafter.propose(&asks) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        // The step goes on without drafts.
+                        tracing::warn!("the draft model failed: {e}; this step verifies no drafts");
+                        drafter.reset(asks.iter().map(|a| a.id));
+                        return;
+                    }
+                }
+            }
+            (Proposer::Draft, None) => unreachable!("with_draft checked that a draft model is given"),
+        };
+        for (&(i, _), drafts) in wants.iter().zip(proposals) {
+            let (seq, n) = &mut taken[i];
             if drafts.is_empty() || !seq.blocks.grow_to(seq.computed + 1 + drafts.len(), &mut self.runner.blocks) {
                 continue;
             }
-            budget -= drafts.len();
             *n += drafts.len();
             seq.drafts = drafts.len();
             seq.tokens.extend(drafts);

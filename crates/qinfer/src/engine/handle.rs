@@ -115,7 +115,18 @@ impl Engine {
     /// starting it) when the model cannot run batched forwards or the KV
     /// pool cannot be made.
     pub fn start(model: Arc<dyn LanguageModel>, tokenizer: Option<Arc<Tokenizer>>, cfg: EngineConfig) -> Result<Self> {
-        let core = EngineCore::new(model.clone(), tokenizer.clone(), cfg)?;
+        Self::start_with_draft(model, tokenizer, cfg, None)
+    }
+
+    /// [`Engine::start`] with a draft model for speculative decoding
+    /// ([`EngineCore::with_draft`]).
+    pub fn start_with_draft(
+        model: Arc<dyn LanguageModel>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        cfg: EngineConfig,
+        draft: Option<Arc<dyn LanguageModel>>,
+    ) -> Result<Self> {
+        let core = EngineCore::with_draft(model.clone(), tokenizer.clone(), cfg, draft)?;
         let kv_bytes = core.kv_bytes();
         let vocab = model.config().vocab_size;
         let (tx, rx) = channel();

@@ -4,6 +4,7 @@
 //! generation loop and perplexity.
 
 pub mod core;
+pub mod draft;
 pub mod generate;
 pub mod handle;
 pub mod perplexity;

@@ -1,8 +1,9 @@
 //! Speculative decoding's engine side: proposing draft tokens for a decode
-//! step (n-gram prompt lookup), the per-sequence backoff that stops
-//! proposing where drafts keep being rejected, and the counters. The
-//! verification itself is the runner's (one batched forward over the last
-//! token and the drafts, greedy acceptance).
+//! step (n-gram prompt lookup here; a draft model in `draft`), the
+//! per-sequence backoff that stops proposing where drafts keep being
+//! rejected, and the counters. The verification itself is the runner's (one
+//! batched forward over the last token and the drafts, each sequence's
+//! sampler accepting them).
 
 /// Where draft tokens come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -11,6 +12,9 @@ pub enum Proposer {
     /// occurred before in the prompt or the output proposes what followed
     /// its latest earlier occurrence.
     Ngram { min: usize, max: usize },
+    /// A draft model (given to the engine beside the target) proposes
+    /// greedily.
+    Draft,
 }
 
 /// Speculative decoding for an engine.
@@ -27,11 +31,9 @@ impl SpeculativeConfig {
         SpeculativeConfig { proposer: Proposer::Ngram { min: 2, max: 4 }, draft_tokens }
     }
 
-    /// Up to `k` draft tokens to follow `tokens`.
-    pub fn propose(&self, tokens: &[u32], k: usize) -> Vec<u32> {
-        match self.proposer {
-            Proposer::Ngram { min, max } => ngram_lookup(tokens, min, max, k.min(self.draft_tokens)),
-        }
+    /// Draft-model speculation, `draft_tokens` at a time.
+    pub fn draft_model(draft_tokens: usize) -> Self {
+        SpeculativeConfig { proposer: Proposer::Draft, draft_tokens }
     }
 }
 

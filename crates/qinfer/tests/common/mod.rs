@@ -1,6 +1,7 @@
 //! Pieces several test binaries share (each uses a part of them).
 #![allow(dead_code)]
 
+pub mod engine;
 pub mod mlx;
 
 use std::path::PathBuf;

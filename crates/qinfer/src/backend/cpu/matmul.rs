@@ -212,6 +212,11 @@ const Q8_TILE_BYTES: usize = 16 * 1024;
 /// is unpacked once per call, which pays once several rows share it.
 const PANEL_MIN_ROWS: usize = 4;
 
+/// The same for K-quants, whose panels unpack at a higher cost: below this
+/// the multi-row dots ([`q8k::dot_rows`]) read each weight row once per 4
+/// activation rows instead.
+const K_PANEL_MIN_ROWS: usize = 9;
+
 /// Quantized weights: 8-bit activations, integer block dots.
 fn matmul_q8(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let cols = w.cols;
@@ -275,7 +280,7 @@ fn matmul_q8k(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     xq.resize(n * blocks, Q8KBlock::ZERO);
     xq.par_chunks_mut(blocks.max(1)).zip(x.par_chunks(cols.max(1))).for_each(|(q, row)| q8k::quantize_row(row, q));
     #[cfg(target_arch = "x86_64")]
-    if n >= PANEL_MIN_ROWS && super::panel_vnni::available() {
+    if n >= K_PANEL_MIN_ROWS && super::panel_vnni::available() {
         super::panel_vnni::matmul_k(w.dtype, w.data.as_slice(), w.rows, blocks, &xq, n, OutPtr::new(out));
         XQK.with(|b| *b.borrow_mut() = xq);
         return;
@@ -286,14 +291,29 @@ fn matmul_q8k(x: &[f32], n: usize, w: &CpuMatrix, out: &mut [f32]) {
     let n_tiles = w.rows.div_ceil(rows_per_tile);
     let (bytes, rows, optr) = (w.data.as_slice(), w.rows, OutPtr::new(out));
     let xq_ref = &xq;
+    let x = |t: usize| &xq_ref[t * blocks..(t + 1) * blocks];
     (0..n_tiles).into_par_iter().for_each(|tile| {
         let r0 = tile * rows_per_tile;
         let r1 = (r0 + rows_per_tile).min(rows);
-        for t in 0..n {
-            let xr = &xq_ref[t * blocks..(t + 1) * blocks];
-            for r in r0..r1 {
-                let v = q8k::dot(w.dtype, &bytes[r * rb..(r + 1) * rb], xr);
-                store(optr, rows, t, r, [[v]]);
+        for r in r0..r1 {
+            let wr = &bytes[r * rb..(r + 1) * rb];
+            // Up to 4 activation rows per read of the weight row.
+            let mut t = 0;
+            while t < n {
+                let take = (n - t).min(4);
+                match take {
+                    1 => store(optr, rows, t, r, [[q8k::dot(w.dtype, wr, x(t))]]),
+                    2 => store(optr, rows, t, r, q8k::dot_rows(w.dtype, wr, [x(t), x(t + 1)]).map(|v| [v])),
+                    3 => {
+                        let v = q8k::dot_rows(w.dtype, wr, [x(t), x(t + 1), x(t + 2)]);
+                        store(optr, rows, t, r, v.map(|v| [v]))
+                    }
+                    _ => {
+                        let v = q8k::dot_rows(w.dtype, wr, [x(t), x(t + 1), x(t + 2), x(t + 3)]);
+                        store(optr, rows, t, r, v.map(|v| [v]))
+                    }
+                }
+                t += take;
             }
         }
     });

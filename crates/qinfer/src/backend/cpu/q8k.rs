@@ -75,6 +75,26 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
     dot_scalar(dtype, w, x)
 }
 
+/// [`dot`] of one weight row with `R` activation rows, equal to it bit for
+/// bit; the row is read once for all of them where a multi-row kernel
+/// exists (Q4_K and Q6_K on AVX2).
+pub fn dot_rows<const R: usize>(dtype: DType, w: &[u8], x: [&[Q8KBlock]; R]) -> [f32; R] {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::has_avx2() {
+        use super::q8k_rows_avx2 as k;
+        // SAFETY: avx2, fma and f16c are present (checked above); the kernels
+        // read the whole blocks that `w` and every row hold.
+        unsafe {
+            match dtype {
+                DType::Q4_K => return k::dot_q4_k_rows(w, x),
+                DType::Q6_K => return k::dot_q6_k_rows(w, x),
+                _ => {}
+            }
+        }
+    }
+    x.map(|xr| dot(dtype, w, xr))
+}
+
 /// The reference: each super-block unpacked to integers, then summed exactly
 /// in i32 (and the fallback without AVX2).
 pub fn dot_scalar(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {

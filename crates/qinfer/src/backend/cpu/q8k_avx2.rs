@@ -21,7 +21,7 @@ use super::act_blocks::Q8KBlock;
 /// The scalar path's per-super-block float step, verbatim: any other order or
 /// a fused multiply-add would round differently.
 #[inline(always)]
-fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32) -> f32 {
+pub(super) fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32) -> f32 {
     acc + (d * yd * isum as f32 - dmin * yd * msum as f32)
 }
 
@@ -31,7 +31,7 @@ fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32) -> f32 {
 /// `p` points at 2 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees 2 readable bytes.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -39,7 +39,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_i32(v: __m256i) -> i32 {
+pub(super) fn hsum_i32(v: __m256i) -> i32 {
     let s4 = _mm_add_epi32(_mm256_extracti128_si256::<1>(v), _mm256_castsi256_si128(v));
     let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
     _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2)))
@@ -65,14 +65,14 @@ fn scale_lanes(sc: __m128i, lo: usize, hi: usize) -> __m256i {
 /// The scales of 16-value groups `g` and `g + 1` for 32 consecutive values.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn scale_pair(sc: __m128i, g: usize) -> __m256i {
+pub(super) fn scale_pair(sc: __m128i, g: usize) -> __m256i {
     scale_lanes(sc, g, g + 1)
 }
 
 /// The 32 activations of `y` starting at `at` (a multiple of 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
+pub(super) fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
     let s = &y.qs[at..at + 32];
     // SAFETY: `s` holds 32 bytes.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -81,7 +81,7 @@ fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
 /// `isum += Σ_pairs scale·(w·x)` for 32 weight levels `w` (unsigned bytes).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i) -> __m256i {
+pub(super) fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i) -> __m256i {
     _mm256_add_epi32(isum, _mm256_madd_epi16(scales, _mm256_maddubs_epi16(w, x)))
 }
 
@@ -93,7 +93,7 @@ fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i) -> __m256
 /// `p` points at 12 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
+pub(super) unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -107,7 +107,7 @@ unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
 /// `Σ_j min_j·(bsums[2j] + bsums[2j+1])` for the 8 mins in bytes 8..16 of `sm`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
+pub(super) fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
     // SAFETY: `bsums` is 16 i16 (32 bytes).
     let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
     // Sums of adjacent groups: |Σ| ≤ 2·16·128, no i16 overflow.
@@ -118,7 +118,7 @@ fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
 /// Q4_K/Q5_K's scale of 32-value group `j` (byte `j` of `sm`) in all 16 i16 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k4_scale(sm: __m128i, j: usize) -> __m256i {
+pub(super) fn k4_scale(sm: __m128i, j: usize) -> __m256i {
     scale_lanes(sm, j, j)
 }
 
@@ -132,7 +132,7 @@ const PREFETCH_ROWS: usize = 4;
 /// Prefetches the `BLOCK` bytes at `p` + `PREFETCH_ROWS`·`row_bytes`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_next_row<const BLOCK: usize>(p: *const u8, row_bytes: usize) {
+pub(super) fn prefetch_next_row<const BLOCK: usize>(p: *const u8, row_bytes: usize) {
     let next = p.wrapping_add(PREFETCH_ROWS * row_bytes);
     let mut at = 0;
     while at < BLOCK {
@@ -355,7 +355,7 @@ pub unsafe fn dot_q3_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(in crate::backend::cpu) mod tests {
     use super::super::q8k::{dot, dot_scalar, quantize_row};
     use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
@@ -369,7 +369,7 @@ mod tests {
     }
 
     /// Random bytes for levels and packed scales, finite random f16 `d`/`dmin`.
-    fn random_weights(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
+    pub(in crate::backend::cpu) fn random_weights(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
         let mut w: Vec<u8> = (0..blocks * dtype.block_bytes()).map(|_| next(seed) as u8).collect();
         for blk in w.chunks_exact_mut(dtype.block_bytes()) {
             for &off in f16_field_offsets(dtype) {
@@ -381,7 +381,7 @@ mod tests {
 
     /// Activations of mixed magnitudes, with an all-zero super-block and one of
     /// ±1 only (every value quantizing to ±127).
-    fn random_activations(seed: &mut u64, n: usize) -> Vec<Q8KBlock> {
+    pub(in crate::backend::cpu) fn random_activations(seed: &mut u64, n: usize) -> Vec<Q8KBlock> {
         let mut x: Vec<f32> = Vec::with_capacity(n);
         for k in 0..n / QK_K {
             let scale = [1.0, 1e-3, 40.0, 0.0, 1.0][k % 5];

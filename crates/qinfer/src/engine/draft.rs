@@ -1,0 +1,226 @@
+//! The draft-model proposer of speculative decoding: a smaller model with
+//! the target's vocabulary runs ahead of each speculating sequence,
+//! greedily, in batched forwards of its own over its own paged KV cache.
+//!
+//! Its cache follows the target's tokens lazily: before proposing, each
+//! sequence's draft cache is cut back to the longest prefix it shares with
+//! the sequence's tokens (after a verification that is the accepted
+//! drafts), and the rest (the correction token, or the prompt the first
+//! time) is computed in the first of the `k` forwards that propose `k`
+//! tokens. The last draft is never fed, so a sequence whose drafts were all
+//! accepted has one accepted token and the next to catch up.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::request::RequestId;
+use crate::kv::blocks::BlockTable;
+use crate::models::LanguageModel;
+use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::{Error, Result};
+
+/// One sequence's state in the draft model's cache.
+struct DraftSeq {
+    blocks: BlockTable,
+    /// The tokens whose keys and values the draft cache holds, in order.
+    fed: Vec<u32>,
+    sampler: Sampler,
+}
+
+/// What one sequence asks of [`Drafter::propose`].
+pub struct DraftWant<'a> {
+    pub id: RequestId,
+    /// The sequence's tokens (prompt and output so far).
+    pub tokens: &'a [u32],
+    /// Most drafts to propose.
+    pub k: usize,
+}
+
+pub struct Drafter {
+    runner: Runner,
+    seqs: HashMap<RequestId, DraftSeq>,
+    /// Most tokens one sequence's catch-up computes in a step (a longer
+    /// one is computed over several steps, proposing nothing meanwhile).
+    max_catch_up: usize,
+}
+
+impl Drafter {
+    /// A drafter running `draft` for `target`'s sequences, with a KV pool of
+    /// `num_blocks` blocks of `block_size` positions.
+    pub fn new(
+        draft: Arc<dyn LanguageModel>,
+        target: &dyn LanguageModel,
+        num_blocks: usize,
+        block_size: usize,
+        max_catch_up: usize,
+    ) -> Result<Self> {
+        let (d, t) = (draft.config(), target.config());
+        if d.gdn.is_some() {
+            return Err(Error::Invalid(format!(
+                "the draft model ({}) has Gated DeltaNet layers, whose states cannot be cut back to the accepted \
+                 tokens; draft with an attention-only model",
+                d.arch.name()
+            )));
+        }
+        if d.vocab_size != t.vocab_size {
+            return Err(Error::Invalid(format!(
+                "the draft model's vocabulary has {} entries and the target's {}: a draft model must share the \
+                 target's vocabulary",
+                d.vocab_size, t.vocab_size
+            )));
+        }
+        let runner = Runner::new(
+            draft,
+            RunnerConfig { num_blocks, block_size, state_slots: 0, snapshot_slots: 0, prefix_cache: false },
+        )?;
+        Ok(Drafter { runner, seqs: HashMap::new(), max_catch_up: max_catch_up.max(1) })
+    }
+
+    /// Bytes of the draft model's KV pool.
+    pub fn kv_bytes(&self) -> usize {
+        self.runner.kv_bytes()
+    }
+
+    /// Forgets sequence `id` (finished, aborted or preempted): its draft
+    /// blocks go back to the pool.
+    pub fn release(&mut self, id: RequestId) {
+        if let Some(mut s) = self.seqs.remove(&id) {
+            s.blocks.release(&mut self.runner.blocks);
+        }
+    }
+
+    /// Every draft block is free (true once no sequence is left).
+    pub fn is_whole(&self) -> bool {
+        self.runner.blocks.is_whole()
+    }
+
+    /// Up to `want.k` greedy draft tokens for each sequence of `wants`, in
+    /// `k` batched forwards of the draft model. A sequence gets none while
+    /// its catch-up is longer than a step computes, or when the draft pool
+    /// has no room for it.
+    pub fn propose(&mut self, wants: &[DraftWant<'_>]) -> Result<Vec<Vec<u32>>> {
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
+        // (index into wants, first position computed this step, its tokens' end).
+        let mut active: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, w) in wants.iter().enumerate() {
+            if w.k == 0 || w.tokens.is_empty() {
+                continue;
+            }
+            let s = self.seqs.entry(w.id).or_insert_with(|| DraftSeq {
+                blocks: BlockTable::default(),
+                fed: Vec::new(),
+                sampler: Sampler::new(SamplingParams::default()).expect("greedy parameters are valid"),
+            });
+            // Keep what the cache shares with the tokens; the last token is
+            // always computed again, since its row proposes the first draft.
+            let shared = s.fed.iter().zip(w.tokens).take_while(|(a, b)| a == b).count();
+            s.fed.truncate(shared.min(w.tokens.len() - 1));
+            let from = s.fed.len();
+            let end = (from + self.max_catch_up).min(w.tokens.len());
+            // Room for the catch-up and the k - 1 drafts fed after it.
+            let room = if end == w.tokens.len() { end + w.k - 1 } else { end };
+            if !s.blocks.grow_to(room, &mut self.runner.blocks) {
+                continue;
+            }
+            active.push((i, from, end));
+        }
+        if active.is_empty() {
+            return Ok(drafts);
+        }
+        // The first forward: each sequence's catch-up, picking its first draft
+        // where it reaches the end of the tokens.
+        let picks = {
+            let mut step: Vec<StepSeq<'_>> = Vec::with_capacity(active.len());
+            let mut by_id: HashMap<RequestId, &mut DraftSeq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
+            for &(i, from, end) in &active {
+                let w = &wants[i];
+                let s = by_id.remove(&w.id).expect("every active sequence has a draft state");
+                let ends = end == w.tokens.len();
+                step.push(StepSeq {
+                    tokens: &w.tokens[from..end],
+                    start: from,
+                    block_table: &s.blocks.blocks,
+                    state_slot: None,
+                    prompt: end - from > 1,
+                    snapshots: Vec::new(),
+                    sample: ends.then_some((&mut s.sampler, &w.tokens[..end])),
+                    constraint: None,
+                    hidden: HiddenRows::None,
+                    scores: None,
+                    adapter: None,
+                    drafts: 0,
+                });
+            }
+            forward(&mut self.runner, &mut step)?
+        };
+        let mut going = Vec::new();
+        for (&(i, _, end), pick) in active.iter().zip(picks) {
+            let w = &wants[i];
+            let s = self.seqs.get_mut(&w.id).expect("active sequences have a draft state");
+            s.fed.extend_from_slice(&w.tokens[s.fed.len()..end]);
+            if let Some(t) = pick {
+                drafts[i].push(t);
+                if w.k > 1 {
+                    going.push(i);
+                }
+            }
+        }
+        // Then one token a forward: the last draft in, the next one out.
+        while !going.is_empty() {
+            let picks = {
+                let mut by_id: HashMap<RequestId, &mut DraftSeq> =
+                    self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
+                let mut step = Vec::with_capacity(going.len());
+                for &i in &going {
+                    let s = by_id.remove(&wants[i].id).expect("going sequences have a draft state");
+                    let last = drafts[i].len() - 1;
+                    step.push(StepSeq {
+                        tokens: &drafts[i][last..],
+                        start: s.fed.len(),
+                        block_table: &s.blocks.blocks,
+                        state_slot: None,
+                        prompt: false,
+                        snapshots: Vec::new(),
+                        // Greedy without penalties: the context is not read.
+                        sample: Some((&mut s.sampler, &drafts[i][..])),
+                        constraint: None,
+                        hidden: HiddenRows::None,
+                        scores: None,
+                        adapter: None,
+                        drafts: 0,
+                    });
+                }
+                forward(&mut self.runner, &mut step)?
+            };
+            let mut next = Vec::with_capacity(going.len());
+            for (&i, pick) in going.iter().zip(picks) {
+                let s = self.seqs.get_mut(&wants[i].id).expect("going sequences have a draft state");
+                let fed = *drafts[i].last().expect("a going sequence has a draft");
+                s.fed.push(fed);
+                let t = pick.ok_or_else(|| Error::Invalid("the draft model picked no token".into()))?;
+                drafts[i].push(t);
+                if drafts[i].len() < wants[i].k {
+                    next.push(i);
+                }
+            }
+            going = next;
+        }
+        Ok(drafts)
+    }
+
+    /// Forgets the draft caches of sequences `ids` after a failed draft
+    /// forward (what it wrote is no longer known to match).
+    pub fn reset(&mut self, ids: impl IntoIterator<Item = RequestId>) {
+        for id in ids {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.fed.clear();
+            }
+        }
+    }
+}
+
+/// One draft forward; each sequence's pick (None where it asked none).
+fn forward(runner: &mut Runner, step: &mut [StepSeq<'_>]) -> Result<Vec<Option<u32>>> {
+    Ok(runner.step(step)?.into_iter().map(|o| o.token).collect())
+}

@@ -1,0 +1,244 @@
+//! Speculative decoding in the engine, on the tiny fixture models (CPU):
+//! greedy outputs equal plain decoding's exactly with either proposer
+//! (n-gram lookup, a draft model) in batch mixes with chunked prefills,
+//! preemption and the prefix cache; a model drafting for itself has every
+//! draft accepted (its draft cache follows the accepted tokens); sampled
+//! outputs follow the target's distribution (chi-square against the exact
+//! probabilities computed from the model's logits); hybrids are refused.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::engine::{config, fixtures, ids, load, reference, request, requests, run};
+use qinfer::engine::core::{EngineConfig, EngineCore};
+use qinfer::engine::prefix::PrefixCacheConfig;
+use qinfer::engine::request::FinishReason;
+use qinfer::engine::speculative::SpeculativeConfig;
+use qinfer::models::{LanguageModel, Logits};
+use qinfer::sampling::SamplingParams;
+
+/// The attention-only fixtures (hybrids cannot speculate).
+fn attention_only() -> Vec<(String, Arc<dyn LanguageModel>, serde_json::Value)> {
+    fixtures()
+        .into_iter()
+        .map(|dir| (dir.file_name().unwrap().to_string_lossy().into_owned(), load(&dir), reference(&dir)))
+        .filter(|(_, m, _)| m.config().gdn.is_none())
+        .collect()
+}
+
+fn greedy(r: &qinfer::engine::request::Request) -> bool {
+    r.sampling.temperature == 0.0
+}
+
+/// The requests of the batch-mix tests plus prompts that repeat themselves
+/// (which lookup finds drafts in), and when each joins.
+fn mix(r: &serde_json::Value) -> (Vec<qinfer::engine::request::Request>, [usize; 9]) {
+    let mut reqs = requests(r);
+    let input = ids(&r["input_ids"]);
+    let phrase: Vec<u32> = input.iter().copied().cycle().skip(2).take(9).collect();
+    reqs.push(request(phrase.repeat(4), 40, SamplingParams::default()));
+    reqs.push(request([input.clone(), input.clone()].concat(), 24, SamplingParams::default()));
+    (reqs, [0, 0, 1, 1, 3, 6, 9, 0, 2])
+}
+
+/// Every greedy request's tokens and finish equal `plain`'s; sampled ones
+/// finish within their budget.
+fn check_against(
+    name: &str,
+    reqs: &[qinfer::engine::request::Request],
+    plain: &[(Vec<u32>, FinishReason)],
+    got: &[(Vec<u32>, FinishReason)],
+) {
+    for (i, ((a, b), r)) in plain.iter().zip(got).zip(reqs).enumerate() {
+        if greedy(r) {
+            assert_eq!(a, b, "{name}: request {i}: plain vs speculative");
+        } else {
+            assert!(!b.0.is_empty() && b.0.len() <= r.stop.max_tokens, "{name}: request {i}: {b:?}");
+        }
+    }
+}
+
+#[test]
+fn ngram_speculation_changes_no_greedy_token() {
+    let mut accepted_anywhere = 0;
+    for (name, model, r) in attention_only() {
+        let spec = |k, mut cfg: EngineConfig| {
+            cfg.speculative = Some(SpeculativeConfig::ngram(k));
+            EngineCore::new(model.clone(), None, cfg).unwrap()
+        };
+        let (reqs, joins) = mix(&r);
+        let plain = run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &reqs, &joins);
+        // A stop token among the greedy outputs: the eighth request's sixth token.
+        let mut stopped = reqs.clone();
+        stopped[7].stop.stop_token_ids = vec![plain[7].0[5]];
+        let plain_stopped =
+            run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &stopped, &joins);
+        assert_eq!(plain_stopped[7].1, FinishReason::Stop, "{name}");
+        for (k, mut cfg, cached) in
+            [(4, config(80, 4, 12), false), (2, config(80, 4, 9), true), (7, config(512, 8, 64), false)]
+        {
+            if cached {
+                cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 0, host_bytes: 0 });
+            }
+            let mut core = spec(k, cfg);
+            check_against(&name, &reqs, &plain, &run(&mut core, &reqs, &joins));
+            let stats = core.speculative_stats();
+            check_against(&name, &stopped, &plain_stopped, &run(&mut spec(k, cfg), &stopped, &joins));
+            println!("{name}: {k} draft tokens, {stats:?}");
+            assert!(stats.accepted <= stats.drafted && stats.verifications > 0, "{name}: {stats:?}");
+            accepted_anywhere += stats.accepted;
+        }
+    }
+    assert!(accepted_anywhere > 0, "no draft token was ever accepted: the verification path went untested");
+}
+
+#[test]
+fn draft_model_speculation_changes_no_greedy_token() {
+    let models = attention_only();
+    for (t, (name, model, r)) in models.iter().enumerate() {
+        let (reqs, joins) = mix(r);
+        let plain = run(&mut EngineCore::new(model.clone(), None, config(80, 4, 12)).unwrap(), &reqs, &joins);
+        // Itself as the draft (every greedy draft right), and another fixture
+        // of the same vocabulary (mostly wrong).
+        let other = &models[(t + 1) % models.len()];
+        for (draft_name, draft) in [(name.as_str(), model), (other.0.as_str(), &other.1)] {
+            for (k, mut cfg, cached) in
+                [(3, config(80, 4, 12), false), (5, config(80, 4, 10), true), (2, config(512, 8, 64), false)]
+            {
+                if cached {
+                    cfg.prefix_cache =
+                        Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 0, host_bytes: 0 });
+                }
+                cfg.speculative = Some(SpeculativeConfig::draft_model(k));
+                let mut core = EngineCore::with_draft(model.clone(), None, cfg, Some(draft.clone())).unwrap();
+                let got = run(&mut core, &reqs, &joins);
+                check_against(&format!("{name} drafted by {draft_name}"), &reqs, &plain, &got);
+                let stats = core.speculative_stats();
+                println!("{name} drafted by {draft_name}, k={k}: {stats:?}, {} preemptions", core.preemptions());
+                assert!(stats.verifications > 0 && stats.accepted <= stats.drafted, "{name}: {stats:?}");
+                if draft_name == name {
+                    // Greedy drafts of the target itself are all kept where the
+                    // target picks greedily without penalties too.
+                    let only: Vec<_> =
+                        reqs.iter().filter(|r| r.sampling == SamplingParams::default()).cloned().collect();
+                    let mut core = EngineCore::with_draft(model.clone(), None, cfg, Some(draft.clone())).unwrap();
+                    run(&mut core, &only, &joins[..only.len()]);
+                    let stats = core.speculative_stats();
+                    assert!(
+                        stats.drafted > 0 && stats.accepted == stats.drafted,
+                        "{name} drafting for itself: {stats:?} (its draft cache lost track of the tokens?)"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn hybrids_are_refused_as_target_and_as_draft() {
+    let all: Vec<_> = fixtures().into_iter().map(|d| load(&d)).collect();
+    let hybrid = all.iter().find(|m| m.config().gdn.is_some()).expect("a hybrid fixture").clone();
+    let plain = all.iter().find(|m| m.config().gdn.is_none()).expect("an attention-only fixture").clone();
+    let mut cfg = config(512, 4, 64);
+    cfg.speculative = Some(SpeculativeConfig::ngram(4));
+    let e = EngineCore::new(hybrid.clone(), None, cfg).err().expect("a hybrid target is refused").to_string();
+    assert!(e.contains("speculative") && e.contains(hybrid.config().arch.name()), "{e}");
+    cfg.speculative = Some(SpeculativeConfig::draft_model(4));
+    let e = EngineCore::with_draft(plain.clone(), None, cfg, Some(hybrid.clone()))
+        .err()
+        .expect("a hybrid draft is refused")
+        .to_string();
+    assert!(e.contains("draft model") && e.contains("Gated DeltaNet"), "{e}");
+    let e = EngineCore::with_draft(plain.clone(), None, cfg, None).err().expect("no draft model").to_string();
+    assert!(e.contains("needs a draft model"), "{e}");
+}
+
+/// softmax(logits / t).
+fn softmax(logits: &[f32], t: f32) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = logits.iter().map(|&l| f64::from((l - max) / t).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / s).collect()
+}
+
+/// Pearson's chi-square of `counts` against `probs` over `n` samples, bins
+/// with fewer than 5 expected merged into one; and its degrees of freedom.
+fn chi_square(counts: &HashMap<u32, usize>, probs: &[f64], n: usize) -> (f64, usize) {
+    let (mut stat, mut bins) = (0.0, 0);
+    let (mut rest_e, mut rest_o) = (0.0, 0.0);
+    for (t, &p) in probs.iter().enumerate() {
+        let e = p * n as f64;
+        let o = counts.get(&(t as u32)).copied().unwrap_or(0) as f64;
+        if e >= 5.0 {
+            stat += (o - e).powi(2) / e;
+            bins += 1;
+        } else {
+            rest_e += e;
+            rest_o += o;
+        }
+    }
+    if rest_e > 0.0 {
+        stat += (rest_o - rest_e).powi(2) / rest_e.max(1e-9);
+        bins += 1;
+    }
+    (stat, bins - 1)
+}
+
+/// Chi-square critical values at p = 0.001 (Wilson–Hilferty).
+fn critical_001(df: usize) -> f64 {
+    let d = df as f64;
+    d * (1.0 - 2.0 / (9.0 * d) + 3.0902 * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+#[test]
+fn sampled_outputs_follow_the_target_distribution() {
+    let models = attention_only();
+    let (name, model, r) = &models[0];
+    let draft = &models[1].1;
+    let prompt: Vec<u32> = ids(&r["input_ids"]).into_iter().take(6).collect();
+    let temperature = 1.0;
+    // The exact distributions of the first and second new token.
+    let first = {
+        let mut seq = model.new_sequence(64);
+        softmax(&model.forward(seq.as_mut(), &prompt, Logits::Last).unwrap(), temperature)
+    };
+    let mut second = vec![0.0; first.len()];
+    for (t1, &p1) in first.iter().enumerate() {
+        if p1 < 1e-7 {
+            continue;
+        }
+        let mut seq = model.new_sequence(64);
+        let mut with = prompt.clone();
+        with.push(t1 as u32);
+        let p2 = softmax(&model.forward(seq.as_mut(), &with, Logits::Last).unwrap(), temperature);
+        second.iter_mut().zip(p2).for_each(|(s, q)| *s += p1 * q);
+    }
+    let samples: usize = 3000;
+    for (label, spec, draft) in [
+        ("draft model", SpeculativeConfig::draft_model(3), Some(draft.clone())),
+        ("itself as draft", SpeculativeConfig::draft_model(2), Some(model.clone())),
+    ] {
+        let mut cfg = config(4096, 64, 2048);
+        cfg.speculative = Some(spec);
+        let mut core = EngineCore::with_draft(model.clone(), None, cfg, draft).unwrap();
+        let reqs: Vec<_> = (0..samples)
+            .map(|seed| {
+                request(prompt.clone(), 3, SamplingParams { temperature, seed: seed as u64, ..Default::default() })
+            })
+            .collect();
+        let got = run(&mut core, &reqs, &vec![0; samples]);
+        let stats = core.speculative_stats();
+        assert!(stats.drafted > 0 && stats.accepted > 0, "{label}: {stats:?}");
+        for (pos, probs) in [(0, &first), (1, &second)] {
+            let mut counts = HashMap::new();
+            for (tokens, _) in &got {
+                *counts.entry(tokens[pos]).or_insert(0) += 1;
+            }
+            let (stat, df) = chi_square(&counts, probs, samples);
+            println!("{name}, {label}: token {pos}: chi-square {stat:.1} over {df} dof, {stats:?}");
+            assert!(stat < critical_001(df), "{name}, {label}: token {pos}: chi-square {stat:.1} over {df} dof");
+        }
+    }
+}
