@@ -101,112 +101,36 @@ impl Drafter {
     /// has no room for it.
     pub fn propose(&mut self, wants: &[DraftWant<'_>]) -> Result<Vec<Vec<u32>>> {
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
-        // (index into wants, first position computed this step, its tokens' end).
-        let mut active: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, w) in wants.iter().enumerate() {
+        // The proposing sequences' states, out of the map for the forwards.
+        let mut active = Vec::new();
+        for (want, w) in wants.iter().enumerate() {
             if w.k == 0 || w.tokens.is_empty() {
                 continue;
             }
-            let s = self.seqs.entry(w.id).or_insert_with(|| DraftSeq {
+            let mut seq = self.seqs.remove(&w.id).unwrap_or_else(|| DraftSeq {
                 blocks: BlockTable::default(),
                 fed: Vec::new(),
                 sampler: Sampler::new(SamplingParams::default()).expect("greedy parameters are valid"),
             });
             // Keep what the cache shares with the tokens; the last token is
             // always computed again, since its row proposes the first draft.
-            let shared = s.fed.iter().zip(w.tokens).take_while(|(a, b)| a == b).count();
-            s.fed.truncate(shared.min(w.tokens.len() - 1));
-            let from = s.fed.len();
+            let shared = seq.fed.iter().zip(w.tokens).take_while(|(a, b)| a == b).count();
+            seq.fed.truncate(shared.min(w.tokens.len() - 1));
+            let from = seq.fed.len();
             let end = (from + self.max_catch_up).min(w.tokens.len());
             // Room for the catch-up and the k - 1 drafts fed after it.
             let room = if end == w.tokens.len() { end + w.k - 1 } else { end };
-            if !s.blocks.grow_to(room, &mut self.runner.blocks) {
-                continue;
-            }
-            active.push((i, from, end));
-        }
-        if active.is_empty() {
-            return Ok(drafts);
-        }
-        // The first forward: each sequence's catch-up, picking its first draft
-        // where it reaches the end of the tokens.
-        let picks = {
-            let mut step: Vec<StepSeq<'_>> = Vec::with_capacity(active.len());
-            let mut by_id: HashMap<RequestId, &mut DraftSeq> = self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
-            for &(i, from, end) in &active {
-                let w = &wants[i];
-                let s = by_id.remove(&w.id).expect("every active sequence has a draft state");
-                let ends = end == w.tokens.len();
-                step.push(StepSeq {
-                    tokens: &w.tokens[from..end],
-                    start: from,
-                    block_table: &s.blocks.blocks,
-                    state_slot: None,
-                    prompt: end - from > 1,
-                    snapshots: Vec::new(),
-                    sample: ends.then_some((&mut s.sampler, &w.tokens[..end])),
-                    constraint: None,
-                    hidden: HiddenRows::None,
-                    scores: None,
-                    adapter: None,
-                    drafts: 0,
-                });
-            }
-            forward(&mut self.runner, &mut step)?
-        };
-        let mut going = Vec::new();
-        for (&(i, _, end), pick) in active.iter().zip(picks) {
-            let w = &wants[i];
-            let s = self.seqs.get_mut(&w.id).expect("active sequences have a draft state");
-            s.fed.extend_from_slice(&w.tokens[s.fed.len()..end]);
-            if let Some(t) = pick {
-                drafts[i].push(t);
-                if w.k > 1 {
-                    going.push(i);
-                }
+            if seq.blocks.grow_to(room, &mut self.runner.blocks) {
+                active.push(Active { want, seq, from, end, going: true });
+            } else {
+                self.seqs.insert(w.id, seq);
             }
         }
-        // Then one token a forward: the last draft in, the next one out.
-        while !going.is_empty() {
-            let picks = {
-                let mut by_id: HashMap<RequestId, &mut DraftSeq> =
-                    self.seqs.iter_mut().map(|(id, s)| (*id, s)).collect();
-                let mut step = Vec::with_capacity(going.len());
-                for &i in &going {
-                    let s = by_id.remove(&wants[i].id).expect("going sequences have a draft state");
-                    let last = drafts[i].len() - 1;
-                    step.push(StepSeq {
-                        tokens: &drafts[i][last..],
-                        start: s.fed.len(),
-                        block_table: &s.blocks.blocks,
-                        state_slot: None,
-                        prompt: false,
-                        snapshots: Vec::new(),
-                        // Greedy without penalties: the context is not read.
-                        sample: Some((&mut s.sampler, &drafts[i][..])),
-                        constraint: None,
-                        hidden: HiddenRows::None,
-                        scores: None,
-                        adapter: None,
-                        drafts: 0,
-                    });
-                }
-                forward(&mut self.runner, &mut step)?
-            };
-            let mut next = Vec::with_capacity(going.len());
-            for (&i, pick) in going.iter().zip(picks) {
-                let s = self.seqs.get_mut(&wants[i].id).expect("going sequences have a draft state");
-                let fed = *drafts[i].last().expect("a going sequence has a draft");
-                s.fed.push(fed);
-                let t = pick.ok_or_else(|| Error::Invalid("the draft model picked no token".into()))?;
-                drafts[i].push(t);
-                if drafts[i].len() < wants[i].k {
-                    next.push(i);
-                }
-            }
-            going = next;
+        let done = rounds(&mut self.runner, wants, &mut active, &mut drafts);
+        for a in active {
+            self.seqs.insert(wants[a.want].id, a.seq);
         }
-        Ok(drafts)
+        done.map(|()| drafts)
     }
 
     /// Forgets the draft caches of sequences `ids` after a failed draft
@@ -218,6 +142,73 @@ impl Drafter {
             }
         }
     }
+}
+
+/// A proposing sequence during [`Drafter::propose`].
+struct Active {
+    /// Its index in the wants.
+    want: usize,
+    seq: DraftSeq,
+    /// The catch-up: its tokens `from..end`.
+    from: usize,
+    end: usize,
+    /// Still proposing.
+    going: bool,
+}
+
+/// The draft forwards of one proposal: first each sequence's catch-up
+/// (picking its first draft where the catch-up reaches the end of its
+/// tokens), then one token a forward, the last draft in and the next one
+/// out, until each has its `k`.
+fn rounds(runner: &mut Runner, wants: &[DraftWant<'_>], active: &mut [Active], drafts: &mut [Vec<u32>]) -> Result<()> {
+    for round in 0.. {
+        let picks = {
+            let mut step = Vec::new();
+            for a in active.iter_mut().filter(|a| a.going) {
+                let w = &wants[a.want];
+                let (tokens, start, pick) = if round == 0 {
+                    (&w.tokens[a.from..a.end], a.from, a.end == w.tokens.len())
+                } else {
+                    let d = &drafts[a.want];
+                    (&d[d.len() - 1..], a.seq.fed.len(), true)
+                };
+                step.push(StepSeq {
+                    tokens,
+                    start,
+                    block_table: &a.seq.blocks.blocks,
+                    state_slot: None,
+                    prompt: tokens.len() > 1,
+                    snapshots: Vec::new(),
+                    // Greedy without penalties: the context is not read.
+                    sample: pick.then_some((&mut a.seq.sampler, tokens)),
+                    constraint: None,
+                    hidden: HiddenRows::None,
+                    scores: None,
+                    adapter: None,
+                    drafts: 0,
+                });
+            }
+            if step.is_empty() {
+                return Ok(());
+            }
+            forward(runner, &mut step)?
+        };
+        for (a, pick) in active.iter_mut().filter(|a| a.going).zip(picks) {
+            let w = &wants[a.want];
+            if round == 0 {
+                a.seq.fed.extend_from_slice(&w.tokens[a.from..a.end]);
+            } else {
+                a.seq.fed.push(*drafts[a.want].last().expect("a later round follows a draft"));
+            }
+            match pick {
+                Some(t) => drafts[a.want].push(t),
+                None if round == 0 => {}
+                None => return Err(Error::Invalid("the draft model picked no token".into())),
+            }
+            a.going = pick.is_some() && drafts[a.want].len() < w.k;
+        }
+    }
+    unreachable!("the rounds end when no sequence is going")
 }
 
 /// One draft forward; each sequence's pick (None where it asked none).
