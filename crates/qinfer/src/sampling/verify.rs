@@ -31,11 +31,13 @@ impl Sampler {
     pub fn verify(&mut self, rows: &[&[f32]], drafts: &[u32], context: &[u32]) -> Verified {
         assert_eq!(rows.len(), drafts.len() + 1, "one logits row per draft, and one after them");
         let mut logprobs = Vec::new();
-        let mut seen: Vec<u32> = context.to_vec();
+        // The context the repetition penalty sees (kept only with one).
+        let penalizes = self.params.repetition_penalty != 1.0;
+        let mut seen: Vec<u32> = if penalizes { context.to_vec() } else { Vec::new() };
         for (i, row) in rows.iter().enumerate() {
             let mut logits = row.to_vec();
             self.adjust(&mut logits);
-            if self.params.repetition_penalty != 1.0 {
+            if penalizes {
                 let penalized = self.penalized(&seen);
                 apply_repetition_penalty(self.params.repetition_penalty, &mut logits, &penalized);
             }
@@ -63,7 +65,9 @@ impl Sampler {
             if kept.is_none() {
                 return Verified { accepted: i, token, logprobs };
             }
-            seen.push(token);
+            if penalizes {
+                seen.push(token);
+            }
         }
         unreachable!("the last row keeps no draft")
     }
