@@ -7,8 +7,8 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use common::engine::{fixtures, ids, reference, run};
+use std::path::Path;
 use std::sync::Arc;
 
 use qinfer::engine::core::{EngineConfig, EngineCore};
@@ -19,19 +19,6 @@ use qinfer::kv::KvFormat;
 use qinfer::loader::{self, Device};
 use qinfer::models::{LanguageModel, Logits};
 use qinfer::sampling::SamplingParams;
-use serde_json::Value;
-
-fn fixtures() -> Vec<PathBuf> {
-    common::exact_fixture_dirs("tiny", &common::TINY_FIXTURES, "reference.json")
-}
-
-fn reference(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
 
 fn load(dir: &Path, kv: &str) -> Arc<dyn LanguageModel> {
     let m = loader::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
@@ -106,28 +93,6 @@ fn config(max_batched_tokens: usize, max_num_seqs: usize, num_blocks: usize, cac
     }
 }
 
-fn run(core: &mut EngineCore, reqs: &[Request], joins: &[usize]) -> Vec<Vec<u32>> {
-    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
-    let mut step = 0;
-    loop {
-        for (i, r) in reqs.iter().enumerate() {
-            if joins[i] == step {
-                core.add(i as u64, r.clone()).unwrap();
-            }
-        }
-        if core.num_unfinished() == 0 && joins.iter().all(|&j| j < step) {
-            break;
-        }
-        for out in core.step().unwrap() {
-            got.entry(out.id).or_default().extend(&out.token_ids);
-        }
-        step += 1;
-        assert!(step < 10_000, "the engine does not finish");
-    }
-    assert!(core.pools_whole(), "blocks or state slots leaked");
-    (0..reqs.len() as u64).map(|i| got.remove(&i).unwrap()).collect()
-}
-
 #[test]
 fn encoded_caches_give_each_request_the_same_output_in_any_batch() {
     for dir in fixtures() {
@@ -149,7 +114,7 @@ fn encoded_caches_give_each_request_the_same_output_in_any_batch() {
                 .iter()
                 .map(|q| {
                     let mut core = EngineCore::new(model.clone(), None, config(512, 1, 64, false)).unwrap();
-                    run(&mut core, std::slice::from_ref(q), &[0]).remove(0)
+                    run(&mut core, std::slice::from_ref(q), &[0]).remove(0).0
                 })
                 .collect();
             for (q, tokens) in reqs.iter().zip(&alone) {
@@ -158,7 +123,8 @@ fn encoded_caches_give_each_request_the_same_output_in_any_batch() {
             }
             for cache in [false, true] {
                 let mut core = EngineCore::new(model.clone(), None, config(64, 3, 12, cache)).unwrap();
-                let mixed = run(&mut core, &reqs, &[0, 0, 2, 3, 5]);
+                let mixed: Vec<Vec<u32>> =
+                    run(&mut core, &reqs, &[0, 0, 2, 3, 5]).into_iter().map(|(tokens, _)| tokens).collect();
                 assert_eq!(alone, mixed, "{name} {kv}: alone vs mixed (prefix cache {cache})");
             }
         }
