@@ -19,7 +19,6 @@ pub mod q8_avx2;
 mod q8_avx512;
 pub mod q8k;
 mod q8k_avx2;
-mod q8k_rows_avx2;
 pub mod simd;
 #[cfg(test)]
 mod test_rng;

@@ -81,7 +81,7 @@ pub fn dot(dtype: DType, w: &[u8], x: &[Q8KBlock]) -> f32 {
 pub fn dot_rows<const R: usize>(dtype: DType, w: &[u8], x: [&[Q8KBlock]; R]) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2() {
-        use super::q8k_rows_avx2 as k;
+        use super::q8k_avx2 as k;
         // SAFETY: avx2, fma and f16c are present (checked above); the kernels
         // read the whole blocks that `w` and every row hold.
         unsafe {

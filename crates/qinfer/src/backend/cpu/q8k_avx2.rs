@@ -1,6 +1,7 @@
 //! AVX2 dots of one K-quant weight row (Q2_K…Q6_K) with Q8_K activations,
 //! reading the packed super-blocks directly, in the manner of ggml's AVX2
-//! `ggml_vec_dot_q*_K_q8_K`.
+//! `ggml_vec_dot_q*_K_q8_K`; Q4_K and Q6_K also with several activation
+//! rows at once (the one-row dot is their one-row case).
 //!
 //! Weight levels are made unsigned bytes and multiplied with the signed
 //! activations by `maddubs` (i16 pair sums, which never saturate for these
@@ -21,7 +22,7 @@ use super::act_blocks::Q8KBlock;
 /// The scalar path's per-super-block float step, verbatim: any other order or
 /// a fused multiply-add would round differently.
 #[inline(always)]
-pub(super) fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32) -> f32 {
+fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32) -> f32 {
     acc + (d * yd * isum as f32 - dmin * yd * msum as f32)
 }
 
@@ -31,7 +32,7 @@ pub(super) fn combine(acc: f32, d: f32, dmin: f32, yd: f32, isum: i32, msum: i32
 /// `p` points at 2 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
+unsafe fn f16_at(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees 2 readable bytes.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -39,7 +40,7 @@ pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn hsum_i32(v: __m256i) -> i32 {
+fn hsum_i32(v: __m256i) -> i32 {
     let s4 = _mm_add_epi32(_mm256_extracti128_si256::<1>(v), _mm256_castsi256_si128(v));
     let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
     _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2)))
@@ -65,14 +66,14 @@ fn scale_lanes(sc: __m128i, lo: usize, hi: usize) -> __m256i {
 /// The scales of 16-value groups `g` and `g + 1` for 32 consecutive values.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn scale_pair(sc: __m128i, g: usize) -> __m256i {
+fn scale_pair(sc: __m128i, g: usize) -> __m256i {
     scale_lanes(sc, g, g + 1)
 }
 
 /// The 32 activations of `y` starting at `at` (a multiple of 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
+fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
     let s = &y.qs[at..at + 32];
     // SAFETY: `s` holds 32 bytes.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -81,7 +82,7 @@ pub(super) fn q8_32(y: &Q8KBlock, at: usize) -> __m256i {
 /// `isum += Σ_pairs scale·(w·x)` for 32 weight levels `w` (unsigned bytes).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i) -> __m256i {
+fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i) -> __m256i {
     _mm256_add_epi32(isum, _mm256_madd_epi16(scales, _mm256_maddubs_epi16(w, x)))
 }
 
@@ -93,7 +94,7 @@ pub(super) fn madd_scaled(isum: __m256i, w: __m256i, x: __m256i, scales: __m256i
 /// `p` points at 12 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
+unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
@@ -107,7 +108,7 @@ pub(super) unsafe fn k4_scales_mins(p: *const u8) -> __m128i {
 /// `Σ_j min_j·(bsums[2j] + bsums[2j+1])` for the 8 mins in bytes 8..16 of `sm`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
+fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
     // SAFETY: `bsums` is 16 i16 (32 bytes).
     let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
     // Sums of adjacent groups: |Σ| ≤ 2·16·128, no i16 overflow.
@@ -118,7 +119,7 @@ pub(super) fn k4_msum(sm: __m128i, y: &Q8KBlock) -> i32 {
 /// Q4_K/Q5_K's scale of 32-value group `j` (byte `j` of `sm`) in all 16 i16 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn k4_scale(sm: __m128i, j: usize) -> __m256i {
+fn k4_scale(sm: __m128i, j: usize) -> __m256i {
     scale_lanes(sm, j, j)
 }
 
@@ -132,7 +133,7 @@ const PREFETCH_ROWS: usize = 4;
 /// Prefetches the `BLOCK` bytes at `p` + `PREFETCH_ROWS`·`row_bytes`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn prefetch_next_row<const BLOCK: usize>(p: *const u8, row_bytes: usize) {
+fn prefetch_next_row<const BLOCK: usize>(p: *const u8, row_bytes: usize) {
     let next = p.wrapping_add(PREFETCH_ROWS * row_bytes);
     let mut at = 0;
     while at < BLOCK {
@@ -150,25 +151,8 @@ pub(super) fn prefetch_next_row<const BLOCK: usize>(p: *const u8, row_bytes: usi
 /// with `x` as far as both go (as in the scalar dot), so any lengths are sound.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0f);
-    let mut acc = 0f32;
-    for (b, y) in w.chunks_exact(144).zip(x) {
-        let p = b.as_ptr();
-        prefetch_next_row::<144>(p, w.len());
-        // SAFETY: `b` is one 144-byte block: f16s at 0 and 2, scales at 4..16.
-        let (d, dmin, sm) = unsafe { (f16_at(p), f16_at(p.add(2)), k4_scales_mins(p.add(4))) };
-        let mut isum = _mm256_setzero_si256();
-        for pair in 0..4 {
-            // SAFETY: bytes 16 + 32·pair .. +32 lie in the block (pair < 4).
-            let q = unsafe { _mm256_loadu_si256(p.add(16 + 32 * pair).cast()) };
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-            isum = madd_scaled(isum, lo, q8_32(y, 64 * pair), k4_scale(sm, 2 * pair));
-            isum = madd_scaled(isum, hi, q8_32(y, 64 * pair + 32), k4_scale(sm, 2 * pair + 1));
-        }
-        acc = combine(acc, d, dmin, y.d, hsum_i32(isum), k4_msum(sm, y));
-    }
-    acc
+    // SAFETY: as this function's.
+    unsafe { dot_q4_k_rows(w, [x])[0] }
 }
 
 /// Q5_K: as Q4_K plus 32 `qh` bytes before the nibbles: bit `2p` of `qh[l]`
@@ -219,15 +203,69 @@ pub unsafe fn dot_q5_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
 /// with `x` as far as both go (as in the scalar dot), so any lengths are sound.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q6_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
+    // SAFETY: as this function's.
+    unsafe { dot_q6_k_rows(w, [x])[0] }
+}
+
+/// Super-blocks that `w` (blocks of `bytes`) and every row of `x` hold.
+fn common_blocks<const R: usize>(w: &[u8], bytes: usize, x: &[&[Q8KBlock]; R]) -> usize {
+    x.iter().map(|r| r.len()).fold(w.len() / bytes, usize::min)
+}
+
+/// [`dot_q4_k`] of `w` with each of `R` activation rows: each super-block
+/// is loaded and unpacked once for all of them (speculative verification and
+/// small batches). Every row goes through the same integer and float steps
+/// in the same order whatever `R`, so its result does not depend on the
+/// rows beside it.
+///
+/// # Safety
+/// avx2, fma and f16c are present. Loads stay within the whole blocks that
+/// `w` and every row of `x` hold.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_k_rows<const R: usize>(w: &[u8], x: [&[Q8KBlock]; R]) -> [f32; R] {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [0f32; R];
+    for i in 0..common_blocks(w, 144, &x) {
+        let b = &w[144 * i..144 * (i + 1)];
+        let p = b.as_ptr();
+        prefetch_next_row::<144>(p, w.len());
+        // SAFETY: `b` is one 144-byte block: f16s at 0 and 2, scales at 4..16.
+        let (d, dmin, sm) = unsafe { (f16_at(p), f16_at(p.add(2)), k4_scales_mins(p.add(4))) };
+        let mut isum = [_mm256_setzero_si256(); R];
+        for pair in 0..4 {
+            // SAFETY: bytes 16 + 32·pair .. +32 lie in the block (pair < 4).
+            let q = unsafe { _mm256_loadu_si256(p.add(16 + 32 * pair).cast()) };
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            let (s_lo, s_hi) = (k4_scale(sm, 2 * pair), k4_scale(sm, 2 * pair + 1));
+            for (sum, y) in isum.iter_mut().zip(&x) {
+                *sum = madd_scaled(*sum, lo, q8_32(&y[i], 64 * pair), s_lo);
+                *sum = madd_scaled(*sum, hi, q8_32(&y[i], 64 * pair + 32), s_hi);
+            }
+        }
+        for ((a, sum), y) in acc.iter_mut().zip(isum).zip(&x) {
+            *a = combine(*a, d, dmin, y[i].d, hsum_i32(sum), k4_msum(sm, &y[i]));
+        }
+    }
+    acc
+}
+
+/// [`dot_q6_k`] of `w` with each of `R` activation rows, as [`dot_q4_k_rows`].
+///
+/// # Safety
+/// As [`dot_q4_k_rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q6_k_rows<const R: usize>(w: &[u8], x: [&[Q8KBlock]; R]) -> [f32; R] {
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(0x03);
-    let mut acc = 0f32;
-    for (b, y) in w.chunks_exact(210).zip(x) {
+    let mut acc = [0f32; R];
+    for i in 0..common_blocks(w, 210, &x) {
+        let b = &w[210 * i..210 * (i + 1)];
         let p = b.as_ptr();
         prefetch_next_row::<210>(p, w.len());
         // SAFETY: `b` is one 210-byte block: scales at 192..208, d at 208.
         let (sc, d) = unsafe { (_mm_loadu_si128(p.add(192).cast()), f16_at(p.add(208))) };
-        let mut isum = _mm256_setzero_si256();
+        let mut isum = [_mm256_setzero_si256(); R];
         for h in 0..2 {
             // SAFETY: ql bytes 64h..64h+64 and qh bytes 128+32h..+32 lie in the block (h < 2).
             let (ql0, ql1, qh) = unsafe {
@@ -245,14 +283,19 @@ pub unsafe fn dot_q6_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), hb(_mm256_srli_epi16::<6>(qh))),
             ];
             for (k, qk) in q.into_iter().enumerate() {
-                // Unsigned levels 0..64: pair sums stay within ±2·63·128.
-                isum = madd_scaled(isum, qk, q8_32(y, 128 * h + 32 * k), scale_pair(sc, 8 * h + 2 * k));
+                let scales = scale_pair(sc, 8 * h + 2 * k);
+                for (sum, y) in isum.iter_mut().zip(&x) {
+                    *sum = madd_scaled(*sum, qk, q8_32(&y[i], 128 * h + 32 * k), scales);
+                }
             }
         }
-        // SAFETY: `bsums` is 16 i16 (32 bytes).
-        let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
-        let offset = hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), bs));
-        acc = combine(acc, d, 0.0, y.d, hsum_i32(isum) - 32 * offset, 0);
+        let sc16 = _mm256_cvtepi8_epi16(sc);
+        for ((a, sum), y) in acc.iter_mut().zip(isum).zip(&x) {
+            // SAFETY: `bsums` is 16 i16 (32 bytes).
+            let bs = unsafe { _mm256_loadu_si256(y[i].bsums.as_ptr().cast()) };
+            let offset = hsum_i32(_mm256_madd_epi16(sc16, bs));
+            *a = combine(*a, d, 0.0, y[i].d, hsum_i32(sum) - 32 * offset, 0);
+        }
     }
     acc
 }
@@ -355,7 +398,7 @@ pub unsafe fn dot_q3_k(w: &[u8], x: &[Q8KBlock]) -> f32 {
 }
 
 #[cfg(test)]
-pub(in crate::backend::cpu) mod tests {
+mod tests {
     use super::super::q8k::{dot, dot_scalar, quantize_row};
     use super::super::test_rng::{finite_f16, fresh_seed, next};
     use super::*;
@@ -369,7 +412,7 @@ pub(in crate::backend::cpu) mod tests {
     }
 
     /// Random bytes for levels and packed scales, finite random f16 `d`/`dmin`.
-    pub(in crate::backend::cpu) fn random_weights(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
+    fn random_weights(seed: &mut u64, dtype: DType, blocks: usize) -> Vec<u8> {
         let mut w: Vec<u8> = (0..blocks * dtype.block_bytes()).map(|_| next(seed) as u8).collect();
         for blk in w.chunks_exact_mut(dtype.block_bytes()) {
             for &off in f16_field_offsets(dtype) {
@@ -381,7 +424,7 @@ pub(in crate::backend::cpu) mod tests {
 
     /// Activations of mixed magnitudes, with an all-zero super-block and one of
     /// ±1 only (every value quantizing to ±127).
-    pub(in crate::backend::cpu) fn random_activations(seed: &mut u64, n: usize) -> Vec<Q8KBlock> {
+    fn random_activations(seed: &mut u64, n: usize) -> Vec<Q8KBlock> {
         let mut x: Vec<f32> = Vec::with_capacity(n);
         for k in 0..n / QK_K {
             let scale = [1.0, 1e-3, 40.0, 0.0, 1.0][k % 5];
@@ -441,6 +484,39 @@ pub(in crate::backend::cpu) mod tests {
                     let (got, want) = (dot(dtype, &w, &x), dot_scalar(dtype, &w, &x));
                     assert_eq!(got.to_bits(), want.to_bits(), "{dtype:?} byte {byte:#x} sign {sign}: {got} vs {want}");
                 }
+            }
+        }
+    }
+
+    fn check<const R: usize>(seed: &mut u64, dtype: DType, blocks: usize) {
+        let w = random_weights(seed, dtype, blocks);
+        let xs: Vec<Vec<Q8KBlock>> = (0..R).map(|_| random_activations(seed, blocks * QK_K)).collect();
+        let x: [&[Q8KBlock]; R] = std::array::from_fn(|r| &xs[r][..]);
+        // SAFETY: avx2 was checked by the caller; all rows hold `blocks` blocks.
+        let got = unsafe {
+            match dtype {
+                DType::Q4_K => dot_q4_k_rows(&w, x),
+                _ => dot_q6_k_rows(&w, x),
+            }
+        };
+        for r in 0..R {
+            let want = super::super::q8k::dot_scalar(dtype, &w, x[r]);
+            assert_eq!(got[r].to_bits(), want.to_bits(), "{} R={R} row {r}: {} vs {want}", dtype.name(), got[r]);
+        }
+    }
+
+    #[test]
+    fn rows_match_scalar_bit_for_bit() {
+        if !has_avx2() {
+            return;
+        }
+        let mut seed = fresh_seed("q8k_avx2 rows");
+        for dtype in [DType::Q4_K, DType::Q6_K] {
+            for blocks in [1, 2, 5, 12] {
+                check::<1>(&mut seed, dtype, blocks);
+                check::<2>(&mut seed, dtype, blocks);
+                check::<3>(&mut seed, dtype, blocks);
+                check::<4>(&mut seed, dtype, blocks);
             }
         }
     }
