@@ -225,11 +225,6 @@ impl EngineCore {
         self.runner.kv_bytes()
     }
 
-    /// Bytes of the draft model's KV pool (0 without one).
-    pub fn draft_kv_bytes(&self) -> usize {
-        self.drafter.as_ref().map_or(0, Drafter::kv_bytes)
-    }
-
     /// Preemptions so far.
     pub fn preemptions(&self) -> usize {
         self.preemptions

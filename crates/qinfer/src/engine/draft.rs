@@ -77,11 +77,6 @@ impl Drafter {
         Ok(Drafter { runner, seqs: HashMap::new(), max_catch_up: max_catch_up.max(1) })
     }
 
-    /// Bytes of the draft model's KV pool.
-    pub fn kv_bytes(&self) -> usize {
-        self.runner.kv_bytes()
-    }
-
     /// Forgets sequence `id` (finished, aborted or preempted): its draft
     /// blocks go back to the pool.
     pub fn release(&mut self, id: RequestId) {
