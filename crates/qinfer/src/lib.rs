@@ -11,6 +11,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod formats;
+pub mod image;
 pub mod kv;
 pub mod layers;
 pub mod loader;

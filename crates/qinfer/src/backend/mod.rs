@@ -88,6 +88,8 @@ pub struct Capabilities {
     pub mixture_of_experts: bool,
     /// The [`ops::BatchOps`] (many sequences in one forward, paged KV) run here.
     pub batched: bool,
+    /// [`ops::BatchOps::rope_multimodal`] runs here (image tokens' positions).
+    pub multimodal_positions: bool,
 }
 
 /// What a backend computes with, and the ops a dense Llama needs. The fused

@@ -155,12 +155,26 @@ pub trait FusedOps: Backend {
     fn split_norm_rope(
         &self,
         projected: Self::Act,
-        mut k: Self::Act,
+        k: Self::Act,
         shape: &QkvShape,
         norms: Option<(&Self::Weight, &Self::Weight)>,
         eps: f32,
         positions: &[usize],
         rope: &Rope,
+    ) -> (Self::Act, Self::Act, Option<Self::Act>) {
+        let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
+        self.rope(&mut q, shape.head_dim, positions, rope);
+        self.rope(&mut k, shape.head_dim, positions, rope);
+        (q, k, gate)
+    }
+    /// [`FusedOps::split_norm_rope`] before the rotation.
+    fn split_norm(
+        &self,
+        projected: Self::Act,
+        mut k: Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
     ) -> (Self::Act, Self::Act, Option<Self::Act>) {
         let hd = shape.head_dim;
         let (mut q, gate) = if shape.output_gate {
@@ -172,8 +186,6 @@ pub trait FusedOps: Backend {
             q = self.rms_norm(&q, qn, eps);
             k = self.rms_norm(&k, kn, eps);
         }
-        self.rope(&mut q, hd, positions, rope);
-        self.rope(&mut k, hd, positions, rope);
         (q, k, gate)
     }
 }
@@ -320,7 +332,14 @@ pub trait BatchOps: FusedOps {
         layer: usize,
         batch: &BatchLayout,
     ) -> (Self::Act, Option<Self::Act>) {
-        let (q, k, gate) = self.split_norm_rope(projected, k, shape, norms, eps, &batch.positions, rope);
+        let (q, k, gate) = if batch.mrope_positions.is_empty() {
+            self.split_norm_rope(projected, k, shape, norms, eps, &batch.positions, rope)
+        } else {
+            let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
+            self.rope_multimodal(&mut q, shape.head_dim, &batch.mrope_positions, rope);
+            self.rope_multimodal(&mut k, shape.head_dim, &batch.mrope_positions, rope);
+            (q, k, gate)
+        };
         self.write_kv_batch(pool, layer, &k, v, batch);
         (q, gate)
     }
@@ -341,6 +360,12 @@ pub trait BatchOps: FusedOps {
     ) -> (Self::Act, Option<Self::Act>) {
         let (projected, k, v) = self.split_qkv(qkv, shape);
         self.paged_prologue(projected, k, &v, shape, norms, eps, rope, pool, layer, batch)
+    }
+    /// Rotates each head of each row at its temporal, height and width
+    /// positions, as [`Rope::cos_sin_multimodal`] assigns them to pairs.
+    fn rope_multimodal(&self, x: &mut Self::Act, head_dim: usize, positions: &[[u32; 3]], rope: &Rope) {
+        let _ = (x, head_dim, positions, rope);
+        unsupported(self, "multimodal rotary positions")
     }
     /// Writes a batch's rows of `k` and `v` to their slots (`batch.slots`)
     /// of `layer`; a backend that encodes rows per sequence sees the sequences.

@@ -3,6 +3,7 @@
 
 mod arch;
 pub mod rope;
+pub mod vision;
 
 pub use arch::{Architecture, Features, GdnProjections, MoeFeatures};
 
@@ -124,6 +125,10 @@ pub struct ModelConfig {
     pub gdn: Option<GdnConfig>,
     /// Leading dimensions of each head that RoPE rotates (`partial_rotary_factor`).
     pub rotary_dim: usize,
+    /// Multimodal RoPE sections (Qwen3.5): where a token's three positions go.
+    pub mrope: Option<vision::Mrope>,
+    /// The vision tower of a multimodal checkpoint.
+    pub vision: Option<vision::VisionConfig>,
 }
 
 fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -360,6 +365,7 @@ impl ModelConfig {
     /// when present, overrides eos/bos ids.
     pub fn from_hf_json(v: &Value, generation: Option<&Value>) -> Result<Self> {
         // Multimodal wrappers nest the text model.
+        let outer = v;
         let v = get(v, "text_config").unwrap_or(v);
         let model_type =
             get(v, "model_type").and_then(|x| x.as_str()).ok_or_else(|| Error::config("model_type", "missing"))?;
@@ -429,6 +435,21 @@ impl ModelConfig {
                 bos = Some(b as u32);
             }
         }
+        let rotary_dim = parse_rotary_dim(v, arch, head_dim)?;
+        // Qwen3.5's text rotary embedding always interleaves the sections,
+        // and takes [11, 11, 10] where the config names none.
+        let (mrope, vision) = match arch {
+            Architecture::Qwen35 | Architecture::Qwen35Moe => {
+                let m = vision::Mrope::parse(v, rotary_dim)?
+                    .unwrap_or(vision::Mrope { section: [11, 11, 10], interleaved: true });
+                (Some(vision::Mrope { interleaved: true, ..m }), vision::VisionConfig::parse(outer)?)
+            }
+            Architecture::Llama
+            | Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen3Next => (None, None),
+        };
         Ok(ModelConfig {
             arch,
             vocab_size: req_usize(v, "vocab_size")?,
@@ -459,7 +480,9 @@ impl ModelConfig {
             moe_layers,
             moe,
             gdn: parse_gdn(v, arch)?,
-            rotary_dim: parse_rotary_dim(v, arch, head_dim)?,
+            rotary_dim,
+            mrope,
+            vision,
         })
     }
 

@@ -1,6 +1,7 @@
 //! Rotary position embedding frequencies, computed as transformers does
 //! (`_compute_default_rope_parameters`, `_compute_llama3_parameters`): in f32.
 
+use crate::config::vision::Mrope;
 use crate::config::{RopeConfig, RopeScaling, RopeStyle};
 
 #[derive(Debug, Clone)]
@@ -10,6 +11,8 @@ pub struct Rope {
     pub style: RopeStyle,
     /// Dimensions rotated at the start of each head (= head_dim for full rotary).
     pub rotary_dim: usize,
+    /// Where a token's temporal, height and width positions go (multimodal models).
+    pub mrope: Option<Mrope>,
 }
 
 impl Rope {
@@ -37,7 +40,24 @@ impl Rope {
                 }
             }
         }
-        Rope { inv_freq, style: cfg.style, rotary_dim }
+        Rope { inv_freq, style: cfg.style, rotary_dim, mrope: None }
+    }
+
+    /// The same frequencies with multimodal sections.
+    pub fn with_mrope(self, mrope: Option<Mrope>) -> Self {
+        Rope { mrope, ..self }
+    }
+
+    /// (cos, sin) of every pair's angle for a token at temporal, height and
+    /// width positions `pos`: each pair takes its section's component.
+    /// Without sections, the temporal position (all three are equal for text).
+    pub fn cos_sin_multimodal(&self, pos: [u32; 3], cos: &mut [f32], sin: &mut [f32]) {
+        for (i, f) in self.inv_freq.iter().enumerate() {
+            let p = pos[self.mrope.map_or(0, |m| m.component(i))];
+            let angle = (p as f32 * *f) as f64;
+            cos[i] = angle.cos() as f32;
+            sin[i] = angle.sin() as f32;
+        }
     }
 
     /// (cos, sin) of every pair's angle at `pos`; the angle is an f32 product as in the reference.

@@ -5,6 +5,7 @@
 //! the scheduler or a sampler.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 /// One sequence's part of a batch: a prefill chunk or a decode token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +58,34 @@ pub struct BatchLayout {
     /// The rows whose final normed hidden states the step returns (pooling
     /// requests), in this order.
     pub hidden_rows: Vec<usize>,
+    /// Every row's temporal, height and width rotary positions, where some
+    /// sequence of the batch holds images (empty otherwise: each row's
+    /// three positions are its position).
+    pub mrope_positions: Vec<[u32; 3]>,
+    /// Rows whose input is given as embeddings (image tokens), not looked
+    /// up by token id.
+    pub embeds: Vec<InputEmbeds>,
 }
+
+/// Consecutive batch rows whose inputs are rows of a precomputed embedding
+/// matrix (an image's merged vision tokens).
+#[derive(Debug, Clone)]
+pub struct InputEmbeds {
+    /// The first batch row.
+    pub row: usize,
+    /// `[n, hidden]` values, row-major.
+    pub values: Arc<Vec<f32>>,
+    /// The rows of `values` taken, in order, one per batch row.
+    pub take: Range<usize>,
+}
+
+impl PartialEq for InputEmbeds {
+    fn eq(&self, o: &Self) -> bool {
+        self.row == o.row && self.take == o.take && Arc::ptr_eq(&self.values, &o.values)
+    }
+}
+
+impl Eq for InputEmbeds {}
 
 impl BatchLayout {
     /// Builds the layout from each sequence's part; positions and the slot
@@ -72,7 +100,16 @@ impl BatchLayout {
                 slots.push(s.block_table[p / block_size] * block_size as u32 + (p % block_size) as u32);
             }
         }
-        BatchLayout { seqs, positions, slots, block_size, logits_rows, hidden_rows: Vec::new() }
+        BatchLayout {
+            seqs,
+            positions,
+            slots,
+            block_size,
+            logits_rows,
+            hidden_rows: Vec::new(),
+            mrope_positions: Vec::new(),
+            embeds: Vec::new(),
+        }
     }
 
     pub fn rows(&self) -> usize {

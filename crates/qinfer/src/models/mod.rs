@@ -11,6 +11,7 @@ pub mod qwen3_5;
 pub mod qwen3_moe;
 pub mod qwen3_next;
 pub mod spec;
+pub mod vision;
 
 use std::any::Any;
 
@@ -93,6 +94,18 @@ pub trait LanguageModel: Send + Sync {
     fn config(&self) -> &ModelConfig;
     /// Short description of where it runs.
     fn device(&self) -> String;
+    /// Whether [`LanguageModel::encode_image`] works: a vision tower on a
+    /// backend that runs image tokens' positions.
+    fn takes_images(&self) -> bool {
+        false
+    }
+    /// One image's tokens for the prompt: `[tokens, hidden_size]`, the
+    /// vision tower's merged output, fed in place of the image placeholder
+    /// tokens' embeddings.
+    fn encode_image(&self, image: &crate::image::PreparedImage) -> Result<Vec<f32>> {
+        let _ = image;
+        Err(Error::Invalid(format!("{} takes no images", self.config().arch.name())))
+    }
     /// Storage for batched forwards: a KV pool of `num_blocks` blocks of
     /// `block_size` tokens and `state_slots` recurrent-state slots (for
     /// models with Gated DeltaNet layers).

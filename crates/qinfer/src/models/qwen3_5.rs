@@ -4,7 +4,7 @@
 //! MoE variant routes every layer and always renormalizes the top-k.
 //! Hub checkpoints are multimodal: the text model sits under
 //! `model.language_model.` (mlx-lm's conversions: `language_model.model.`),
-//! beside a vision tower (`model.visual.*`) that is not run yet.
+//! beside a vision tower (`model.visual.*`, [`super::vision`]).
 
 use super::qwen3_next;
 use super::spec::{ModelSpec, TEXT_MODEL, TextRoot, all_dense};
@@ -16,7 +16,7 @@ const LAYOUTS: &[TextRoot] = &[
 ];
 
 const UNUSED: &[(&str, &str)] = &[
-    ("model.visual.", "the vision tower: image input is not supported yet"),
+    ("vision_tower.", "an MLX conversion's vision tower: images need the Hugging Face checkpoint"),
     ("mtp.", "the multi-token-prediction head, unused until speculative decoding"),
 ];
 

@@ -5,7 +5,10 @@ use std::ops::Range;
 
 use super::{CpuAct, CpuBackend, attention, attention_coded};
 use crate::backend::AttentionShape;
+use rayon::prelude::*;
+
 use crate::backend::ops::BatchOps;
+use crate::config::rope::Rope;
 use crate::kv::batch::BatchLayout;
 use crate::kv::contiguous::LayerRows;
 use crate::kv::paged::PagedKv;
@@ -37,6 +40,19 @@ impl BatchOps for CpuBackend {
 
     fn kv_pool_bytes(&self, pool: &PagedKv) -> usize {
         pool.bytes()
+    }
+
+    fn rope_multimodal(&self, x: &mut CpuAct, head_dim: usize, positions: &[[u32; 3]], rope: &Rope) {
+        assert_eq!(positions.len(), x.rows);
+        let half = rope.rotary_dim / 2;
+        let cols = x.cols;
+        x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &pos)| {
+            let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+            rope.cos_sin_multimodal(pos, &mut cos, &mut sin);
+            for head in row.chunks_exact_mut(head_dim) {
+                rope.apply(head, &cos, &sin);
+            }
+        });
     }
 
     fn read_kv_block(&self, pool: &PagedKv, block: u32) -> Vec<u8> {

@@ -166,6 +166,7 @@ impl Backend for CpuBackend {
             gated_delta_net: true,
             mixture_of_experts: true,
             batched: true,
+            multimodal_positions: true,
         }
     }
 

@@ -173,6 +173,7 @@ impl Backend for CudaBackend {
             gated_delta_net: true,
             mixture_of_experts: true,
             batched: true,
+            multimodal_positions: false,
         }
     }
 

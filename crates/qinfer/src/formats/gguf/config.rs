@@ -235,6 +235,10 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         moe,
         gdn: super::gdn_meta::gdn(&m, arch)?,
         rotary_dim,
+        // A GGUF holds the text model only (llama.cpp keeps vision towers in
+        // separate projector files), so every position is one-dimensional.
+        mrope: None,
+        vision: None,
     })
 }
 

@@ -212,6 +212,29 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         if let Some(&r) = batch.logits_rows.iter().chain(&batch.hidden_rows).find(|&&r| r >= batch.rows()) {
             return bad(format!("logits or hidden row {r} of {} rows", batch.rows()));
         }
+        if !batch.mrope_positions.is_empty() {
+            if batch.mrope_positions.len() != batch.rows() {
+                return bad(format!("{} multimodal positions for {} rows", batch.mrope_positions.len(), batch.rows()));
+            }
+            if !self.backend.capabilities().multimodal_positions {
+                return bad(format!("images are not supported on the {} backend yet", self.backend.name()));
+            }
+        }
+        let h = self.cfg.hidden_size;
+        let mut next = 0;
+        for e in &batch.embeds {
+            let n = e.take.len();
+            if e.row < next || e.row + n > batch.rows() || e.take.end * h > e.values.len() || n == 0 {
+                return bad(format!(
+                    "input embeddings for rows {}..{} (of {}) from {} values of width {h}",
+                    e.row,
+                    e.row + n,
+                    batch.rows(),
+                    e.values.len()
+                ));
+            }
+            next = e.row + n;
+        }
         Ok(())
     }
 
@@ -233,7 +256,7 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         // Each sequence's slot, in batch order (slots are distinct).
         let slots: Vec<usize> = batch.seqs.iter().filter_map(|s| s.state_slot.map(|x| x as usize)).collect();
         let active = self.adapters.active(batch.seqs.iter().map(|s| (s.rows.clone(), s.adapter)))?;
-        let mut h = b.embed(&self.embed_tokens, tokens)?;
+        let mut h = self.embed_batch(tokens, batch)?;
         let mut normed: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
             let x = BlockInput::new(&h, normed.as_ref(), &layer.input_layernorm, eps);
@@ -272,6 +295,33 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
         });
         Ok(BatchHeads { logits, hidden })
+    }
+}
+
+impl<B: ModelBackend + 'static> DecoderModel<B> {
+    /// The rows' input embeddings: looked up by token id, except the rows
+    /// the batch gives embeddings of (image tokens).
+    fn embed_batch(&self, tokens: &[u32], batch: &BatchLayout) -> Result<B::Act> {
+        let b = &self.backend;
+        let h = b.embed(&self.embed_tokens, tokens)?;
+        if batch.embeds.is_empty() {
+            return Ok(h);
+        }
+        let d = self.cfg.hidden_size;
+        let mut parts = Vec::with_capacity(2 * batch.embeds.len() + 1);
+        let mut next = 0;
+        for e in &batch.embeds {
+            if e.row > next {
+                parts.push(b.slice_rows(&h, next..e.row));
+            }
+            let values = &e.values[e.take.start * d..e.take.end * d];
+            parts.push(b.act_from_host(e.take.len(), d, values));
+            next = e.row + e.take.len();
+        }
+        if next < tokens.len() {
+            parts.push(b.slice_rows(&h, next..tokens.len()));
+        }
+        Ok(b.concat_rows(&parts))
     }
 }
 

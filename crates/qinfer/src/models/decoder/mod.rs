@@ -60,7 +60,12 @@ pub struct DecoderModel<B: ModelBackend> {
     idle: Option<Arc<IdleSequences<B>>>,
     /// LoRA adapters placed beside the weights.
     adapters: adapters::Adapters<B::Weight>,
+    /// The vision tower of a multimodal checkpoint that ships one.
+    vision: Option<super::vision::VisionTower<B>>,
 }
+
+/// Where hub checkpoints keep the vision tower.
+const VISION_PREFIX: &str = "model.visual.";
 
 /// Most dropped sequences a model keeps.
 const MAX_IDLE_SEQUENCES: usize = 4;
@@ -213,10 +218,16 @@ impl<B: ModelBackend> DecoderModel<B> {
         } else {
             return Err(Error::tensor(lm_head_name, "missing and tie_word_embeddings is false"));
         };
-        let rope = Rope::new(&cfg.rope, cfg.rotary_dim);
+        let vision = match &cfg.vision {
+            Some(v) if src.contains(&format!("{VISION_PREFIX}patch_embed.proj.weight")) => {
+                Some(super::vision::VisionTower::load(&ld, VISION_PREFIX, v)?)
+            }
+            _ => None,
+        };
+        let rope = Rope::new(&cfg.rope, cfg.rotary_dim).with_mrope(cfg.mrope);
         let idle = backend.capabilities().reuse_sequences.then(|| Arc::new(IdleSequences(Mutex::new(Vec::new()))));
         let adapters = adapters::Adapters::default();
-        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle, adapters })
+        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle, adapters, vision })
     }
 
     /// Runs `tokens` through the model and hands the pass's logits
@@ -402,6 +413,21 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
     }
     fn device(&self) -> String {
         self.backend.name()
+    }
+    fn takes_images(&self) -> bool {
+        self.vision.is_some() && self.backend.capabilities().multimodal_positions
+    }
+    fn encode_image(&self, image: &crate::image::PreparedImage) -> Result<Vec<f32>> {
+        let Some(tower) = &self.vision else {
+            return Err(Error::Invalid(format!(
+                "{} (this checkpoint) has no vision tower: it takes no images",
+                self.cfg.arch.name()
+            )));
+        };
+        if !self.backend.capabilities().multimodal_positions {
+            return Err(Error::Invalid(format!("images are not supported on the {} backend yet", self.backend.name())));
+        }
+        self.backend.run_pass(|| tower.encode(&self.backend, image))
     }
     fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)

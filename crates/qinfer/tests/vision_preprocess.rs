@@ -1,0 +1,53 @@
+//! Image preprocessing against transformers' Qwen2VL image processor (the
+//! one Qwen3.5 checkpoints name), on the images and processor settings of
+//! `scripts/make_fixtures_vision.py`: the same grid, the same pixel values.
+
+use std::path::PathBuf;
+
+use qinfer::image::{ImageLimits, ImageProcessorConfig, prepare};
+use serde_json::Value;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
+}
+
+/// One 8-bit level after normalization with std 0.5.
+const LEVEL: f32 = 2.0 / 255.0;
+
+#[test]
+fn pixel_values_and_grids_equal_the_processors() {
+    let cfg = ImageProcessorConfig::from_file(&dir().join("qwen3_5/preprocessor_config.json")).unwrap();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("images/reference.json")).unwrap()).unwrap();
+    let grids = reference["grids"].as_object().unwrap();
+    assert_eq!(grids.len(), 5);
+    for (name, grid) in grids {
+        let bytes = std::fs::read(dir().join("images").join(name)).unwrap();
+        let img = prepare(&bytes, &cfg, &ImageLimits::default()).unwrap();
+        let want: Vec<usize> = grid.as_array().unwrap().iter().map(|g| g.as_u64().unwrap() as usize).collect();
+        assert_eq!(img.grid.to_vec(), want, "{name}: grid");
+        let stem = name.split('.').next().unwrap();
+        let (shape, pixels) = qinfer::npy::read_f32(&dir().join(format!("images/{stem}.pixels.npy"))).unwrap();
+        assert_eq!(shape, vec![img.patches(), cfg.patch_values()], "{name}: shape");
+        let diff = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        if name.ends_with(".jpg") {
+            // JPEG decoders may round the inverse DCT and chroma upsampling
+            // differently (Pillow's libjpeg-turbo against the image crate's
+            // decoder): up to a few 8-bit levels, under half a level on average.
+            let mean = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).sum::<f32>() / pixels.len() as f32;
+            assert!(diff <= 4.0 * LEVEL && mean < 0.5 * LEVEL, "{name}: differ by up to {diff}, {mean} on average");
+        } else {
+            assert!(diff < 1e-6, "{name}: pixel values differ by up to {diff}");
+        }
+    }
+}
+
+#[test]
+fn undecodable_and_oversized_images_are_refused_by_name() {
+    let cfg = ImageProcessorConfig::from_file(&dir().join("qwen3_5/preprocessor_config.json")).unwrap();
+    let err = prepare(b"not an image", &cfg, &ImageLimits::default()).unwrap_err().to_string();
+    assert!(err.contains("cannot decode the image"), "{err}");
+    let bytes = std::fs::read(dir().join("images/e.png")).unwrap();
+    let err = prepare(&bytes, &cfg, &ImageLimits { max_source_pixels: 1000 }).unwrap_err().to_string();
+    assert!(err.contains("130×90") && err.contains("1000 pixels"), "{err}");
+}
