@@ -20,6 +20,7 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
     ("npy", &["tensor"], "the .npy writer"),
     ("config", &[], "model configuration and RoPE tables"),
     ("sampling", &[], "sampling parameters and the reference sampler"),
+    ("image", &[], "images decoded and prepared as the vision processor does"),
     // Rule 4: formats hand out tensors and metadata; never a tokenizer or a kernel.
     ("formats", &["tensor", "quant", "config"], "file formats"),
     ("tokenizer", &["formats"], "tokenizers and chat templates"),
@@ -37,7 +38,7 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
     // engine; they never see the engine.
     (
         "models",
-        &["tensor", "quant", "config", "formats", "kv", "backend", "weights", "layers", "sampling", "lora"],
+        &["tensor", "quant", "config", "formats", "kv", "backend", "weights", "layers", "sampling", "lora", "image"],
         "one file per architecture",
     ),
     ("quantize", &["tensor", "quant", "config", "formats"], "the HF → MLX quantizer"),
