@@ -31,11 +31,12 @@ fn pixel_values_and_grids_equal_the_processors() {
         assert_eq!(shape, vec![img.patches(), cfg.patch_values()], "{name}: shape");
         let diff = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         if name.ends_with(".jpg") {
-            // JPEG decoders may round the inverse DCT and chroma upsampling
-            // differently (Pillow's libjpeg-turbo against the image crate's
-            // decoder): up to a few 8-bit levels, under half a level on average.
+            // The JPEG decoders (jpeg-decoder here, libjpeg-turbo in Pillow)
+            // round the inverse DCT and chroma upsampling apart at some
+            // pixels: up to a few 8-bit levels there, about a tenth of a
+            // level on average.
             let mean = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).sum::<f32>() / pixels.len() as f32;
-            assert!(diff <= 4.0 * LEVEL && mean < 0.5 * LEVEL, "{name}: differ by up to {diff}, {mean} on average");
+            assert!(diff <= 3.0 * LEVEL && mean < 0.15 * LEVEL, "{name}: differ by up to {diff}, {mean} on average");
         } else {
             assert!(diff < 1e-6, "{name}: pixel values differ by up to {diff}");
         }

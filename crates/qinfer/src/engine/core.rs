@@ -20,6 +20,7 @@ use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
+use crate::runner::media::Media;
 use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -313,7 +314,11 @@ impl EngineCore {
         if self.seqs.contains_key(&id) {
             return Err(Error::Invalid(format!("request {id} is already queued")));
         }
-        self.seqs.insert(id, Sequence::new(id, req)?);
+        let media = match req.images.is_empty() {
+            true => None,
+            false => Some(Arc::new(Media::new(self.runner.model().as_ref(), &req.prompt, &req.images)?)),
+        };
+        self.seqs.insert(id, Sequence::new(id, req, media)?);
         self.waiting.push_back(id);
         Ok(())
     }
@@ -480,7 +485,9 @@ impl EngineCore {
                 break;
             }
             let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
-            if !decoding || seq.prompt_only() || seq.constraint.is_some() {
+            // A draft model sees no images; the n-gram proposer's drafts would
+            // need the image tokens' positions of a verify step it has no rows for.
+            if !decoding || seq.prompt_only() || seq.constraint.is_some() || seq.media.is_some() {
                 continue;
             }
             if !seq.backoff.ready() {
@@ -579,6 +586,7 @@ impl EngineCore {
                         task,
                         adapter,
                         drafts,
+                        media,
                         ..
                     } = seq;
                     let task: &Task = task;
@@ -606,6 +614,7 @@ impl EngineCore {
                         hidden,
                         scores,
                         adapter: *adapter,
+                        media: media.as_deref(),
                         drafts: *drafts,
                     }
                 })

@@ -180,6 +180,7 @@ fn rounds(runner: &mut Runner, wants: &[DraftWant<'_>], active: &mut [Active], d
                     hidden: HiddenRows::None,
                     scores: None,
                     adapter: None,
+                    media: None,
                     drafts: 0,
                 });
             }

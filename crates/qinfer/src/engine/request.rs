@@ -64,6 +64,9 @@ pub struct Request {
     /// [`crate::models::LanguageModel::add_adapter`]); None: the base model.
     /// Cached prefixes are shared only among requests of one adapter.
     pub adapter: Option<crate::lora::AdapterId>,
+    /// The images of the prompt, in the order of their placeholders (each
+    /// a run of the model's image token as long as the image's tokens).
+    pub images: Vec<std::sync::Arc<crate::image::PreparedImage>>,
 }
 
 /// Why a request ended.

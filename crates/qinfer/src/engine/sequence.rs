@@ -6,9 +6,12 @@ use super::request::{
     FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenConstraint, TokenLogprob, Usage,
 };
 use super::speculative::Backoff;
+use std::sync::Arc;
+
 use crate::Result;
 use crate::kv::blocks::BlockTable;
 use crate::kv::prefix::{BlockHashes, PrefixKeys};
+use crate::runner::media::Media;
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
 use crate::tokenizer::stream::DecodeStream;
@@ -49,6 +52,8 @@ pub struct Sequence {
     pub drafts: usize,
     /// When it next proposes drafts.
     pub backoff: Backoff,
+    /// Its prompt's images.
+    pub media: Option<Arc<Media>>,
     decode: DecodeStream,
     /// Generated text decoded so far, and how much of it was sent.
     text: String,
@@ -64,7 +69,7 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, req: Request) -> Result<Self> {
+    pub fn new(id: RequestId, req: Request, media: Option<Arc<Media>>) -> Result<Self> {
         let sampler = Sampler::new(req.sampling)?;
         let constraint = match &req.constraint {
             Some(f) => Some(f.start().map_err(|e| crate::Error::Invalid(format!("the output constraint: {e}")))?),
@@ -78,7 +83,10 @@ impl Sequence {
             tokens: req.prompt,
             computed: 0,
             blocks: BlockTable::default(),
-            hashes: BlockHashes::new(&PrefixKeys { cache_salt: req.cache_salt, adapter: req.adapter }),
+            hashes: BlockHashes::with_media(
+                &PrefixKeys { cache_salt: req.cache_salt, adapter: req.adapter },
+                media.as_ref().map(|m| m.spans()).unwrap_or_default(),
+            ),
             adapter: req.adapter,
             registered: 0,
             cached_tokens: None,
@@ -91,6 +99,7 @@ impl Sequence {
             preemptions: 0,
             drafts: 0,
             backoff: Backoff::default(),
+            media,
             decode: DecodeStream::new(true),
             text: String::new(),
             sent: 0,

@@ -51,24 +51,49 @@ pub fn chain(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
     h.finalize().into()
 }
 
+/// Tokens of a sequence that stand for an image: their placeholder ids are
+/// all alike, so the blocks holding them are named by the image's hash too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MediaSpan {
+    pub start: usize,
+    pub len: usize,
+    pub hash: [u8; 32],
+}
+
 /// The chained hashes of a growing token sequence's full blocks.
 #[derive(Debug, Clone)]
 pub struct BlockHashes {
     root: BlockHash,
     hashes: Vec<BlockHash>,
+    media: Vec<MediaSpan>,
 }
 
 impl BlockHashes {
     pub fn new(keys: &PrefixKeys) -> Self {
-        BlockHashes { root: keys.root(), hashes: Vec::new() }
+        BlockHashes { root: keys.root(), hashes: Vec::new(), media: Vec::new() }
+    }
+
+    /// The same, for a sequence whose tokens at `media` stand for images.
+    pub fn with_media(keys: &PrefixKeys, media: Vec<MediaSpan>) -> Self {
+        BlockHashes { media, ..Self::new(keys) }
     }
 
     /// Hashes every full block of `tokens` not hashed yet (`tokens` only
     /// grows at its end).
     pub fn extend(&mut self, tokens: &[u32], block_size: usize) {
         for i in self.hashes.len()..tokens.len() / block_size {
-            let parent = self.hashes.last().unwrap_or(&self.root);
-            let h = chain(parent, &tokens[i * block_size..(i + 1) * block_size]);
+            let parent = *self.hashes.last().unwrap_or(&self.root);
+            let (lo, hi) = (i * block_size, (i + 1) * block_size);
+            let mut h = chain(&parent, &tokens[lo..hi]);
+            for m in self.media.iter().filter(|m| m.start < hi && m.start + m.len > lo) {
+                let mut with = Sha256::new();
+                with.update(h);
+                with.update(b"image\0");
+                with.update((m.start as u64).to_le_bytes());
+                with.update((m.len as u64).to_le_bytes());
+                with.update(m.hash);
+                h = with.finalize().into();
+            }
             self.hashes.push(h);
         }
     }
@@ -114,5 +139,22 @@ mod tests {
         assert_ne!(adapted.root(), PrefixKeys { cache_salt: None, adapter: Some(2) }.root());
         assert_ne!(PrefixKeys { adapter: Some(1), ..salted.clone() }.root(), salted.root());
         assert_ne!(keys.root(), PrefixKeys { cache_salt: Some(String::new()), adapter: None }.root());
+    }
+
+    #[test]
+    fn blocks_holding_an_image_are_named_by_it_and_the_ones_before_are_not() {
+        let keys = PrefixKeys::default();
+        let tokens = [1, 2, 9, 9, 9, 9, 3, 4];
+        let span = |hash: u8| vec![MediaSpan { start: 2, len: 4, hash: [hash; 32] }];
+        let (mut a, mut b, mut text) =
+            (BlockHashes::with_media(&keys, span(1)), BlockHashes::with_media(&keys, span(2)), BlockHashes::new(&keys));
+        for h in [&mut a, &mut b, &mut text] {
+            h.extend(&tokens, 2);
+        }
+        assert_eq!(a.as_slice()[0], b.as_slice()[0]);
+        assert_eq!(a.as_slice()[0], text.as_slice()[0]);
+        for i in 1..4 {
+            assert_ne!(a.as_slice()[i], b.as_slice()[i], "block {i}");
+        }
     }
 }

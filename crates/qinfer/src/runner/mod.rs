@@ -4,8 +4,11 @@
 //! that sequence's own sampler. Owns the model's batch storage (the paged
 //! KV pool, the recurrent-state slots) and their bookkeeping.
 
+pub mod media;
+
 use std::sync::Arc;
 
+use self::media::Media;
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::kv::blocks::{BlockPool, SlotPool};
 use crate::models::{BatchState, LanguageModel};
@@ -50,6 +53,8 @@ pub struct StepSeq<'a> {
     pub scores: Option<&'a [u32]>,
     /// The LoRA adapter its rows run with.
     pub adapter: Option<u64>,
+    /// Its prompt's images: their tokens' inputs and everyone's positions.
+    pub media: Option<&'a Media>,
     /// Its last rows are this many draft tokens to verify (speculative
     /// decoding): every row from the one before them on is picked by its
     /// sampler's acceptance rule ([`Sampler::verify`]; greedy ones where the
@@ -189,6 +194,19 @@ impl Runner {
         }
         let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
         batch.hidden_rows = hidden_rows;
+        if seqs.iter().any(|s| s.media.is_some()) {
+            // Every row's three positions (equal for sequences without images).
+            for (s, part) in seqs.iter().zip(&batch.seqs) {
+                let at = s.start..s.start + s.tokens.len();
+                match s.media {
+                    Some(m) => {
+                        batch.mrope_positions.extend(at.clone().map(|i| m.position(i)));
+                        batch.embeds.extend(m.embeds(at, part.rows.start));
+                    }
+                    None => batch.mrope_positions.extend(at.map(|i| [i as u32; 3])),
+                }
+            }
+        }
         // Picks that need no host state (no constraint, scores, logprobs,
         // bias or counted penalties) are made where the logits are; the
         // draws are taken from the samplers now, in batch order.

@@ -1,0 +1,102 @@
+//! A prompt's images as the batched forward takes them: each image's
+//! tokens (the vision tower's output, computed once when the request
+//! arrives), where they sit in the prompt, and the temporal, height and
+//! width rotary position of every token of the sequence.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::image::PreparedImage;
+use crate::kv::batch::InputEmbeds;
+use crate::kv::prefix::MediaSpan;
+use crate::models::LanguageModel;
+use crate::models::vision::rope_positions;
+use crate::{Error, Result};
+
+/// One image's tokens in a prompt.
+#[derive(Debug, Clone)]
+pub struct ImageTokens {
+    /// Its first token's index in the prompt.
+    pub start: usize,
+    /// `[len, hidden]`: what its tokens' rows take as input.
+    pub embeds: Arc<Vec<f32>>,
+    pub len: usize,
+    pub hash: [u8; 32],
+}
+
+#[derive(Debug, Clone)]
+pub struct Media {
+    /// The prompt tokens' three rotary positions.
+    positions: Vec<[u32; 3]>,
+    /// What later tokens add to their index for their position.
+    delta: i64,
+    images: Vec<ImageTokens>,
+}
+
+impl Media {
+    /// Runs `model`'s vision tower over `images` and places their tokens at
+    /// the prompt's image placeholders, in order.
+    pub fn new(model: &dyn LanguageModel, prompt: &[u32], images: &[Arc<PreparedImage>]) -> Result<Self> {
+        let cfg = model.config();
+        let vision = match (&cfg.vision, model.takes_images()) {
+            (Some(v), true) => v,
+            (Some(_), false) => {
+                return Err(Error::Invalid(format!(
+                    "images are not supported for this model on {} yet (or its checkpoint has no vision tower)",
+                    model.device()
+                )));
+            }
+            (None, _) => {
+                return Err(Error::Invalid(format!("{} is a text-only model: it takes no images", cfg.arch.name())));
+            }
+        };
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
+        let (positions, delta) = rope_positions(prompt, &grids, vision)?;
+        let mut placed = Vec::with_capacity(images.len());
+        let mut from = 0;
+        for img in images {
+            let start = from
+                + prompt[from..].iter().position(|&t| t == vision.image_token_id).expect("rope_positions found it");
+            let len = img.tokens(vision.spatial_merge_size);
+            let embeds = model.encode_image(img)?;
+            if embeds.len() != len * cfg.hidden_size {
+                return Err(Error::Invalid(format!(
+                    "the vision tower gave {} values for {len} tokens of width {}",
+                    embeds.len(),
+                    cfg.hidden_size
+                )));
+            }
+            placed.push(ImageTokens { start, embeds: Arc::new(embeds), len, hash: img.hash });
+            from = start + len;
+        }
+        Ok(Media { positions, delta, images: placed })
+    }
+
+    /// The rotary positions of the sequence's token at index `i`.
+    pub fn position(&self, i: usize) -> [u32; 3] {
+        match self.positions.get(i) {
+            Some(&p) => p,
+            None => [(i as i64 + self.delta) as u32; 3],
+        }
+    }
+
+    /// The input embeddings of the sequence's tokens `tokens`, which sit at
+    /// batch rows from `first_row` on.
+    pub fn embeds(&self, tokens: Range<usize>, first_row: usize) -> Vec<InputEmbeds> {
+        (self.images.iter())
+            .filter_map(|img| {
+                let (lo, hi) = (tokens.start.max(img.start), tokens.end.min(img.start + img.len));
+                (lo < hi).then(|| InputEmbeds {
+                    row: first_row + lo - tokens.start,
+                    values: img.embeds.clone(),
+                    take: lo - img.start..hi - img.start,
+                })
+            })
+            .collect()
+    }
+
+    /// Where each image's tokens are, for the prefix cache's keys.
+    pub fn spans(&self) -> Vec<MediaSpan> {
+        self.images.iter().map(|i| MediaSpan { start: i.start, len: i.len, hash: i.hash }).collect()
+    }
+}

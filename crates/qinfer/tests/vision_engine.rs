@@ -1,0 +1,102 @@
+//! Requests with images through the engine, against transformers' greedy
+//! continuations (`scripts/make_fixtures_vision.py`): several images in one
+//! prompt, an image after a long text turn, small images scaled up, and
+//! text-only requests batched with them; chunked prefill splitting images;
+//! and the prefix cache keeping prompts that differ only in their images apart.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::engine::{config, load, request, run};
+use qinfer::engine::core::EngineCore;
+use qinfer::engine::prefix::PrefixCacheConfig;
+use qinfer::engine::request::Request;
+use qinfer::image::{ImageLimits, ImageProcessorConfig, PreparedImage, prepare};
+use qinfer::sampling::SamplingParams;
+use serde_json::Value;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
+}
+
+fn image(name: &str) -> Arc<PreparedImage> {
+    let cfg = ImageProcessorConfig::from_file(&dir().join("qwen3_5/preprocessor_config.json")).unwrap();
+    Arc::new(prepare(&std::fs::read(dir().join("images").join(name)).unwrap(), &cfg, &ImageLimits::default()).unwrap())
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// The fixture's prompts as requests, and transformers' greedy tokens.
+fn prompts(case: &str) -> Vec<(String, Request, Vec<u32>)> {
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir().join(case).join("reference.json")).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for (name, p) in r["prompts"].as_object().unwrap() {
+        let want = ids(&p["greedy"]);
+        let mut req = request(ids(&p["ids"]), want.len(), SamplingParams::default());
+        req.images = p["images"].as_array().unwrap().iter().map(|n| image(n.as_str().unwrap())).collect();
+        out.push((name.clone(), req, want));
+    }
+    out
+}
+
+#[test]
+fn image_and_text_requests_batched_together_match_transformers() {
+    for case in ["qwen3_5", "qwen3_5_moe"] {
+        let lm = load(&dir().join(case));
+        let cases = prompts(case);
+        let reqs: Vec<Request> = cases.iter().map(|c| c.1.clone()).collect();
+        // Whole prompts in one step, then 64-token chunks (images split
+        // across steps), with requests joining while others decode.
+        for (budget, joins) in [(1024, vec![0; reqs.len()]), (64, (0..reqs.len()).map(|i| 2 * i).collect())] {
+            let mut core = EngineCore::new(lm.clone(), None, config(budget, 8, 64)).unwrap();
+            let got = run(&mut core, &reqs, &joins);
+            for ((name, _, want), (tokens, _)) in cases.iter().zip(&got) {
+                assert_eq!(tokens, want, "{case} {name}, budget {budget}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_prefix_cache_keeps_prompts_with_other_images_apart() {
+    let lm = load(&dir().join("qwen3_5"));
+    let (_, with_e, want_e) = prompts("qwen3_5").into_iter().find(|c| c.0 == "later_image").unwrap();
+    // Image c has image e's grid: the same placeholder tokens, another picture.
+    let with_c = Request { images: vec![image("c.webp")], ..with_e.clone() };
+    let fresh = {
+        let mut core = EngineCore::new(lm.clone(), None, config(1024, 4, 64)).unwrap();
+        run(&mut core, std::slice::from_ref(&with_c), &[0]).remove(0).0
+    };
+    let mut cfg = config(1024, 4, 64);
+    cfg.prefix_cache = Some(PrefixCacheConfig::for_model(lm.as_ref(), 64, 1 << 24, 64 * 16));
+    let mut core = EngineCore::new(lm, None, cfg).unwrap();
+    let first = run(&mut core, std::slice::from_ref(&with_e), &[0]).remove(0).0;
+    assert_eq!(first, want_e);
+    let again = run(&mut core, std::slice::from_ref(&with_e), &[0]).remove(0).0;
+    assert_eq!(again, want_e, "a cached image prompt");
+    let other = run(&mut core, std::slice::from_ref(&with_c), &[0]).remove(0).0;
+    assert_eq!(other, fresh, "a prompt with another image must not take the first one's blocks");
+    assert_ne!(other, want_e, "the two images should lead to different continuations");
+}
+
+#[test]
+fn bad_image_requests_are_refused_by_name() {
+    let lm = load(&dir().join("qwen3_5"));
+    let (_, req, _) = prompts("qwen3_5").into_iter().find(|c| c.0 == "two_images").unwrap();
+    let mut core = EngineCore::new(lm, None, config(1024, 4, 64)).unwrap();
+    let one_short = Request { images: req.images[..1].to_vec(), ..req.clone() };
+    let err = core.add(1, one_short).unwrap_err().to_string();
+    assert!(err.contains("more image placeholders"), "{err}");
+    let extra = Request { images: [req.images.clone(), vec![image("b.png")]].concat(), ..req.clone() };
+    let err = core.add(2, extra).unwrap_err().to_string();
+    assert!(err.contains("fewer image placeholders"), "{err}");
+    let text_model = load(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3"));
+    let mut core = EngineCore::new(text_model, None, config(1024, 4, 64)).unwrap();
+    let err = core.add(3, Request { images: req.images.clone(), ..request(vec![1, 2], 1, Default::default()) });
+    assert!(err.unwrap_err().to_string().contains("text-only"));
+}
