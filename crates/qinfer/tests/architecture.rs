@@ -56,14 +56,19 @@ const ALLOWED: &[(&str, &[&str], &str)] = &[
             "weights",
             "models",
             "lora",
+            "image",
         ],
         "opening a model and placing it on a device",
     ),
     // Sequences become the batch description here and nowhere else.
-    ("runner", &["tensor", "config", "sampling", "kv", "models"], "one forward over a batch, and its sampling"),
+    (
+        "runner",
+        &["tensor", "config", "sampling", "kv", "models", "image"],
+        "one forward over a batch, and its sampling",
+    ),
     (
         "engine",
-        &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader", "runner", "lora"],
+        &["tensor", "config", "sampling", "tokenizer", "kv", "models", "loader", "runner", "lora", "image"],
         "requests and their lifecycle",
     ),
 ];
