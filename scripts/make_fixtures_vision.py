@@ -190,8 +190,88 @@ def build_case(name: str, pixels, grids, rng) -> dict:
                 np.save(out / f"logits_{pname}.npy", logits[-1:])
             ref["prompts"][pname] = entry
             mh.log(f"  {name} {pname}: {len(ids)} tokens, greedy {entry['greedy']}")
+    if name == "qwen3_5":
+        with torch.no_grad():
+            ref["chat"] = chat_reference(out, model, Qwen2VLImageProcessorPil(**PROCESSOR))
+        mh.log(f"  {name} chat: {ref['chat']['greedy']} {ref['chat']['greedy_text']!r}")
     mh.write_json(out / "reference.json", ref)
     return ref
+
+
+# A word-level tokenizer over the tiny vocabulary, with Qwen's chat and vision markers as
+# special tokens at the ids the config names, and a chat template that renders image parts as
+# Qwen3.5's does (`<|vision_start|><|image_pad|><|vision_end|>` per image, in place).
+SPECIALS = {
+    "<|endoftext|>": 243,
+    "<|im_start|>": 244,
+    "<|im_end|>": 245,
+    "<|image_pad|>": IMAGE_TOKEN,
+    "<|video_pad|>": 251,
+    "<|vision_start|>": VISION_START,
+    "<|vision_end|>": VISION_END,
+}
+WORDS = {"user": 240, "assistant": 241, "system": 242}
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}"
+    "{%- else %}{%- for item in message.content %}"
+    "{%- if item.type == 'image' or 'image' in item %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+CHAT_TEXT = "w5 w17 w33 w2"
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(256) if i not in SPECIALS.values() and i not in WORDS.values()}
+    vocab.update(WORDS)
+    vocab.update(SPECIALS)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": [t for t in SPECIALS if t not in ("<|im_end|>", "<|endoftext|>")]})
+    fast.chat_template = CHAT_TEMPLATE
+    for t, i in SPECIALS.items():
+        assert fast.convert_tokens_to_ids(t) == i, t
+    return fast
+
+
+def chat_reference(out: Path, model, processor) -> dict:
+    """The chat template with an image, its marker widened as Qwen3VLProcessor widens it
+    (`replace_image_token`: one `<|image_pad|>` per merged token), then greedy tokens.
+    (The processor class itself wants a video processor, which needs torchvision.)"""
+    tok = make_tokenizer()
+    tok.save_pretrained(str(out))
+    image = Image.open(OUT / "images" / "a.png")
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": CHAT_TEXT}]}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pixels = processor(images=[image], return_tensors="pt")
+    n = int(pixels["image_grid_thw"][0].prod()) // PROCESSOR["merge_size"] ** 2
+    assert text.count("<|image_pad|>") == 1
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * n)
+    ids = torch.tensor([tok(text)["input_ids"]])
+    kw = dict(
+        input_ids=ids,
+        mm_token_type_ids=(ids == IMAGE_TOKEN).to(torch.int32),
+        pixel_values=pixels["pixel_values"],
+        image_grid_thw=pixels["image_grid_thw"],
+    )
+    eos = [2, SPECIALS["<|im_end|>"]]
+    gen = model.generate(**kw, max_new_tokens=GREEDY, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    new = [int(x) for x in gen[0, kw["input_ids"].shape[1] :]]
+    return {
+        "image": "a.png",
+        "text": CHAT_TEXT,
+        "rendered": text.replace("<|image_pad|>" * n, "<|image_pad|>"),
+        "ids": [int(x) for x in kw["input_ids"][0]],
+        "greedy": new,
+        "greedy_text": tok.decode([t for t in new if t not in eos]),
+    }
 
 
 def main() -> None:

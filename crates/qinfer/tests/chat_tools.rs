@@ -22,6 +22,7 @@ fn message(m: &Value) -> ChatMessage {
         tool_calls: m.get("tool_calls").and_then(Value::as_array).cloned().unwrap_or_default(),
         tool_call_id: s("tool_call_id"),
         name: s("name"),
+        parts: Vec::new(),
     }
 }
 

@@ -4,8 +4,15 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use std::sync::Arc;
+
+use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::generate::{GenerateOptions, generate};
-use qinfer::tokenizer::{ChatMessage, ChatOptions};
+use qinfer::engine::request::{Request, StopConditions};
+use qinfer::image::{ImageLimits, prepare};
+use qinfer::loader::LoadedModel;
+use qinfer::models::vision::expand_placeholders;
+use qinfer::tokenizer::{ChatMessage, ChatOptions, ContentPart};
 
 use crate::common::{LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
@@ -29,10 +36,17 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     lora: LoraArgs,
+    /// An image the user message shows, before its text (repeatable; JPEG,
+    /// PNG or WebP). Needs a multimodal checkpoint (Qwen3.5 with its vision tower).
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(a.model.as_ref())?;
+    if !a.images.is_empty() {
+        return run_with_images(a, model, device);
+    }
     let tok =
         model.tokenizer.as_ref().context("`run` needs a tokenizer; this model has none (use `generate --tokens`)")?;
     let text = if tok.has_chat_template() {
@@ -80,6 +94,79 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         stats.prefill_tok_s(),
         stats.decode_tokens,
         stats.decode_tok_s(),
+        lm.device()
+    );
+    Ok(())
+}
+
+/// `run` with images: the user message's images then its text through the
+/// chat template, each image marker widened to the image's tokens, and the
+/// request through the engine (which runs the vision tower).
+fn run_with_images(mut a: Args, mut model: LoadedModel, device: qinfer::loader::Device) -> Result<()> {
+    let name = model.path.display().to_string();
+    let (Some(vision), Some(processor)) = (model.config.vision.clone(), model.image_processor.clone()) else {
+        anyhow::bail!(
+            "{name} takes no images: `--image` needs a multimodal checkpoint (Qwen3.5 with its vision tower)"
+        );
+    };
+    let images = (a.images.iter())
+        .map(|p| {
+            let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+            let img = prepare(&bytes, &processor, &ImageLimits::default()).with_context(|| p.display().to_string())?;
+            Ok(Arc::new(img))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let stops = stop_tokens(&model, None);
+    let tok = model.tokenizer.take().with_context(|| format!("{name} has no tokenizer"))?;
+    anyhow::ensure!(tok.has_chat_template(), "{name} has no chat template to place the images with");
+    let mut messages = Vec::new();
+    if let Some(s) = a.system.take() {
+        messages.push(ChatMessage::new("system", s));
+    }
+    let mut user = ChatMessage::new("user", a.prompt.clone());
+    user.parts = images.iter().map(|_| ContentPart::Image).chain([ContentPart::Text(a.prompt.clone())]).collect();
+    messages.push(user);
+    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() };
+    let text = tok.apply_chat_template(&messages, &opts)?;
+    let per_image: Vec<usize> = images.iter().map(|i| i.tokens(vision.spatial_merge_size)).collect();
+    let prompt = expand_placeholders(&tok.encode(&text, false)?, vision.image_token_id, &per_image)?;
+    let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
+    anyhow::ensure!(lm.takes_images(), "images are not supported on {} yet", lm.device());
+    let len = prompt.len() + a.max_tokens;
+    let cfg = EngineConfig::for_model(lm.as_ref(), 2048, 1, Some(len), usize::MAX);
+    let mut core = EngineCore::new(lm.clone(), Some(Arc::new(tok)), cfg)?;
+    let req = Request {
+        prompt,
+        sampling: a.sampling.resolve(&model.sampling_defaults),
+        stop: StopConditions { max_tokens: a.max_tokens, stop_token_ids: stops, ..Default::default() },
+        images,
+        adapter: a.lora.place(lm.as_ref())?,
+        ..Default::default()
+    };
+    let prompt_tokens = req.prompt.len();
+    let t0 = std::time::Instant::now();
+    core.add(0, req)?;
+    let mut stdout = std::io::stdout().lock();
+    let (mut first, mut generated) = (None, 0);
+    'steps: loop {
+        for out in core.step()? {
+            first.get_or_insert_with(|| t0.elapsed());
+            generated += out.token_ids.len();
+            stdout.write_all(out.text.as_bytes()).map_err(stdout_error)?;
+            stdout.flush().map_err(stdout_error)?;
+            if out.finish.is_some() {
+                break 'steps;
+            }
+        }
+    }
+    writeln!(stdout)?;
+    let first = first.unwrap_or_default();
+    let decode = t0.elapsed().saturating_sub(first).as_secs_f64().max(1e-9);
+    eprintln!(
+        "prompt: {prompt_tokens} tokens ({} images), first token after {:.2} s | decode: {generated} tokens, {:.1} tok/s | {}",
+        per_image.len(),
+        first.as_secs_f64(),
+        generated.saturating_sub(1) as f64 / decode,
         lm.device()
     );
     Ok(())

@@ -90,6 +90,7 @@ fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
                 tool_calls: tool_calls(b, &field, m.get("tool_calls"))?,
                 tool_call_id: text("tool_call_id"),
                 name: text("name"),
+                parts: Vec::new(),
             })
         })
         .collect()

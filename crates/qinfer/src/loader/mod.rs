@@ -14,6 +14,7 @@ use crate::config::ModelConfig;
 use crate::formats::TensorSource;
 use crate::formats::gguf::GgufFile;
 use crate::formats::hf_dir::{HfDirectory, read_json};
+use crate::image::ImageProcessorConfig;
 use crate::models::LanguageModel;
 use crate::sampling::SamplingParams;
 use crate::tensor::Tensor;
@@ -41,6 +42,37 @@ pub struct LoadedModel {
     /// A GGUF's `{arch}.pooling_type` (llama.cpp's: 0 none, 1 mean, 2 cls,
     /// 3 last, 4 rank), as embedding models converted by llama.cpp declare it.
     pub gguf_pooling_type: Option<u64>,
+    /// How images are prepared for the vision tower (`preprocessor_config.json`),
+    /// for multimodal checkpoints.
+    pub image_processor: Option<ImageProcessorConfig>,
+}
+
+/// The image processor of a multimodal checkpoint directory: its
+/// `preprocessor_config.json`, or Qwen's published settings with the
+/// vision tower's patch sizes where the file is missing; it must cut the
+/// patches the tower takes.
+fn image_processor(dir: &Path, cfg: &ModelConfig) -> Result<Option<ImageProcessorConfig>> {
+    let Some(v) = &cfg.vision else { return Ok(None) };
+    let path = dir.join("preprocessor_config.json");
+    let p = if path.is_file() {
+        ImageProcessorConfig::from_file(&path)?
+    } else {
+        ImageProcessorConfig {
+            patch_size: v.patch_size,
+            temporal_patch_size: v.temporal_patch_size,
+            merge_size: v.spatial_merge_size,
+            ..Default::default()
+        }
+    };
+    let pairs = [
+        ("patch_size", p.patch_size, v.patch_size),
+        ("temporal_patch_size", p.temporal_patch_size, v.temporal_patch_size),
+        ("merge_size", p.merge_size, v.spatial_merge_size),
+    ];
+    if let Some((field, got, want)) = pairs.into_iter().find(|(_, a, b)| a != b) {
+        return Err(Error::malformed(path, format!("`{field}` is {got}, but the vision tower's is {want}")));
+    }
+    Ok(Some(p))
 }
 
 /// transformers' `GenerationConfig` semantics: sampling only when `do_sample` is true.
@@ -67,6 +99,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
         let files = dir.source.files();
         let tokenizer = Tokenizer::from_dir(path)?;
         let sampling_defaults = dir.generation_json.as_ref().map(sampling_from_generation_config).unwrap_or_default();
+        let image_processor = image_processor(path, &dir.config)?;
         Ok(LoadedModel {
             path: path.to_path_buf(),
             format: ModelFormat::Safetensors,
@@ -76,6 +109,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
             sampling_defaults,
             files,
             gguf_pooling_type: None,
+            image_processor,
         })
     } else if path.is_file() {
         let gguf = GgufFile::open(path)?;
@@ -94,6 +128,7 @@ pub fn open(path: &Path) -> Result<LoadedModel> {
             sampling_defaults: SamplingParams::default(),
             files: vec![(path.to_path_buf(), size)],
             gguf_pooling_type,
+            image_processor: None,
         })
     } else {
         Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such model file or directory")))

@@ -346,3 +346,25 @@ pub fn rope_positions(prompt: &[u32], grids: &[[usize; 3]], cfg: &VisionConfig) 
     }
     Ok((out, pos as i64 - prompt.len() as i64))
 }
+
+/// A tokenized prompt with one image placeholder per image (the
+/// template's marker) widened to each image's token count, as the
+/// reference processor does before tokenizing.
+pub fn expand_placeholders(ids: &[u32], image_token_id: u32, tokens_per_image: &[usize]) -> Result<Vec<u32>> {
+    let found = ids.iter().filter(|&&t| t == image_token_id).count();
+    if found != tokens_per_image.len() {
+        return Err(Error::Invalid(format!(
+            "the prompt has {found} image placeholder(s) (token {image_token_id}) for {} image(s)",
+            tokens_per_image.len()
+        )));
+    }
+    let mut counts = tokens_per_image.iter();
+    let mut out = Vec::with_capacity(ids.len() + tokens_per_image.iter().sum::<usize>());
+    for &t in ids {
+        match t == image_token_id {
+            true => out.extend(std::iter::repeat_n(t, *counts.next().expect("counted above"))),
+            false => out.push(t),
+        }
+    }
+    Ok(out)
+}

@@ -37,6 +37,28 @@ pub struct ChatMessage {
     /// A tool result's function name.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Content with images: when set, the template sees `content` as these
+    /// parts (`{"type": "text", "text": ...}`, `{"type": "image"}`) in
+    /// place of the string, as transformers passes multimodal messages.
+    #[serde(skip)]
+    pub parts: Vec<ContentPart>,
+}
+
+/// One part of a multimodal message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ContentPart {
+    Text(String),
+    /// An image's place; the template writes the model's image markers there.
+    Image,
+}
+
+impl ContentPart {
+    fn to_json(&self) -> serde_json::Value {
+        match self {
+            ContentPart::Text(t) => serde_json::json!({"type": "text", "text": t}),
+            ContentPart::Image => serde_json::json!({"type": "image"}),
+        }
+    }
 }
 
 impl ChatMessage {
@@ -165,8 +187,17 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], opts: &ChatOptions, specials: &SpecialTokens) -> Result<String> {
+        let messages: Vec<serde_json::Value> = (messages.iter())
+            .map(|m| {
+                let mut v = serde_json::to_value(m).map_err(|e| Error::Template(e.to_string()))?;
+                if !m.parts.is_empty() {
+                    v["content"] = m.parts.iter().map(ContentPart::to_json).collect();
+                }
+                Ok(v)
+            })
+            .collect::<Result<_>>()?;
         let mut ctx: Vec<(&str, Value)> = vec![
-            ("messages", Value::from_serialize(messages)),
+            ("messages", Value::from_serialize(&messages)),
             ("add_generation_prompt", Value::from(opts.add_generation_prompt)),
             ("tools", opts.tools.as_ref().map_or(Value::from(()), Value::from_serialize)),
             ("documents", Value::from(())),

@@ -16,7 +16,7 @@ mod token_bytes;
 
 use std::sync::OnceLock;
 
-pub use chat::{ChatMessage, ChatOptions};
+pub use chat::{ChatMessage, ChatOptions, ContentPart};
 
 use crate::{Error, Result};
 use specials::SpecialTokens;
