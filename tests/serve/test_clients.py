@@ -776,6 +776,75 @@ def check_lora():
         s.stop()
 
 
+VISION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "vision")
+
+
+def check_images():
+    """The tiny Qwen3.5 with a vision tower: an image as an OpenAI data URL, an Anthropic
+    base64 block and (with --allow-remote-images) an http URL all give transformers' greedy
+    answer to the same chat; bad images are 400s naming the field."""
+    import base64
+    import functools
+    import http.server
+
+    model = os.path.join(VISION, "qwen3_5")
+    ref = json.load(open(os.path.join(model, "reference.json")))["chat"]
+    images = os.path.join(VISION, "images")
+    data = base64.b64encode(open(os.path.join(images, ref["image"]), "rb").read()).decode()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=images)
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    remote = f"http://127.0.0.1:{files.server_address[1]}/{ref['image']}"
+    s = Server("--allow-remote-images", "--max-images-per-request", "2", model_args=["--model", model])
+    try:
+        c, a = oa(s), an(s)
+
+        def openai_chat(url):
+            parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": ref["text"]}]
+            r = c.chat.completions.create(model=s.name, messages=ask(parts), max_tokens=8, temperature=0)
+            return r.choices[0].message.content.strip(), r.usage.prompt_tokens
+
+        for url in (f"data:image/png;base64,{data}", remote):
+            text, prompt_tokens = openai_chat(url)
+            assert text == ref["greedy_text"], (url[:40], text, ref["greedy_text"])
+            assert prompt_tokens == len(ref["ids"]), (prompt_tokens, len(ref["ids"]))
+        blocks = [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+            {"type": "text", "text": ref["text"]},
+        ]
+        r = a.messages.create(model=s.name, max_tokens=8, messages=ask(blocks))
+        assert r.content[0].text.strip() == ref["greedy_text"], r
+        assert r.usage.input_tokens == len(ref["ids"]), r.usage
+        bad = [
+            ("undecodable", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}], "image_url"),
+            ("not base64", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64"),
+            ("a file URL", [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}], "data URL"),
+            ("three images", [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}] * 3, "too many"),
+        ]
+        for what, parts, says in bad:
+            code, body = status_of(lambda: c.chat.completions.create(model=s.name, messages=ask(parts), max_tokens=2))
+            assert code == 400 and says in json.dumps(body), (what, code, body)
+        assert openai_chat(f"data:image/png;base64,{data}")[0] == ref["greedy_text"], "still serving after bad requests"
+    finally:
+        s.stop()
+        files.shutdown()
+    # Remote URLs are refused unless allowed; a text-only model takes no images.
+    s = Server(model_args=["--model", model])
+    try:
+        parts = [{"type": "image_url", "image_url": {"url": remote}}, {"type": "text", "text": "x"}]
+        code, body = status_of(lambda: oa(s).chat.completions.create(model=s.name, messages=ask(parts), max_tokens=2))
+        assert code == 400 and "--allow-remote-images" in json.dumps(body), (code, body)
+    finally:
+        s.stop()
+
+
+def check_images_on_a_text_model(s):
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, {"type": "text", "text": "x"}]
+    code, body = status_of(lambda: oa(s).chat.completions.create(model=s.name, messages=ask(parts), max_tokens=2))
+    assert code == 400 and "takes no images" in json.dumps(body), (code, body)
+
+
 def post(s, path, body):
     """A raw POST: (status, body text)."""
     req = urllib.request.Request(s.url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
@@ -811,10 +880,19 @@ def main():
         check_anthropic,
         check_prefix_cache,
         check_errors,
+        check_images_on_a_text_model,
         check_cancel_and_concurrency,
     ]
     run_on(Server(), checks)
-    for check in (check_api_key, check_request_timeout, check_shutdown_ends_streams, check_embeddings, check_rerank, check_lora):
+    for check in (
+        check_api_key,
+        check_request_timeout,
+        check_shutdown_ends_streams,
+        check_embeddings,
+        check_rerank,
+        check_lora,
+        check_images,
+    ):
         t = time.time()
         check()
         print(f"ok   {check.__name__} ({time.time() - t:.1f} s)", flush=True)

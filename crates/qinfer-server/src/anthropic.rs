@@ -8,8 +8,8 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use qinfer::engine::request::{ConstraintFactory, FinishReason, Request, StopConditions, Usage};
-use qinfer::tokenizer::ChatMessage;
+use qinfer::engine::request::{ConstraintFactory, FinishReason, PreparedImage, Request, StopConditions, Usage};
+use qinfer::tokenizer::{ChatMessage, ContentPart};
 use serde_json::{Value, json};
 
 use crate::AppState;
@@ -17,6 +17,7 @@ use crate::chat_prompt::{chat_format, output_constraint, rendered_prompt, tokeni
 use crate::chat_stream::{ChatFormat, ChatStream, Piece};
 use crate::error::{ApiError, ApiResult, Flavor};
 use crate::exchange::{collect, sse, submit_n};
+use crate::images::{ImageRef, Source};
 use crate::openai::sampling;
 use crate::params::Body;
 use crate::tool_parser::arguments_object;
@@ -47,7 +48,14 @@ fn text_of(b: &Body<'_>, field: &str, v: &Value) -> ApiResult<String> {
 /// become `tool` messages (in order, text between them a user message); an
 /// assistant turn's `thinking` becomes its reasoning and its `tool_use`
 /// blocks its calls.
-fn turn(b: &Body<'_>, field: &str, role: &str, content: &Value, out: &mut Vec<ChatMessage>) -> ApiResult<()> {
+fn turn(
+    b: &Body<'_>,
+    field: &str,
+    role: &str,
+    content: &Value,
+    out: &mut Vec<ChatMessage>,
+    images: &mut Vec<ImageRef>,
+) -> ApiResult<()> {
     let Value::Array(blocks) = content else {
         out.push(ChatMessage::new(role, text_of(b, field, content)?));
         return Ok(());
@@ -59,7 +67,28 @@ fn turn(b: &Body<'_>, field: &str, role: &str, content: &Value, out: &mut Vec<Ch
         let s = |key: &str| blk.get(key).and_then(Value::as_str);
         match (role, s("type")) {
             (_, Some("text")) => {
-                msg.content.push_str(s("text").ok_or_else(|| b.bad(&at, "needs `text`"))?);
+                let t = s("text").ok_or_else(|| b.bad(&at, "needs `text`"))?;
+                msg.content.push_str(t);
+                msg.parts.push(ContentPart::Text(t.to_string()));
+                has_text = true;
+            }
+            ("user", Some("image")) => {
+                let src = blk.get("source").ok_or_else(|| b.bad(&at, "needs `source`"))?;
+                let field = format!("{at}.source");
+                let image = match src.get("type").and_then(Value::as_str) {
+                    Some("base64") => {
+                        let data =
+                            src.get("data").and_then(Value::as_str).ok_or_else(|| b.bad(&field, "needs `data`"))?;
+                        ImageRef { field: format!("{field}.data"), source: Source::Base64(data.to_string()) }
+                    }
+                    Some("url") => {
+                        let url = src.get("url").and_then(Value::as_str).ok_or_else(|| b.bad(&field, "needs `url`"))?;
+                        ImageRef::from_url(format!("{field}.url"), url, F)?
+                    }
+                    _ => return Err(b.bad(&field, "needs `type` \"base64\" or \"url\"")),
+                };
+                images.push(image);
+                msg.parts.push(ContentPart::Image);
                 has_text = true;
             }
             ("assistant", Some("thinking")) => {
@@ -76,7 +105,11 @@ fn turn(b: &Body<'_>, field: &str, role: &str, content: &Value, out: &mut Vec<Ch
             }
             ("user", Some("tool_result")) => {
                 if has_text {
-                    out.push(std::mem::replace(&mut msg, ChatMessage::new(role, "")));
+                    let mut done = std::mem::replace(&mut msg, ChatMessage::new(role, ""));
+                    if !done.parts.contains(&ContentPart::Image) {
+                        done.parts.clear();
+                    }
+                    out.push(done);
                     has_text = false;
                 }
                 let id = s("tool_use_id").ok_or_else(|| b.bad(&at, "needs `tool_use_id`"))?;
@@ -95,13 +128,17 @@ fn turn(b: &Body<'_>, field: &str, role: &str, content: &Value, out: &mut Vec<Ch
         }
     }
     if has_text || role == "assistant" {
+        // Text alone renders as the string it joins into.
+        if !msg.parts.contains(&ContentPart::Image) {
+            msg.parts.clear();
+        }
         out.push(msg);
     }
     Ok(())
 }
 
 /// The conversation as the chat template takes it: `system` first, then the turns.
-fn conversation(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
+fn conversation(b: &Body<'_>, images: &mut Vec<ImageRef>) -> ApiResult<Vec<ChatMessage>> {
     let mut out = Vec::new();
     if let Some(sys) = b.get("system") {
         out.push(ChatMessage::new("system", text_of(b, "system", sys)?));
@@ -117,7 +154,7 @@ fn conversation(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
             _ => return Err(b.bad(&field, "needs `role` \"user\" or \"assistant\"")),
         };
         let content = m.get("content").ok_or_else(|| b.bad(&field, "needs `content`"))?;
-        turn(b, &format!("{field}.content"), role, content, &mut out)?;
+        turn(b, &format!("{field}.content"), role, content, &mut out, images)?;
     }
     Ok(out)
 }
@@ -169,20 +206,25 @@ fn event(name: &str, v: Value) -> Event {
 /// a constraint.
 struct Prompt {
     ids: Vec<u32>,
+    images: Vec<Arc<PreparedImage>>,
     format: ChatFormat,
     constraint: Option<Arc<dyn ConstraintFactory>>,
 }
 
 /// The request's prompt (`max_tokens` None when only counting).
-fn prompt(ready: &crate::Ready, b: &Body<'_>, max_tokens: Option<usize>) -> ApiResult<Prompt> {
+async fn prompt(ready: &crate::Ready, b: &Body<'_>, max_tokens: Option<usize>) -> ApiResult<Prompt> {
     let tok = tokenizer(ready, F)?;
     let tools = crate::tools::anthropic(b)?;
     let rendered = tools.as_ref().and_then(Tools::rendered);
     let (switch, budget) = thinking(b, max_tokens)?;
-    let (mut prompt, text) = rendered_prompt(tok, &conversation(b)?, switch, rendered, F)?;
+    let mut refs = Vec::new();
+    let msgs = conversation(b, &mut refs)?;
+    crate::images::supported(ready.images.as_ref(), &refs, F)?;
+    let (mut prompt, text) = rendered_prompt(tok, &msgs, switch, rendered, F)?;
+    let images = crate::images::prepare(ready.images.as_ref(), &refs, &mut prompt, F).await?;
     let format = chat_format(tok, b, tools.as_ref(), &mut prompt, &text)?;
     let constraint = output_constraint(ready, b, &format, None, budget)?;
-    Ok(Prompt { ids: prompt, format, constraint })
+    Ok(Prompt { ids: prompt, images, format, constraint })
 }
 
 pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<Response> {
@@ -196,7 +238,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         Some(_) => return Err(b.bad("max_tokens", "must be at least 1")),
         None => return Err(b.bad("max_tokens", "is required")),
     };
-    let Prompt { ids: prompt, format, constraint } = prompt(ready, &b, Some(max_tokens))?;
+    let Prompt { ids: prompt, images, format, constraint } = prompt(ready, &b, Some(max_tokens)).await?;
     let limit = ready.engine.config().max_model_len;
     if prompt.len() + max_tokens > limit {
         return Err(b.bad(
@@ -213,7 +255,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
     let stream = b.bool("stream")?;
     state.admit(F, ready)?;
     let cache_salt = crate::openai::cache_salt(&b)?;
-    let req = Request { prompt, sampling, stop, cache_salt, constraint, adapter, ..Default::default() };
+    let req = Request { prompt, sampling, stop, cache_salt, constraint, adapter, images, ..Default::default() };
     let mut subs = submit_n(&state, ready, req, 1, F)?;
     let sub = subs.pop().expect("one submission");
     let model = match adapter {
@@ -374,7 +416,7 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Ap
     let v = crate::params::Body::parse(&body, F)?;
     let b = Body::new(&v, F);
     state.check_model(F, b.str("model")?)?;
-    let p = prompt(ready, &b, None)?;
+    let p = prompt(ready, &b, None).await?;
     Ok(axum::Json(json!({"input_tokens": p.ids.len()})).into_response())
 }
 

@@ -11,6 +11,7 @@ mod chat_prompt;
 mod chat_stream;
 mod error;
 mod exchange;
+mod images;
 mod latency;
 mod logprobs;
 mod lora;
@@ -21,6 +22,8 @@ mod reasoning;
 mod structured;
 mod tool_parser;
 mod tools;
+
+pub use images::ImageSupport;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -85,6 +88,8 @@ pub struct Loaded {
     /// LoRA adapters placed beside the model's weights, each served under
     /// its own model name.
     pub adapters: Vec<ServedAdapter>,
+    /// How images are taken, where the model takes them.
+    pub images: Option<ImageSupport>,
 }
 
 /// A LoRA adapter a request picks by naming it as its `model`.
@@ -103,6 +108,7 @@ struct Ready {
     /// The grammar engine's view of the vocabulary, made on first use.
     grammars: OnceLock<Result<structured::Grammars, String>>,
     adapters: std::sync::RwLock<Vec<ServedAdapter>>,
+    images: Option<ImageSupport>,
 }
 
 impl Ready {
@@ -377,6 +383,7 @@ where
                 task: l.task,
                 grammars: OnceLock::new(),
                 adapters: std::sync::RwLock::new(l.adapters),
+                images: l.images,
             };
             let _ = loading.ready.set(ready);
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use qinfer::engine::handle::Engine;
-use qinfer_server::{Loaded, ServeOptions};
+use qinfer_server::{ImageSupport, Loaded, ServeOptions};
 
 use crate::common::{EngineArgs, TaskArgs, open_model, stop_tokens};
 
@@ -60,6 +60,13 @@ pub struct Args {
     /// `/v1/unload_lora_adapter`).
     #[arg(long)]
     allow_lora_updates: bool,
+    /// Fetch http(s) image URLs given in requests (off: only data URLs and
+    /// base64 images are taken).
+    #[arg(long)]
+    allow_remote_images: bool,
+    /// Most images one request may carry.
+    #[arg(long, default_value_t = 8)]
+    max_images_per_request: usize,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -96,6 +103,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         }
         loras.push((n.to_string(), PathBuf::from(p)));
     }
+    let (allow_remote_images, max_images_per_request) = (a.allow_remote_images, a.max_images_per_request);
     let engine_args = a.engine.clone();
     let task = a.task.clone();
     let load = move || -> std::result::Result<Loaded, String> {
@@ -110,6 +118,17 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
             let id = lm.add_adapter(&adapter).map_err(|e| format!("--lora {name}: {e}"))?;
             adapters.push(qinfer_server::ServedAdapter { name, id, path });
         }
+        let images = match (&model.config.vision, &model.image_processor) {
+            (Some(v), Some(p)) if lm.takes_images() => Some(ImageSupport {
+                processor: p.clone(),
+                image_token_id: v.image_token_id,
+                merge_size: v.spatial_merge_size,
+                allow_remote: allow_remote_images,
+                max_images: max_images_per_request,
+                limits: Default::default(),
+            }),
+            _ => None,
+        };
         let cfg = engine_args.config(lm.as_ref(), &device);
         let pool = crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device);
         let draft = match &engine_args.speculative {
@@ -118,7 +137,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         };
         let engine = Engine::start_with_draft(lm, tok, cfg, draft).map_err(|e| e.to_string())?;
         eprintln!("qinfer serve: {name} is ready ({pool}, {} KiB; {})", engine.kv_bytes() >> 10, task_name(&task));
-        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task, adapters })
+        Ok(Loaded { engine, defaults: model.sampling_defaults.clone(), stop_token_ids, task, adapters, images })
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {

@@ -10,7 +10,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use qinfer::engine::request::{FinishReason, Usage};
-use qinfer::tokenizer::ChatMessage;
+use qinfer::tokenizer::{ChatMessage, ContentPart};
 use serde_json::{Value, json};
 
 use super::{F, ask, chat_usage, data};
@@ -18,6 +18,7 @@ use crate::chat_prompt::{chat_format, output_constraint, rendered_prompt, tokeni
 use crate::chat_stream::{ChatStream, Piece, ReasoningTokens};
 use crate::error::{ApiError, ApiResult};
 use crate::exchange::{collect, merged, sse, submit_n, timed_out, timeout_error};
+use crate::images::{self, ImageRef};
 use crate::logprobs;
 use crate::params::Body;
 use crate::structured;
@@ -25,19 +26,54 @@ use crate::tools::Tools;
 use crate::{AppState, now_secs, openai_finish};
 
 /// Text of a message's `content`: a string, null, or text parts joined.
-fn content_text(b: &Body<'_>, field: &str, v: Option<&Value>) -> ApiResult<String> {
+fn content(
+    b: &Body<'_>,
+    field: &str,
+    v: Option<&Value>,
+    images: &mut Vec<ImageRef>,
+) -> ApiResult<(String, Vec<ContentPart>)> {
     match v {
-        Some(Value::String(s)) => Ok(s.clone()),
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::Array(parts)) => Ok(parts
-            .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t),
-                (Some(kind), _) => Err(b.bad(field, format!("has a `{kind}` part; only text parts are supported"))),
-                _ => Err(b.bad(field, "has a content part without `type`")),
-            })
-            .collect::<ApiResult<Vec<&str>>>()?
-            .concat()),
+        Some(Value::String(s)) => Ok((s.clone(), Vec::new())),
+        None | Some(Value::Null) => Ok((String::new(), Vec::new())),
+        Some(Value::Array(items)) => {
+            let (mut text, mut parts) = (String::new(), Vec::new());
+            for (k, p) in items.iter().enumerate() {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        let t = p
+                            .get("text")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| b.bad(field, "has a text part without `text`"))?;
+                        text.push_str(t);
+                        parts.push(ContentPart::Text(t.to_string()));
+                    }
+                    Some("image_url") => {
+                        let at = format!("{field}.content[{k}].image_url");
+                        let url = match p.get("image_url") {
+                            Some(Value::String(u)) => u.as_str(),
+                            Some(o) => o
+                                .get("url")
+                                .and_then(Value::as_str)
+                                .ok_or_else(|| b.bad(&at, "needs a string `url`"))?,
+                            None => return Err(b.bad(&at, "is missing")),
+                        };
+                        images.push(ImageRef::from_url(format!("{at}.url"), url, F)?);
+                        parts.push(ContentPart::Image);
+                    }
+                    Some(kind) => {
+                        return Err(
+                            b.bad(field, format!("has a `{kind}` part; text and image_url parts are supported"))
+                        );
+                    }
+                    None => return Err(b.bad(field, "has a content part without `type`")),
+                }
+            }
+            // Text alone renders as the string it joins into.
+            if !parts.contains(&ContentPart::Image) {
+                parts.clear();
+            }
+            Ok((text, parts))
+        }
         Some(_) => Err(b.bad(field, "`content` must be a string or an array of parts")),
     }
 }
@@ -70,7 +106,7 @@ fn tool_calls(b: &Body<'_>, field: &str, v: Option<&Value>) -> ApiResult<Vec<Val
 }
 
 /// The chat messages as the template takes them.
-fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
+fn messages(b: &Body<'_>, images: &mut Vec<ImageRef>) -> ApiResult<Vec<ChatMessage>> {
     let items = b.get("messages").and_then(Value::as_array).ok_or_else(|| b.bad("messages", "must be an array"))?;
     if items.is_empty() {
         return Err(b.bad("messages", "must hold at least one message"));
@@ -82,15 +118,16 @@ fn messages(b: &Body<'_>) -> ApiResult<Vec<ChatMessage>> {
             let field = format!("messages[{i}]");
             let role = m.get("role").and_then(Value::as_str).ok_or_else(|| b.bad(&field, "needs a string `role`"))?;
             let text = |k: &str| m.get(k).and_then(Value::as_str).map(str::to_string);
+            let (content, parts) = content(b, &field, m.get("content"), images)?;
             Ok(ChatMessage {
                 role: role.to_string(),
-                content: content_text(b, &field, m.get("content"))?,
+                content,
                 // SGLang and llama.cpp name it `reasoning_content`; vLLM now `reasoning`.
                 reasoning_content: text("reasoning_content").or_else(|| text("reasoning")),
                 tool_calls: tool_calls(b, &field, m.get("tool_calls"))?,
                 tool_call_id: text("tool_call_id"),
                 name: text("name"),
-                parts: Vec::new(),
+                parts,
             })
         })
         .collect()
@@ -119,10 +156,15 @@ pub async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> ApiResult<
     let tok = tokenizer(ready, F)?;
     let tools = crate::tools::openai(&b)?;
     let rendered = tools.as_ref().and_then(Tools::rendered);
-    let (mut prompt, prompt_text) = rendered_prompt(tok, &messages(&b)?, thinking, rendered, F)?;
+    let mut image_refs = Vec::new();
+    let msgs = messages(&b, &mut image_refs)?;
+    images::supported(ready.images.as_ref(), &image_refs, F)?;
+    let (mut prompt, prompt_text) = rendered_prompt(tok, &msgs, thinking, rendered, F)?;
+    let images = images::prepare(ready.images.as_ref(), &image_refs, &mut prompt, F).await?;
     let format = chat_format(tok, &b, tools.as_ref(), &mut prompt, &prompt_text)?;
     let top = logprobs::chat_request(&b)?;
     let mut a = ask(&state, ready, &b, prompt, top)?;
+    a.req.images = images;
     if !format.forced.is_empty() && b.get("response_format").is_some() {
         return Err(b.bad("response_format", "cannot be combined with a required or named tool call"));
     }

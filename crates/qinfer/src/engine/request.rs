@@ -2,7 +2,9 @@
 //! to sample, when to stop; a stream of outputs ending in a finish reason
 //! and the token usage.
 
+pub use crate::image::{ImageLimits, ImageProcessorConfig, PreparedImage, prepare as prepare_image};
 pub use crate::lora::{AdapterId, LoraAdapter};
+pub use crate::models::vision::expand_placeholders;
 pub use crate::sampling::{ConstraintFactory, SamplingParams, TokenConstraint, TokenLogprob};
 
 /// A request's id, unique within one engine.
