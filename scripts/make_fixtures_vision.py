@@ -18,6 +18,9 @@ Writes tests/fixtures/vision/:
   - vision_<image>.npy: the vision tower's merged output for each image alone;
   - prompt `two_images` (text, image a, text, image c, text): the multimodal position ids, the
     logits at every position, and 8 greedy tokens;
+  - `chat` and `chat_later_turn`: a chat through a word-level tokenizer and a chat template
+    written here (saved beside the model), the image in the first or in a later user turn,
+    with transformers' greedy answer;
   - prompt `later_image` (a long text turn, then image e): the last position's logits and 8
     greedy tokens; prompt `text_only`: 8 greedy tokens (for batches mixing both kinds).
 
@@ -48,6 +51,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 OUT = ROOT / "tests" / "fixtures" / "vision"
 IMAGE_TOKEN, VISION_START, VISION_END = 250, 252, 253
 GREEDY = 8
+# Smallest gap between the top two logits a greedy step may have: ten times the bound
+# tests/vision_model.rs puts on text rows' logits (float32 sums in another order).
+MIN_MARGIN = 2e-3
 
 # Bounds chosen so that one image is scaled up (below min_pixels) and one down (above max_pixels).
 PROCESSOR = dict(
@@ -121,9 +127,25 @@ def model_inputs(ids, names, pixels, grids):
     return kw
 
 
-def greedy(model, kw) -> list[int]:
-    out = model.generate(**kw, max_new_tokens=GREEDY, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return [int(x) for x in out[0, kw["input_ids"].shape[1] :]]
+def greedy(model, kw, eos=()) -> list[int]:
+    """Greedy decoding as full forwards: each step the argmax of the model's logits at the last
+    position of the whole sequence so far (positions from `get_rope_index` over all of it).
+    `generate()` is not used: with an image after earlier text turns its steps disagree with
+    the model's own full forward (transformers 5.24), which is the reference here."""
+    ids = kw["input_ids"]
+    out = []
+    for _ in range(GREEDY):
+        step = dict(kw, input_ids=ids, mm_token_type_ids=(ids == IMAGE_TOKEN).to(torch.int32))
+        top = torch.topk(model(**step).logits[0, -1], 2)
+        margin = float(top.values[0] - top.values[1])
+        if margin < MIN_MARGIN:
+            raise RuntimeError(f"greedy step {len(out)}: margin {margin:.2g} is too small to compare against")
+        t = int(top.indices[0])
+        out.append(t)
+        if t in eos:
+            break
+        ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+    return out
 
 
 def build_case(name: str, pixels, grids, rng) -> dict:
@@ -193,6 +215,9 @@ def build_case(name: str, pixels, grids, rng) -> dict:
     if name == "qwen3_5":
         with torch.no_grad():
             ref["chat"] = chat_reference(out, model, Qwen2VLImageProcessorPil(**PROCESSOR))
+            # The image in a later turn, after a user and an assistant text turn.
+            earlier = [{"role": "user", "content": "w9 w10 w11"}, {"role": "assistant", "content": "w12 w13"}]
+            ref["chat_later_turn"] = chat_reference(out, model, Qwen2VLImageProcessorPil(**PROCESSOR), earlier)
         mh.log(f"  {name} chat: {ref['chat']['greedy']} {ref['chat']['greedy_text']!r}")
     mh.write_json(out / "reference.json", ref)
     return ref
@@ -241,14 +266,16 @@ def make_tokenizer():
     return fast
 
 
-def chat_reference(out: Path, model, processor) -> dict:
+def chat_reference(out: Path, model, processor, earlier=()) -> dict:
     """The chat template with an image, its marker widened as Qwen3VLProcessor widens it
     (`replace_image_token`: one `<|image_pad|>` per merged token), then greedy tokens.
     (The processor class itself wants a video processor, which needs torchvision.)"""
     tok = make_tokenizer()
     tok.save_pretrained(str(out))
     image = Image.open(OUT / "images" / "a.png")
-    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": CHAT_TEXT}]}]
+    messages = list(earlier) + [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": CHAT_TEXT}]}
+    ]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pixels = processor(images=[image], return_tensors="pt")
     n = int(pixels["image_grid_thw"][0].prod()) // PROCESSOR["merge_size"] ** 2
@@ -262,9 +289,9 @@ def chat_reference(out: Path, model, processor) -> dict:
         image_grid_thw=pixels["image_grid_thw"],
     )
     eos = [2, SPECIALS["<|im_end|>"]]
-    gen = model.generate(**kw, max_new_tokens=GREEDY, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    new = [int(x) for x in gen[0, kw["input_ids"].shape[1] :]]
+    new = greedy(model, kw, eos)
     return {
+        "earlier": list(earlier),
         "image": "a.png",
         "text": CHAT_TEXT,
         "rendered": text.replace("<|image_pad|>" * n, "<|image_pad|>"),

@@ -782,7 +782,8 @@ VISION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixture
 def check_images():
     """The tiny Qwen3.5 with a vision tower: an image as an OpenAI data URL, an Anthropic
     base64 block and (with --allow-remote-images) an http URL all give transformers' greedy
-    answer to the same chat; bad images are 400s naming the field."""
+    answer to the same chat, as does an image in a later turn; bad images are 400s naming
+    the field."""
     import base64
     import functools
     import http.server
@@ -809,6 +810,11 @@ def check_images():
             text, prompt_tokens = openai_chat(url)
             assert text == ref["greedy_text"], (url[:40], text, ref["greedy_text"])
             assert prompt_tokens == len(ref["ids"]), (prompt_tokens, len(ref["ids"]))
+        later = json.load(open(os.path.join(model, "reference.json")))["chat_later_turn"]
+        parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}, {"type": "text", "text": later["text"]}]
+        msgs = later["earlier"] + ask(parts)
+        r = c.chat.completions.create(model=s.name, messages=msgs, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content.strip() == later["greedy_text"], (r, later["greedy_text"])
         blocks = [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
             {"type": "text", "text": ref["text"]},
