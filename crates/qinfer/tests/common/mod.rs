@@ -3,6 +3,7 @@
 
 pub mod engine;
 pub mod mlx;
+pub mod vision;
 
 use std::path::PathBuf;
 
