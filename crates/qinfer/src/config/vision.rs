@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::{get, opt_f32, opt_usize, req_usize};
+use super::{get, opt_f32, opt_usize};
 use crate::{Error, Result};
 
 /// Qwen3.5's vision tower (transformers' `Qwen3_5VisionConfig`).
@@ -67,24 +67,25 @@ impl VisionConfig {
             ));
         }
         let theta = get(v, "rope_parameters").map(|r| opt_f32(r, "rope_theta")).transpose().map_err(field)?.flatten();
-        let token = |key: &str| -> Result<u32> {
-            opt_usize(outer, key)?.map(|t| t as u32).ok_or_else(|| Error::config(key, "missing in a multimodal config"))
-        };
+        // Fields a config leaves out take transformers' `Qwen3_5VisionConfig` defaults.
+        let or = |key: &str, default: usize| opt_usize(v, key).map(|x| x.unwrap_or(default)).map_err(field);
+        let token =
+            |key: &str, default: u32| -> Result<u32> { Ok(opt_usize(outer, key)?.map_or(default, |t| t as u32)) };
         let c = VisionConfig {
-            depth: req_usize(v, "depth").map_err(field)?,
-            hidden_size: req_usize(v, "hidden_size").map_err(field)?,
-            intermediate_size: req_usize(v, "intermediate_size").map_err(field)?,
-            num_heads: req_usize(v, "num_heads").map_err(field)?,
-            patch_size: req_usize(v, "patch_size").map_err(field)?,
-            temporal_patch_size: opt_usize(v, "temporal_patch_size").map_err(field)?.unwrap_or(2),
-            spatial_merge_size: opt_usize(v, "spatial_merge_size").map_err(field)?.unwrap_or(2),
-            in_channels: opt_usize(v, "in_channels").map_err(field)?.unwrap_or(3),
-            out_hidden_size: req_usize(v, "out_hidden_size").map_err(field)?,
-            num_position_embeddings: req_usize(v, "num_position_embeddings").map_err(field)?,
+            depth: or("depth", 27)?,
+            hidden_size: or("hidden_size", 1152)?,
+            intermediate_size: or("intermediate_size", 4304)?,
+            num_heads: or("num_heads", 16)?,
+            patch_size: or("patch_size", 16)?,
+            temporal_patch_size: or("temporal_patch_size", 2)?,
+            spatial_merge_size: or("spatial_merge_size", 2)?,
+            in_channels: or("in_channels", 3)?,
+            out_hidden_size: or("out_hidden_size", 3584)?,
+            num_position_embeddings: or("num_position_embeddings", 2304)?,
             rope_theta: theta.unwrap_or(10_000.0),
-            image_token_id: token("image_token_id")?,
-            vision_start_token_id: token("vision_start_token_id")?,
-            vision_end_token_id: token("vision_end_token_id")?,
+            image_token_id: token("image_token_id", 248_056)?,
+            vision_start_token_id: token("vision_start_token_id", 248_053)?,
+            vision_end_token_id: token("vision_end_token_id", 248_054)?,
         };
         let side = c.position_grid_side();
         if c.num_heads == 0 || !c.hidden_size.is_multiple_of(c.num_heads) || !c.head_dim().is_multiple_of(4) {
