@@ -210,7 +210,7 @@ impl Backend for CpuBackend {
             let attention_index = (attention.iter())
                 .map(|&a| {
                     n += a as usize;
-                    a.then_some(n - 1)
+                    if a { Some(n - 1) } else { None }
                 })
                 .collect();
             let codecs = Arc::new(KvCodecs::new(self.kv, KvShape { num_layers: n, ..shape })?);
