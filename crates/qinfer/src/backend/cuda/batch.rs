@@ -362,6 +362,36 @@ impl CudaBackend {
         self.launch(&self.k.batch.rope, elementwise_cfg(pairs), &args);
     }
 
+    /// [`crate::backend::ops::BatchOps::rope_multimodal`] as three rotations
+    /// with the paged rotary kernel: by the temporal, the height and the
+    /// width positions, each with the frequencies of the other components'
+    /// pairs zeroed. A pair's rotations by zero are exact identities, and
+    /// rotations of one pair compose by adding angles, so each pair turns
+    /// once, by its own component's position times its frequency.
+    pub(super) fn rope_multimodal_op(&self, x: &mut CudaAct, head_dim: usize, positions: &[[u32; 3]], rope: &Rope) {
+        if positions.len() != x.rows {
+            self.record(
+                Err(format!("{} multimodal positions for {} rows", positions.len(), x.rows)),
+                "rope_multimodal",
+            );
+            return;
+        }
+        let mut table = Vec::with_capacity(3 * positions.len());
+        for c in 0..3 {
+            table.extend(positions.iter().map(|p| p[c] as i32));
+        }
+        let table = self.upload_slice(&table);
+        let base = self.p(&table);
+        for c in 0..3 {
+            let only = |i: usize| rope.mrope.map_or(c == 0, |m| m.component(i) == c);
+            let inv_freq = rope.inv_freq.iter().enumerate().map(|(i, &f)| if only(i) { f } else { 0.0 }).collect();
+            let part = Rope { inv_freq, mrope: None, ..rope.clone() };
+            self.rope_at(x, head_dim, base + (c * positions.len() * 4) as u64, &part);
+        }
+        // Dropping `table` frees it in stream order, after the launches.
+        drop(table);
+    }
+
     /// [`crate::backend::ops::BatchOps::write_kv_paged`].
     pub(super) fn write_kv_paged_op(
         &self,

@@ -173,7 +173,7 @@ impl Backend for CudaBackend {
             gated_delta_net: true,
             mixture_of_experts: true,
             batched: true,
-            multimodal_positions: false,
+            multimodal_positions: true,
         }
     }
 
@@ -500,6 +500,13 @@ impl BatchOps for CudaBackend {
         layer: usize,
         batch: &BatchLayout,
     ) -> (CudaAct, Option<CudaAct>) {
+        if !batch.mrope_positions.is_empty() {
+            let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
+            self.rope_multimodal(&mut q, shape.head_dim, &batch.mrope_positions, rope);
+            self.rope_multimodal(&mut k, shape.head_dim, &batch.mrope_positions, rope);
+            self.write_kv_batch(pool, layer, &k, v, batch);
+            return (q, gate);
+        }
         self.paged_prologue_op(projected, k, v, shape, norms, eps, rope, pool, layer, batch)
     }
 
@@ -514,7 +521,15 @@ impl BatchOps for CudaBackend {
         layer: usize,
         batch: &BatchLayout,
     ) -> (CudaAct, Option<CudaAct>) {
+        if !batch.mrope_positions.is_empty() {
+            let (projected, k, v) = self.split_qkv(qkv, shape);
+            return self.paged_prologue(projected, k, &v, shape, norms, eps, rope, pool, layer, batch);
+        }
         self.paged_qkv_prologue_op(qkv, shape, norms, eps, rope, pool, layer, batch)
+    }
+
+    fn rope_multimodal(&self, x: &mut CudaAct, head_dim: usize, positions: &[[u32; 3]], rope: &Rope) {
+        self.rope_multimodal_op(x, head_dim, positions, rope)
     }
 
     fn write_kv_paged(&self, pool: &mut CudaKvPool, layer: usize, k: &CudaAct, v: &CudaAct, slots: &[u32]) {
