@@ -335,10 +335,7 @@ pub trait BatchOps: FusedOps {
         let (q, k, gate) = if batch.mrope_positions.is_empty() {
             self.split_norm_rope(projected, k, shape, norms, eps, &batch.positions, rope)
         } else {
-            let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
-            self.rope_multimodal(&mut q, shape.head_dim, &batch.mrope_positions, rope);
-            self.rope_multimodal(&mut k, shape.head_dim, &batch.mrope_positions, rope);
-            (q, k, gate)
+            self.split_norm_rope_multimodal(projected, k, shape, norms, eps, &batch.mrope_positions, rope)
         };
         self.write_kv_batch(pool, layer, &k, v, batch);
         (q, gate)
@@ -360,6 +357,24 @@ pub trait BatchOps: FusedOps {
     ) -> (Self::Act, Option<Self::Act>) {
         let (projected, k, v) = self.split_qkv(qkv, shape);
         self.paged_prologue(projected, k, &v, shape, norms, eps, rope, pool, layer, batch)
+    }
+    /// [`FusedOps::split_norm_rope`] with each row rotated at its temporal,
+    /// height and width positions ([`BatchOps::rope_multimodal`]).
+    #[allow(clippy::too_many_arguments)]
+    fn split_norm_rope_multimodal(
+        &self,
+        projected: Self::Act,
+        k: Self::Act,
+        shape: &QkvShape,
+        norms: Option<(&Self::Weight, &Self::Weight)>,
+        eps: f32,
+        positions: &[[u32; 3]],
+        rope: &Rope,
+    ) -> (Self::Act, Self::Act, Option<Self::Act>) {
+        let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
+        self.rope_multimodal(&mut q, shape.head_dim, positions, rope);
+        self.rope_multimodal(&mut k, shape.head_dim, positions, rope);
+        (q, k, gate)
     }
     /// Rotates each head of each row at its temporal, height and width
     /// positions, as [`Rope::cos_sin_multimodal`] assigns them to pairs.

@@ -501,9 +501,8 @@ impl BatchOps for CudaBackend {
         batch: &BatchLayout,
     ) -> (CudaAct, Option<CudaAct>) {
         if !batch.mrope_positions.is_empty() {
-            let (mut q, mut k, gate) = self.split_norm(projected, k, shape, norms, eps);
-            self.rope_multimodal(&mut q, shape.head_dim, &batch.mrope_positions, rope);
-            self.rope_multimodal(&mut k, shape.head_dim, &batch.mrope_positions, rope);
+            let (q, k, gate) =
+                self.split_norm_rope_multimodal(projected, k, shape, norms, eps, &batch.mrope_positions, rope);
             self.write_kv_batch(pool, layer, &k, v, batch);
             return (q, gate);
         }
