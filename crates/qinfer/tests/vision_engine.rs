@@ -2,7 +2,9 @@
 //! continuations (`scripts/make_fixtures_vision.py`): several images in one
 //! prompt, an image after a long text turn, small images scaled up, and
 //! text-only requests batched with them; chunked prefill splitting images;
-//! and the prefix cache keeping prompts that differ only in their images apart.
+//! the prefix cache keeping prompts that differ only in their images apart;
+//! and decoding requests going on, a token every step, while an image
+//! request's images are encoded.
 
 mod common;
 
@@ -99,4 +101,67 @@ fn bad_image_requests_are_refused_by_name() {
     let mut core = EngineCore::new(text_model, None, config(1024, 4, 64)).unwrap();
     let err = core.add(3, Request { images: req.images.clone(), ..request(vec![1, 2], 1, Default::default()) });
     assert!(err.unwrap_err().to_string().contains("text-only"));
+}
+
+#[test]
+fn decoding_requests_get_a_token_every_step_while_an_image_is_encoded() {
+    let lm = load(&dir().join("qwen3_5"));
+    let (_, with_image, want) = prompts("qwen3_5").into_iter().find(|c| c.0 == "two_images").unwrap();
+    let mut core = EngineCore::new(lm, None, config(1024, 8, 64)).unwrap();
+    let decoders: Vec<u64> = (100..104).collect();
+    for &id in &decoders {
+        core.add(id, request(vec![5, 6, 7, id as u32], 40, SamplingParams::default())).unwrap();
+    }
+    for _ in 0..3 {
+        core.step().unwrap();
+    }
+    core.add(1, with_image).unwrap();
+    assert_eq!(core.num_waiting(), 1, "the image request waits while it is encoded");
+    let mut got: Vec<u32> = Vec::new();
+    let mut live = decoders.clone();
+    while core.num_unfinished() > 0 {
+        let outs = core.step().unwrap();
+        for &d in &live {
+            assert!(outs.iter().any(|o| o.id == d && !o.token_ids.is_empty()), "a step gave decoder {d} no token");
+        }
+        live.retain(|&d| !outs.iter().any(|o| o.id == d && o.finish.is_some()));
+        for o in outs.iter().filter(|o| o.id == 1) {
+            got.extend(&o.token_ids);
+        }
+    }
+    assert!(core.take_failed().is_empty());
+    assert_eq!(got, want);
+}
+
+/// With no time to spare, the queue runs one tower block per call, so an
+/// image request's encoding spreads over as many steps as its images have
+/// blocks; with time, it runs through.
+#[test]
+fn the_image_queue_spreads_encoding_over_calls() {
+    use qinfer::engine::encoding::ImageQueue;
+    use qinfer::runner::media::Media;
+    use std::time::Duration;
+    let lm = load(&dir().join("qwen3_5"));
+    let depth = lm.config().vision.as_ref().unwrap().depth;
+    let (_, req, _) = prompts("qwen3_5").into_iter().find(|c| c.0 == "two_images").unwrap();
+    let media = Arc::new(Media::new(lm.as_ref(), &req.prompt, &req.images).unwrap());
+    let mut queue = ImageQueue::default();
+    queue.push(lm.as_ref(), 7, media.clone(), &req.images).unwrap();
+    let mut calls = 0;
+    loop {
+        calls += 1;
+        let done = queue.advance(lm.as_ref(), Duration::ZERO);
+        assert!(done.failed.is_empty());
+        if !done.ready.is_empty() {
+            assert_eq!(done.ready, vec![7]);
+            break;
+        }
+        assert!(!media.ready(), "call {calls}");
+    }
+    assert_eq!(calls, depth * req.images.len());
+    assert!(media.ready() && queue.is_empty());
+    let media = Arc::new(Media::new(lm.as_ref(), &req.prompt, &req.images).unwrap());
+    queue.push(lm.as_ref(), 8, media.clone(), &req.images).unwrap();
+    assert_eq!(queue.advance(lm.as_ref(), Duration::MAX).ready, vec![8]);
+    assert!(media.ready());
 }

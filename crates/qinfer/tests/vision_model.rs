@@ -24,6 +24,19 @@ fn vision_tokens_match_transformers() {
             let want = npy(dir().join(case).join(format!("vision_{}.npy", name.split('.').next().unwrap())));
             let d = max_diff(&got, &want);
             assert!(d < 1e-4, "{case} {name}: vision tokens differ by {d}");
+            // A block at a time (as the engine runs it) computes the same.
+            let mut enc = lm.begin_image(std::sync::Arc::new(image(name))).unwrap();
+            let depth = enc.blocks_left;
+            let mut steps = 0;
+            let stepped = loop {
+                steps += 1;
+                if let Some(tokens) = lm.advance_image(&mut enc, 1).unwrap() {
+                    break tokens;
+                }
+                assert_eq!(enc.blocks_left, depth - steps, "{case} {name}");
+            };
+            assert_eq!(steps, depth, "{case} {name}: one block per call");
+            assert_eq!(stepped, got, "{case} {name}: block by block");
         }
     }
 }

@@ -18,6 +18,7 @@ use qinfer::sampling::{Sampler, SamplingParams};
 use qinfer::weights::random::WeightStorage;
 use serde_json::{Value, json};
 
+use crate::commands::bench_images;
 use crate::commands::multiturn::{self, Shape};
 use crate::common::open_model;
 
@@ -96,6 +97,14 @@ pub struct Args {
     system_tokens: usize,
     #[arg(long, default_value_t = 200)]
     turn_tokens: usize,
+    /// A multimodal model's image costs for a square image of this many
+    /// pixels a side: the vision tower's encode, time to first token of the
+    /// image and `-p` text tokens against text alone, and the stall of
+    /// --image-decoders decoding requests when an image request arrives.
+    #[arg(long, conflicts_with_all = ["concurrency", "multi_turn"])]
+    image_size: Option<usize>,
+    #[arg(long, default_value_t = 16, requires = "image_size")]
+    image_decoders: usize,
     #[command(flatten)]
     lora: crate::common::LoraArgs,
 }
@@ -109,7 +118,7 @@ fn tokens(n: usize, vocab: usize) -> Vec<u32> {
 
 /// A fixed pseudo-random sequence for each seed: content does not change
 /// the work done.
-fn seeded_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn seeded_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut x = 0x9e37_79b9u32 ^ (seed as u32).wrapping_mul(0x85eb_ca6b) ^ ((seed >> 32) as u32);
     if x == 0 {
         x = 1;
@@ -336,11 +345,13 @@ fn multi_turn_rows(a: &Args, lm: &Arc<dyn LanguageModel>, vocab: usize, device: 
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
+    let mut processor = None;
     let (file, vocab, lm) = match (&a.model, &a.config) {
         (Some(path), _) => {
             let model = open_model(Some(path))?;
             let lm = model.load(device, !a.json)?;
             let file = model.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            processor = model.image_processor.clone();
             (file, model.config.vocab_size, lm)
         }
         (None, Some(cfg_path)) => {
@@ -357,6 +368,20 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         let lm: Arc<dyn LanguageModel> = Arc::from(lm);
         let rows = multi_turn_rows(&a, &lm, vocab, &device)?;
         return print_rows(&a, &file, lm.as_ref(), 1, rows);
+    }
+    if let Some(side) = a.image_size {
+        ensure!(adapter.is_none(), "--image-size does not take --lora");
+        let gpu = !matches!(device, Device::Cpu { .. });
+        let bench = bench_images::ImageBench {
+            side,
+            text_tokens: a.n_prompt.first().copied().unwrap_or(100),
+            decoders: a.image_decoders.max(1),
+            repetitions: reps,
+            max_batched_tokens: a.max_batched_tokens.unwrap_or(if gpu { 8192 } else { 2048 }),
+        };
+        let lm: Arc<dyn LanguageModel> = Arc::from(lm);
+        let rows = bench_images::rows(&lm, &bench, processor.as_ref())?;
+        return print_rows(&a, &file, lm.as_ref(), reps, rows);
     }
     if !a.concurrency.is_empty() {
         let lm: Arc<dyn LanguageModel> = Arc::from(lm);
@@ -394,6 +419,8 @@ fn print_rows(a: &Args, file: &str, lm: &dyn LanguageModel, reps: usize, rows: V
             "results": rows,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
+    } else if a.image_size.is_some() {
+        bench_images::print(file, &lm.device(), &rows);
     } else if a.multi_turn {
         println!("| model | backend | test | TTFT turn 1 ms | TTFT turns 2+ ms | ratio | cached / reusable |");
         println!("| --- | --- | --- | ---: | ---: | ---: | ---: |");

@@ -1,5 +1,6 @@
 pub mod batch;
 pub mod bench;
+pub mod bench_images;
 pub mod embed;
 pub mod generate;
 pub mod inspect;

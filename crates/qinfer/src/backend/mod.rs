@@ -6,6 +6,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ops;
+pub mod vision_ops;
 
 use crate::Result;
 use crate::config::rope::Rope;

@@ -6,6 +6,7 @@
 
 use std::ops::Range;
 
+use super::vision_ops::VisionOps;
 use super::{AttentionShape, Backend, ExpertWeights, GdnWeights, QkvShape, Routing};
 use crate::config::GdnConfig;
 use crate::config::rope::Rope;
@@ -14,9 +15,9 @@ use crate::sampling::{RowPick, SamplingParams, pick};
 use crate::{Error, Result};
 
 /// What a model needs of a backend: every op family.
-pub trait ModelBackend: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps {}
+pub trait ModelBackend: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps + VisionOps {}
 
-impl<B: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps> ModelBackend for B {}
+impl<B: Backend + FusedOps + GdnOps + MoeOps + SamplingOps + BatchOps + VisionOps> ModelBackend for B {}
 
 /// Fused forms of the core ops, which a backend may compute in fewer passes
 /// over memory; each default composes the core ops and is the reference.

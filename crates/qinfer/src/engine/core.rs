@@ -8,14 +8,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::draft::{DraftWant, Drafter};
-use super::prefix::{
-    BlockAt, PlannedSnapshot, PrefixCache, PrefixCacheConfig, PrefixStats, SnapshotAt, register_full_blocks, spill,
-};
+use super::encoding::ImageQueue;
+use super::prefix::{BlockAt, PlannedSnapshot, PrefixCache, PrefixStats, SnapshotAt, register_full_blocks, spill};
 use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
-use super::speculative::{Proposer, SpeculativeConfig, SpeculativeStats, ngram_lookup};
+use super::speculative::{Proposer, SpeculativeStats, ngram_lookup};
 use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
@@ -25,7 +25,8 @@ use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
-/// How an engine batches.
+pub use super::config::{EngineConfig, validate};
+
 /// What [`EngineCore::snapshots`] reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SnapshotStats {
@@ -36,64 +37,6 @@ pub struct SnapshotStats {
     pub bytes_each: usize,
     /// Snapshots evicted so far.
     pub evicted: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EngineConfig {
-    /// Tokens one step computes, decode tokens first, prefill chunks after.
-    pub max_batched_tokens: usize,
-    /// Sequences running at once.
-    pub max_num_seqs: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Blocks in the KV pool.
-    pub num_blocks: usize,
-    /// Most positions one sequence may hold (prompt and generated).
-    pub max_model_len: usize,
-    /// Share computed prefixes between requests (None: off).
-    pub prefix_cache: Option<PrefixCacheConfig>,
-    /// Propose draft tokens for greedy decode steps and verify them in the
-    /// step's forward (None: off).
-    pub speculative: Option<SpeculativeConfig>,
-}
-
-impl EngineConfig {
-    /// Defaults for `model`: `max_model_len` from its config (at most
-    /// `max_model_len` when given), and enough blocks for `max_num_seqs`
-    /// sequences of that length or `kv_bytes` of KV storage, whichever is
-    /// less (but at least one full-length sequence); the prefix cache on,
-    /// hybrids snapshotting every recurrent chunk into up to
-    /// [`PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES`].
-    pub fn for_model(
-        model: &dyn LanguageModel,
-        max_batched_tokens: usize,
-        max_num_seqs: usize,
-        max_model_len: Option<usize>,
-        kv_bytes: usize,
-    ) -> Self {
-        let cfg = model.config();
-        let max_model_len = max_model_len.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
-        let block_size = crate::kv::blocks::DEFAULT_BLOCK_SIZE;
-        let per_token = model.kv_bytes_per_token().max(1);
-        let per_seq = max_model_len.div_ceil(block_size);
-        let by_memory = kv_bytes / (per_token * block_size);
-        let num_blocks = (per_seq * max_num_seqs).min(by_memory).max(per_seq);
-        let prefix_cache = Some(PrefixCacheConfig::for_model(
-            model,
-            GdnConfig::CHUNK_SIZE,
-            PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES,
-            num_blocks * block_size,
-        ));
-        EngineConfig {
-            max_batched_tokens,
-            max_num_seqs,
-            block_size,
-            num_blocks,
-            max_model_len,
-            prefix_cache,
-            speculative: None,
-        }
-    }
 }
 
 pub struct EngineCore {
@@ -113,6 +56,15 @@ pub struct EngineCore {
     speculative: SpeculativeStats,
     /// The draft model's proposer (with [`Proposer::Draft`]).
     drafter: Option<Drafter>,
+    /// Requests whose images are going through the vision tower; each
+    /// joins `waiting` once they are through.
+    encoding: ImageQueue,
+    /// How long recent steps' forwards took (a moving average): the time
+    /// the vision tower may take before a step.
+    step_time: Option<Duration>,
+    /// Requests that ended in an error of their own (an image the tower
+    /// failed on), for [`EngineCore::take_failed`].
+    failed: Vec<(RequestId, Error)>,
 }
 
 impl EngineCore {
@@ -215,6 +167,9 @@ impl EngineCore {
             preemptions: 0,
             prefix,
             speculative: SpeculativeStats::default(),
+            encoding: ImageQueue::default(),
+            step_time: None,
+            failed: Vec::new(),
         })
     }
 
@@ -245,8 +200,33 @@ impl EngineCore {
         self.running.len()
     }
 
+    /// Requests that failed on their own since the last call, removed from
+    /// the engine: each with its error (the other requests go on).
+    pub fn take_failed(&mut self) -> Vec<(RequestId, Error)> {
+        std::mem::take(&mut self.failed)
+    }
+
+    /// Runs the vision tower over queued images: while other requests run,
+    /// for about as long as one of their recent steps (each of their tokens
+    /// then waits about one step longer, not the whole encoding); all at
+    /// once otherwise.
+    fn encode_images(&mut self) {
+        if self.encoding.is_empty() {
+            return;
+        }
+        let busy = !self.running.is_empty() || !self.waiting.is_empty();
+        let budget = if busy { self.step_time.unwrap_or(Duration::ZERO) } else { Duration::MAX };
+        let done = self.encoding.advance(self.runner.model().as_ref(), budget);
+        self.waiting.extend(done.ready);
+        for (id, e) in done.failed {
+            self.seqs.remove(&id);
+            self.failed.push((id, e));
+        }
+    }
+
+    /// Requests not yet running: queued, or with images being encoded.
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.encoding.len()
     }
 
     /// KV blocks held by requests, and the pool's size.
@@ -318,8 +298,13 @@ impl EngineCore {
             true => None,
             false => Some(Arc::new(Media::new(self.runner.model().as_ref(), &req.prompt, &req.images)?)),
         };
-        self.seqs.insert(id, Sequence::new(id, req, media)?);
-        self.waiting.push_back(id);
+        let images = req.images.clone();
+        let seq = Sequence::new(id, req, media.clone())?;
+        match media {
+            Some(media) => self.encoding.push(self.runner.model().as_ref(), id, media, &images)?,
+            None => self.waiting.push_back(id),
+        }
+        self.seqs.insert(id, seq);
         Ok(())
     }
 
@@ -328,6 +313,7 @@ impl EngineCore {
     pub fn abort(&mut self, id: RequestId) -> Option<Output> {
         let mut seq = self.seqs.remove(&id)?;
         self.waiting.retain(|&w| w != id);
+        self.encoding.remove(id);
         self.running.retain(|&r| r != id);
         self.free(&mut seq);
         let tok = self.tokenizer.clone();
@@ -540,6 +526,8 @@ impl EngineCore {
         // Adapters retired since the last step go once no request holds them.
         let in_use: Vec<_> = self.seqs.values().filter_map(|s| s.adapter).collect();
         self.runner.model().release_adapters(&in_use);
+        self.encode_images();
+        let started = Instant::now();
         let plan = self.schedule()?;
         if plan.is_empty() {
             if !self.waiting.is_empty() && self.running.is_empty() {
@@ -627,7 +615,11 @@ impl EngineCore {
             }
         }
         let picks = match result {
-            Ok(p) => p,
+            Ok(p) => {
+                let took = started.elapsed();
+                self.step_time = Some(self.step_time.map_or(took, |t| (t * 3 + took) / 4));
+                p
+            }
             Err(e) => {
                 for (mut seq, _) in taken {
                     seq.drop_drafts();
@@ -726,45 +718,4 @@ fn lcm(a: usize, b: usize) -> usize {
         x
     };
     a / gcd(a, b) * b
-}
-
-/// `req` against `cfg`'s limits and the vocabulary.
-pub fn validate(req: &Request, cfg: &EngineConfig, vocab: usize) -> Result<()> {
-    let n = req.prompt.len();
-    if n == 0 {
-        return Err(Error::Invalid("the prompt is empty".into()));
-    }
-    if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::Invalid(format!("prompt token id {t} is out of range for a vocabulary of {vocab}")));
-    }
-    if let Task::Score(ids) = &req.task
-        && let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab)
-    {
-        return Err(Error::Invalid(format!("score token id {t} is out of range for a vocabulary of {vocab}")));
-    }
-    let longest = if req.task == Task::Generate {
-        if req.stop.max_tokens == 0 {
-            return Err(Error::Invalid("max_tokens must be at least 1".into()));
-        }
-        if n >= cfg.max_model_len {
-            return Err(Error::Invalid(format!(
-                "the prompt has {n} tokens; the context holds {} (prompt and at least one new token)",
-                cfg.max_model_len
-            )));
-        }
-        (n + req.stop.max_tokens).min(cfg.max_model_len)
-    } else {
-        if n > cfg.max_model_len {
-            return Err(Error::Invalid(format!("the input has {n} tokens; the context holds {}", cfg.max_model_len)));
-        }
-        n
-    };
-    let blocks = longest.div_ceil(cfg.block_size);
-    if blocks > cfg.num_blocks {
-        return Err(Error::Invalid(format!(
-            "the request needs up to {longest} positions ({blocks} blocks); the KV pool holds {} blocks of {}",
-            cfg.num_blocks, cfg.block_size
-        )));
-    }
-    req.sampling.validate()
 }

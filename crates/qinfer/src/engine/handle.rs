@@ -282,7 +282,13 @@ fn step_loop(mut core: EngineCore, rx: Receiver<Command>, metrics: &EngineMetric
             }
             return EngineStats { preemptions: core.preemptions(), pools_whole: core.pools_whole() };
         }
-        match core.step() {
+        let result = core.step();
+        for (id, e) in core.take_failed() {
+            if let Some(mut sink) = sinks.remove(&id) {
+                sink(Err(e.to_string()));
+            }
+        }
+        match result {
             Ok(outputs) => {
                 for out in outputs {
                     let (id, done) = (out.id, out.finish.is_some());

@@ -3,8 +3,10 @@
 //! types, speculative decoding's proposers, and the single-sequence
 //! generation loop and perplexity.
 
+pub mod config;
 pub mod core;
 pub mod draft;
+pub mod encoding;
 pub mod generate;
 pub mod handle;
 pub mod perplexity;

@@ -14,6 +14,7 @@ pub mod spec;
 pub mod vision;
 
 use std::any::Any;
+use std::sync::Arc;
 
 use crate::config::{Architecture, ModelConfig};
 use crate::kv::batch::BatchLayout;
@@ -104,6 +105,19 @@ pub trait LanguageModel: Send + Sync {
     /// tokens' embeddings.
     fn encode_image(&self, image: &crate::image::PreparedImage) -> Result<Vec<f32>> {
         let _ = image;
+        Err(Error::Invalid(format!("{} takes no images", self.config().arch.name())))
+    }
+    /// [`LanguageModel::encode_image`] in steps: checks that the image fits
+    /// the tower, and returns it ready for [`LanguageModel::advance_image`].
+    fn begin_image(&self, image: Arc<crate::image::PreparedImage>) -> Result<ImageEncoding> {
+        let _ = image;
+        Err(Error::Invalid(format!("{} takes no images", self.config().arch.name())))
+    }
+    /// Runs up to `blocks` more of the tower's blocks over the image (at
+    /// least one, the patch embedding with the first; the merger with the
+    /// last), waiting for the device: the image's tokens once it is through.
+    fn advance_image(&self, encoding: &mut ImageEncoding, blocks: usize) -> Result<Option<Vec<f32>>> {
+        let _ = (encoding, blocks);
         Err(Error::Invalid(format!("{} takes no images", self.config().arch.name())))
     }
     /// Storage for batched forwards: a KV pool of `num_blocks` blocks of
@@ -266,4 +280,16 @@ pub fn model_spec(arch: Architecture) -> &'static spec::ModelSpec {
         Architecture::Qwen35 => &qwen3_5::SPEC,
         Architecture::Qwen35Moe => &qwen3_5::SPEC_MOE,
     }
+}
+
+/// An image on its way through a model's vision tower
+/// ([`LanguageModel::begin_image`]): a few blocks at a time, so that an
+/// engine can spread a large image over several steps.
+pub struct ImageEncoding {
+    /// The image until its patches are embedded.
+    pub(crate) image: Option<Arc<crate::image::PreparedImage>>,
+    /// The tower's state after that (the model's own type).
+    pub(crate) state: Option<Box<dyn Any + Send>>,
+    /// Blocks still to run.
+    pub blocks_left: usize,
 }

@@ -5,12 +5,14 @@
 //! image's patches with a 2-D rotary embedding (height then width
 //! frequencies), a tanh-GELU MLP, and a merger that joins each
 //! `merge × merge` block of patches into one token of the language model's
-//! width. The matmuls run on the model's backend; the norms, rotary,
-//! attention and activations run on the host in f32.
+//! width. Every op runs on the model's backend ([`VisionOps`] for the ones
+//! the language model lacks); the position table and the rotary angles are
+//! computed on the host once per image.
 
 use rayon::prelude::*;
 
 use crate::backend::ops::ModelBackend;
+use crate::backend::vision_ops::{Gelu, LayerNormParams, VisionHeads};
 use crate::config::vision::VisionConfig;
 use crate::image::PreparedImage;
 use crate::weights::WeightLoader;
@@ -19,63 +21,46 @@ use crate::{Error, Result};
 /// LayerNorm's epsilon in every norm of the tower.
 const EPS: f32 = 1e-6;
 
-struct LayerNorm {
-    weight: Vec<f32>,
-    bias: Vec<f32>,
-}
-
-impl LayerNorm {
-    fn load<B: ModelBackend>(ld: &WeightLoader<B>, p: &str, dim: usize) -> Result<Self> {
-        let get = |n: &str| Ok::<_, Error>(ld.tensor(&format!("{p}.{n}"), &[&[dim]])?.to_f32_vec());
-        Ok(LayerNorm { weight: get("weight")?, bias: get("bias")? })
-    }
-
-    /// Each row of `x` normalized (biased variance, as torch).
-    fn apply(&self, x: &[f32]) -> Vec<f32> {
-        let d = self.weight.len();
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, r)| {
-            let mean = r.iter().sum::<f32>() / d as f32;
-            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
-            let inv = 1.0 / (var + EPS).sqrt();
-            for i in 0..d {
-                o[i] = (r[i] - mean) * inv * self.weight[i] + self.bias[i];
-            }
-        });
-        out
-    }
+fn load_norm<B: ModelBackend>(ld: &WeightLoader<B>, p: &str, dim: usize) -> Result<LayerNormParams<B::Weight>> {
+    let weight = ld.tensor(&format!("{p}.weight"), &[&[dim]])?;
+    let bias = ld.tensor(&format!("{p}.bias"), &[&[dim]])?;
+    Ok(LayerNormParams {
+        weight: weight.to_f32_vec(),
+        bias: bias.to_f32_vec(),
+        placed: (ld.place(&weight)?, ld.place(&bias)?),
+    })
 }
 
 struct Linear<W> {
     weight: W,
     bias: W,
-    out: usize,
 }
 
 impl<W> Linear<W> {
     fn load<B: ModelBackend<Weight = W>>(ld: &WeightLoader<B>, p: &str, out: usize, inp: usize) -> Result<Self> {
-        Ok(Linear {
-            weight: ld.get(&format!("{p}.weight"), &[out, inp])?,
-            bias: ld.get(&format!("{p}.bias"), &[out])?,
-            out,
-        })
+        Ok(Linear { weight: ld.get(&format!("{p}.weight"), &[out, inp])?, bias: ld.get(&format!("{p}.bias"), &[out])? })
     }
 
-    fn apply<B: ModelBackend<Weight = W>>(&self, b: &B, x: &[f32], cols: usize) -> Vec<f32> {
-        let act = b.act_from_host(x.len() / cols, cols, x);
-        let y = b.to_host(&b.linear(&act, &self.weight, Some(&self.bias)));
-        debug_assert_eq!(y.len(), x.len() / cols * self.out);
-        y
+    fn apply<B: ModelBackend<Weight = W>>(&self, b: &B, x: &B::Act) -> B::Act {
+        b.linear(x, &self.weight, Some(&self.bias))
     }
 }
 
 struct Block<W> {
-    norm1: LayerNorm,
-    norm2: LayerNorm,
+    norm1: LayerNormParams<W>,
+    norm2: LayerNormParams<W>,
     qkv: Linear<W>,
     proj: Linear<W>,
     fc1: Linear<W>,
     fc2: Linear<W>,
+}
+
+/// One image partway through the tower: its patches' hidden states, their
+/// rotary table, and the next block to run.
+pub struct Encoding<A> {
+    h: A,
+    rotary: A,
+    next: usize,
 }
 
 pub struct VisionTower<B: ModelBackend> {
@@ -84,22 +69,11 @@ pub struct VisionTower<B: ModelBackend> {
     /// `[num_position_embeddings, hidden]`.
     pos_embed: Vec<f32>,
     blocks: Vec<Block<B::Weight>>,
-    merger_norm: LayerNorm,
+    merger_norm: LayerNormParams<B::Weight>,
     merger_fc1: Linear<B::Weight>,
     merger_fc2: Linear<B::Weight>,
     /// One frequency per rotated pair of each axis: `head_dim / 4`.
     inv_freq: Vec<f32>,
-}
-
-/// The tanh approximation of GELU (`gelu_pytorch_tanh`).
-fn gelu_tanh(x: f32) -> f32 {
-    let c = (2.0f32 / std::f32::consts::PI).sqrt();
-    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
-/// Exact GELU (the merger's `nn.GELU()`).
-fn gelu_erf(x: f32) -> f32 {
-    0.5 * x * (1.0 + libm::erff(x / std::f32::consts::SQRT_2))
 }
 
 impl<B: ModelBackend> VisionTower<B> {
@@ -113,15 +87,15 @@ impl<B: ModelBackend> VisionTower<B> {
         // The Conv3d's kernel is laid out as a patch's values are.
         conv.shape = vec![h, pv];
         let patch_embed =
-            Linear { weight: ld.place(&conv)?, bias: ld.get(&format!("{prefix}patch_embed.proj.bias"), &[h])?, out: h };
+            Linear { weight: ld.place(&conv)?, bias: ld.get(&format!("{prefix}patch_embed.proj.bias"), &[h])? };
         let pos_embed =
             ld.tensor(&format!("{prefix}pos_embed.weight"), &[&[cfg.num_position_embeddings, h]])?.to_f32_vec();
         let blocks = (0..cfg.depth)
             .map(|l| {
                 let b = format!("{prefix}blocks.{l}");
                 Ok(Block {
-                    norm1: LayerNorm::load(ld, &format!("{b}.norm1"), h)?,
-                    norm2: LayerNorm::load(ld, &format!("{b}.norm2"), h)?,
+                    norm1: load_norm(ld, &format!("{b}.norm1"), h)?,
+                    norm2: load_norm(ld, &format!("{b}.norm2"), h)?,
                     qkv: Linear::load(ld, &format!("{b}.attn.qkv"), 3 * h, h)?,
                     proj: Linear::load(ld, &format!("{b}.attn.proj"), h, h)?,
                     fc1: Linear::load(ld, &format!("{b}.mlp.linear_fc1"), i, h)?,
@@ -137,7 +111,7 @@ impl<B: ModelBackend> VisionTower<B> {
             patch_embed,
             pos_embed,
             blocks,
-            merger_norm: LayerNorm::load(ld, &format!("{prefix}merger.norm"), h)?,
+            merger_norm: load_norm(ld, &format!("{prefix}merger.norm"), h)?,
             merger_fc1: Linear::load(ld, &format!("{prefix}merger.linear_fc1"), merged, merged)?,
             merger_fc2: Linear::load(ld, &format!("{prefix}merger.linear_fc2"), cfg.out_hidden_size, merged)?,
             inv_freq,
@@ -166,8 +140,8 @@ impl<B: ModelBackend> VisionTower<B> {
     }
 
     /// The learned position table resampled to the grid (bilinear, corners
-    /// aligned, as `F.interpolate` over the table's square).
-    fn add_positions(&self, h: &mut [f32], coords: &[(usize, usize)], grid: [usize; 3]) {
+    /// aligned, as `F.interpolate` over the table's square): one row per patch.
+    fn positions(&self, coords: &[(usize, usize)], grid: [usize; 3]) -> Vec<f32> {
         let side = self.cfg.position_grid_side();
         let d = self.cfg.hidden_size;
         let axis = |i: usize, size: usize| -> [(usize, f32); 2] {
@@ -179,6 +153,7 @@ impl<B: ModelBackend> VisionTower<B> {
                 (tap, w)
             })
         };
+        let mut h = vec![0f32; coords.len() * d];
         h.par_chunks_mut(d).zip(coords.par_iter()).for_each(|(row, &(r, c))| {
             for (tr, wr) in axis(r, grid[1]) {
                 for (tc, wc) in axis(c, grid[2]) {
@@ -190,71 +165,29 @@ impl<B: ModelBackend> VisionTower<B> {
                 }
             }
         });
+        h
     }
 
-    /// Bidirectional attention of every head over the image's patches, each
-    /// head's queries and keys rotated by the patches' (row, column).
-    fn attention(&self, qkv: &[f32], coords: &[(usize, usize)]) -> Vec<f32> {
-        let (d, heads, hd) = (self.cfg.hidden_size, self.cfg.num_heads, self.cfg.head_dim());
-        let n = coords.len();
+    /// Each patch's rotary cosines then sines (`[patches, head_dim]`): pairs
+    /// below `head_dim / 4` turn by the patch's row, the rest by its column.
+    fn rotary(&self, coords: &[(usize, usize)]) -> Vec<f32> {
+        let hd = self.cfg.head_dim();
         let (half, quarter) = (hd / 2, hd / 4);
-        // cos/sin per patch and pair: pairs below hd/4 take the row, the rest the column.
-        let mut cos = vec![0f32; n * half];
-        let mut sin = vec![0f32; n * half];
-        for (i, &(r, c)) in coords.iter().enumerate() {
+        let mut out = vec![0f32; coords.len() * hd];
+        for (row, &(r, c)) in out.chunks_mut(hd).zip(coords) {
             for j in 0..half {
                 let pos = if j < quarter { r } else { c };
                 let a = (pos as f32 * self.inv_freq[j % quarter]) as f64;
-                cos[i * half + j] = a.cos() as f32;
-                sin[i * half + j] = a.sin() as f32;
+                row[j] = a.cos() as f32;
+                row[half + j] = a.sin() as f32;
             }
         }
-        let rotated = |part: usize| -> Vec<f32> {
-            let mut out = vec![0f32; n * d];
-            out.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
-                let src = &qkv[i * 3 * d + part * d..][..d];
-                let (cs, sn) = (&cos[i * half..][..half], &sin[i * half..][..half]);
-                for h in 0..heads {
-                    let (x, y) = (&src[h * hd..][..hd], &mut o[h * hd..][..hd]);
-                    for j in 0..half {
-                        y[j] = x[j] * cs[j] - x[j + half] * sn[j];
-                        y[j + half] = x[j + half] * cs[j] + x[j] * sn[j];
-                    }
-                }
-            });
-            out
-        };
-        let (q, k) = (rotated(0), rotated(1));
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut out = vec![0f32; n * d];
-        out.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
-            let mut scores = vec![0f32; n];
-            for h in 0..heads {
-                let qi = &q[i * d + h * hd..][..hd];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let kj = &k[j * d + h * hd..][..hd];
-                    *s = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                }
-                let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s;
-                }
-                let oh = &mut o[h * hd..][..hd];
-                for (j, &p) in scores.iter().enumerate() {
-                    let vj = &qkv[j * 3 * d + 2 * d + h * hd..][..hd];
-                    for (x, v) in oh.iter_mut().zip(vj) {
-                        *x += p / total * v;
-                    }
-                }
-            }
-        });
         out
     }
 
-    /// The merged tokens of one image: `[tokens, out_hidden_size]`.
-    pub fn encode(&self, b: &B, image: &PreparedImage) -> Result<Vec<f32>> {
+    /// Checks that `image` fits this tower (whole merge blocks, the patch
+    /// size the tower was trained on).
+    pub fn check(&self, image: &PreparedImage) -> Result<()> {
         let cfg = &self.cfg;
         let m = cfg.spatial_merge_size;
         let [t, gh, gw] = image.grid;
@@ -269,23 +202,58 @@ impl<B: ModelBackend> VisionTower<B> {
                 cfg.patch_values()
             )));
         }
-        let d = cfg.hidden_size;
+        Ok(())
+    }
+
+    /// The image's patches embedded, with their positions added: an
+    /// encoding before its first block.
+    pub fn begin(&self, b: &B, image: &PreparedImage) -> Result<Encoding<B::Act>> {
+        self.check(image)?;
+        let cfg = &self.cfg;
+        let (d, n) = (cfg.hidden_size, image.patches());
         let coords = self.patch_coords(image.grid);
-        let mut h = self.patch_embed.apply(b, &image.pixels, cfg.patch_values());
-        self.add_positions(&mut h, &coords, image.grid);
-        for blk in &self.blocks {
-            let qkv = blk.qkv.apply(b, &blk.norm1.apply(&h), d);
-            let attn = blk.proj.apply(b, &self.attention(&qkv, &coords), d);
-            h.iter_mut().zip(&attn).for_each(|(x, a)| *x += a);
-            let mut f = blk.fc1.apply(b, &blk.norm2.apply(&h), d);
-            f.par_iter_mut().for_each(|x| *x = gelu_tanh(*x));
-            let f = blk.fc2.apply(b, &f, cfg.intermediate_size);
-            h.iter_mut().zip(&f).for_each(|(x, a)| *x += a);
+        let pixels = b.act_from_host(n, cfg.patch_values(), &image.pixels);
+        let mut h = self.patch_embed.apply(b, &pixels);
+        drop(pixels);
+        b.add_assign(&mut h, &b.act_from_host(n, d, &self.positions(&coords, image.grid)));
+        let rotary = b.act_from_host(n, cfg.head_dim(), &self.rotary(&coords));
+        Ok(Encoding { h, rotary, next: 0 })
+    }
+
+    /// The blocks an encoding has still to run.
+    pub fn blocks_left(&self, e: &Encoding<B::Act>) -> usize {
+        self.blocks.len() - e.next
+    }
+
+    /// Runs up to `blocks` more blocks of `e` (waiting for the device), and
+    /// after the last the merger: then the image's merged tokens,
+    /// `[tokens, out_hidden_size]`.
+    pub fn advance(&self, b: &B, e: &mut Encoding<B::Act>, blocks: usize) -> Result<Option<Vec<f32>>> {
+        let cfg = &self.cfg;
+        let heads = VisionHeads { heads: cfg.num_heads, head_dim: cfg.head_dim() };
+        let end = (e.next + blocks).min(self.blocks.len());
+        for blk in &self.blocks[e.next..end] {
+            let h = &mut e.h;
+            let qkv = blk.qkv.apply(b, &b.layer_norm(h, &blk.norm1, EPS));
+            let attn = b.vision_attention(&qkv, &e.rotary, heads);
+            drop(qkv);
+            b.add_assign(h, &blk.proj.apply(b, &attn));
+            let mut f = blk.fc1.apply(b, &b.layer_norm(h, &blk.norm2, EPS));
+            b.gelu(&mut f, Gelu::Tanh);
+            b.add_assign(h, &blk.fc2.apply(b, &f));
         }
-        let merged = d * m * m;
-        let mut x = self.merger_fc1.apply(b, &self.merger_norm.apply(&h), merged);
-        x.par_iter_mut().for_each(|v| *v = gelu_erf(*v));
-        Ok(self.merger_fc2.apply(b, &x, merged))
+        e.next = end;
+        if end < self.blocks.len() {
+            b.check()?;
+            return Ok(None);
+        }
+        let m = cfg.spatial_merge_size;
+        let x = b.regroup(b.layer_norm(&e.h, &self.merger_norm, EPS), cfg.hidden_size * m * m);
+        let mut x = self.merger_fc1.apply(b, &x);
+        b.gelu(&mut x, Gelu::Erf);
+        let out = b.to_host(&self.merger_fc2.apply(b, &x));
+        b.check()?;
+        Ok(Some(out))
     }
 
     pub fn config(&self) -> &VisionConfig {

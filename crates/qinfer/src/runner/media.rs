@@ -1,10 +1,10 @@
-//! A prompt's images as the batched forward takes them: each image's
-//! tokens (the vision tower's output, computed once when the request
-//! arrives), where they sit in the prompt, and the temporal, height and
-//! width rotary position of every token of the sequence.
+//! A prompt's images as the batched forward takes them: where each image's
+//! tokens sit in the prompt, the temporal, height and width rotary position
+//! of every token of the sequence, and each image's tokens (the vision
+//! tower's output), set once the engine has run the tower over it.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::image::PreparedImage;
 use crate::kv::batch::InputEmbeds;
@@ -14,28 +14,30 @@ use crate::models::vision::rope_positions;
 use crate::{Error, Result};
 
 /// One image's tokens in a prompt.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ImageTokens {
     /// Its first token's index in the prompt.
     pub start: usize,
-    /// `[len, hidden]`: what its tokens' rows take as input.
-    pub embeds: Arc<Vec<f32>>,
     pub len: usize,
     pub hash: [u8; 32],
+    /// `[len, hidden]`: what its tokens' rows take as input.
+    embeds: OnceLock<Arc<Vec<f32>>>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Media {
     /// The prompt tokens' three rotary positions.
     positions: Vec<[u32; 3]>,
     /// What later tokens add to their index for their position.
     delta: i64,
     images: Vec<ImageTokens>,
+    hidden: usize,
 }
 
 impl Media {
-    /// Runs `model`'s vision tower over `images` and places their tokens at
-    /// the prompt's image placeholders, in order.
+    /// Places `images` at the prompt's image placeholders, in order, after
+    /// checking that `model` takes them; their tokens come later
+    /// ([`Media::set_tokens`]).
     pub fn new(model: &dyn LanguageModel, prompt: &[u32], images: &[Arc<PreparedImage>]) -> Result<Self> {
         let cfg = model.config();
         let vision = match (&cfg.vision, model.takes_images()) {
@@ -58,18 +60,29 @@ impl Media {
             let start = from
                 + prompt[from..].iter().position(|&t| t == vision.image_token_id).expect("rope_positions found it");
             let len = img.tokens(vision.spatial_merge_size);
-            let embeds = model.encode_image(img)?;
-            if embeds.len() != len * cfg.hidden_size {
-                return Err(Error::Invalid(format!(
-                    "the vision tower gave {} values for {len} tokens of width {}",
-                    embeds.len(),
-                    cfg.hidden_size
-                )));
-            }
-            placed.push(ImageTokens { start, embeds: Arc::new(embeds), len, hash: img.hash });
+            placed.push(ImageTokens { start, len, hash: img.hash, embeds: OnceLock::new() });
             from = start + len;
         }
-        Ok(Media { positions, delta, images: placed })
+        Ok(Media { positions, delta, images: placed, hidden: cfg.hidden_size })
+    }
+
+    /// Sets image `i`'s tokens, `[len, hidden]`.
+    pub fn set_tokens(&self, i: usize, values: Vec<f32>) -> Result<()> {
+        let img = &self.images[i];
+        if values.len() != img.len * self.hidden {
+            return Err(Error::Invalid(format!(
+                "the vision tower gave {} values for {} tokens of width {}",
+                values.len(),
+                img.len,
+                self.hidden
+            )));
+        }
+        img.embeds.set(Arc::new(values)).map_err(|_| Error::Invalid(format!("image {i}'s tokens are already set")))
+    }
+
+    /// Whether every image's tokens are set.
+    pub fn ready(&self) -> bool {
+        self.images.iter().all(|i| i.embeds.get().is_some())
     }
 
     /// The rotary positions of the sequence's token at index `i`.
@@ -88,7 +101,7 @@ impl Media {
                 let (lo, hi) = (tokens.start.max(img.start), tokens.end.min(img.start + img.len));
                 (lo < hi).then(|| InputEmbeds {
                     row: first_row + lo - tokens.start,
-                    values: img.embeds.clone(),
+                    values: img.embeds.get().expect("a sequence runs once its images are encoded").clone(),
                     take: lo - img.start..hi - img.start,
                 })
             })

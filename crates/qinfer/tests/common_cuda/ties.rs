@@ -323,6 +323,8 @@ impl BatchOps for TieWatch {
     type KvPool = ();
 }
 
+impl qinfer::backend::vision_ops::VisionOps for TieWatch {}
+
 impl SamplingOps for TieWatch {
     fn sample(&self, logits: &CpuAct, params: &SamplingParams, penalized: &[u32], u: f32) -> Result<u32> {
         self.cpu.sample(logits, params, penalized, u)

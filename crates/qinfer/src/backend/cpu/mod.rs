@@ -564,6 +564,8 @@ impl MoeOps for CpuBackend {
 
 impl SamplingOps for CpuBackend {}
 
+impl crate::backend::vision_ops::VisionOps for CpuBackend {}
+
 /// The gated delta rule in its chunked form (prompts) or its recurrent one
 /// (one decode token at a time).
 #[allow(clippy::too_many_arguments)]

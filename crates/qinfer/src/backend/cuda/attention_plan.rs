@@ -141,6 +141,15 @@ pub(super) fn flash_tile(head_dim: usize) -> FlashTile {
     FlashTile { rows, threads: 32 * warps, shared: 2 * (rows + 2 * 2 * keys) * (head_dim + 8) }
 }
 
+/// The tiling of `flash_bidir{head_dim}` (`FLASH_BIDIR` in flash.cu), as
+/// [`flash_tile`]'s: head dim 80 takes four warps, so that a tile's loads
+/// split evenly over the threads.
+pub(super) fn flash_bidir_tile(head_dim: usize) -> FlashTile {
+    let (keys, warps) = if head_dim == 80 { (64, 4) } else { (64, 8) };
+    let rows = 16 * warps;
+    FlashTile { rows, threads: 32 * warps, shared: 2 * (rows + 2 * 2 * keys) * (head_dim + 8) }
+}
+
 /// Query heads per block of the GQA decode attention (`DECODE_HEADS`).
 pub(super) const DECODE_HEADS: usize = 4;
 

@@ -41,6 +41,7 @@ pub const UNITS: &[Unit] = &[
     unit!("moe.cu"),
     unit!("moe_gemm.cu"),
     unit!("sampling.cu"),
+    unit!("vision.cu"),
 ];
 
 /// The headers the units may include, by the name they include them by,

@@ -13,7 +13,7 @@ use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
 
 use super::affine::AFFINE_MMA_MAX_SHARED;
 use super::attention::{HEAD_DIMS, KV_PRECISIONS};
-use super::attention_plan::{decode_whole_keys, decode_whole_shared, flash_tile, kv_slot};
+use super::attention_plan::{decode_whole_keys, decode_whole_shared, flash_bidir_tile, flash_tile, kv_slot};
 use super::fp8::FP8_MMA_MAX_SHARED;
 use super::gdn::GDN_CHUNK_STATE_SHARED;
 use super::kernels::{Kernel, Kernels, module_resolver};
@@ -149,6 +149,14 @@ impl CudaBackend {
                 allow_shared(&k.attention.flash_paged[i], flash_tile(hd).shared, "flash attention shared memory")?;
             }
         }
+        let mut flash_bidir = [false; 3];
+        for (i, hd) in super::vision::BIDIR_HEAD_DIMS.into_iter().enumerate() {
+            let shared = flash_bidir_tile(hd).shared;
+            flash_bidir[i] = shared <= block_shared;
+            if flash_bidir[i] {
+                allow_shared(&k.vision.flash_bidir[i], shared, "vision attention shared memory")?;
+            }
+        }
         // Not the legacy default stream: CUDA graphs cannot be captured from it.
         let stream = ctx.new_stream().map_err(|e| err("creating a stream", &e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS", &e))?;
@@ -175,6 +183,7 @@ impl CudaBackend {
             max_attention_keys: block_shared / 4,
             decode_whole,
             flash,
+            flash_bidir,
             affine_mma_max_shared,
             fp8_mma_max_shared,
             max_block_shared: block_shared,

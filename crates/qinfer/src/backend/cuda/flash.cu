@@ -60,6 +60,8 @@ extern "C" __global__ void kv_to_half(const float* __restrict__ k, const float* 
     }
 }
 
+// BIDIR: every query row sees every key row (a vision tower's patches): the
+// keys are the `rows` rows of `keys`/`values` themselves, `step` is unused.
 // Grid: (num_heads, query blocks). Query blocks run last-first: the causal
 // ones near the end see the most keys, so they start before the short ones.
 // PAGED: the rows of a batch's sequences over a paged pool, grid (num_heads,
@@ -68,7 +70,7 @@ extern "C" __global__ void kv_to_half(const float* __restrict__ k, const float* 
 // [table[seq_rows + s], table[seq_rows + s + 1]), at consecutive positions
 // from its first row's; key j sits in slot blocks[j / block_size]·block_size
 // + j % block_size.
-template <int HD, int BK, int WARPS, bool PAGED>
+template <int HD, int BK, int WARPS, bool PAGED, bool BIDIR = false>
 __device__ void flash_prefill(const float* __restrict__ q, const __half* __restrict__ keys,
                               const __half* __restrict__ values, float* __restrict__ out, const int* step, int rows,
                               int num_heads, int num_kv_heads, int window, float scale, int block_size = 0,
@@ -95,6 +97,8 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
         start = step[row0];
         q += (size_t)row0 * q_dim;
         out += (size_t)row0 * q_dim;
+    } else if constexpr (BIDIR) {
+        start = 0;
     } else {
         start = step[0];
     }
@@ -102,7 +106,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
 
     int last = start + min(q0 + BQ, rows) - 1;  // the block's last query position
     int k_begin = window > 0 ? max(0, start + q0 + 1 - window) / BK * BK : 0;
-    int k_end = last + 1;
+    int k_end = BIDIR ? rows : last + 1;
     int tiles = (k_end - k_begin + BK - 1) / BK;
 
     auto load_tile = [&](int k0, int stage) {
@@ -173,13 +177,13 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
             }
         }
         // Causal and window masks, only where the tile reaches them.
-        if (k0 + BK - 1 > start + q0 + warp * 16 || window > 0) {
+        if (BIDIR ? k0 + BK > k_end : k0 + BK - 1 > start + q0 + warp * 16 || window > 0) {
 #pragma unroll
             for (int n = 0; n < BK / 8; n++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int key = k0 + n * 8 + 2 * t + (e & 1), pos = pos0 + (e >> 1) * 8;
-                    bool ok = key <= pos && (window <= 0 || key > pos - window);
+                    bool ok = BIDIR ? key < k_end : key <= pos && (window <= 0 || key > pos - window);
                     if (!ok) s[n][e] = neg_inf;
                 }
             }
@@ -265,3 +269,15 @@ __device__ void flash_prefill(const float* __restrict__ q, const __half* __restr
 FLASH_PREFILL(64, 64, 8)
 FLASH_PREFILL(128, 64, 8)
 FLASH_PREFILL(256, 32, 4)
+
+// Bidirectional attention over one image's patches (vision towers): head
+// dims 64, 80 (72 padded) and 128, with flash_bidir_tile's tiling.
+#define FLASH_BIDIR(HD, BK, WARPS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2)                                                  \
+        flash_bidir##HD(const float* q, const __half* k, const __half* v, float* o, int rows, int nh, float scale) { \
+        grid_dependency_wait();                                                                                  \
+        flash_prefill<HD, BK, WARPS, false, true>(q, k, v, o, nullptr, rows, nh, nh, 0, scale);                   \
+    }
+FLASH_BIDIR(64, 64, 8)
+FLASH_BIDIR(80, 64, 4)
+FLASH_BIDIR(128, 64, 8)

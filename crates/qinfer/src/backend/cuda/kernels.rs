@@ -223,6 +223,7 @@ pub(super) struct Kernels<K> {
     pub(super) gdn: super::gdn::GdnKernels<K>,
     pub(super) moe: super::moe::MoeKernels<K>,
     pub(super) sampling: super::sampling::SamplingKernels<K>,
+    pub(super) vision: super::vision::VisionKernels<K>,
 }
 
 impl<K> Kernels<K> {
@@ -239,6 +240,7 @@ impl<K> Kernels<K> {
             gdn: super::gdn::GdnKernels::load(get)?,
             moe: super::moe::MoeKernels::load(get)?,
             sampling: super::sampling::SamplingKernels::load(get)?,
+            vision: super::vision::VisionKernels::load(get)?,
         })
     }
 }

@@ -37,6 +37,7 @@ mod moe_prefill;
 mod norm_rope;
 mod sampling;
 mod types;
+mod vision;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
@@ -117,6 +118,8 @@ pub struct CudaBackend {
     /// dim, whether the prefill's tensor-core tiles fit a block.
     decode_whole: [[Option<usize>; 3]; 2],
     flash: [bool; 3],
+    /// Per `vision::BIDIR_HEAD_DIMS`, whether `flash_bidir`'s tiles fit a block.
+    flash_bidir: [bool; 3],
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
     /// Dynamic shared memory a tensor-core FP8 GEMV block may take here;

@@ -136,6 +136,20 @@ fn norms_stored_shifted(src: &dyn TensorSource, cfg: &ModelConfig, root: &str) -
 }
 
 impl<B: ModelBackend> DecoderModel<B> {
+    /// The vision tower, where images run.
+    fn tower(&self) -> Result<&super::vision::VisionTower<B>> {
+        let Some(tower) = &self.vision else {
+            return Err(Error::Invalid(format!(
+                "{} (this checkpoint) has no vision tower: it takes no images",
+                self.cfg.arch.name()
+            )));
+        };
+        if !self.backend.capabilities().multimodal_positions {
+            return Err(Error::Invalid(format!("images are not supported on the {} backend yet", self.backend.name())));
+        }
+        Ok(tower)
+    }
+
     /// Loads weights by Hugging Face names. `on_tensor` sees each tensor as it is
     /// placed (progress reporting).
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B, on_tensor: &dyn Fn(&Tensor)) -> Result<Self> {
@@ -418,16 +432,29 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         self.vision.is_some() && self.backend.capabilities().multimodal_positions
     }
     fn encode_image(&self, image: &crate::image::PreparedImage) -> Result<Vec<f32>> {
-        let Some(tower) = &self.vision else {
-            return Err(Error::Invalid(format!(
-                "{} (this checkpoint) has no vision tower: it takes no images",
-                self.cfg.arch.name()
-            )));
-        };
-        if !self.backend.capabilities().multimodal_positions {
-            return Err(Error::Invalid(format!("images are not supported on the {} backend yet", self.backend.name())));
-        }
-        self.backend.run_pass(|| tower.encode(&self.backend, image))
+        let tower = self.tower()?;
+        self.backend.run_pass(|| {
+            let mut e = tower.begin(&self.backend, image)?;
+            tower.advance(&self.backend, &mut e, usize::MAX)?.ok_or_else(|| Error::Invalid("tower unfinished".into()))
+        })
+    }
+    fn begin_image(&self, image: Arc<crate::image::PreparedImage>) -> Result<super::ImageEncoding> {
+        let tower = self.tower()?;
+        tower.check(&image)?;
+        Ok(super::ImageEncoding { image: Some(image), state: None, blocks_left: tower.config().depth })
+    }
+    fn advance_image(&self, e: &mut super::ImageEncoding, blocks: usize) -> Result<Option<Vec<f32>>> {
+        let tower = self.tower()?;
+        self.backend.run_pass(|| {
+            if let Some(image) = e.image.take() {
+                e.state = Some(Box::new(tower.begin(&self.backend, &image)?));
+            }
+            let state = (e.state.as_mut().and_then(|s| s.downcast_mut::<super::vision::Encoding<B::Act>>()))
+                .ok_or_else(|| Error::Invalid("an image encoding of another model".into()))?;
+            let out = tower.advance(&self.backend, state, blocks.max(1))?;
+            e.blocks_left = tower.blocks_left(state);
+            Ok(out)
+        })
     }
     fn new_batch_state(&self, num_blocks: usize, block_size: usize, state_slots: usize) -> Result<Box<dyn BatchState>> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
