@@ -84,7 +84,7 @@ impl ImageRef {
                     Ok(out)
                 })
                 .await
-                .map_err(|e| bad(format!("could not be fetched: {e}")))?;
+                .map_err(|e| internal(flavor, format!("fetching an image failed: {e}")))?;
                 let out = fetched.map_err(bad)?;
                 if out.len() as u64 > MAX_REMOTE_BYTES {
                     return Err(bad(format!("is larger than {MAX_REMOTE_BYTES} bytes")));
@@ -128,7 +128,7 @@ pub async fn prepare(
         // Decoding and resizing take milliseconds to seconds: off the async workers.
         let img = tokio::task::spawn_blocking(move || prepare_image(&bytes, &processor, &limits))
             .await
-            .map_err(|e| ApiError::bad_request(flavor, Some(&r.field), e.to_string()))?
+            .map_err(|e| internal(flavor, format!("preparing an image failed: {e}")))?
             .map_err(|e| ApiError::bad_request(flavor, Some(&r.field), e.to_string()))?;
         images.push(Arc::new(img));
     }
@@ -136,4 +136,9 @@ pub async fn prepare(
     *prompt = expand_placeholders(prompt, support.image_token_id, &counts)
         .map_err(|e| ApiError::bad_request(flavor, Some("messages"), format!("the chat template: {e}")))?;
     Ok(images)
+}
+
+/// A task of ours that panicked or was cancelled: the server's fault, a 500.
+fn internal(flavor: Flavor, message: String) -> ApiError {
+    ApiError::with_status(flavor, axum::http::StatusCode::INTERNAL_SERVER_ERROR, message)
 }
