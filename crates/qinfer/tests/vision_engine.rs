@@ -160,8 +160,18 @@ fn the_image_queue_spreads_encoding_over_calls() {
     }
     assert_eq!(calls, depth * req.images.len());
     assert!(media.ready() && queue.is_empty());
-    let media = Arc::new(Media::new(lm.as_ref(), &req.prompt, &req.images).unwrap());
-    queue.push(lm.as_ref(), 8, media.clone(), &req.images).unwrap();
-    assert_eq!(queue.advance(lm.as_ref(), Duration::MAX).ready, vec![8]);
+    // The same images again (a conversation's next turn): their tokens are
+    // kept, so the request is ready at once, with no tower block run.
+    let again = Arc::new(Media::new(lm.as_ref(), &req.prompt, &req.images).unwrap());
+    queue.push(lm.as_ref(), 8, again.clone(), &req.images).unwrap();
+    assert_eq!(queue.advance(lm.as_ref(), Duration::ZERO).ready, vec![8]);
+    assert!(again.ready());
+    assert_eq!(queue.reused(), req.images.len() as u64);
+    // Another image goes through the tower, straight through with time to spare.
+    let (_, other, _) = prompts("qwen3_5").into_iter().find(|c| c.0 == "later_image").unwrap();
+    let media = Arc::new(Media::new(lm.as_ref(), &other.prompt, &other.images).unwrap());
+    queue.push(lm.as_ref(), 9, media.clone(), &other.images).unwrap();
+    assert_eq!(queue.advance(lm.as_ref(), Duration::MAX).ready, vec![9]);
     assert!(media.ready());
+    assert_eq!(queue.reused(), req.images.len() as u64);
 }

@@ -2,9 +2,12 @@
 //! engine runs the tower a block at a time before each step's forward, for
 //! about as long as a step of the running requests takes, so that a large
 //! image delays each of their tokens by at most about one step instead of
-//! by the whole encoding; with nothing running, it encodes at once.
+//! by the whole encoding; with nothing running, it encodes at once. The
+//! tokens of recent images are kept by the image's hash, so that the
+//! earlier images of a conversation, sent again with every turn, are not
+//! encoded again.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,9 +34,47 @@ pub struct Encoded {
     pub failed: Vec<(RequestId, Error)>,
 }
 
+/// Host memory the tokens of recent images may take.
+const TOKEN_CACHE_BYTES: usize = 512 << 20;
+
+/// Recent images' tokens by hash, least recently used out first.
+#[derive(Default)]
+struct TokenCache {
+    map: HashMap<[u8; 32], (Arc<Vec<f32>>, u64)>,
+    bytes: usize,
+    clock: u64,
+}
+
+impl TokenCache {
+    fn get(&mut self, hash: &[u8; 32]) -> Option<Arc<Vec<f32>>> {
+        self.clock += 1;
+        let (tokens, used) = self.map.get_mut(hash)?;
+        *used = self.clock;
+        Some(tokens.clone())
+    }
+
+    fn insert(&mut self, hash: [u8; 32], tokens: Arc<Vec<f32>>) {
+        let size = tokens.len() * 4;
+        if size > TOKEN_CACHE_BYTES || self.map.contains_key(&hash) {
+            return;
+        }
+        while self.bytes + size > TOKEN_CACHE_BYTES {
+            let oldest = *self.map.iter().min_by_key(|(_, (_, used))| *used).expect("bytes are held").0;
+            let (gone, _) = self.map.remove(&oldest).expect("just found");
+            self.bytes -= gone.len() * 4;
+        }
+        self.clock += 1;
+        self.bytes += size;
+        self.map.insert(hash, (tokens, self.clock));
+    }
+}
+
 #[derive(Default)]
 pub struct ImageQueue {
     jobs: VecDeque<Job>,
+    cache: TokenCache,
+    /// Images whose tokens came from the cache.
+    reused: u64,
 }
 
 impl ImageQueue {
@@ -54,6 +95,11 @@ impl ImageQueue {
         }
         self.jobs.push_back(Job { id, media, queued, current: None });
         Ok(())
+    }
+
+    /// Images whose tokens were kept from an earlier request.
+    pub fn reused(&self) -> u64 {
+        self.reused
     }
 
     pub fn len(&self) -> usize {
@@ -83,13 +129,23 @@ impl ImageQueue {
             let id = job.id;
             if job.current.is_none() {
                 match job.queued.pop_front() {
-                    Some((i, img)) => match model.begin_image(img) {
-                        Ok(enc) => job.current = Some((i, enc)),
-                        Err(e) => {
-                            out.failed.push((id, e));
-                            self.jobs.pop_front();
+                    Some((i, img)) => match self.cache.get(&img.hash) {
+                        Some(tokens) => {
+                            self.reused += 1;
+                            if let Err(e) = job.media.set_tokens(i, tokens) {
+                                out.failed.push((id, e));
+                                self.jobs.pop_front();
+                            }
                             continue;
                         }
+                        None => match model.begin_image(img) {
+                            Ok(enc) => job.current = Some((i, enc)),
+                            Err(e) => {
+                                out.failed.push((id, e));
+                                self.jobs.pop_front();
+                                continue;
+                            }
+                        },
                     },
                     None => {
                         out.ready.push(id);
@@ -102,8 +158,13 @@ impl ImageQueue {
                 break;
             }
             let (i, enc) = job.current.as_mut().expect("begun above");
+            let hash = job.media.hash(*i);
             let step = model.advance_image(enc, 1).and_then(|tokens| match tokens {
-                Some(tokens) => job.media.set_tokens(*i, tokens).map(|_| true),
+                Some(tokens) => {
+                    let tokens = Arc::new(tokens);
+                    self.cache.insert(hash, tokens.clone());
+                    job.media.set_tokens(*i, tokens).map(|_| true)
+                }
                 None => Ok(false),
             });
             match step {

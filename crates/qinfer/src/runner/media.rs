@@ -67,7 +67,7 @@ impl Media {
     }
 
     /// Sets image `i`'s tokens, `[len, hidden]`.
-    pub fn set_tokens(&self, i: usize, values: Vec<f32>) -> Result<()> {
+    pub fn set_tokens(&self, i: usize, values: Arc<Vec<f32>>) -> Result<()> {
         let img = &self.images[i];
         if values.len() != img.len * self.hidden {
             return Err(Error::Invalid(format!(
@@ -77,7 +77,12 @@ impl Media {
                 self.hidden
             )));
         }
-        img.embeds.set(Arc::new(values)).map_err(|_| Error::Invalid(format!("image {i}'s tokens are already set")))
+        img.embeds.set(values).map_err(|_| Error::Invalid(format!("image {i}'s tokens are already set")))
+    }
+
+    /// Image `i`'s hash (of its grid and pixel values).
+    pub fn hash(&self, i: usize) -> [u8; 32] {
+        self.images[i].hash
     }
 
     /// Whether every image's tokens are set.
