@@ -27,13 +27,15 @@ pub struct ImageBench {
     pub max_batched_tokens: usize,
 }
 
-/// A smooth colour field with a little high-frequency texture: content does
-/// not change the work, but a flat image would be an odd one to time.
-fn synthetic_rgb(side: usize) -> Vec<u8> {
+/// A smooth colour field with a little high-frequency texture, different
+/// for each `seed`: content does not change the work, but each request must
+/// bring an image the engine has not encoded before (it keeps the tokens of
+/// images it has seen).
+fn synthetic_rgb(side: usize, seed: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(side * side * 3);
     for y in 0..side {
         for x in 0..side {
-            let t = (x * 7 + y * 13) % 17;
+            let t = (x * 7 + y * 13 + seed) % 17;
             out.push(((x * 255) / side.max(1)) as u8 ^ t as u8);
             out.push(((y * 255) / side.max(1)) as u8);
             out.push((((x + y) * 127) / side.max(1)) as u8 ^ (t as u8) << 2);
@@ -53,7 +55,8 @@ fn mean(xs: &[f64]) -> f64 {
 }
 
 struct Prompts {
-    image: Arc<PreparedImage>,
+    /// One fresh image per use.
+    images: Vec<Arc<PreparedImage>>,
     /// `<vision_start>`, the image's tokens, `<vision_end>`, then the text.
     with_image: Vec<u32>,
     vocab: usize,
@@ -78,11 +81,15 @@ fn prompts(lm: &dyn LanguageModel, b: &ImageBench, processor: Option<&ImageProce
         merge_size: vision.spatial_merge_size,
         ..Default::default()
     });
-    let image = prepare_rgb(&synthetic_rgb(b.side), b.side, b.side, &processor)?;
-    let n = image.tokens(vision.spatial_merge_size);
+    // Encode warm-up and runs, TTFT warm-up and runs, stall runs.
+    let uses = 2 * (b.repetitions.max(1) + 1) + b.repetitions.max(1);
+    let images = (0..uses)
+        .map(|seed| prepare_rgb(&synthetic_rgb(b.side, seed), b.side, b.side, &processor).map(Arc::new))
+        .collect::<qinfer::Result<Vec<_>>>()?;
+    let n = images[0].tokens(vision.spatial_merge_size);
     let markers = [vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id];
     let text_range = markers.into_iter().min().unwrap_or(cfg.vocab_size as u32).min(cfg.vocab_size as u32);
-    let mut p = Prompts { image: Arc::new(image), with_image: Vec::new(), vocab: cfg.vocab_size, text_range };
+    let mut p = Prompts { images, with_image: Vec::new(), vocab: cfg.vocab_size, text_range };
     let mut ids = vec![vision.vision_start_token_id];
     ids.extend(std::iter::repeat_n(vision.image_token_id, n));
     ids.push(vision.vision_end_token_id);
@@ -133,32 +140,47 @@ pub fn rows(
 ) -> Result<Vec<Value>> {
     let p = prompts(lm.as_ref(), b, processor)?;
     let reps = b.repetitions.max(1);
-    let image_tokens = p.image.tokens(lm.config().vision.as_ref().map_or(2, |v| v.spatial_merge_size));
+    let mut fresh = p.images.iter();
+    let mut next_image = move || fresh.next().cloned().expect("one image per use was made");
+    let first = next_image();
+    let image_tokens = first.tokens(lm.config().vision.as_ref().map_or(2, |v| v.spatial_merge_size));
     let mut rows = Vec::new();
 
-    lm.encode_image(&p.image)?;
-    let encode: Vec<f64> = (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            lm.encode_image(&p.image).map(|_| t.elapsed().as_secs_f64() * 1e3)
-        })
-        .collect::<qinfer::Result<_>>()?;
-    rows.push(json!({"test": "encode", "side": b.side, "grid": p.image.grid, "patches": p.image.patches(),
+    lm.encode_image(&first)?;
+    let mut encode = Vec::new();
+    for _ in 0..reps {
+        let img = next_image();
+        let t = Instant::now();
+        lm.encode_image(&img)?;
+        encode.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    rows.push(json!({"test": "encode", "side": b.side, "grid": first.grid, "patches": first.patches(),
         "image_tokens": image_tokens, "avg_ms": mean(&encode), "samples_ms": encode}));
 
     let total = p.with_image.len();
     let mut core = engine(lm, b, 1, total + 2)?;
     time_to_first_token(&mut core, 0, request(p.text(total, 2), None, 1))?;
-    time_to_first_token(&mut core, 1, request(p.with_image.clone(), Some(&p.image), 1))?;
-    let (mut with_image, mut text) = (Vec::new(), Vec::new());
+    time_to_first_token(&mut core, 1, request(p.with_image.clone(), Some(&next_image()), 1))?;
+    let (mut with_image, mut text, mut seen) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..reps as u64 {
         text.push(time_to_first_token(&mut core, 10 + 2 * r, request(p.text(total, 100 + r), None, 1))?);
-        with_image.push(time_to_first_token(&mut core, 11 + 2 * r, request(p.with_image.clone(), Some(&p.image), 1))?);
+        let img = next_image();
+        seen.push(img.clone());
+        let req = request(p.with_image.clone(), Some(&img), 1);
+        with_image.push(time_to_first_token(&mut core, 11 + 2 * r, req)?);
     }
     let (ti, tt) = (mean(&with_image), mean(&text));
+    // The same images again (a later turn of a conversation): their tokens
+    // are kept, the prompt is computed again.
+    let mut again = Vec::new();
+    for (r, img) in seen.iter().enumerate() {
+        let req = request(p.with_image.clone(), Some(img), 1);
+        again.push(time_to_first_token(&mut core, 500 + r as u64, req)?);
+    }
     rows.push(json!({"test": "ttft", "prompt_tokens": total, "image_tokens": image_tokens,
         "text_tokens": b.text_tokens, "image_avg_ms": ti, "text_avg_ms": tt, "ratio": ti / tt,
-        "image_samples_ms": with_image, "text_samples_ms": text}));
+        "seen_image_avg_ms": mean(&again), "image_samples_ms": with_image, "text_samples_ms": text,
+        "seen_image_samples_ms": again}));
 
     // Decoders in their steady state, then one image request per repetition.
     let (warm, after) = (8, 8);
@@ -182,7 +204,7 @@ pub fn rows(
         let base: Vec<f64> = (0..warm).map(|_| step(&mut core).map(|s| s.0)).collect::<Result<_>>()?;
         let base = median(&base);
         let t = Instant::now();
-        core.add(r, request(p.with_image.clone(), Some(&p.image), 1))?;
+        core.add(r, request(p.with_image.clone(), Some(&next_image()), 1))?;
         let add_ms = t.elapsed().as_secs_f64() * 1e3;
         let mut gaps = Vec::new();
         loop {
@@ -197,12 +219,14 @@ pub fn rows(
             step(&mut core)?;
         }
         let lost: f64 = gaps.iter().map(|g| g - base).sum();
-        stalls.push(json!({"base_step_ms": base, "add_ms": add_ms, "gaps_ms": gaps,
-            "max_gap_ms": gaps.iter().cloned().fold(0.0, f64::max), "lost_ms": lost, "lost_steps": lost / base}));
+        let max_gap = gaps.iter().cloned().fold(0.0, f64::max);
+        stalls.push(json!({"base_step_ms": base, "add_ms": add_ms, "gaps_ms": gaps, "steps": gaps.len(),
+            "max_gap_ms": max_gap, "max_gap_steps": max_gap / base, "lost_ms": lost, "lost_steps": lost / base}));
     }
-    let lost_steps: Vec<f64> = stalls.iter().map(|s| s["lost_steps"].as_f64().unwrap_or(0.0)).collect();
+    let of = |k: &str| -> Vec<f64> { stalls.iter().map(|s| s[k].as_f64().unwrap_or(0.0)).collect() };
     rows.push(json!({"test": "stall", "decoders": b.decoders, "max_batched_tokens": b.max_batched_tokens,
-        "avg_lost_steps": mean(&lost_steps), "runs": stalls}));
+        "avg_lost_steps": mean(&of("lost_steps")), "avg_max_gap_steps": mean(&of("max_gap_steps")),
+        "avg_base_step_ms": mean(&of("base_step_ms")), "runs": stalls}));
     Ok(rows)
 }
 
@@ -215,8 +239,9 @@ pub fn print(file: &str, device: &str, rows: &[Value]) {
         let result = match r["test"].as_str().unwrap_or("") {
             "encode" => format!("{:.1} ms for {} patches ({} tokens)", f("avg_ms"), r["patches"], r["image_tokens"]),
             "ttft" => format!(
-                "{:.1} ms with the image, {:.1} ms text only ({} tokens): {:.2}×",
+                "{:.1} ms with the image ({:.1} ms seen before), {:.1} ms text only ({} tokens): {:.2}×",
                 f("image_avg_ms"),
+                f("seen_image_avg_ms"),
                 f("text_avg_ms"),
                 r["prompt_tokens"],
                 f("ratio")
