@@ -268,7 +268,7 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
         let (w, called) = ChatStream::whole(&format, &c.text);
         let mut content = Vec::new();
         if !w.reasoning.is_empty() {
-            content.push(json!({"type": "thinking", "thinking": w.reasoning, "signature": ""}));
+            content.push(json!({"type": "thinking", "thinking": w.reasoning, "signature": signature(&w.reasoning)}));
         }
         if !w.content.is_empty() || w.calls.is_empty() {
             content.push(json!({"type": "text", "text": w.content}));
@@ -315,15 +315,15 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
                     "stop_reason": null, "stop_sequence": null, "usage": usage,
                 }});
-                events.push(event("message_start", start));
-                events.push(event("ping", json!({"type": "ping"})));
+                events.push(("message_start", start));
+                events.push(("ping", json!({"type": "ping"})));
             }
             pending.extend(cs.push(&out.text));
             if out.finish.is_some() {
                 pending.extend(cs.finish());
             }
             for p in pending.drain(..) {
-                blocks.piece(p, &state, &mut events);
+                blocks.piece(p, || state.id("toolu"), &mut events);
             }
             if let Some(f) = out.finish {
                 blocks.close(&mut events);
@@ -333,17 +333,17 @@ pub async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> ApiRes
                     blocks.close(&mut events);
                 }
                 let called = cs.called();
-                events.push(event(
+                events.push((
                     "message_delta",
                     json!({"type": "message_delta",
                     "delta": {"stop_reason": stop_reason(f, &out.stop_string, called),
                         "stop_sequence": if called { None } else { out.stop_string.clone() }},
                     "usage": usage_json(&out.usage)}),
                 ));
-                events.push(event("message_stop", json!({"type": "message_stop"})));
+                events.push(("message_stop", json!({"type": "message_stop"})));
             }
-            for e in events {
-                if tx.send(e).await.is_err() {
+            for (name, v) in events {
+                if tx.send(event(name, v)).await.is_err() {
                     return;
                 }
             }
@@ -361,34 +361,41 @@ struct Blocks {
     /// The open block's kind ("thinking", "text", "tool_use").
     open: Option<&'static str>,
     next: usize,
+    /// The open thinking block's text, for its signature.
+    thinking: String,
 }
 
 impl Blocks {
-    fn open(&mut self, kind: &'static str, block: Value, events: &mut Vec<Event>) {
+    fn open(&mut self, kind: &'static str, block: Value, events: &mut Vec<(&'static str, Value)>) {
         self.close(events);
         let start = json!({"type": "content_block_start", "index": self.next, "content_block": block});
-        events.push(event("content_block_start", start));
+        events.push(("content_block_start", start));
         self.open = Some(kind);
         self.next += 1;
     }
 
-    fn close(&mut self, events: &mut Vec<Event>) {
+    fn close(&mut self, events: &mut Vec<(&'static str, Value)>) {
+        if self.open == Some("thinking") {
+            let thinking = std::mem::take(&mut self.thinking);
+            self.delta(json!({"type": "signature_delta", "signature": signature(&thinking)}), events);
+        }
         if self.open.take().is_some() {
-            events.push(event("content_block_stop", json!({"type": "content_block_stop", "index": self.next - 1})));
+            events.push(("content_block_stop", json!({"type": "content_block_stop", "index": self.next - 1})));
         }
     }
 
-    fn delta(&self, delta: Value, events: &mut Vec<Event>) {
+    fn delta(&self, delta: Value, events: &mut Vec<(&'static str, Value)>) {
         let d = json!({"type": "content_block_delta", "index": self.next - 1, "delta": delta});
-        events.push(event("content_block_delta", d));
+        events.push(("content_block_delta", d));
     }
 
-    fn piece(&mut self, p: Piece, state: &AppState, events: &mut Vec<Event>) {
+    fn piece(&mut self, p: Piece, tool_id: impl FnOnce() -> String, events: &mut Vec<(&'static str, Value)>) {
         match p {
             Piece::Reasoning(t) => {
                 if self.open != Some("thinking") {
                     self.open("thinking", json!({"type": "thinking", "thinking": "", "signature": ""}), events);
                 }
+                self.thinking.push_str(&t);
                 self.delta(json!({"type": "thinking_delta", "thinking": t}), events);
             }
             Piece::Content(t) => {
@@ -398,7 +405,7 @@ impl Blocks {
                 self.delta(json!({"type": "text_delta", "text": t}), events);
             }
             Piece::ToolStart { name, .. } => {
-                let block = json!({"type": "tool_use", "id": state.id("toolu"), "name": name, "input": {}});
+                let block = json!({"type": "tool_use", "id": tool_id(), "name": name, "input": {}});
                 self.open("tool_use", block, events);
             }
             Piece::ToolArgs { delta, .. } => {
@@ -429,4 +436,60 @@ fn usage_json(u: &Usage) -> Value {
         "cache_read_input_tokens": u.cached_tokens,
         "output_tokens": u.completion_tokens,
     })
+}
+
+/// A thinking block's signature: the base64 of a SHA-256 digest of its
+/// text. Anthropic's are opaque and checked when a block comes back; this
+/// one lets a client check that the text was not altered (it proves nothing
+/// about who wrote it), and blocks that come back are accepted as they are.
+fn signature(thinking: &str) -> String {
+    use base64::Engine as _;
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new().chain_update(b"qinfer thinking\n").chain_update(thinking.as_bytes()).finalize();
+    base64::engine::general_purpose::STANDARD.encode(digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streamed blocks of thinking, a tool call and text: each thinking
+    /// block ends with a `signature_delta` (its value from Python's hashlib
+    /// over the same text), the others without.
+    #[test]
+    fn a_thinking_block_ends_with_its_signature() {
+        let mut blocks = Blocks::default();
+        let mut events = Vec::new();
+        let no_id = || -> String { unreachable!("no tool call here") };
+        blocks.piece(Piece::Reasoning("Let me ".into()), no_id, &mut events);
+        blocks.piece(Piece::Reasoning("think.".into()), no_id, &mut events);
+        blocks.piece(Piece::ToolStart { index: 0, name: "f".into() }, || "toolu_1".into(), &mut events);
+        blocks.piece(Piece::ToolArgs { index: 0, delta: "{}".into() }, no_id, &mut events);
+        blocks.piece(Piece::ToolEnd { index: 0 }, no_id, &mut events);
+        blocks.piece(Piece::Content("Hi".into()), no_id, &mut events);
+        blocks.close(&mut events);
+        let kinds: Vec<String> = (events.iter())
+            .map(|(name, v)| match v["delta"]["type"].as_str() {
+                Some(d) => format!("{name}:{d}"),
+                None => name.to_string(),
+            })
+            .collect();
+        let want = [
+            "content_block_start",
+            "content_block_delta:thinking_delta",
+            "content_block_delta:thinking_delta",
+            "content_block_delta:signature_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta:input_json_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta:text_delta",
+            "content_block_stop",
+        ];
+        assert_eq!(kinds, want);
+        assert_eq!(events[3].1["delta"]["signature"], "U9stJOvhxv93W/Y2anLg/7ZL+IgHX0PE29Ul8Lr+l6c=");
+        assert_eq!(events[3].1["index"], 0);
+        assert_eq!(signature("Let me think."), "U9stJOvhxv93W/Y2anLg/7ZL+IgHX0PE29Ul8Lr+l6c=");
+    }
 }
