@@ -197,28 +197,13 @@ pub fn call_format(tok: &Tokenizer, b: &Body<'_>) -> ApiResult<CallFormat> {
 }
 
 /// The grammar (llguidance's Lark) that a required or named call's
-/// arguments follow after [`forced_start`]'s opening, in the Hermes form:
-/// each offered tool's name (when any may be called), its arguments as
-/// its `parameters` schema allows, then the call's end. None where the
-/// choice forces nothing or the template writes the XML form (its opening
-/// alone is forced there).
+/// arguments follow after [`forced_start`]'s opening: each offered tool's
+/// name (when any may be called), its arguments as its `parameters` schema
+/// allows, then the call's end. None where the choice forces nothing.
 pub fn call_grammar(t: &Tools, format: CallFormat) -> Option<String> {
-    if format != CallFormat::Hermes {
-        return None;
+    if format == CallFormat::Xml {
+        return xml_call_grammar(t);
     }
-    let lit = |s: &str| {
-        let mut out = String::from("\"");
-        for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                c => out.push(c),
-            }
-        }
-        out.push('"');
-        out
-    };
     let schema = |f: &Value| match f.get("parameters") {
         Some(p @ Value::Object(_)) => p.to_string(),
         _ => json!({"type": "object"}).to_string(),
@@ -242,6 +227,76 @@ pub fn call_grammar(t: &Tools, format: CallFormat) -> Option<String> {
             Some(format!("{g}\n{rules}"))
         }
     }
+}
+
+/// A Lark string literal (JSON's escapes, as llguidance reads them).
+fn lit(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+/// [`call_grammar`] for the XML form (Qwen3-Coder, Qwen3.5): after the
+/// forced `<function=`, a tool's name and `>`; then its parameters as the
+/// chat template writes them, `<parameter=K>`, the value on its own lines,
+/// `</parameter>`, in the schema's order, the required ones present; then
+/// `</function>` and `</tool_call>`. A string value is raw text up to the
+/// first `\n</parameter>` (as the parser reads it), an enum one of its
+/// values; any other value is JSON its schema allows. A tool whose
+/// parameters name no properties takes any parameters with raw values.
+fn xml_call_grammar(t: &Tools) -> Option<String> {
+    let end = lit("</function>\n</tool_call>");
+    let functions: Vec<&Value> = t.list.iter().filter_map(|x| x.get("function")).collect();
+    let mut rules = String::new();
+    // The parameters of function `i`, as a rule body.
+    let mut params = |i: usize, f: &Value| -> String {
+        let schema = f.get("parameters").cloned().unwrap_or(json!({}));
+        let Some(props) = schema.get("properties").and_then(Value::as_object).filter(|p| !p.is_empty()) else {
+            rules.push_str(&format!(
+                "any{i}: \"<parameter=\" /[^>\\n]+/ \">\\n\" raw{i}\nraw{i}[suffix={}]: /(.|\\n)*/\n",
+                lit("\n</parameter>\n")
+            ));
+            return format!("any{i}*");
+        };
+        let required: Vec<&str> =
+            schema.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+        let mut body = Vec::new();
+        for (j, (name, prop)) in props.iter().enumerate() {
+            let open = lit(&format!("<parameter={name}>\n"));
+            let close = lit("\n</parameter>\n");
+            let rule = format!("p{i}_{j}");
+            let enums = prop.get("enum").and_then(Value::as_array);
+            let string = prop.get("type").and_then(Value::as_str) == Some("string");
+            match (string, enums) {
+                (true, Some(values)) => {
+                    let alts: Vec<String> =
+                        values.iter().filter_map(Value::as_str).map(|v| lit(&format!("{v}\n</parameter>\n"))).collect();
+                    rules.push_str(&format!("{rule}: {open} ({})\n", alts.join(" | ")));
+                }
+                (true, None) => {
+                    rules.push_str(&format!("{rule}: {open} v{i}_{j}\nv{i}_{j}[suffix={close}]: /(.|\\n)*/\n"))
+                }
+                (false, _) => rules.push_str(&format!("{rule}: {open} j{i}_{j} {close}\nj{i}_{j}: %json {prop}\n")),
+            }
+            body.push(if required.contains(&name.as_str()) { rule } else { format!("{rule}?") });
+        }
+        body.join(" ")
+    };
+    let start = match &t.choice {
+        ToolChoice::None | ToolChoice::Auto => return None,
+        ToolChoice::Named(n) => {
+            let (i, f) = functions.iter().enumerate().find(|(_, f)| f.get("name") == Some(&json!(n)))?;
+            format!("start: {} {end}\n", params(i, f))
+        }
+        ToolChoice::Required => {
+            let mut alts = Vec::new();
+            for (i, f) in functions.iter().enumerate() {
+                let name = f.get("name").and_then(Value::as_str)?;
+                let body = params(i, f);
+                alts.push(format!("{} {body} {end}", lit(&format!("{name}>\n"))));
+            }
+            format!("start: {}\n", alts.join(" | "))
+        }
+    };
+    Some(format!("{start}{rules}"))
 }
 
 /// The text the output must start with for `choice` (after the prompt's
@@ -323,6 +378,50 @@ mod tests {
         ));
         assert!(!passes(any.start().unwrap().as_mut(), &tok, "get_news\", \"arguments\": {}}\n</tool_call>", eos));
         assert_eq!(call_grammar(&tools(ToolChoice::Auto), CallFormat::Hermes), None);
-        assert_eq!(call_grammar(&tools(ToolChoice::Required), CallFormat::Xml), None);
+        assert_eq!(call_grammar(&tools(ToolChoice::Auto), CallFormat::Xml), None);
+    }
+
+    /// The XML form (Qwen3-Coder, Qwen3.5) as the chat template writes it:
+    /// a string value raw up to `</parameter>` (newlines and `<` inside
+    /// allowed), other values as JSON of their type, required parameters
+    /// present, nothing after the call's end.
+    #[test]
+    fn a_forced_xml_call_follows_its_schema_to_its_end() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tokenizer/qwen3");
+        let tok = Tokenizer::from_dir(std::path::Path::new(dir)).unwrap().unwrap();
+        let eos = tok.token_to_id("<|im_end|>").unwrap();
+        let g = Grammars::new(&tok, tok.vocab_size(), eos).unwrap();
+        let make = |t: &Tools| {
+            let lark = call_grammar(t, CallFormat::Xml).unwrap();
+            g.immediate(TopLevelGrammar::from_lark(lark)).unwrap()
+        };
+        let end = "</function>\n</tool_call>";
+        let named = make(&tools(ToolChoice::Named("get_time".into())));
+        let call = |body: &str| format!("{body}{end}");
+        let ok = |c: &std::sync::Arc<dyn qinfer::engine::request::ConstraintFactory>, text: &str| {
+            passes(c.start().unwrap().as_mut(), &tok, text, eos)
+        };
+        assert!(ok(&named, &call("<parameter=city>\nLyon\n</parameter>\n<parameter=h24>\ntrue\n</parameter>\n")));
+        assert!(ok(&named, &call("<parameter=city>\nSaint-<Étienne>\nnord\n</parameter>\n")));
+        // A boolean must be JSON's; the required city must come; no unknown parameter.
+        assert!(!ok(&named, &call("<parameter=city>\nLyon\n</parameter>\n<parameter=h24>\nyes\n</parameter>\n")));
+        assert!(!ok(&named, &call("<parameter=h24>\ntrue\n</parameter>\n")));
+        assert!(!ok(&named, &call("<parameter=city>\nLyon\n</parameter>\n<parameter=zone>\nCET\n</parameter>\n")));
+        assert!(!ok(&named, &format!("<parameter=city>\nLyon\n</parameter>\n{end}\nmore")));
+        let any = make(&tools(ToolChoice::Required));
+        assert!(ok(&any, &format!("get_weather>\n<parameter=city>\nParis\n</parameter>\n{end}")));
+        assert!(!ok(&any, &format!("get_news>\n<parameter=city>\nParis\n</parameter>\n{end}")));
+        // Enums and a tool without properties.
+        let mut t = tools(ToolChoice::Required);
+        t.list = vec![
+            json!({"type": "function", "function": {"name": "unit", "parameters": {"type": "object",
+                "properties": {"u": {"type": "string", "enum": ["C", "F"]}}, "required": ["u"]}}}),
+            json!({"type": "function", "function": {"name": "free"}}),
+        ];
+        let e = make(&t);
+        assert!(ok(&e, &format!("unit>\n<parameter=u>\nC\n</parameter>\n{end}")));
+        assert!(!ok(&e, &format!("unit>\n<parameter=u>\nK\n</parameter>\n{end}")));
+        assert!(ok(&e, &format!("free>\n<parameter=a>\nx\n</parameter>\n<parameter=b>\n2\n</parameter>\n{end}")));
+        assert!(ok(&e, &format!("free>\n{end}")));
     }
 }
