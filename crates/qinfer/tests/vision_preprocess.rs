@@ -1,18 +1,16 @@
 //! Image preprocessing against transformers' Qwen2VL image processor (the
 //! one Qwen3.5 checkpoints name), on the images and processor settings of
-//! `scripts/make_fixtures_vision.py`: the same grid, the same pixel values.
+//! `scripts/make_fixtures_vision.py`: the same grid, the same pixel values;
+//! and JPEG decoding against Pillow's (`scripts/make_fixtures_jpeg.py`).
 
 use std::path::PathBuf;
 
-use qinfer::image::{ImageLimits, ImageProcessorConfig, prepare};
+use qinfer::image::{ImageLimits, ImageProcessorConfig, decode_rgb, prepare};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
 }
-
-/// One 8-bit level after normalization with std 0.5.
-const LEVEL: f32 = 2.0 / 255.0;
 
 #[test]
 fn pixel_values_and_grids_equal_the_processors() {
@@ -30,17 +28,26 @@ fn pixel_values_and_grids_equal_the_processors() {
         let (shape, pixels) = qinfer::npy::read_f32(&dir().join(format!("images/{stem}.pixels.npy"))).unwrap();
         assert_eq!(shape, vec![img.patches(), cfg.patch_values()], "{name}: shape");
         let diff = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        if name.ends_with(".jpg") {
-            // The JPEG decoders (jpeg-decoder here, libjpeg-turbo in Pillow)
-            // round the inverse DCT and chroma upsampling apart at some
-            // pixels: up to a few 8-bit levels there, about a tenth of a
-            // level on average.
-            let mean = pixels.iter().zip(&img.pixels).map(|(a, b)| (a - b).abs()).sum::<f32>() / pixels.len() as f32;
-            assert!(diff <= 3.0 * LEVEL && mean < 0.15 * LEVEL, "{name}: differ by up to {diff}, {mean} on average");
-        } else {
-            assert!(diff < 1e-6, "{name}: pixel values differ by up to {diff}");
-        }
+        assert!(diff < 1e-6, "{name}: pixel values differ by up to {diff}");
     }
+}
+
+/// JPEGs of every chroma layout Pillow writes decode to Pillow's pixels
+/// exactly (`scripts/make_fixtures_jpeg.py`); a damaged one is refused.
+#[test]
+fn jpegs_decode_to_pillows_pixels() {
+    let jpeg = dir().join("jpeg");
+    for name in ["s420", "s422", "s444", "progressive", "gray"] {
+        let (rgb, w, h) = decode_rgb(&std::fs::read(jpeg.join(format!("{name}.jpg"))).unwrap()).unwrap();
+        let (shape, want) = qinfer::npy::read_f32(&jpeg.join(format!("{name}.rgb.npy"))).unwrap();
+        assert_eq!(shape, vec![h, w, 3], "{name}");
+        let got: Vec<f32> = rgb.iter().map(|&v| v as f32).collect();
+        assert_eq!(got, want, "{name}");
+    }
+    let mut bytes = std::fs::read(jpeg.join("s420.jpg")).unwrap();
+    bytes.truncate(300);
+    let err = decode_rgb(&bytes).unwrap_err().to_string();
+    assert!(err.contains("cannot decode the JPEG image"), "{err}");
 }
 
 #[test]

@@ -189,8 +189,8 @@ impl PreparedImage {
 /// any transparency onto white as transformers' `convert_to_rgb` does.
 /// Returns (pixels, width, height).
 pub fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
-    if let Some(rgb) = decode_jpeg(bytes) {
-        return Ok(rgb);
+    if bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        return decode_jpeg(bytes);
     }
     let img = ::image::load_from_memory(bytes).map_err(|e| Error::Invalid(format!("cannot decode the image: {e}")))?;
     let (w, h) = (img.width() as usize, img.height() as usize);
@@ -202,24 +202,26 @@ pub fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
     Ok((rgb, w, h))
 }
 
-/// A baseline or progressive JPEG in RGB or grayscale, through the
-/// `jpeg-decoder` crate, whose IDCT and fancy chroma upsampling follow
-/// libjpeg's (Pillow's decoder) more closely than the `image` crate's
-/// default decoder does. None for other files and pixel formats.
-fn decode_jpeg(bytes: &[u8]) -> Option<(Vec<u8>, usize, usize)> {
-    use jpeg_decoder::PixelFormat;
-    if !bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
-        return None;
-    }
-    let mut d = jpeg_decoder::Decoder::new(bytes);
-    let pixels = d.decode().ok()?;
-    let info = d.info()?;
-    let (w, h) = (info.width as usize, info.height as usize);
-    match info.pixel_format {
-        PixelFormat::RGB24 => Some((pixels, w, h)),
-        PixelFormat::L8 => Some((pixels.iter().flat_map(|&v| [v; 3]).collect(), w, h)),
-        PixelFormat::L16 | PixelFormat::CMYK32 => None,
-    }
+/// A JPEG through libjpeg-turbo's decoder (the `mozjpeg` crate builds it),
+/// the one Pillow uses: the same integer IDCT and fancy chroma upsampling,
+/// so the pixels are Pillow's exactly. libjpeg's fatal errors arrive as
+/// panics, caught here into an error naming the problem.
+fn decode_jpeg(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
+    let decoded = std::panic::catch_unwind(|| -> std::io::Result<(Vec<u8>, usize, usize)> {
+        let mut img = mozjpeg::Decompress::new_mem(bytes)?.rgb()?;
+        let (w, h) = (img.width(), img.height());
+        let rows: Vec<[u8; 3]> = img.read_scanlines()?;
+        img.finish()?;
+        Ok((rows.into_flattened(), w, h))
+    });
+    let why = match decoded {
+        Ok(Ok(rgb)) => return Ok(rgb),
+        Ok(Err(e)) => e.to_string(),
+        Err(panic) => (panic.downcast_ref::<String>().cloned())
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "libjpeg failed".into()),
+    };
+    Err(Error::Invalid(format!("cannot decode the JPEG image: {why}")))
 }
 
 /// Pillow's `alpha_composite` of one pixel over opaque white, in its fixed point.

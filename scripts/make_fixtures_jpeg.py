@@ -1,0 +1,36 @@
+"""JPEG decoding fixtures: small JPEGs of each chroma layout Pillow writes
+(4:2:0, 4:2:2, 4:4:4, progressive, grayscale) and Pillow's decoded RGB
+pixels (libjpeg-turbo, what transformers' processors read), for
+tests/vision_preprocess.rs. Usage: python scripts/make_fixtures_jpeg.py
+(Pillow as in requirements-fixtures.txt)."""
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+OUT = Path(__file__).resolve().parent.parent / "tests/fixtures/vision/jpeg"
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    h, w = 47, 61
+    y, x = np.mgrid[0:h, 0:w]
+    img = np.stack([(x * 4) % 256, (y * 5 + x) % 256, rng.integers(0, 256, (h, w))], -1).astype(np.uint8)
+    cases = {
+        "s420": dict(subsampling=2, quality=85),
+        "s422": dict(subsampling=1, quality=70),
+        "s444": dict(subsampling=0, quality=95),
+        "progressive": dict(progressive=True, quality=80),
+    }
+    for name, kw in cases.items():
+        Image.fromarray(img).save(OUT / f"{name}.jpg", **kw)
+    Image.fromarray(img[..., 1]).save(OUT / "gray.jpg", quality=90)
+    for name in [*cases, "gray"]:
+        rgb = np.asarray(Image.open(OUT / f"{name}.jpg").convert("RGB"))
+        np.save(OUT / f"{name}.rgb.npy", rgb.astype(np.float32))
+
+
+if __name__ == "__main__":
+    main()
