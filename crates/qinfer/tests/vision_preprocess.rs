@@ -1,7 +1,7 @@
 //! Image preprocessing against transformers' Qwen2VL image processor (the
 //! one Qwen3.5 checkpoints name), on the images and processor settings of
 //! `scripts/make_fixtures_vision.py`: the same grid, the same pixel values;
-//! and JPEG decoding against Pillow's (`scripts/make_fixtures_jpeg.py`).
+//! and decoding against Pillow's (`scripts/make_fixtures_decode.py`).
 
 use std::path::PathBuf;
 
@@ -32,14 +32,19 @@ fn pixel_values_and_grids_equal_the_processors() {
     }
 }
 
-/// JPEGs of every chroma layout Pillow writes decode to Pillow's pixels
-/// exactly (`scripts/make_fixtures_jpeg.py`); a damaged one is refused.
+/// JPEGs of every chroma layout Pillow writes, and JPEG, PNG and WebP files
+/// with an EXIF orientation, decode to the pixels transformers'
+/// `load_image` reads (`scripts/make_fixtures_decode.py`) exactly; a
+/// damaged JPEG is refused.
 #[test]
-fn jpegs_decode_to_pillows_pixels() {
-    let jpeg = dir().join("jpeg");
-    for name in ["s420", "s422", "s444", "progressive", "gray"] {
-        let (rgb, w, h) = decode_rgb(&std::fs::read(jpeg.join(format!("{name}.jpg"))).unwrap()).unwrap();
-        let (shape, want) = qinfer::npy::read_f32(&jpeg.join(format!("{name}.rgb.npy"))).unwrap();
+fn images_decode_to_pillows_pixels() {
+    let jpeg = dir().join("decode");
+    let files = ["s420.jpg", "s422.jpg", "s444.jpg", "progressive.jpg", "gray.jpg"];
+    let oriented = ["exif6.jpg", "exif3.jpg", "exif5.jpg", "exif8.png", "exif2.webp"];
+    for name in files.iter().chain(&oriented) {
+        let (rgb, w, h) = decode_rgb(&std::fs::read(jpeg.join(name)).unwrap()).unwrap();
+        let stem = name.split('.').next().unwrap();
+        let (shape, want) = qinfer::npy::read_f32(&jpeg.join(format!("{stem}.rgb.npy"))).unwrap();
         assert_eq!(shape, vec![h, w, 3], "{name}");
         let got: Vec<f32> = rgb.iter().map(|&v| v as f32).collect();
         assert_eq!(got, want, "{name}");

@@ -12,6 +12,9 @@ mod resample;
 
 use std::path::Path;
 
+use ::image::metadata::Orientation;
+use ::image::{DynamicImage, ImageDecoder};
+
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -185,14 +188,31 @@ impl PreparedImage {
     }
 }
 
-/// Decodes an encoded image (JPEG, PNG or WebP) to 8-bit RGB, compositing
-/// any transparency onto white as transformers' `convert_to_rgb` does.
-/// Returns (pixels, width, height).
+/// Decodes an encoded image (JPEG, PNG or WebP) to 8-bit RGB, turned
+/// upright by its EXIF orientation as transformers' `load_image` does
+/// (Pillow's `exif_transpose`), compositing any transparency onto white as
+/// transformers' `convert_to_rgb` does. Returns (pixels, width, height).
 pub fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
     if bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
-        return decode_jpeg(bytes);
+        let (rgb, w, h, orientation) = decode_jpeg(bytes)?;
+        if orientation == Orientation::NoTransforms {
+            return Ok((rgb, w, h));
+        }
+        let mut img =
+            DynamicImage::ImageRgb8(::image::RgbImage::from_raw(w as u32, h as u32, rgb).expect("w·h·3 values"));
+        img.apply_orientation(orientation);
+        let (w, h) = (img.width() as usize, img.height() as usize);
+        return Ok((img.into_rgb8().into_raw(), w, h));
     }
-    let img = ::image::load_from_memory(bytes).map_err(|e| Error::Invalid(format!("cannot decode the image: {e}")))?;
+    let undecodable = |e: ::image::ImageError| Error::Invalid(format!("cannot decode the image: {e}"));
+    let mut decoder = ::image::ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| Error::Invalid(format!("cannot decode the image: {e}")))?
+        .into_decoder()
+        .map_err(undecodable)?;
+    let orientation = decoder.orientation().unwrap_or(Orientation::NoTransforms);
+    let mut img = DynamicImage::from_decoder(decoder).map_err(undecodable)?;
+    img.apply_orientation(orientation);
     let (w, h) = (img.width() as usize, img.height() as usize);
     if !img.color().has_alpha() {
         return Ok((img.into_rgb8().into_raw(), w, h));
@@ -205,14 +225,19 @@ pub fn decode_rgb(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
 /// A JPEG through libjpeg-turbo's decoder (the `mozjpeg` crate builds it),
 /// the one Pillow uses: the same integer IDCT and fancy chroma upsampling,
 /// so the pixels are Pillow's exactly. libjpeg's fatal errors arrive as
-/// panics, caught here into an error naming the problem.
-fn decode_jpeg(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize)> {
-    let decoded = std::panic::catch_unwind(|| -> std::io::Result<(Vec<u8>, usize, usize)> {
-        let mut img = mozjpeg::Decompress::new_mem(bytes)?.rgb()?;
+/// panics, caught here into an error naming the problem. Also returns the
+/// orientation its EXIF block (APP1) gives.
+fn decode_jpeg(bytes: &[u8]) -> Result<(Vec<u8>, usize, usize, Orientation)> {
+    let decoded = std::panic::catch_unwind(|| -> std::io::Result<(Vec<u8>, usize, usize, Orientation)> {
+        let d = mozjpeg::Decompress::builder().with_markers(&[mozjpeg::Marker::APP(1)]).from_mem(bytes)?;
+        let orientation = (d.markers())
+            .find_map(|m| m.data.strip_prefix(b"Exif\0\0").and_then(Orientation::from_exif_chunk))
+            .unwrap_or(Orientation::NoTransforms);
+        let mut img = d.rgb()?;
         let (w, h) = (img.width(), img.height());
         let rows: Vec<[u8; 3]> = img.read_scanlines()?;
         img.finish()?;
-        Ok((rows.into_flattened(), w, h))
+        Ok((rows.into_flattened(), w, h, orientation))
     });
     let why = match decoded {
         Ok(Ok(rgb)) => return Ok(rgb),
