@@ -87,7 +87,9 @@ fn images_on_cuda_match_transformers() {
 }
 
 /// The default configuration runs the tower's attention on the tensor cores
-/// (f16 operands): its tokens stay near transformers'.
+/// (f16 operands) and its matmuls on bf16 activations: its tokens stay
+/// within bf16's rounding of transformers' (the attention kernel alone is
+/// bounded tightly in `vision_ops_match_the_host`).
 #[test]
 fn images_on_the_tensor_cores_match_transformers() {
     if gpu().is_none() {
@@ -101,7 +103,7 @@ fn images_on_the_tensor_cores_match_transformers() {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = max_diff(&got, &want);
             println!("{case} {name} (tensor cores): vision tokens max |Δ| {d:.2e} (up to {scale:.1})");
-            assert!(d <= 1e-2 * scale, "{case} {name}: {d}");
+            assert!(d <= 2.5e-2 * scale, "{case} {name}: {d}");
         }
     }
 }

@@ -233,7 +233,8 @@ impl<B: ModelBackend> DecoderModel<B> {
             return Err(Error::tensor(lm_head_name, "missing and tie_word_embeddings is false"));
         };
         let vision = match &cfg.vision {
-            Some(v) if src.contains(&format!("{VISION_PREFIX}patch_embed.proj.weight")) => {
+            // Random weights (benchmarks) make the tower up too.
+            Some(v) if random.is_some() || src.contains(&format!("{VISION_PREFIX}patch_embed.proj.weight")) => {
                 Some(super::vision::VisionTower::load(&ld, VISION_PREFIX, v)?)
             }
             _ => None,
