@@ -40,6 +40,18 @@ fn load(case: &str) -> Arc<dyn LanguageModel> {
     load_with(case, true)
 }
 
+/// Three images' tokens against transformers', within `bound` of their scale.
+fn check_tokens(lm: &dyn LanguageModel, case: &str, config: &str, bound: f32) {
+    for name in ["a.png", "c.webp", "e.png"] {
+        let got = lm.encode_image(&image(name)).unwrap();
+        let want = npy(dir().join(case).join(format!("vision_{}.npy", name.split('.').next().unwrap())));
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = max_diff(&got, &want);
+        println!("{case} {name} ({config}): vision tokens max |Δ| {d:.2e} (up to {scale:.1})");
+        assert!(d <= bound * scale, "{case} {name} ({config}): {d}");
+    }
+}
+
 #[test]
 fn images_on_cuda_match_transformers() {
     if gpu().is_none() {
@@ -48,14 +60,7 @@ fn images_on_cuda_match_transformers() {
     for case in ["qwen3_5", "qwen3_5_moe"] {
         let lm = load(case);
         assert!(lm.takes_images(), "{case}");
-        for name in ["a.png", "c.webp", "e.png"] {
-            let got = lm.encode_image(&image(name)).unwrap();
-            let want = npy(dir().join(case).join(format!("vision_{}.npy", name.split('.').next().unwrap())));
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = max_diff(&got, &want);
-            println!("{case} {name}: vision tokens max |Δ| {d:.2e} (up to {scale:.1})");
-            assert!(d <= 2e-3 * scale, "{case} {name}: {d}");
-        }
+        check_tokens(lm.as_ref(), case, "parity", 2e-3);
         let r = &reference(case)["prompts"]["two_images"];
         let names: Vec<&str> = r["images"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
         let images: Vec<PreparedImage> = names.iter().map(|n| processed(n)).collect();
@@ -96,15 +101,7 @@ fn images_on_the_tensor_cores_match_transformers() {
         return;
     }
     for case in ["qwen3_5", "qwen3_5_moe"] {
-        let lm = load_with(case, false);
-        for name in ["a.png", "c.webp", "e.png"] {
-            let got = lm.encode_image(&image(name)).unwrap();
-            let want = npy(dir().join(case).join(format!("vision_{}.npy", name.split('.').next().unwrap())));
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = max_diff(&got, &want);
-            println!("{case} {name} (tensor cores): vision tokens max |Δ| {d:.2e} (up to {scale:.1})");
-            assert!(d <= 2.5e-2 * scale, "{case} {name}: {d}");
-        }
+        check_tokens(load_with(case, false).as_ref(), case, "tensor cores", 2.5e-2);
     }
 }
 
