@@ -21,10 +21,9 @@ use crate::{Error, Result};
 struct Job {
     id: RequestId,
     media: Arc<Media>,
-    /// The images not yet begun, in order, with their index.
-    queued: VecDeque<(usize, Arc<PreparedImage>)>,
-    /// The image under way, with its index.
-    current: Option<(usize, ImageEncoding)>,
+    /// The images not yet encoded, in order, with their index; the first
+    /// may be partway through the tower.
+    pending: VecDeque<(usize, ImageEncoding)>,
 }
 
 /// What [`ImageQueue::advance`] finished.
@@ -87,13 +86,10 @@ impl ImageQueue {
         media: Arc<Media>,
         images: &[Arc<PreparedImage>],
     ) -> Result<()> {
-        let mut queued = VecDeque::with_capacity(images.len());
-        for (i, img) in images.iter().enumerate() {
-            // The check, without holding anything on the device.
-            drop(model.begin_image(img.clone())?);
-            queued.push_back((i, img.clone()));
-        }
-        self.jobs.push_back(Job { id, media, queued, current: None });
+        // Begun images hold nothing on the device until their first block.
+        let pending = images.iter().map(|img| model.begin_image(img.clone())).enumerate();
+        let pending = pending.map(|(i, enc)| enc.map(|enc| (i, enc))).collect::<Result<_>>()?;
+        self.jobs.push_back(Job { id, media, pending });
         Ok(())
     }
 
@@ -127,55 +123,38 @@ impl ImageQueue {
         let mut ran = false;
         while let Some(job) = self.jobs.front_mut() {
             let id = job.id;
-            if job.current.is_none() {
-                match job.queued.pop_front() {
-                    Some((i, img)) => match self.cache.get(&img.hash) {
-                        Some(tokens) => {
-                            self.reused += 1;
-                            if let Err(e) = job.media.set_tokens(i, tokens) {
-                                out.failed.push((id, e));
-                                self.jobs.pop_front();
-                            }
-                            continue;
-                        }
-                        None => match model.begin_image(img) {
-                            Ok(enc) => job.current = Some((i, enc)),
-                            Err(e) => {
-                                out.failed.push((id, e));
-                                self.jobs.pop_front();
-                                continue;
-                            }
-                        },
-                    },
-                    None => {
-                        out.ready.push(id);
-                        self.jobs.pop_front();
-                        continue;
-                    }
-                }
-            }
-            if ran && t0.elapsed() >= budget {
-                break;
-            }
-            let (i, enc) = job.current.as_mut().expect("begun above");
-            let hash = job.media.hash(*i);
-            let step = model.advance_image(enc, 1).and_then(|tokens| match tokens {
+            let Some((i, enc)) = job.pending.front_mut() else {
+                out.ready.push(id);
+                self.jobs.pop_front();
+                continue;
+            };
+            let (i, hash) = (*i, job.media.hash(*i));
+            let step = match self.cache.get(&hash) {
                 Some(tokens) => {
-                    let tokens = Arc::new(tokens);
-                    self.cache.insert(hash, tokens.clone());
-                    job.media.set_tokens(*i, tokens).map(|_| true)
+                    self.reused += 1;
+                    job.media.set_tokens(i, tokens).map(|_| true)
                 }
-                None => Ok(false),
-            });
+                None if ran && t0.elapsed() >= budget => break,
+                None => {
+                    ran = true;
+                    model.advance_image(enc, 1).and_then(|tokens| match tokens {
+                        Some(tokens) => {
+                            let tokens = Arc::new(tokens);
+                            self.cache.insert(hash, tokens.clone());
+                            job.media.set_tokens(i, tokens).map(|_| true)
+                        }
+                        None => Ok(false),
+                    })
+                }
+            };
             match step {
-                Ok(true) => job.current = None,
+                Ok(true) => drop(job.pending.pop_front()),
                 Ok(false) => {}
                 Err(e) => {
                     out.failed.push((id, e));
                     self.jobs.pop_front();
                 }
             }
-            ran = true;
         }
         out
     }
