@@ -101,17 +101,8 @@ impl EngineCore {
                 cfg.max_batched_tokens
             )));
         }
-        if let Some(spec) = cfg.speculative {
-            if recurrent {
-                return Err(Error::Invalid(format!(
-                    "speculative decoding is not supported for {} yet: its Gated DeltaNet states cannot be rolled \
-                     back past rejected draft tokens",
-                    model.config().arch.name()
-                )));
-            }
-            if spec.draft_tokens == 0 {
-                return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
-            }
+        if cfg.speculative.is_some_and(|s| s.draft_tokens == 0) {
+            return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
         }
         let vocab = model.config().vocab_size;
         let snapshot_slots = match cfg.prefix_cache {
@@ -128,6 +119,10 @@ impl EngineCore {
             }
             _ => 0,
         };
+        let verify_slots = match cfg.speculative {
+            Some(spec) if recurrent => spec.verify_slots(model.config().recurrent_state_values() * 4, cfg.max_num_seqs),
+            _ => 0,
+        };
         let mut runner = Runner::new(
             model,
             RunnerConfig {
@@ -135,6 +130,7 @@ impl EngineCore {
                 block_size: cfg.block_size,
                 state_slots: cfg.max_num_seqs,
                 snapshot_slots,
+                verify_slots,
                 prefix_cache: cfg.prefix_cache.is_some(),
             },
         )?;
@@ -274,6 +270,7 @@ impl EngineCore {
     pub fn pools_whole(&self) -> bool {
         self.runner.blocks.is_whole()
             && self.runner.slots.is_whole()
+            && self.runner.verify_slots_whole()
             && self.drafter.as_ref().is_none_or(Drafter::is_whole)
             && self.prefix.as_ref().is_none_or(PrefixCache::is_whole)
     }
@@ -459,15 +456,21 @@ impl EngineCore {
     }
 
     /// Appends draft tokens to the decode steps of `taken` that the
-    /// proposer has some for, while the step's token budget and the KV
-    /// pool's free blocks last (speculation never preempts anyone).
-    fn propose_drafts(&mut self, taken: &mut [(Sequence, usize)]) {
-        let Some(spec) = self.cfg.speculative else { return };
+    /// proposer has some for, while the step's token budget, the KV pool's
+    /// free blocks and (hybrids) the verification slots last (speculation
+    /// never preempts anyone). Returns each sequence's verification slots:
+    /// a recurrent model's states after each of its drafts go there, the
+    /// one after the last accepted draft becoming the sequence's.
+    fn propose_drafts(&mut self, taken: &mut [(Sequence, usize)]) -> Vec<Vec<u32>> {
+        let mut verify = vec![Vec::new(); taken.len()];
+        let Some(spec) = self.cfg.speculative else { return verify };
         let mut budget = self.cfg.max_batched_tokens.saturating_sub(taken.iter().map(|(_, n)| n).sum());
+        let recurrent = self.runner.recurrent();
+        let mut free_slots = self.runner.free_verify_slots();
         // (index into taken, most drafts it may take).
         let mut wants = Vec::new();
         for (i, (seq, n)) in taken.iter_mut().enumerate() {
-            if budget == 0 {
+            if budget == 0 || (recurrent && free_slots == 0) {
                 break;
             }
             let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
@@ -483,9 +486,13 @@ impl EngineCore {
             let room = (seq.stop.max_tokens.saturating_sub(seq.generated() + 1))
                 .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1))
                 .min(budget)
-                .min(spec.draft_tokens);
+                .min(spec.draft_tokens)
+                .min(if recurrent { free_slots } else { usize::MAX });
             if room > 0 {
                 budget -= room;
+                if recurrent {
+                    free_slots -= room;
+                }
                 wants.push((i, room));
             }
         }
@@ -503,7 +510,7 @@ impl EngineCore {
                         // The step goes on without drafts.
                         tracing::warn!("the draft model failed: {e}; this step verifies no drafts");
                         drafter.reset(asks.iter().map(|a| a.id));
-                        return;
+                        return verify;
                     }
                 }
             }
@@ -511,13 +518,19 @@ impl EngineCore {
         };
         for (&(i, _), drafts) in wants.iter().zip(proposals) {
             let (seq, n) = &mut taken[i];
+
             if drafts.is_empty() || !seq.blocks.grow_to(seq.computed + 1 + drafts.len(), &mut self.runner.blocks) {
                 continue;
+            }
+            if recurrent {
+                verify[i] = self.runner.take_verify_slots(drafts.len());
+                debug_assert_eq!(verify[i].len(), drafts.len(), "the slots were counted");
             }
             *n += drafts.len();
             seq.drafts = drafts.len();
             seq.tokens.extend(drafts);
         }
+        verify
     }
 
     /// Runs one step; returns the outputs it produced (tokens, text, and the
@@ -537,7 +550,7 @@ impl EngineCore {
         }
         let mut taken: Vec<(Sequence, usize)> =
             plan.iter().map(|&(id, n)| (self.seqs.remove(&id).expect("planned sequences are known"), n)).collect();
-        self.propose_drafts(&mut taken);
+        let verify = self.propose_drafts(&mut taken);
         let bs = self.cfg.block_size;
         let snapshots: Vec<Vec<PlannedSnapshot>> = (taken.iter_mut())
             .map(|(seq, n)| self.prefix.as_mut().map_or_else(Vec::new, |p| p.plan_snapshots(seq, *n, bs)))
@@ -548,6 +561,7 @@ impl EngineCore {
             None => Ok(()),
         };
         if let Err(e) = spilled {
+            self.runner.release_verify_slots(verify.into_iter().flatten());
             for (mut seq, _) in taken {
                 seq.drop_drafts();
                 self.seqs.insert(seq.id, seq);
@@ -560,8 +574,8 @@ impl EngineCore {
             return Err(e);
         }
         let result = {
-            let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots))
-                .map(|((seq, n), snaps)| {
+            let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots).zip(&verify))
+                .map(|(((seq, n), snaps), verify)| {
                     let (start, n) = (seq.computed, *n);
                     let ends = start + n == seq.tokens.len();
                     let Sequence {
@@ -593,7 +607,11 @@ impl EngineCore {
                         block_table: &blocks.blocks,
                         state_slot: *state_slot,
                         prompt: start < *prefill_len,
-                        snapshots: snaps.iter().map(|p| (p.rows, p.slot)).collect(),
+                        // The state after the last token and after each draft
+                        // but the last (the slot holds the state after that).
+                        snapshots: (snaps.iter().map(|p| (p.rows, p.slot)))
+                            .chain(verify.iter().enumerate().map(|(j, &slot)| (j + 1, slot)))
+                            .collect(),
                         sample: (ends && generates).then_some((sampler, &tokens[..])),
                         constraint: match constraint {
                             Some(c) if ends && generates => Some(c.as_mut()),
@@ -621,6 +639,7 @@ impl EngineCore {
                 p
             }
             Err(e) => {
+                self.runner.release_verify_slots(verify.into_iter().flatten());
                 for (mut seq, _) in taken {
                     seq.drop_drafts();
                     self.seqs.insert(seq.id, seq);
@@ -631,7 +650,20 @@ impl EngineCore {
         let tok = self.tokenizer.clone();
         let mut outputs = Vec::new();
         let width = self.runner.model().config().hidden_size;
-        for ((mut seq, n), step) in taken.into_iter().zip(picks) {
+        for (((mut seq, n), step), verify) in taken.into_iter().zip(picks).zip(verify) {
+            // A recurrent state that ran past a rejected draft goes back to
+            // the one after the last accepted token.
+            let rolled_back = match (verify.get(step.accepted), seq.state_slot) {
+                (Some(&at), Some(slot)) => self.runner.copy_slot(at, slot),
+                _ => Ok(()),
+            };
+            self.runner.release_verify_slots(verify);
+            if let Err(e) = rolled_back {
+                self.running.retain(|&r| r != seq.id);
+                self.free(&mut seq);
+                self.failed.push((seq.id, e));
+                continue;
+            }
             let start = seq.computed;
             seq.computed += n;
             // Drafts: the accepted ones stay, as computed tokens; the rows of

@@ -72,7 +72,14 @@ impl Drafter {
         }
         let runner = Runner::new(
             draft,
-            RunnerConfig { num_blocks, block_size, state_slots: 0, snapshot_slots: 0, prefix_cache: false },
+            RunnerConfig {
+                num_blocks,
+                block_size,
+                state_slots: 0,
+                snapshot_slots: 0,
+                verify_slots: 0,
+                prefix_cache: false,
+            },
         )?;
         Ok(Drafter { runner, seqs: HashMap::new(), max_catch_up: max_catch_up.max(1) })
     }

@@ -26,6 +26,19 @@ pub struct SpeculativeConfig {
 }
 
 impl SpeculativeConfig {
+    /// Bytes of recurrent states kept for verification (hybrid models: the
+    /// state after each draft token, to roll back to).
+    pub const VERIFY_STATE_BYTES: usize = 1 << 30;
+
+    /// Verification slots for a model whose recurrent states take
+    /// `state_bytes` a sequence: enough for `max_num_seqs` sequences' drafts
+    /// where [`Self::VERIFY_STATE_BYTES`] holds them, and for one
+    /// sequence's at least.
+    pub fn verify_slots(&self, state_bytes: usize, max_num_seqs: usize) -> usize {
+        let fit = Self::VERIFY_STATE_BYTES / state_bytes.max(1);
+        fit.min(max_num_seqs * self.draft_tokens).max(self.draft_tokens)
+    }
+
     /// N-gram lookup over 4- down to 2-token suffixes, `draft_tokens` at a time.
     pub fn ngram(draft_tokens: usize) -> Self {
         SpeculativeConfig { proposer: Proposer::Ngram { min: 2, max: 4 }, draft_tokens }

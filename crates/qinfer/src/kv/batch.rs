@@ -23,9 +23,10 @@ pub struct BatchSeq {
     /// form over them however few they are, so a prompt split across steps
     /// computes as it does in one piece; decode tokens step one at a time.
     pub prompt: bool,
-    /// Prompt rows only: after the first `n` of its rows, copy its recurrent
-    /// states into state slot `slot`, for each `(n, slot)` (in increasing
-    /// `n`; prefix-cache snapshots).
+    /// After the first `n` of its rows, copy its recurrent states into state
+    /// slot `slot`, for each `(n, slot)` (in increasing `n`): prefix-cache
+    /// snapshots of prompt rows, and the states after each draft token of a
+    /// verification, to roll back to.
     pub snapshots: Vec<(usize, u32)>,
     /// The LoRA adapter its rows run with (None: the base model).
     pub adapter: Option<u64>,

@@ -144,8 +144,9 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         } else {
             let mut parts: Vec<B::Act> = Vec::with_capacity(batch.seqs.len());
             for (seq, state) in batch.seqs.iter().zip(states.iter_mut()) {
-                // Split at each snapshot: segments start at multiples of the
-                // chunk, so they compute as the whole would.
+                // Split at each snapshot: prompt segments start at multiples
+                // of the chunk and decode rows step one at a time either
+                // way, so the parts compute as the whole would.
                 let mut from = 0;
                 let ends = seq.snapshots.iter().map(|&(n, slot)| (n, Some(slot)));
                 for (to, slot) in ends.chain(std::iter::once((seq.len(), None))) {

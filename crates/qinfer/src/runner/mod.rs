@@ -26,6 +26,10 @@ pub struct RunnerConfig {
     /// Further state slots for prefix-cache snapshots, numbered after the
     /// sequences' (ignored without recurrent layers).
     pub snapshot_slots: usize,
+    /// Further state slots for the states after each draft token of a
+    /// verification (speculative decoding), numbered after the snapshots'
+    /// (ignored without recurrent layers).
+    pub verify_slots: usize,
     /// Keep full blocks cached under their prefix hashes.
     pub prefix_cache: bool,
 }
@@ -96,19 +100,26 @@ pub struct Runner {
     state: Box<dyn BatchState>,
     pub blocks: BlockPool,
     pub slots: SlotPool,
+    /// Slots for the states after each draft token (numbered from `verify_base`).
+    verify: SlotPool,
+    verify_base: u32,
     recurrent: bool,
 }
 
 impl Runner {
     pub fn new(model: Arc<dyn LanguageModel>, cfg: RunnerConfig) -> Result<Self> {
         let recurrent = model.config().gdn.is_some();
-        let (state_slots, snapshot_slots) = if recurrent { (cfg.state_slots, cfg.snapshot_slots) } else { (0, 0) };
-        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, state_slots + snapshot_slots)?;
+        let (state_slots, snapshot_slots, verify_slots) =
+            if recurrent { (cfg.state_slots, cfg.snapshot_slots, cfg.verify_slots) } else { (0, 0, 0) };
+        let all = state_slots + snapshot_slots + verify_slots;
+        let state = model.new_batch_state(cfg.num_blocks, cfg.block_size, all)?;
         Ok(Runner {
             model,
             state,
             blocks: BlockPool::with_cache(cfg.num_blocks, cfg.block_size, cfg.prefix_cache),
             slots: SlotPool::new(state_slots),
+            verify: SlotPool::new(verify_slots),
+            verify_base: u32::try_from(state_slots + snapshot_slots).expect("fewer than 2^32 state slots"),
             recurrent,
         })
     }
@@ -132,6 +143,28 @@ impl Runner {
         let Some(slot) = self.slots.allocate() else { return Ok(None) };
         self.model.reset_state_slot(self.state.as_mut(), slot)?;
         Ok(Some(slot))
+    }
+
+    /// Up to `n` free verification slots, now held (fewer when fewer are free).
+    pub fn take_verify_slots(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map_while(|_| self.verify.allocate()).map(|s| self.verify_base + s).collect()
+    }
+
+    /// Free verification slots.
+    pub fn free_verify_slots(&self) -> usize {
+        self.verify.num_free()
+    }
+
+    /// Gives verification slots back.
+    pub fn release_verify_slots(&mut self, slots: impl IntoIterator<Item = u32>) {
+        for s in slots {
+            self.verify.release(s - self.verify_base);
+        }
+    }
+
+    /// Every verification slot is free.
+    pub fn verify_slots_whole(&self) -> bool {
+        self.verify.is_whole()
     }
 
     /// Copies slot `from`'s recurrent states into slot `to` (a snapshot of a

@@ -192,9 +192,9 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             }
             let mut last = 0;
             for &(n, slot) in &s.snapshots {
-                if !recurrent || !s.prompt || n <= last || n > s.len() {
+                if !recurrent || n <= last || n > s.len() {
                     return bad(format!(
-                        "sequence {i}: snapshot after {n} rows of {} (prompt rows only, increasing)",
+                        "sequence {i}: snapshot after {n} rows of {} (increasing, within its rows)",
                         s.len()
                     ));
                 }
