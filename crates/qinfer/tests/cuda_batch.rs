@@ -22,6 +22,7 @@ use qinfer::config::{RopeConfig, RopeStyle};
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::prefix::PrefixCacheConfig;
 use qinfer::engine::request::{Request, StopConditions};
+use qinfer::engine::speculative::SpeculativeConfig;
 use qinfer::kv::KvPrecision;
 use qinfer::kv::batch::{BatchLayout, BatchSeq};
 use qinfer::kv::contiguous::LayerRows;
@@ -454,44 +455,111 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
                     core_c.prefix_stats()
                 );
             }
-            for (i, ((q, w), g)) in reqs.iter().zip(&want).zip(&got).enumerate() {
-                assert_eq!((w.len(), g.len()), (q.stop.max_tokens, q.stop.max_tokens), "{name}: request {i}'s lengths");
-                let Some(at) = w.iter().zip(g).position(|(a, b)| a != b) else {
-                    println!("{name}: request {i} (prompt of {}): {} tokens equal", q.prompt.len(), w.len());
-                    continue;
-                };
-                // The first divergence: the CPU's margin there, and the GPU's
-                // logit error at the same context on the one-sequence path.
-                let context = [&q.prompt[..], &w[..at]].concat();
-                let logits = |m: &Arc<dyn LanguageModel>| {
-                    let mut s = m.new_sequence(context.len() + 1);
-                    m.forward(s.as_mut(), &context, Logits::Last).unwrap()
-                };
-                let (lc, lg) = (logits(&cpu), logits(&gpu));
-                let (top, top_margin) = top2(&lc);
-                // How much the CPU prefers its pick to the GPU's there.
-                let margin = lc[w[at] as usize] - lc[g[at] as usize];
-                let err = max_abs(&lg, &lc);
-                println!(
-                    "{name}: request {i} (prompt of {}): the first {at} of {} tokens equal, then CPU {} GPU {}: \
-                 the CPU's logits there: top-2 margin {top_margin:.3e} (top {top}), CPU pick over GPU pick \
-                 {margin:.3e}; the GPU's logit error there {err:.3e}",
-                    q.prompt.len(),
-                    w.len(),
-                    w[at],
-                    g[at]
-                );
-                assert!(
-                    margin.abs() <= TIE_FACTOR * err,
-                    "{name}: request {i} (prompt of {}): only the first {at} tokens compared equal; the pick after them \
-                 differs (CPU {}, GPU {}) although the CPU prefers its pick by {margin:.3e} (top-2 margin \
-                 {top_margin:.3e}), more than {TIE_FACTOR}× the GPU's logit error {err:.3e} there: not a near-tie",
-                    q.prompt.len(),
-                    w[at],
-                    g[at]
-                );
-            }
+            same_or_near_ties(&name, &reqs, &want, &got, &cpu, &gpu);
         }
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Speculative decoding on the hybrid (its Gated DeltaNet states rolled
+/// back past rejected drafts) gives plain decoding's greedy tokens on the
+/// GPU, up to near-ties: the verify rows run as one batched forward.
+#[test]
+fn hybrid_speculation_on_cuda_keeps_plain_greedy_tokens() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("qinfer-cuda-spec-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let vocab = 32768u32;
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(include_str!("../../../bench/configs/cpu-hybrid-small.json")).unwrap();
+    cfg["vocab_size"] = vocab.into();
+    let path = dir.join("hybrid.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let storage = "f32".parse().unwrap();
+    let (_, cpu) = loader::random_model(&path, storage, Device::CPU).unwrap();
+    let cuda = Device::Cuda { ordinal: 0, options: CudaOptions::default() };
+    let (_, gpu) = loader::random_model(&path, storage, cuda).unwrap();
+    let (cpu, gpu): (Arc<dyn LanguageModel>, Arc<dyn LanguageModel>) = (Arc::from(cpu), Arc::from(gpu));
+    // Prompts that repeat a phrase (lookup proposes it), and long outputs
+    // (random weights fall into loops).
+    let text: Vec<u32> = (0..160u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let reqs = vec![
+        greedy(text[..9].repeat(4), 40),
+        greedy(text[3..74].to_vec(), 120),
+        greedy(text[10..17].to_vec(), 160),
+        greedy([&text[20..40], &text[20..40]].concat(), 60),
+    ];
+    let joins = [0, 0, 1, 3];
+    let mut config = EngineConfig {
+        max_batched_tokens: 80,
+        max_num_seqs: 4,
+        block_size: 16,
+        num_blocks: 64,
+        max_model_len: 512,
+        prefix_cache: None,
+        speculative: None,
+    };
+    let want = run(&mut EngineCore::new(gpu.clone(), None, config).unwrap(), &reqs, &joins);
+    for k in [2, 4] {
+        config.speculative = Some(SpeculativeConfig::ngram(k));
+        let mut core = EngineCore::new(gpu.clone(), None, config).unwrap();
+        let got = run(&mut core, &reqs, &joins);
+        let stats = core.speculative_stats();
+        println!("hybrid, ngram k={k}: {stats:?}");
+        assert!(stats.verifications > 0 && stats.drafted > stats.accepted, "k={k}: {stats:?}");
+        same_or_near_ties(&format!("hybrid, ngram k={k}"), &reqs, &want, &got, &cpu, &gpu);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Every request's tokens in `got` equal `want`'s, but where they part the
+/// pick was a near-tie: the CPU's logits prefer one pick to the other by at
+/// most [`TIE_FACTOR`] times the GPU's logit error at that context.
+fn same_or_near_ties(
+    name: &str,
+    reqs: &[Request],
+    want: &[Vec<u32>],
+    got: &[Vec<u32>],
+    cpu: &Arc<dyn LanguageModel>,
+    gpu: &Arc<dyn LanguageModel>,
+) {
+    for (i, ((q, w), g)) in reqs.iter().zip(want).zip(got).enumerate() {
+        assert_eq!((w.len(), g.len()), (q.stop.max_tokens, q.stop.max_tokens), "{name}: request {i}'s lengths");
+        let Some(at) = w.iter().zip(g).position(|(a, b)| a != b) else {
+            println!("{name}: request {i} (prompt of {}): {} tokens equal", q.prompt.len(), w.len());
+            continue;
+        };
+        // The first divergence: the CPU's margin there, and the GPU's
+        // logit error at the same context on the one-sequence path.
+        let context = [&q.prompt[..], &w[..at]].concat();
+        let logits = |m: &Arc<dyn LanguageModel>| {
+            let mut s = m.new_sequence(context.len() + 1);
+            m.forward(s.as_mut(), &context, Logits::Last).unwrap()
+        };
+        let (lc, lg) = (logits(cpu), logits(gpu));
+        let (top, top_margin) = top2(&lc);
+        // How much the CPU prefers its pick to the GPU's there.
+        let margin = lc[w[at] as usize] - lc[g[at] as usize];
+        let err = max_abs(&lg, &lc);
+        println!(
+            "{name}: request {i} (prompt of {}): the first {at} of {} tokens equal, then CPU {} GPU {}: \
+         the CPU's logits there: top-2 margin {top_margin:.3e} (top {top}), CPU pick over GPU pick \
+         {margin:.3e}; the GPU's logit error there {err:.3e}",
+            q.prompt.len(),
+            w.len(),
+            w[at],
+            g[at]
+        );
+        assert!(
+            margin.abs() <= TIE_FACTOR * err,
+            "{name}: request {i} (prompt of {}): only the first {at} tokens compared equal; the pick after them \
+         differs (CPU {}, GPU {}) although the CPU prefers its pick by {margin:.3e} (top-2 margin \
+         {top_margin:.3e}), more than {TIE_FACTOR}× the GPU's logit error {err:.3e} there: not a near-tie",
+            q.prompt.len(),
+            w[at],
+            g[at]
+        );
+    }
 }
