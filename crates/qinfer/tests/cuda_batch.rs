@@ -463,7 +463,10 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
 
 /// Speculative decoding on the hybrid (its Gated DeltaNet states rolled
 /// back past rejected drafts) gives plain decoding's greedy tokens on the
-/// GPU, up to near-ties: the verify rows run as one batched forward.
+/// GPU, up to near-ties: the verify rows run as one batched forward. A
+/// random dense model of the same vocabulary drafts (its drafts are nearly
+/// all rejected, so nearly every verification rolls the states back), and
+/// prompt lookup too.
 #[test]
 fn hybrid_speculation_on_cuda_keeps_plain_greedy_tokens() {
     if gpu().is_none() {
@@ -472,24 +475,33 @@ fn hybrid_speculation_on_cuda_keeps_plain_greedy_tokens() {
     let dir = std::env::temp_dir().join(format!("qinfer-cuda-spec-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let vocab = 32768u32;
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(include_str!("../../../bench/configs/cpu-hybrid-small.json")).unwrap();
-    cfg["vocab_size"] = vocab.into();
-    let path = dir.join("hybrid.json");
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    let storage = "f32".parse().unwrap();
-    let (_, cpu) = loader::random_model(&path, storage, Device::CPU).unwrap();
     let cuda = Device::Cuda { ordinal: 0, options: CudaOptions::default() };
-    let (_, gpu) = loader::random_model(&path, storage, cuda).unwrap();
-    let (cpu, gpu): (Arc<dyn LanguageModel>, Arc<dyn LanguageModel>) = (Arc::from(cpu), Arc::from(gpu));
-    // Prompts that repeat a phrase (lookup proposes it), and long outputs
-    // (random weights fall into loops).
+    let storage = "f32".parse().unwrap();
+    let mut models = Vec::new();
+    for (name, json, layers) in [
+        ("hybrid", include_str!("../../../bench/configs/cpu-hybrid-small.json"), None),
+        ("draft", include_str!("../../../bench/configs/qwen3-0.6b.json"), Some(2)),
+    ] {
+        let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
+        cfg["vocab_size"] = vocab.into();
+        if let Some(n) = layers {
+            cfg["num_hidden_layers"] = n.into();
+        }
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        models.push(path);
+    }
+    let (_, cpu) = loader::random_model(&models[0], storage, Device::CPU).unwrap();
+    let (_, gpu) = loader::random_model(&models[0], storage, cuda).unwrap();
+    let (_, draft) = loader::random_model(&models[1], storage, cuda).unwrap();
+    let (cpu, gpu, draft): (Arc<dyn LanguageModel>, Arc<dyn LanguageModel>, Arc<dyn LanguageModel>) =
+        (Arc::from(cpu), Arc::from(gpu), Arc::from(draft));
     let text: Vec<u32> = (0..160u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let reqs = vec![
         greedy(text[..9].repeat(4), 40),
-        greedy(text[3..74].to_vec(), 120),
-        greedy(text[10..17].to_vec(), 160),
-        greedy([&text[20..40], &text[20..40]].concat(), 60),
+        greedy(text[3..74].to_vec(), 60),
+        greedy(text[10..17].to_vec(), 80),
+        greedy([&text[20..40], &text[20..40]].concat(), 30),
     ];
     let joins = [0, 0, 1, 3];
     let mut config = EngineConfig {
@@ -502,14 +514,19 @@ fn hybrid_speculation_on_cuda_keeps_plain_greedy_tokens() {
         speculative: None,
     };
     let want = run(&mut EngineCore::new(gpu.clone(), None, config).unwrap(), &reqs, &joins);
-    for k in [2, 4] {
-        config.speculative = Some(SpeculativeConfig::ngram(k));
-        let mut core = EngineCore::new(gpu.clone(), None, config).unwrap();
+    for (label, spec, drafter) in [
+        ("draft model, k=3", SpeculativeConfig::draft_model(3), Some(draft.clone())),
+        ("ngram, k=4", SpeculativeConfig::ngram(4), None),
+    ] {
+        config.speculative = Some(spec);
+        let mut core = EngineCore::with_draft(gpu.clone(), None, config, drafter).unwrap();
         let got = run(&mut core, &reqs, &joins);
         let stats = core.speculative_stats();
-        println!("hybrid, ngram k={k}: {stats:?}");
-        assert!(stats.verifications > 0 && stats.drafted > stats.accepted, "k={k}: {stats:?}");
-        same_or_near_ties(&format!("hybrid, ngram k={k}"), &reqs, &want, &got, &cpu, &gpu);
+        println!("hybrid, {label}: {stats:?}");
+        if label.starts_with("draft") {
+            assert!(stats.verifications > 0 && stats.drafted > stats.accepted, "{label}: {stats:?}");
+        }
+        same_or_near_ties(&format!("hybrid, {label}"), &reqs, &want, &got, &cpu, &gpu);
     }
     std::fs::remove_dir_all(&dir).ok();
 }
