@@ -129,6 +129,13 @@ pub struct ModelConfig {
     pub mrope: Option<vision::Mrope>,
     /// The vision tower of a multimodal checkpoint.
     pub vision: Option<vision::VisionConfig>,
+    /// Multi-token-prediction layers the checkpoint declares
+    /// (`mtp_num_hidden_layers`, `num_nextn_predict_layers`; 0 without).
+    pub mtp_layers: usize,
+    /// Load the multi-token-prediction head beside the model (speculative
+    /// decoding asks for it; it costs a layer's memory, so it is off
+    /// otherwise).
+    pub load_mtp: bool,
 }
 
 fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -483,6 +490,10 @@ impl ModelConfig {
             rotary_dim,
             mrope,
             vision,
+            mtp_layers: opt_usize(v, "mtp_num_hidden_layers")?
+                .or(opt_usize(v, "num_nextn_predict_layers")?)
+                .unwrap_or(0),
+            load_mtp: false,
         })
     }
 

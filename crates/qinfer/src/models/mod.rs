@@ -80,6 +80,16 @@ pub struct BatchOutput {
     pub hidden: Vec<f32>,
 }
 
+/// What the multi-token-prediction head returns for a batch.
+#[derive(Debug, Clone, Default)]
+pub struct MtpOutput {
+    /// `[logits_rows, vocab]`: the logits of the batch's logits rows.
+    pub logits: Vec<f32>,
+    /// `[rows, hidden_size]`: every row's output after the head's final
+    /// norm (what a chained draft step takes as its hidden state).
+    pub hidden: Vec<f32>,
+}
+
 /// A model's storage for forwards over many sequences: the paged KV pool
 /// and the recurrent-state slots of Gated DeltaNet layers. Owned by the
 /// runner, opaque to it.
@@ -179,6 +189,27 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<BatchOutput> {
         let _ = (state, tokens, batch, picks);
         Err(Error::Invalid(format!("the model on {} does not run batched forwards", self.device())))
+    }
+    /// Whether the multi-token-prediction head is loaded
+    /// ([`crate::config::ModelConfig::load_mtp`]).
+    fn has_mtp(&self) -> bool {
+        false
+    }
+    /// The multi-token-prediction head over a batch (laid out as for
+    /// [`LanguageModel::forward_batch`], the same block tables): row `i`
+    /// joins token `tokens[i]` (the token after the one the target saw
+    /// there) with `hidden` row `i` (the target's final normed hidden state
+    /// there, or the head's own output for a chained draft), at the row's
+    /// position; its keys and values go to the pool's head layer.
+    fn mtp_forward(
+        &self,
+        state: &mut dyn BatchState,
+        tokens: &[u32],
+        hidden: &[f32],
+        batch: &BatchLayout,
+    ) -> Result<MtpOutput> {
+        let _ = (state, tokens, hidden, batch);
+        Err(Error::Invalid(format!("{} was loaded without a multi-token-prediction head", self.config().arch.name())))
     }
     /// A fresh sequence able to hold `capacity` tokens.
     fn new_sequence(&self, capacity: usize) -> Box<dyn SequenceState>;

@@ -239,6 +239,8 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         // separate projector files), so every position is one-dimensional.
         mrope: None,
         vision: None,
+        mtp_layers: m.opt_usize(&m.key("nextn_predict_layers"))?.unwrap_or(0),
+        load_mtp: false,
     })
 }
 

@@ -24,6 +24,9 @@ pub(super) struct DecoderBatchState<B: ModelBackend> {
     block_size: usize,
     num_blocks: usize,
     states: Vec<Vec<Option<B::GdnState>>>,
+    /// The multi-token-prediction layer's place in the pool (after the
+    /// model's attention layers), where the model has the head loaded.
+    mtp_layer: Option<usize>,
 }
 
 impl<B: ModelBackend + 'static> BatchState for DecoderBatchState<B> {
@@ -111,6 +114,12 @@ impl<B: ModelBackend + 'static> DecoderBatchState<B> {
         Ok(())
     }
 
+    /// The pool and the multi-token-prediction layer's place in it (None
+    /// where the model was loaded without the head).
+    pub(super) fn mtp_pool(&mut self) -> Option<(&mut B::KvPool, usize)> {
+        Some((&mut self.pool, self.mtp_layer?))
+    }
+
     pub(super) fn copy_slot(&mut self, from: u32, to: u32) -> Result<()> {
         let (f, t) = (self.slot(from)?, self.slot(to)?);
         if f != t {
@@ -141,7 +150,9 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 })
             })
             .collect();
-        let pool = b.new_kv_pool(attention_layers, self.cfg.kv_dim(), num_blocks, block_size)?;
+        let mtp_layer = self.mtp.is_some().then_some(attention_layers);
+        let pool_size = attention_layers + usize::from(mtp_layer.is_some());
+        let pool = b.new_kv_pool(pool_size, self.cfg.kv_dim(), num_blocks, block_size)?;
         let kv_bytes = b.kv_pool_bytes(&pool);
         let recurrent = self.cfg.layer_kinds.contains(&LayerKind::LinearAttention);
         let states = (0..if recurrent { state_slots } else { 0 })
@@ -156,13 +167,13 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                     .collect()
             })
             .collect();
-        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states })
+        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states, mtp_layer })
     }
 
     /// Checks `batch` against the pool and the model before any work: rows
     /// back to back, block tables long enough and inside the pool, state
     /// slots where the model has recurrent layers, token ids in the vocabulary.
-    fn check_batch(&self, state: &DecoderBatchState<B>, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
+    pub(super) fn check_batch(&self, state: &DecoderBatchState<B>, tokens: &[u32], batch: &BatchLayout) -> Result<()> {
         let bad = |what: String| Err(Error::Invalid(format!("batch: {what}")));
         if batch.block_size != state.block_size {
             return bad(format!("block size {} for a pool of {}", batch.block_size, state.block_size));

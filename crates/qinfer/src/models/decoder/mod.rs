@@ -5,6 +5,7 @@
 
 mod adapters;
 mod batch;
+mod mtp;
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -23,7 +24,9 @@ use crate::layers::gdn::GatedDeltaNet;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::SparseMoe;
 use crate::lora::{AdapterId, LoraAdapter};
-use crate::models::{BatchOutput, BatchState, LanguageModel, Logits, SequenceState, Snapshot, decode_on_host};
+use crate::models::{
+    BatchOutput, BatchState, LanguageModel, Logits, MtpOutput, SequenceState, Snapshot, decode_on_host,
+};
 use crate::sampling::{RowPick, Sampler};
 use crate::tensor::Tensor;
 use crate::weights::WeightLoader;
@@ -62,6 +65,43 @@ pub struct DecoderModel<B: ModelBackend> {
     adapters: adapters::Adapters<B::Weight>,
     /// The vision tower of a multimodal checkpoint that ships one.
     vision: Option<super::vision::VisionTower<B>>,
+    /// The multi-token-prediction head, where asked for.
+    mtp: Option<mtp::MtpHead<B>>,
+}
+
+impl<B: ModelBackend> DecoderLayer<B> {
+    /// Layer `l` (`p`, e.g. `model.layers.3`) with this mixer and feed-forward block.
+    fn load(
+        ld: &WeightLoader<B>,
+        cfg: &ModelConfig,
+        p: &str,
+        kind: LayerKind,
+        ffn: FeedForwardKind,
+        l: usize,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let unit_offset = cfg.arch.features().unit_offset_norms;
+        let mixer = match kind {
+            LayerKind::Attention => Mixer::Attention(Attention::load(ld, &format!("{p}.self_attn"), cfg, l)?),
+            LayerKind::LinearAttention => {
+                let g = cfg.gdn.as_ref().ok_or_else(|| Error::config("linear_num_key_heads", "missing"))?;
+                Mixer::Linear(GatedDeltaNet::load(ld, &format!("{p}.linear_attn"), cfg, g)?)
+            }
+        };
+        let ffn = match (ffn, &cfg.moe) {
+            (FeedForwardKind::Sparse, Some(m)) => FeedForward::Sparse(SparseMoe::load(ld, &format!("{p}.mlp"), h, m)?),
+            (FeedForwardKind::Sparse, None) => return Err(Error::config("num_experts", "missing")),
+            (FeedForwardKind::Dense, _) => {
+                FeedForward::Dense(Mlp::load(ld, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
+            }
+        };
+        Ok(DecoderLayer {
+            input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), h, unit_offset)?,
+            mixer,
+            post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), h, unit_offset)?,
+            ffn,
+        })
+    }
 }
 
 /// Where hub checkpoints keep the vision tower.
@@ -198,29 +238,8 @@ impl<B: ModelBackend> DecoderModel<B> {
         let embed_tokens = ld.get(&format!("{root}embed_tokens.weight"), &[cfg.vocab_size, h])?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
-            let p = format!("{root}layers.{l}");
-            let mixer = match cfg.layer_kinds[l] {
-                LayerKind::Attention => Mixer::Attention(Attention::load(&ld, &format!("{p}.self_attn"), &cfg, l)?),
-                LayerKind::LinearAttention => {
-                    let g = cfg.gdn.as_ref().ok_or_else(|| Error::config("linear_num_key_heads", "missing"))?;
-                    Mixer::Linear(GatedDeltaNet::load(&ld, &format!("{p}.linear_attn"), &cfg, g)?)
-                }
-            };
-            let ffn = match ((spec.feed_forward)(&cfg, l), &cfg.moe) {
-                (FeedForwardKind::Sparse, Some(m)) => {
-                    FeedForward::Sparse(SparseMoe::load(&ld, &format!("{p}.mlp"), h, m)?)
-                }
-                (FeedForwardKind::Sparse, None) => return Err(Error::config("num_experts", "missing")),
-                (FeedForwardKind::Dense, _) => {
-                    FeedForward::Dense(Mlp::load(&ld, &format!("{p}.mlp"), h, cfg.intermediate_size)?)
-                }
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), h, unit_offset)?,
-                mixer,
-                post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), h, unit_offset)?,
-                ffn,
-            });
+            let ffn = (spec.feed_forward)(&cfg, l);
+            layers.push(DecoderLayer::load(&ld, &cfg, &format!("{root}layers.{l}"), cfg.layer_kinds[l], ffn, l)?);
         }
         let norm = ld.norm(&format!("{root}norm.weight"), h, unit_offset)?;
         // Some checkpoints declare untied embeddings yet omit lm_head; others
@@ -239,10 +258,14 @@ impl<B: ModelBackend> DecoderModel<B> {
             }
             _ => None,
         };
+        let mtp = match cfg.load_mtp {
+            true => Some(mtp::MtpHead::load(&ld, &cfg, (spec.feed_forward)(&cfg, 0))?),
+            false => None,
+        };
         let rope = Rope::new(&cfg.rope, cfg.rotary_dim).with_mrope(cfg.mrope);
         let idle = backend.capabilities().reuse_sequences.then(|| Arc::new(IdleSequences(Mutex::new(Vec::new()))));
         let adapters = adapters::Adapters::default();
-        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle, adapters, vision })
+        Ok(DecoderModel { cfg, backend, embed_tokens, layers, norm, lm_head, rope, idle, adapters, vision, mtp })
     }
 
     /// Runs `tokens` through the model and hands the pass's logits
@@ -461,7 +484,8 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         self.new_batch_state_of(num_blocks, block_size, state_slots).map(|s| Box::new(s) as Box<dyn BatchState>)
     }
     fn kv_bytes_per_token(&self) -> usize {
-        self.backend.kv_bytes_per_token(self.cfg.num_attention_layers(), self.cfg.kv_dim())
+        let layers = self.cfg.num_attention_layers() + usize::from(self.mtp.is_some());
+        self.backend.kv_bytes_per_token(layers, self.cfg.kv_dim())
     }
     fn reset_state_slot(&self, state: &mut dyn BatchState, slot: u32) -> Result<()> {
         batch::DecoderBatchState::<B>::of(state)?.reset_slot(&self.backend, slot)
@@ -501,6 +525,25 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
                 None => (Vec::new(), Vec::new()),
             };
             let out = BatchOutput { picks, logits, hidden: hidden.map(|h| b.to_host(&h)).unwrap_or_default() };
+            b.check()?;
+            Ok(out)
+        })
+    }
+    fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+    fn mtp_forward(
+        &self,
+        state: &mut dyn BatchState,
+        tokens: &[u32],
+        hidden: &[f32],
+        batch: &BatchLayout,
+    ) -> Result<MtpOutput> {
+        let state = batch::DecoderBatchState::<B>::of(state)?;
+        let b = &self.backend;
+        b.run_pass(|| {
+            let (logits, y) = self.mtp_forward_of(state, tokens, hidden, batch)?;
+            let out = MtpOutput { logits: logits.map(|l| b.to_host(&l)).unwrap_or_default(), hidden: b.to_host(&y) };
             b.check()?;
             Ok(out)
         })
