@@ -199,10 +199,11 @@ pub struct EngineArgs {
     /// Speculative decoding: `ngram` proposes draft tokens by looking the
     /// last tokens up in the prompt and output so far; `draft:PATH` runs a
     /// smaller model with the same vocabulary (a directory or .gguf file)
-    /// ahead of each sequence. Each step verifies the drafts in its forward:
-    /// greedy outputs are unchanged, sampled ones follow the same
-    /// distribution (rejection sampling).
-    #[arg(long, value_parser = parse_speculative, value_name = "ngram|draft:PATH")]
+    /// ahead of each sequence; `mtp` uses the checkpoint's own
+    /// multi-token-prediction head (Qwen3-Next, Qwen3.5). Each step verifies
+    /// the drafts in its forward: greedy outputs are unchanged, sampled ones
+    /// follow the same distribution (rejection sampling).
+    #[arg(long, value_parser = parse_speculative, value_name = "ngram|draft:PATH|mtp")]
     pub speculative: Option<SpeculativeKind>,
     /// Most draft tokens proposed and verified per sequence and step (with
     /// --speculative).
@@ -218,18 +219,18 @@ pub enum SpeculativeKind {
     Ngram,
     /// A draft model, from this path.
     Draft(PathBuf),
+    /// The checkpoint's multi-token-prediction head.
+    Mtp,
 }
 
 /// `--speculative`'s value.
 pub fn parse_speculative(s: &str) -> std::result::Result<SpeculativeKind, String> {
     match s {
         "ngram" => Ok(SpeculativeKind::Ngram),
-        "mtp" => Err("the MTP proposer (a checkpoint's own multi-token-prediction layers) is not built yet; use \
-                      `ngram` or `draft:PATH`"
-            .into()),
+        "mtp" => Ok(SpeculativeKind::Mtp),
         _ => match s.strip_prefix("draft:") {
             Some(path) if !path.is_empty() => Ok(SpeculativeKind::Draft(PathBuf::from(path))),
-            _ => Err(format!("expected `ngram` or `draft:PATH`, got {s:?}")),
+            _ => Err(format!("expected `ngram`, `draft:PATH` or `mtp`, got {s:?}")),
         },
     }
 }
@@ -240,7 +241,13 @@ impl SpeculativeKind {
         match self {
             SpeculativeKind::Ngram => SpeculativeConfig::ngram(draft_tokens),
             SpeculativeKind::Draft(_) => SpeculativeConfig::draft_model(draft_tokens),
+            SpeculativeKind::Mtp => SpeculativeConfig::mtp(draft_tokens),
         }
+    }
+
+    /// Whether the target must be loaded with its multi-token-prediction head.
+    pub fn needs_mtp(kind: Option<&Self>) -> bool {
+        kind == Some(&SpeculativeKind::Mtp)
     }
 
     /// Loads the draft model on `device` (None for proposers without one),

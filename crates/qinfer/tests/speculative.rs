@@ -159,6 +159,126 @@ fn draft_model_speculation_changes_no_greedy_token() {
     }
 }
 
+/// A fixture with its multi-token-prediction head loaded.
+fn with_mtp(case: &str) -> (std::path::PathBuf, Arc<dyn LanguageModel>) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny").join(case);
+    let mut m = qinfer::loader::open(&dir).unwrap();
+    m.config.load_mtp = true;
+    let model = Arc::from(m.load_cpu(false).unwrap());
+    (dir, model)
+}
+
+#[test]
+fn mtp_speculation_proposes_the_reference_drafts_and_changes_no_greedy_token() {
+    for case in ["qwen3_next", "qwen3_5", "qwen3_5_moe"] {
+        let (dir, model) = with_mtp(case);
+        // After the prompt's step, the head's chain from the last prompt
+        // position equals the reference's (scripts/mtp_reference.py).
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("mtp.json")).unwrap()).unwrap();
+        let mut cfg = config(512, 4, 64);
+        cfg.speculative = Some(SpeculativeConfig::mtp(3));
+        let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+        core.add(0, request(ids(&fx["input_ids"]), 8, SamplingParams::default())).unwrap();
+        let first = core.step().unwrap();
+        assert_eq!(first[0].token_ids, vec![fx["target"]["greedy_next_token"].as_u64().unwrap() as u32], "{case}");
+        assert_eq!(core.proposed_drafts(0), ids(&fx["chain"]["drafts"]), "{case}: the head's drafts");
+        // In the batch mixes (chunked prefills, preemption, the prefix
+        // cache, stop tokens among kept drafts) greedy outputs equal plain
+        // decoding's.
+        let r = reference(&dir);
+        let (reqs, joins) = mix(&r);
+        let cfg = |tokens, seqs, blocks| config_for(&reqs, tokens, seqs, blocks);
+        let plain = run(&mut EngineCore::new(model.clone(), None, cfg(80, 4, 12)).unwrap(), &reqs, &joins);
+        for (k, mut cfg, cached) in [(3, cfg(80, 4, 12), false), (2, cfg(80, 4, 9), true), (5, cfg(512, 8, 64), false)]
+        {
+            if cached {
+                cfg.prefix_cache = Some(PrefixCacheConfig { snapshot_interval: 64, snapshot_slots: 4, host_bytes: 0 });
+            }
+            cfg.speculative = Some(SpeculativeConfig::mtp(k));
+            let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+            check_against(&format!("{case} with MTP, k={k}"), &reqs, &plain, &run(&mut core, &reqs, &joins));
+            let stats = core.speculative_stats();
+            println!("{case} with MTP, k={k}: {stats:?}, {} preemptions", core.preemptions());
+            assert!(stats.verifications > 0 && stats.accepted <= stats.drafted, "{case}: {stats:?}");
+        }
+    }
+    // Without its head loaded, the proposer is refused by name.
+    let plain = load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/qwen3_5"));
+    let mut cfg = config(512, 4, 64);
+    cfg.speculative = Some(SpeculativeConfig::mtp(3));
+    let e = EngineCore::new(plain, None, cfg).err().expect("no head").to_string();
+    assert!(e.contains("multi-token-prediction head"), "{e}");
+}
+
+/// The head's `k` greedy drafts after `tokens` computed afresh: the target
+/// over all but the last token, the head over every row, then the chain.
+fn fresh_mtp_drafts(model: &Arc<dyn LanguageModel>, tokens: &[u32], k: usize) -> Vec<u32> {
+    use qinfer::kv::batch::{BatchLayout, BatchSeq};
+    let (n, h, vocab) = (tokens.len() - 1, model.config().hidden_size, model.config().vocab_size);
+    let mut state = model.new_batch_state(64, 16, 1).unwrap();
+    model.reset_state_slot(state.as_mut(), 0).unwrap();
+    let layout = |start: usize, rows: usize, logits: Vec<usize>| {
+        let seq = BatchSeq {
+            rows: 0..rows,
+            start,
+            block_table: (0..64).collect(),
+            state_slot: Some(0),
+            prompt: true,
+            snapshots: Vec::new(),
+            adapter: None,
+        };
+        BatchLayout::new(vec![seq], 16, logits)
+    };
+    let mut prefill = layout(0, n, vec![]);
+    prefill.hidden_rows = (0..n).collect();
+    let hidden = model.forward_batch(state.as_mut(), &tokens[..n], &prefill, &[]).unwrap().hidden;
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap() as u32;
+    let out = model.mtp_forward(state.as_mut(), &tokens[1..], &hidden, &layout(0, n, vec![n - 1])).unwrap();
+    let mut drafts = vec![argmax(&out.logits)];
+    let mut y = out.hidden[(n - 1) * h..].to_vec();
+    for j in 1..k {
+        let out = model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(n - 1 + j, 1, vec![0])).unwrap();
+        drafts.push(argmax(&out.logits[..vocab]));
+        y = out.hidden;
+    }
+    drafts
+}
+
+#[test]
+fn the_engines_mtp_cache_follows_the_kept_tokens() {
+    // Step by step, the drafts the engine's head proposes (its cache filled
+    // a step's kept rows at a time, rejected drafts' rows left out) equal
+    // the head's drafts computed afresh over the same tokens.
+    for case in ["qwen3_next", "qwen3_5", "qwen3_5_moe"] {
+        let (dir, model) = with_mtp(case);
+        let prompt: Vec<u32> = ids(&reference(&dir)["input_ids"]).into_iter().take(20).collect();
+        let mut cfg = config(512, 4, 64);
+        cfg.speculative = Some(SpeculativeConfig::mtp(3));
+        let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+        core.add(0, request(prompt.clone(), 30, SamplingParams::default())).unwrap();
+        let mut tokens = prompt;
+        let mut compared = 0;
+        while core.num_unfinished() > 0 {
+            for out in core.step().unwrap() {
+                tokens.extend(&out.token_ids);
+            }
+            let proposed = core.proposed_drafts(0).to_vec();
+            if !proposed.is_empty() {
+                assert_eq!(
+                    proposed,
+                    fresh_mtp_drafts(&model, &tokens, proposed.len()),
+                    "{case} at {} tokens",
+                    tokens.len()
+                );
+                compared += 1;
+            }
+        }
+        println!("{case}: {compared} steps' drafts compared, {:?}", core.speculative_stats());
+        assert!(compared >= 5, "{case}: only {compared} steps proposed");
+    }
+}
+
 #[test]
 fn hybrid_drafts_and_missing_drafts_are_refused() {
     let all: Vec<_> = fixtures().into_iter().map(|d| load(&d)).collect();

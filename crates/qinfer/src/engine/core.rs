@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::draft::{DraftWant, Drafter};
 use super::encoding::ImageQueue;
+use super::mtp;
 use super::prefix::{BlockAt, PlannedSnapshot, PrefixCache, PrefixStats, SnapshotAt, register_full_blocks, spill};
 use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
@@ -104,6 +105,13 @@ impl EngineCore {
         if cfg.speculative.is_some_and(|s| s.draft_tokens == 0) {
             return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
         }
+        if cfg.speculative.is_some_and(|s| s.proposer == Proposer::Mtp) && !model.has_mtp() {
+            return Err(Error::Invalid(format!(
+                "MTP speculative decoding needs the model's multi-token-prediction head: load {} with it \
+                 (ModelConfig::load_mtp)",
+                model.config().arch.name()
+            )));
+        }
         let vocab = model.config().vocab_size;
         let snapshot_slots = match cfg.prefix_cache {
             Some(p) if recurrent => {
@@ -180,6 +188,12 @@ impl EngineCore {
     /// Preemptions so far.
     pub fn preemptions(&self) -> usize {
         self.preemptions
+    }
+
+    /// The drafts the MTP head proposed for request `id`'s next step (empty
+    /// when it proposed none).
+    pub fn proposed_drafts(&self, id: RequestId) -> &[u32] {
+        self.seqs.get(&id).map_or(&[], |s| &s.proposed)
     }
 
     /// Speculative decoding's counters so far.
@@ -515,6 +529,13 @@ impl EngineCore {
                 }
             }
             (Proposer::Draft, None) => unreachable!("with_draft checked that a draft model is given"),
+            (Proposer::Mtp, _) => (wants.iter())
+                .map(|&(i, room)| {
+                    let proposed = &mut taken[i].0.proposed;
+                    proposed.truncate(room);
+                    std::mem::take(proposed)
+                })
+                .collect(),
         };
         for (&(i, _), drafts) in wants.iter().zip(proposals) {
             let (seq, n) = &mut taken[i];
@@ -573,6 +594,8 @@ impl EngineCore {
             }
             return Err(e);
         }
+        // The MTP proposer's drafts per sequence.
+        let mtp = self.cfg.speculative.filter(|s| s.proposer == Proposer::Mtp).map(|s| s.draft_tokens);
         let result = {
             let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots).zip(&verify))
                 .map(|(((seq, n), snaps), verify)| {
@@ -591,8 +614,10 @@ impl EngineCore {
                         media,
                         ..
                     } = seq;
+                    let mtp_rows = mtp.is_some() && media.is_none();
                     let task: &Task = task;
                     let (hidden, scores) = match task {
+                        Task::Generate if mtp_rows => (HiddenRows::All, None),
                         Task::Generate => (HiddenRows::None, None),
                         Task::Embed(Pooling::Last) if ends => (HiddenRows::Last, None),
                         Task::Embed(Pooling::Mean) => (HiddenRows::All, None),
@@ -650,7 +675,12 @@ impl EngineCore {
         let tok = self.tokenizer.clone();
         let mut outputs = Vec::new();
         let width = self.runner.model().config().hidden_size;
-        for (((mut seq, n), step), verify) in taken.into_iter().zip(picks).zip(verify) {
+        let mut mtp_rows = Vec::new();
+        for (((mut seq, n), mut step), verify) in taken.into_iter().zip(picks).zip(verify) {
+            if mtp.is_some() && mtp::follows(&seq) {
+                let hidden = std::mem::take(&mut step.hidden);
+                mtp_rows.push(mtp::StepRows { id: seq.id, start: seq.computed, hidden });
+            }
             // A recurrent state that ran past a rejected draft goes back to
             // the one after the last accepted token.
             let rolled_back = match (verify.get(step.accepted), seq.state_slot) {
@@ -726,6 +756,9 @@ impl EngineCore {
                 self.seqs.insert(seq.id, seq);
             }
             outputs.push(out);
+        }
+        if let Some(k) = mtp {
+            mtp::propose(&mut self.runner, &mut self.seqs, mtp_rows, k);
         }
         Ok(outputs)
     }

@@ -9,6 +9,7 @@ pub mod draft;
 pub mod encoding;
 pub mod generate;
 pub mod handle;
+mod mtp;
 pub mod perplexity;
 pub mod pooling;
 pub mod prefix;

@@ -50,6 +50,8 @@ pub struct Sequence {
     /// Draft tokens at the end of `tokens` during a speculative step (0
     /// between steps).
     pub drafts: usize,
+    /// What the multi-token-prediction head proposed for its next step.
+    pub proposed: Vec<u32>,
     /// When it next proposes drafts.
     pub backoff: Backoff,
     /// Its prompt's images.
@@ -98,6 +100,7 @@ impl Sequence {
             pooled: Vec::new(),
             preemptions: 0,
             drafts: 0,
+            proposed: Vec::new(),
             backoff: Backoff::default(),
             media,
             decode: DecodeStream::new(true),

@@ -15,6 +15,9 @@ pub enum Proposer {
     /// A draft model (given to the engine beside the target) proposes
     /// greedily.
     Draft,
+    /// The model's own multi-token-prediction head (Qwen3-Next, Qwen3.5)
+    /// proposes greedily, chained, after each step.
+    Mtp,
 }
 
 /// Speculative decoding for an engine.
@@ -42,6 +45,12 @@ impl SpeculativeConfig {
     /// N-gram lookup over 4- down to 2-token suffixes, `draft_tokens` at a time.
     pub fn ngram(draft_tokens: usize) -> Self {
         SpeculativeConfig { proposer: Proposer::Ngram { min: 2, max: 4 }, draft_tokens }
+    }
+
+    /// Speculation with the model's multi-token-prediction head,
+    /// `draft_tokens` at a time.
+    pub fn mtp(draft_tokens: usize) -> Self {
+        SpeculativeConfig { proposer: Proposer::Mtp, draft_tokens }
     }
 
     /// Draft-model speculation, `draft_tokens` at a time.
@@ -87,6 +96,11 @@ impl Backoff {
             return false;
         }
         true
+    }
+
+    /// Whether the next [`Backoff::ready`] will say no.
+    pub fn waiting(&self) -> bool {
+        self.wait > 0
     }
 
     /// Notes a verification that accepted `accepted` drafts.

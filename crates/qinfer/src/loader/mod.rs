@@ -142,10 +142,21 @@ pub fn random_model(
     storage: WeightStorage,
     device: Device,
 ) -> Result<(ModelConfig, Box<dyn LanguageModel>)> {
-    let json = read_json(config_path)?;
-    let cfg = ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))?;
-    let model = place(cfg.clone(), Weights::Random(RandomWeights::new(storage, cfg.num_layers, 0)), device)?;
+    let cfg = model_config(config_path)?;
+    let model = random_model_of(cfg.clone(), storage, device)?;
     Ok((cfg, model))
+}
+
+/// The model configuration a `config.json` describes.
+pub fn model_config(config_path: &Path) -> Result<ModelConfig> {
+    let json = read_json(config_path)?;
+    ModelConfig::from_hf_json(&json, None).map_err(|e| Error::malformed(config_path, e.to_string()))
+}
+
+/// A model of `cfg`'s shape with made-up weights on `device` (see [`random_model`]).
+pub fn random_model_of(cfg: ModelConfig, storage: WeightStorage, device: Device) -> Result<Box<dyn LanguageModel>> {
+    let layers = cfg.num_layers;
+    place(cfg, Weights::Random(RandomWeights::new(storage, layers, 0)), device)
 }
 
 impl LoadedModel {

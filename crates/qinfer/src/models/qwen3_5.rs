@@ -17,7 +17,7 @@ const LAYOUTS: &[TextRoot] = &[
 
 const UNUSED: &[(&str, &str)] = &[
     ("vision_tower.", "an MLX conversion's vision tower: images need the Hugging Face checkpoint"),
-    ("mtp.", "the multi-token-prediction head, unused until speculative decoding"),
+    ("mtp.", "the multi-token-prediction head, loaded only for MTP speculative decoding"),
 ];
 
 pub const SPEC: ModelSpec = ModelSpec {

@@ -5,6 +5,7 @@
 //! KV pool, the recurrent-state slots) and their bookkeeping.
 
 pub mod media;
+pub mod mtp;
 
 use std::sync::Arc;
 
