@@ -209,6 +209,11 @@ pub struct EngineArgs {
     /// --speculative).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub draft_tokens: u16,
+    /// Verify every proposed draft up to --draft-tokens (by default a step
+    /// verifies only the drafts that the measured step costs and each
+    /// sequence's acceptance rate say pay).
+    #[arg(long)]
+    pub fixed_draft_tokens: bool,
 }
 
 /// Where draft tokens come from.
@@ -236,13 +241,15 @@ pub fn parse_speculative(s: &str) -> std::result::Result<SpeculativeKind, String
 }
 
 impl SpeculativeKind {
-    /// The engine's speculation with at most `draft_tokens` per step.
-    pub fn config(&self, draft_tokens: usize) -> SpeculativeConfig {
-        match self {
+    /// The engine's speculation with at most `draft_tokens` per step, as
+    /// many as pay (`adaptive`) or all proposed.
+    pub fn config(&self, draft_tokens: usize, adaptive: bool) -> SpeculativeConfig {
+        let cfg = match self {
             SpeculativeKind::Ngram => SpeculativeConfig::ngram(draft_tokens),
             SpeculativeKind::Draft(_) => SpeculativeConfig::draft_model(draft_tokens),
             SpeculativeKind::Mtp => SpeculativeConfig::mtp(draft_tokens),
-        }
+        };
+        if adaptive { cfg.adaptive() } else { cfg }
     }
 
     /// Whether the target must be loaded with its multi-token-prediction head.
@@ -323,7 +330,8 @@ impl EngineArgs {
                 cfg.num_blocks * cfg.block_size,
             )
         });
-        cfg.speculative = self.speculative.as_ref().map(|kind| kind.config(self.draft_tokens as usize));
+        cfg.speculative =
+            self.speculative.as_ref().map(|kind| kind.config(self.draft_tokens as usize, !self.fixed_draft_tokens));
         cfg
     }
 }

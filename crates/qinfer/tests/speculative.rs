@@ -114,6 +114,24 @@ fn ngram_speculation_changes_no_greedy_token() {
 }
 
 #[test]
+fn adaptive_speculation_changes_no_greedy_token() {
+    // How many drafts each step verifies follows measured times here, so
+    // only the outputs are compared (and the counters' sense).
+    for (name, model, r) in all_models() {
+        let (reqs, joins) = mix(&r);
+        let cfg = |tokens, seqs, blocks| config_for(&reqs, tokens, seqs, blocks);
+        let plain = run(&mut EngineCore::new(model.clone(), None, cfg(80, 4, 12)).unwrap(), &reqs, &joins);
+        let mut config = cfg(80, 4, 12);
+        config.speculative = Some(SpeculativeConfig::ngram(4).adaptive());
+        let mut core = EngineCore::new(model.clone(), None, config).unwrap();
+        check_against(&format!("{name}, adaptive"), &reqs, &plain, &run(&mut core, &reqs, &joins));
+        let stats = core.speculative_stats();
+        println!("{name}, adaptive: {stats:?}");
+        assert!(stats.accepted <= stats.drafted, "{name}: {stats:?}");
+    }
+}
+
+#[test]
 fn draft_model_speculation_changes_no_greedy_token() {
     let models = all_models();
     let drafts: Vec<_> = models.iter().filter(|m| !hybrid(&m.1)).collect();

@@ -83,6 +83,10 @@ pub struct Args {
     /// Most draft tokens per sequence and step (with --speculative).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     draft_tokens: u16,
+    /// Verify every proposed draft up to --draft-tokens (by default only
+    /// the drafts measured costs say pay, as the engine commands do).
+    #[arg(long, requires = "speculative")]
+    fixed_draft_tokens: bool,
     /// Multi-turn conversations through the engine, with the prefix cache
     /// and without: --conversations at once, each --turns turns, sharing a
     /// --system-tokens prompt, each turn adding --turn-tokens and an answer
@@ -248,7 +252,7 @@ fn concurrency_rows(
             prefix_cache: (!a.no_prefix_cache).then(|| {
                 PrefixCacheConfig::for_model(lm.as_ref(), 64, PrefixCacheConfig::DEFAULT_SNAPSHOT_BYTES, c * (p + n))
             }),
-            speculative: a.speculative.as_ref().map(|kind| kind.config(a.draft_tokens as usize)),
+            speculative: a.speculative.as_ref().map(|kind| kind.config(a.draft_tokens as usize, !a.fixed_draft_tokens)),
         };
         let draft = match &a.speculative {
             Some(kind) => kind.load_draft(*device, None)?,

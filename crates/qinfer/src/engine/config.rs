@@ -3,7 +3,7 @@
 
 use super::prefix::PrefixCacheConfig;
 use super::request::{Request, Task};
-use super::speculative::SpeculativeConfig;
+use super::speculative::{Proposer, SpeculativeConfig};
 use crate::config::GdnConfig;
 use crate::models::LanguageModel;
 use crate::{Error, Result};
@@ -65,6 +65,68 @@ impl EngineConfig {
             speculative: None,
         }
     }
+}
+
+/// What [`EngineConfig::check`] derives for a model.
+pub(super) struct Checked {
+    /// Prefill chunks end at multiples of this (the recurrent layers' chunk).
+    pub align: usize,
+    /// State slots kept for prefix-cache snapshots.
+    pub snapshot_slots: usize,
+}
+
+impl EngineConfig {
+    /// Checks the configuration against `model`: an error names the limit.
+    pub(super) fn check(&self, model: &dyn LanguageModel) -> Result<Checked> {
+        if self.max_batched_tokens == 0 || self.max_num_seqs == 0 || self.block_size == 0 {
+            return Err(Error::Invalid(
+                "max_batched_tokens, max_num_seqs and block_size must all be at least 1".into(),
+            ));
+        }
+        let recurrent = model.config().gdn.is_some();
+        let align = if recurrent { GdnConfig::CHUNK_SIZE } else { 1 };
+        if self.max_batched_tokens < align {
+            return Err(Error::Invalid(format!(
+                "max_batched_tokens {} is below {align}, the chunk of this model's recurrent layers",
+                self.max_batched_tokens
+            )));
+        }
+        if self.speculative.is_some_and(|s| s.draft_tokens == 0) {
+            return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
+        }
+        if self.speculative.is_some_and(|s| s.proposer == Proposer::Mtp) && !model.has_mtp() {
+            return Err(Error::Invalid(format!(
+                "MTP speculative decoding needs the model's multi-token-prediction head: load {} with it \
+                 (ModelConfig::load_mtp)",
+                model.config().arch.name()
+            )));
+        }
+        let snapshot_slots = match self.prefix_cache {
+            Some(p) if recurrent => {
+                let every = lcm(self.block_size, align);
+                if p.snapshot_interval == 0 || p.snapshot_interval % every != 0 {
+                    return Err(Error::Invalid(format!(
+                        "the state snapshot interval {} is not a multiple of {every} (the block size {} and the \
+                         recurrent chunk {align})",
+                        p.snapshot_interval, self.block_size
+                    )));
+                }
+                p.snapshot_slots
+            }
+            _ => 0,
+        };
+        Ok(Checked { align, snapshot_slots })
+    }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
 }
 
 /// `req` against `cfg`'s limits and the vocabulary.

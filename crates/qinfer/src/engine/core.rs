@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::adaptive::{StepCost, worth};
 use super::draft::{DraftWant, Drafter};
 use super::encoding::ImageQueue;
 use super::mtp;
@@ -17,7 +18,6 @@ use super::prefix::{BlockAt, PlannedSnapshot, PrefixCache, PrefixStats, Snapshot
 use super::request::{FinishReason, Output, Pooling, Request, RequestId, Task};
 use super::sequence::Sequence;
 use super::speculative::{Proposer, SpeculativeStats, ngram_lookup};
-use crate::config::GdnConfig;
 use crate::kv::host_tier::{HostTier, HostTierStats, Kind};
 use crate::kv::snapshots::SnapshotCache;
 use crate::models::LanguageModel;
@@ -26,6 +26,7 @@ use crate::runner::{HiddenRows, Runner, RunnerConfig, StepSeq};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
+use super::config::Checked;
 pub use super::config::{EngineConfig, validate};
 
 /// What [`EngineCore::snapshots`] reports.
@@ -55,6 +56,8 @@ pub struct EngineCore {
     preemptions: usize,
     prefix: Option<PrefixCache>,
     speculative: SpeculativeStats,
+    /// Decode-only steps' time against their rows (adaptive speculation).
+    step_cost: StepCost,
     /// The draft model's proposer (with [`Proposer::Draft`]).
     drafter: Option<Drafter>,
     /// Requests whose images are going through the vision tower; each
@@ -89,44 +92,9 @@ impl EngineCore {
                 "a draft model was given without draft-model speculative decoding".into()
             }));
         }
-        if cfg.max_batched_tokens == 0 || cfg.max_num_seqs == 0 || cfg.block_size == 0 {
-            return Err(Error::Invalid(
-                "max_batched_tokens, max_num_seqs and block_size must all be at least 1".into(),
-            ));
-        }
         let recurrent = model.config().gdn.is_some();
-        let align = if recurrent { GdnConfig::CHUNK_SIZE } else { 1 };
-        if cfg.max_batched_tokens < align {
-            return Err(Error::Invalid(format!(
-                "max_batched_tokens {} is below {align}, the chunk of this model's recurrent layers",
-                cfg.max_batched_tokens
-            )));
-        }
-        if cfg.speculative.is_some_and(|s| s.draft_tokens == 0) {
-            return Err(Error::Invalid("speculative decoding needs at least 1 draft token".into()));
-        }
-        if cfg.speculative.is_some_and(|s| s.proposer == Proposer::Mtp) && !model.has_mtp() {
-            return Err(Error::Invalid(format!(
-                "MTP speculative decoding needs the model's multi-token-prediction head: load {} with it \
-                 (ModelConfig::load_mtp)",
-                model.config().arch.name()
-            )));
-        }
+        let Checked { align, snapshot_slots } = cfg.check(model.as_ref())?;
         let vocab = model.config().vocab_size;
-        let snapshot_slots = match cfg.prefix_cache {
-            Some(p) if recurrent => {
-                let every = lcm(cfg.block_size, align);
-                if p.snapshot_interval == 0 || p.snapshot_interval % every != 0 {
-                    return Err(Error::Invalid(format!(
-                        "the state snapshot interval {} is not a multiple of {every} (the block size {} and the \
-                         recurrent chunk {align})",
-                        p.snapshot_interval, cfg.block_size
-                    )));
-                }
-                p.snapshot_slots
-            }
-            _ => 0,
-        };
         let verify_slots = match cfg.speculative {
             Some(spec) if recurrent => spec.verify_slots(model.config().recurrent_state_values() * 4, cfg.max_num_seqs),
             _ => 0,
@@ -171,6 +139,7 @@ impl EngineCore {
             preemptions: 0,
             prefix,
             speculative: SpeculativeStats::default(),
+            step_cost: StepCost::default(),
             encoding: ImageQueue::default(),
             step_time: None,
             failed: Vec::new(),
@@ -481,6 +450,8 @@ impl EngineCore {
         let mut budget = self.cfg.max_batched_tokens.saturating_sub(taken.iter().map(|(_, n)| n).sum());
         let recurrent = self.runner.recurrent();
         let mut free_slots = self.runner.free_verify_slots();
+        // The share of this step's time its rows add (adaptive speculation).
+        let row_share = self.step_cost.row_share(taken.iter().map(|(_, n)| n).sum());
         // (index into taken, most drafts it may take).
         let mut wants = Vec::new();
         for (i, (seq, n)) in taken.iter_mut().enumerate() {
@@ -502,6 +473,7 @@ impl EngineCore {
                 .min(budget)
                 .min(spec.draft_tokens)
                 .min(if recurrent { free_slots } else { usize::MAX });
+            let room = if spec.adaptive { worth(seq.acceptance.rate(), row_share, room) } else { room };
             if room > 0 {
                 budget -= room;
                 if recurrent {
@@ -596,6 +568,11 @@ impl EngineCore {
         }
         // The MTP proposer's drafts per sequence.
         let mtp = self.cfg.speculative.filter(|s| s.proposer == Proposer::Mtp).map(|s| s.draft_tokens);
+        // A step of decode tokens (and drafts) only: its time fits the step cost.
+        let decode_rows = (taken.iter())
+            .all(|(seq, n)| seq.computed >= seq.prefill_len && *n == 1 + seq.drafts)
+            .then(|| taken.iter().map(|(_, n)| n).sum::<usize>());
+        let forward_started = Instant::now();
         let result = {
             let mut step: Vec<StepSeq<'_>> = (taken.iter_mut().zip(&snapshots).zip(&verify))
                 .map(|(((seq, n), snaps), verify)| {
@@ -659,6 +636,9 @@ impl EngineCore {
         }
         let picks = match result {
             Ok(p) => {
+                if let Some(rows) = decode_rows {
+                    self.step_cost.observe(rows, forward_started.elapsed().as_secs_f64());
+                }
                 let took = started.elapsed();
                 self.step_time = Some(self.step_time.map_or(took, |t| (t * 3 + took) / 4));
                 p
@@ -708,6 +688,7 @@ impl EngineCore {
                 self.speculative.drafted += drafted as u64;
                 self.speculative.accepted += step.accepted as u64;
                 seq.backoff.verified(step.accepted);
+                seq.acceptance.verified(step.accepted, drafted);
                 for (i, &t) in drafts[..step.accepted.min(drafted)].iter().enumerate() {
                     if let Some(lp) = step.draft_logprobs.get(i) {
                         seq.push_logprob(lp.clone());
@@ -773,14 +754,4 @@ fn chunk(seq: &Sequence, budget: usize, align: usize) -> usize {
     }
     let end = (seq.computed + budget) / align * align;
     end.saturating_sub(seq.computed)
-}
-
-fn lcm(a: usize, b: usize) -> usize {
-    let gcd = |mut x: usize, mut y: usize| {
-        while y != 0 {
-            (x, y) = (y, x % y);
-        }
-        x
-    };
-    a / gcd(a, b) * b
 }

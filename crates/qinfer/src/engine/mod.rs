@@ -3,6 +3,7 @@
 //! types, speculative decoding's proposers, and the single-sequence
 //! generation loop and perplexity.
 
+pub mod adaptive;
 pub mod config;
 pub mod core;
 pub mod draft;

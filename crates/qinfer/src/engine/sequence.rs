@@ -2,6 +2,7 @@
 //! cache, the blocks and state slot that hold them, its sampler and the
 //! text streamed so far (held back where a stop string could still begin).
 
+use super::adaptive::Acceptance;
 use super::request::{
     FinishReason, Output, Pooling, Request, RequestId, StopConditions, Task, TokenConstraint, TokenLogprob, Usage,
 };
@@ -54,6 +55,8 @@ pub struct Sequence {
     pub proposed: Vec<u32>,
     /// When it next proposes drafts.
     pub backoff: Backoff,
+    /// How often its drafts were accepted.
+    pub acceptance: Acceptance,
     /// Its prompt's images.
     pub media: Option<Arc<Media>>,
     decode: DecodeStream,
@@ -102,6 +105,7 @@ impl Sequence {
             drafts: 0,
             proposed: Vec::new(),
             backoff: Backoff::default(),
+            acceptance: Acceptance::default(),
             media,
             decode: DecodeStream::new(true),
             text: String::new(),

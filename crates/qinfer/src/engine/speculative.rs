@@ -26,6 +26,10 @@ pub struct SpeculativeConfig {
     pub proposer: Proposer,
     /// Most draft tokens verified per sequence and step.
     pub draft_tokens: usize,
+    /// Verify only as many drafts as measured step costs and each
+    /// sequence's acceptance say pay ([`super::adaptive`]); otherwise every
+    /// proposal up to `draft_tokens`.
+    pub adaptive: bool,
 }
 
 impl SpeculativeConfig {
@@ -44,18 +48,23 @@ impl SpeculativeConfig {
 
     /// N-gram lookup over 4- down to 2-token suffixes, `draft_tokens` at a time.
     pub fn ngram(draft_tokens: usize) -> Self {
-        SpeculativeConfig { proposer: Proposer::Ngram { min: 2, max: 4 }, draft_tokens }
+        SpeculativeConfig { proposer: Proposer::Ngram { min: 2, max: 4 }, draft_tokens, adaptive: false }
     }
 
     /// Speculation with the model's multi-token-prediction head,
     /// `draft_tokens` at a time.
     pub fn mtp(draft_tokens: usize) -> Self {
-        SpeculativeConfig { proposer: Proposer::Mtp, draft_tokens }
+        SpeculativeConfig { proposer: Proposer::Mtp, draft_tokens, adaptive: false }
+    }
+
+    /// The same, verifying only the drafts measured costs say pay.
+    pub fn adaptive(self) -> Self {
+        SpeculativeConfig { adaptive: true, ..self }
     }
 
     /// Draft-model speculation, `draft_tokens` at a time.
     pub fn draft_model(draft_tokens: usize) -> Self {
-        SpeculativeConfig { proposer: Proposer::Draft, draft_tokens }
+        SpeculativeConfig { proposer: Proposer::Draft, draft_tokens, adaptive: false }
     }
 }
 
