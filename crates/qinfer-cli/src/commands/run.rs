@@ -9,12 +9,12 @@ use std::sync::Arc;
 use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::request::{Request, StopConditions};
-use qinfer::image::{ImageLimits, prepare};
+use qinfer::image::{ImageLimits, PreparedImage, prepare};
 use qinfer::loader::LoadedModel;
 use qinfer::models::vision::expand_placeholders;
-use qinfer::tokenizer::{ChatMessage, ChatOptions, ContentPart};
+use qinfer::tokenizer::{ChatMessage, ChatOptions, ContentPart, Tokenizer};
 
-use crate::common::{LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
+use crate::common::{LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,12 +40,23 @@ pub struct Args {
     /// PNG or WebP). Needs a multimodal checkpoint (Qwen3.5 with its vision tower).
     #[arg(long = "image", value_name = "PATH")]
     images: Vec<PathBuf>,
+    /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
+    /// engine commands; the answer is the same, greedy or in distribution.
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
+    speculative: Option<SpeculativeKind>,
+    /// Most draft tokens a step (with --speculative).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    draft_tokens: u16,
+    /// Verify every proposed draft up to --draft-tokens (by default only
+    /// those the measured step costs say pay).
+    #[arg(long, requires = "speculative")]
+    fixed_draft_tokens: bool,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(a.model.as_ref())?;
-    if !a.images.is_empty() {
-        return run_with_images(a, model, device);
+    if !a.images.is_empty() || a.speculative.is_some() {
+        return run_on_engine(a, model, device);
     }
     let tok =
         model.tokenizer.as_ref().context("`run` needs a tokenizer; this model has none (use `generate --tokens`)")?;
@@ -99,42 +110,43 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     Ok(())
 }
 
-/// `run` with images: the user message's images then its text through the
-/// chat template, each image marker widened to the image's tokens, and the
-/// request through the engine (which runs the vision tower).
-fn run_with_images(mut a: Args, mut model: LoadedModel, device: qinfer::loader::Device) -> Result<()> {
+/// `run` through the engine, for images or speculative decoding: the
+/// user message (its images, then its text) through the chat template,
+/// each image marker widened to the image's tokens; the engine runs the
+/// vision tower and the proposer.
+fn run_on_engine(mut a: Args, mut model: LoadedModel, device: qinfer::loader::Device) -> Result<()> {
     let name = model.path.display().to_string();
-    let (Some(vision), Some(processor)) = (model.config.vision.clone(), model.image_processor.clone()) else {
-        anyhow::bail!(
-            "{name} takes no images: `--image` needs a multimodal checkpoint (Qwen3.5 with its vision tower)"
-        );
-    };
-    let images = (a.images.iter())
-        .map(|p| {
-            let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
-            let img = prepare(&bytes, &processor, &ImageLimits::default()).with_context(|| p.display().to_string())?;
-            Ok(Arc::new(img))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let stops = stop_tokens(&model, None);
-    let tok = model.tokenizer.take().with_context(|| format!("{name} has no tokenizer"))?;
-    anyhow::ensure!(tok.has_chat_template(), "{name} has no chat template to place the images with");
-    let mut messages = Vec::new();
-    if let Some(s) = a.system.take() {
-        messages.push(ChatMessage::new("system", s));
-    }
-    let mut user = ChatMessage::new("user", a.prompt.clone());
-    user.parts = images.iter().map(|_| ContentPart::Image).chain([ContentPart::Text(a.prompt.clone())]).collect();
-    messages.push(user);
-    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() };
-    let text = tok.apply_chat_template(&messages, &opts)?;
-    let per_image: Vec<usize> = images.iter().map(|i| i.tokens(vision.spatial_merge_size)).collect();
-    let prompt = expand_placeholders(&tok.encode(&text, false)?, vision.image_token_id, &per_image)?;
+    let tok = model.tokenizer.take().with_context(|| format!("`run` needs a tokenizer; {name} has none"))?;
+    let (images, per_image, prompt) = if a.images.is_empty() {
+        let text = if tok.has_chat_template() {
+            let mut messages = Vec::new();
+            if let Some(s) = a.system.take() {
+                messages.push(ChatMessage::new("system", s));
+            }
+            messages.push(ChatMessage::new("user", a.prompt.clone()));
+            let opts =
+                ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() };
+            tok.apply_chat_template(&messages, &opts)?
+        } else {
+            a.prompt.clone()
+        };
+        (Vec::new(), Vec::new(), tok.encode(&text, !tok.has_chat_template())?)
+    } else {
+        with_images(&mut a, &model, &tok)?
+    };
+    model.config.load_mtp = SpeculativeKind::needs_mtp(a.speculative.as_ref());
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
-    anyhow::ensure!(lm.takes_images(), "images are not supported on {} yet", lm.device());
+    anyhow::ensure!(images.is_empty() || lm.takes_images(), "images are not supported on {} yet", lm.device());
     let len = prompt.len() + a.max_tokens;
-    let cfg = EngineConfig::for_model(lm.as_ref(), 2048, 1, Some(len), usize::MAX);
-    let mut core = EngineCore::new(lm.clone(), Some(Arc::new(tok)), cfg)?;
+    let mut cfg = EngineConfig::for_model(lm.as_ref(), 2048, 1, Some(len), usize::MAX);
+    cfg.speculative = a.speculative.as_ref().map(|k| k.config(a.draft_tokens as usize, !a.fixed_draft_tokens));
+    let tok = Arc::new(tok);
+    let draft = match &a.speculative {
+        Some(kind) => kind.load_draft(device, Some(&tok))?,
+        None => None,
+    };
+    let mut core = EngineCore::with_draft(lm.clone(), Some(tok), cfg, draft)?;
     let req = Request {
         prompt,
         sampling: a.sampling.resolve(&model.sampling_defaults),
@@ -162,12 +174,55 @@ fn run_with_images(mut a: Args, mut model: LoadedModel, device: qinfer::loader::
     writeln!(stdout)?;
     let first = first.unwrap_or_default();
     let decode = t0.elapsed().saturating_sub(first).as_secs_f64().max(1e-9);
+    let spec = core.speculative_stats();
+    let drafts = match a.speculative {
+        Some(_) => format!(" | {} of {} drafts accepted", spec.accepted, spec.drafted),
+        None => String::new(),
+    };
+    let shown = match per_image.len() {
+        0 => String::new(),
+        n => format!(" ({n} images)"),
+    };
     eprintln!(
-        "prompt: {prompt_tokens} tokens ({} images), first token after {:.2} s | decode: {generated} tokens, {:.1} tok/s | {}",
-        per_image.len(),
+        "prompt: {prompt_tokens} tokens{shown}, first token after {:.2} s | decode: {generated} tokens, {:.1} tok/s{drafts} | {}",
         first.as_secs_f64(),
         generated.saturating_sub(1) as f64 / decode,
         lm.device()
     );
     Ok(())
+}
+
+/// A prompt's images, each one's token count, and its token ids.
+type Prompt = (Vec<Arc<PreparedImage>>, Vec<usize>, Vec<u32>);
+
+/// The images of `a` prepared, each one's token count, and the prompt: the
+/// user message's images then its text through the chat template, each
+/// image marker widened to the image's tokens.
+fn with_images(a: &mut Args, model: &LoadedModel, tok: &Tokenizer) -> Result<Prompt> {
+    let name = model.path.display().to_string();
+    let (Some(vision), Some(processor)) = (model.config.vision.clone(), model.image_processor.clone()) else {
+        anyhow::bail!(
+            "{name} takes no images: `--image` needs a multimodal checkpoint (Qwen3.5 with its vision tower)"
+        );
+    };
+    let images = (a.images.iter())
+        .map(|p| {
+            let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+            let img = prepare(&bytes, &processor, &ImageLimits::default()).with_context(|| p.display().to_string())?;
+            Ok(Arc::new(img))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    anyhow::ensure!(tok.has_chat_template(), "{name} has no chat template to place the images with");
+    let mut messages = Vec::new();
+    if let Some(s) = a.system.take() {
+        messages.push(ChatMessage::new("system", s));
+    }
+    let mut user = ChatMessage::new("user", a.prompt.clone());
+    user.parts = images.iter().map(|_| ContentPart::Image).chain([ContentPart::Text(a.prompt.clone())]).collect();
+    messages.push(user);
+    let opts = ChatOptions { add_generation_prompt: true, enable_thinking: a.enable_thinking, ..Default::default() };
+    let text = tok.apply_chat_template(&messages, &opts)?;
+    let per_image: Vec<usize> = images.iter().map(|i| i.tokens(vision.spatial_merge_size)).collect();
+    let prompt = expand_placeholders(&tok.encode(&text, false)?, vision.image_token_id, &per_image)?;
+    Ok((images, per_image, prompt))
 }
