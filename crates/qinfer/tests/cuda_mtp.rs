@@ -50,11 +50,11 @@ fn run(lm: &dyn LanguageModel, input: &[u32], k: usize) -> (Vec<f32>, Vec<u32>) 
     prefill.hidden_rows = (0..t).collect();
     let out = lm.forward_batch(state.as_mut(), input, &prefill, &[]).unwrap();
     let next: Vec<u32> = input[1..].iter().copied().chain([argmax(&out.logits)]).collect();
-    let head = lm.mtp_forward(state.as_mut(), &next, &out.hidden, &layout(0, t, (0..t).collect())).unwrap();
+    let head = lm.mtp_forward(state.as_mut(), &next, &out.hidden, &layout(0, t, (0..t).collect()), false).unwrap();
     let mut drafts = vec![argmax(&head.logits[(t - 1) * vocab..])];
     let mut y = head.hidden[(t - 1) * h..].to_vec();
     for j in 1..k {
-        let step = lm.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(t - 1 + j, 1, vec![0])).unwrap();
+        let step = lm.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(t - 1 + j, 1, vec![0]), false).unwrap();
         drafts.push(argmax(&step.logits));
         y = step.hidden;
     }

@@ -89,7 +89,8 @@ fn the_mtp_head_matches_the_reference() {
         // after the last) and the target's hidden state of row i.
         let next: Vec<u32> = input[1..].iter().copied().chain([g]).collect();
         assert_eq!(next, ids(&fx["mtp_prefill"]["mtp_input_ids"]), "{case}");
-        let head = model.mtp_forward(state.as_mut(), &next, &target_hidden, &layout(0, t, (0..t).collect())).unwrap();
+        let head =
+            model.mtp_forward(state.as_mut(), &next, &target_hidden, &layout(0, t, (0..t).collect()), false).unwrap();
         assert_eq!(head.logits.len(), t * vocab);
         let (_, want) = qinfer::npy::read_f32(&dir(case).join("mtp_logits.npy")).unwrap();
         let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
@@ -131,7 +132,8 @@ fn the_mtp_head_matches_the_reference() {
         assert!(e <= REL_TOL * scale, "{case}: chain step 0: {e:.3e}");
         for j in 1..want_drafts.len() {
             let pos = t - 1 + j;
-            let step = model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(pos, 1, vec![0])).unwrap();
+            let step =
+                model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(pos, 1, vec![0]), false).unwrap();
             let e = max_abs(&step.logits, &f64s(&want_logits[j]));
             println!("{case}: chain step {j} (position {pos}): logits error {e:.3e}");
             assert!(e <= REL_TOL * scale, "{case}: chain step {j}: {e:.3e}");
@@ -151,6 +153,7 @@ fn a_missing_or_unloaded_head_is_named() {
     assert!(!model.has_mtp());
     let mut state = model.new_batch_state(4, BLOCK, 1).unwrap();
     let h = model.config().hidden_size;
-    let e = model.mtp_forward(state.as_mut(), &[1], &vec![0.0; h], &layout(0, 1, vec![0])).unwrap_err().to_string();
+    let e =
+        model.mtp_forward(state.as_mut(), &[1], &vec![0.0; h], &layout(0, 1, vec![0]), false).unwrap_err().to_string();
     assert!(e.contains("without") && e.contains("multi-token-prediction"), "{e}");
 }

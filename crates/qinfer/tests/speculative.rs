@@ -233,7 +233,7 @@ fn mtp_speculation_proposes_the_reference_drafts_and_changes_no_greedy_token() {
 /// over all but the last token, the head over every row, then the chain.
 fn fresh_mtp_drafts(model: &Arc<dyn LanguageModel>, tokens: &[u32], k: usize) -> Vec<u32> {
     use qinfer::kv::batch::{BatchLayout, BatchSeq};
-    let (n, h, vocab) = (tokens.len() - 1, model.config().hidden_size, model.config().vocab_size);
+    let (n, vocab) = (tokens.len() - 1, model.config().vocab_size);
     let mut state = model.new_batch_state(64, 16, 1).unwrap();
     model.reset_state_slot(state.as_mut(), 0).unwrap();
     let layout = |start: usize, rows: usize, logits: Vec<usize>| {
@@ -252,11 +252,12 @@ fn fresh_mtp_drafts(model: &Arc<dyn LanguageModel>, tokens: &[u32], k: usize) ->
     prefill.hidden_rows = (0..n).collect();
     let hidden = model.forward_batch(state.as_mut(), &tokens[..n], &prefill, &[]).unwrap().hidden;
     let argmax = |l: &[f32]| (0..l.len()).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap() as u32;
-    let out = model.mtp_forward(state.as_mut(), &tokens[1..], &hidden, &layout(0, n, vec![n - 1])).unwrap();
+    let out = model.mtp_forward(state.as_mut(), &tokens[1..], &hidden, &layout(0, n, vec![n - 1]), false).unwrap();
     let mut drafts = vec![argmax(&out.logits)];
-    let mut y = out.hidden[(n - 1) * h..].to_vec();
+    let mut y = out.hidden;
     for j in 1..k {
-        let out = model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(n - 1 + j, 1, vec![0])).unwrap();
+        let out =
+            model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &layout(n - 1 + j, 1, vec![0]), false).unwrap();
         drafts.push(argmax(&out.logits[..vocab]));
         y = out.hidden;
     }

@@ -83,10 +83,13 @@ pub struct BatchOutput {
 /// What the multi-token-prediction head returns for a batch.
 #[derive(Debug, Clone, Default)]
 pub struct MtpOutput {
-    /// `[logits_rows, vocab]`: the logits of the batch's logits rows.
+    /// The greedy pick of each logits row (when picks were asked for).
+    pub picks: Vec<u32>,
+    /// `[logits_rows, vocab]`: the logits of the batch's logits rows (when
+    /// picks were not asked for).
     pub logits: Vec<f32>,
-    /// `[rows, hidden_size]`: every row's output after the head's final
-    /// norm (what a chained draft step takes as its hidden state).
+    /// `[logits_rows, hidden_size]`: those rows' output after the head's
+    /// final norm (what a chained draft step takes as its hidden state).
     pub hidden: Vec<f32>,
 }
 
@@ -200,15 +203,18 @@ pub trait LanguageModel: Send + Sync {
     /// joins token `tokens[i]` (the token after the one the target saw
     /// there) with `hidden` row `i` (the target's final normed hidden state
     /// there, or the head's own output for a chained draft), at the row's
-    /// position; its keys and values go to the pool's head layer.
+    /// position; its keys and values go to the pool's head layer. With
+    /// `pick`, the logits rows are picked greedily where the logits are and
+    /// only the picks come back.
     fn mtp_forward(
         &self,
         state: &mut dyn BatchState,
         tokens: &[u32],
         hidden: &[f32],
         batch: &BatchLayout,
+        pick: bool,
     ) -> Result<MtpOutput> {
-        let _ = (state, tokens, hidden, batch);
+        let _ = (state, tokens, hidden, batch, pick);
         Err(Error::Invalid(format!("{} was loaded without a multi-token-prediction head", self.config().arch.name())))
     }
     /// A fresh sequence able to hold `capacity` tokens.

@@ -55,21 +55,16 @@ impl Runner {
             hidden.extend_from_slice(s.hidden);
             parts.push(row_seq(rows, s.start, s));
         }
-        let out =
-            self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &BatchLayout::new(parts, bs, logits_rows))?;
-        let vocab = self.model.config().vocab_size;
-        // (sequence, its last position, the head's output there).
+        let layout = BatchLayout::new(parts, bs, logits_rows);
+        let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
+        // (sequence, its last position, the head's output there), one per
+        // logits row, in order.
         let mut chains = Vec::new();
-        let mut picks = out.logits.chunks_exact(vocab);
-        let mut row = 0;
-        for &i in &seqs_in {
+        let proposing = seqs_in.iter().filter(|&&i| seqs[i].drafts > 0);
+        for (n, (&i, &pick)) in proposing.zip(&out.picks).enumerate() {
             let s = &seqs[i];
-            row += s.next.len();
-            if s.drafts > 0 {
-                drafts[i].push(argmax(picks.next().expect("one logits row per proposing sequence")));
-                let last = s.start + s.next.len() - 1;
-                chains.push((i, last, out.hidden[(row - 1) * h..row * h].to_vec()));
-            }
+            drafts[i].push(pick);
+            chains.push((i, s.start + s.next.len() - 1, out.hidden[n * h..(n + 1) * h].to_vec()));
         }
         for j in 1.. {
             // Sequences wanting a further draft whose next position has a block.
@@ -83,11 +78,10 @@ impl Runner {
                 hidden.extend_from_slice(y);
                 parts.push(row_seq(n..n + 1, last + j, &seqs[*i]));
             }
-            let rows = (0..chains.len()).collect();
-            let out =
-                self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &BatchLayout::new(parts, bs, rows))?;
-            for (n, ((i, _, y), logits)) in chains.iter_mut().zip(out.logits.chunks_exact(vocab)).enumerate() {
-                drafts[*i].push(argmax(logits));
+            let layout = BatchLayout::new(parts, bs, (0..chains.len()).collect());
+            let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
+            for (n, ((i, _, y), &pick)) in chains.iter_mut().zip(&out.picks).enumerate() {
+                drafts[*i].push(pick);
                 y.copy_from_slice(&out.hidden[n * h..(n + 1) * h]);
             }
         }
@@ -105,14 +99,4 @@ fn row_seq(rows: std::ops::Range<usize>, start: usize, s: &MtpRows<'_>) -> Batch
         snapshots: Vec::new(),
         adapter: None,
     }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

@@ -538,12 +538,22 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         tokens: &[u32],
         hidden: &[f32],
         batch: &BatchLayout,
+        pick: bool,
     ) -> Result<MtpOutput> {
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
         b.run_pass(|| {
-            let (logits, y) = self.mtp_forward_of(state, tokens, hidden, batch)?;
-            let out = MtpOutput { logits: logits.map(|l| b.to_host(&l)).unwrap_or_default(), hidden: b.to_host(&y) };
+            let mut out = MtpOutput::default();
+            if let Some((logits, y)) = self.mtp_forward_of(state, tokens, hidden, batch)? {
+                out.hidden = b.to_host(&y);
+                if pick {
+                    let greedy = RowPick { params: Default::default(), penalized: Vec::new(), u: 0.0 };
+                    let picks = vec![Some(greedy); batch.logits_rows.len()];
+                    out.picks = batch::pick_rows(b, &logits, &picks)?.0;
+                } else {
+                    out.logits = b.to_host(&logits);
+                }
+            }
             b.check()?;
             Ok(out)
         })

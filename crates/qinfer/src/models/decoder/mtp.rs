@@ -53,15 +53,15 @@ impl<B: ModelBackend> MtpHead<B> {
 }
 
 impl<B: ModelBackend + 'static> DecoderModel<B> {
-    /// The head over `batch`: the logits of `batch.logits_rows` (None when
-    /// it names none) and every row's output after `mtp.norm`.
+    /// The head over `batch`: the logits of `batch.logits_rows` and those
+    /// rows' output after `mtp.norm` (None when it names no row).
     pub(super) fn mtp_forward_of(
         &self,
         state: &mut DecoderBatchState<B>,
         tokens: &[u32],
         hidden: &[f32],
         batch: &BatchLayout,
-    ) -> Result<(Option<B::Act>, B::Act)> {
+    ) -> Result<Option<(B::Act, B::Act)>> {
         let name = self.cfg.arch.name();
         let Some(mtp) = &self.mtp else {
             return Err(Error::Invalid(format!("{name} was loaded without its multi-token-prediction head")));
@@ -101,9 +101,11 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         };
         let normed = out.add_into(b, &mut x, &mtp.norm, eps);
         let y = normed.unwrap_or_else(|| b.rms_norm(&x, &mtp.norm, eps));
+        if batch.logits_rows.is_empty() {
+            return Ok(None);
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let logits =
-            (!batch.logits_rows.is_empty()).then(|| b.linear(&b.gather_rows(&y, &batch.logits_rows), head, None));
-        Ok((logits, y))
+        let y = b.gather_rows(&y, &batch.logits_rows);
+        Ok(Some((b.linear(&y, head, None), y)))
     }
 }
