@@ -181,32 +181,10 @@ class MTPHead:
     def moe(self, x):
         W, c, p = self.W, self.c, "mtp.layers.0.mlp."
         k = c["num_experts_per_tok"]
-        logits = x @ W[p + "gate.weight"].T
-        pr = np.exp(logits - logits.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        order = np.argsort(-logits, -1, kind="stable")
-        srt = np.take_along_axis(logits, order, -1)
+        # The router's gap between the k-th and the next expert (near-ties).
+        srt = -np.sort(-(x @ W[p + "gate.weight"].T), -1)
         self.router_gaps += [float(g) for g in srt[:, k - 1] - srt[:, k]]
-        idx = order[:, :k]
-        wt = np.take_along_axis(pr, idx, -1)
-        if self.renorm:
-            wt = wt / wt.sum(-1, keepdims=True)
-        out = np.zeros_like(x)
-        fused = (p + "experts.gate_up_proj") in W
-        for t in range(x.shape[0]):
-            for j in range(k):
-                e = idx[t, j]
-                if fused:  # [E, 2I, H] gate rows first; down [E, H, I]
-                    gu = W[p + "experts.gate_up_proj"][e] @ x[t]
-                    half = gu.shape[0] // 2
-                    y = W[p + "experts.down_proj"][e] @ (np_silu(gu[:half]) * gu[half:])
-                else:
-                    q = f"{p}experts.{e}."
-                    y = W[q + "down_proj.weight"] @ (
-                        np_silu(W[q + "gate_proj.weight"] @ x[t]) * (W[q + "up_proj.weight"] @ x[t])
-                    )
-                out[t] += wt[t, j] * y
-        return out + np_sigmoid(x @ W[p + "shared_expert_gate.weight"].T) * np_mlp(x, W, p + "shared_expert.")
+        return mh.np_moe(x, W, p, c, self.renorm)
 
     def step(self, tokens, hidden, pos):
         """tokens [T], hidden [T, H] (target post-norm hidden, or previous MTP output), pos [T]."""

@@ -321,6 +321,19 @@ fn paged_prologue_matches_cpu() {
     }
 }
 
+/// A bench configuration (`json`) written to `dir/name.json` with this
+/// vocabulary and, where given, this many layers.
+fn config_file(dir: &std::path::Path, name: &str, json: &str, vocab: u32, layers: Option<usize>) -> std::path::PathBuf {
+    let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
+    cfg["vocab_size"] = vocab.into();
+    if let Some(n) = layers {
+        cfg["num_hidden_layers"] = n.into();
+    }
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
 /// A request: greedy, `max_tokens` new tokens.
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
     Request {
@@ -396,13 +409,7 @@ fn the_engine_on_cuda_matches_the_cpu_engine() {
     std::fs::create_dir_all(&dir).unwrap();
     let vocab = 32768u32;
     for (name, json, layers) in configs {
-        let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
-        cfg["vocab_size"] = vocab.into();
-        if let Some(n) = layers {
-            cfg["num_hidden_layers"] = n.into();
-        }
-        let path = dir.join(format!("{name}.json"));
-        std::fs::write(&path, cfg.to_string()).unwrap();
+        let path = config_file(&dir, name, json, vocab, layers);
         let storage = "f32".parse().unwrap();
         let (_, cpu) = loader::random_model(&path, storage, Device::CPU).unwrap();
         let cuda = Device::Cuda { ordinal: 0, options: CudaOptions::default() };
@@ -477,20 +484,10 @@ fn hybrid_speculation_on_cuda_keeps_plain_greedy_tokens() {
     let vocab = 32768u32;
     let cuda = Device::Cuda { ordinal: 0, options: CudaOptions::default() };
     let storage = "f32".parse().unwrap();
-    let mut models = Vec::new();
-    for (name, json, layers) in [
-        ("hybrid", include_str!("../../../bench/configs/cpu-hybrid-small.json"), None),
-        ("draft", include_str!("../../../bench/configs/qwen3-0.6b.json"), Some(2)),
-    ] {
-        let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
-        cfg["vocab_size"] = vocab.into();
-        if let Some(n) = layers {
-            cfg["num_hidden_layers"] = n.into();
-        }
-        let path = dir.join(format!("{name}.json"));
-        std::fs::write(&path, cfg.to_string()).unwrap();
-        models.push(path);
-    }
+    let models = [
+        config_file(&dir, "hybrid", include_str!("../../../bench/configs/cpu-hybrid-small.json"), vocab, None),
+        config_file(&dir, "draft", include_str!("../../../bench/configs/qwen3-0.6b.json"), vocab, Some(2)),
+    ];
     let (_, cpu) = loader::random_model(&models[0], storage, Device::CPU).unwrap();
     let (_, gpu) = loader::random_model(&models[0], storage, cuda).unwrap();
     let (_, draft) = loader::random_model(&models[1], storage, cuda).unwrap();
