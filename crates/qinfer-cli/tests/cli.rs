@@ -340,6 +340,24 @@ fn run_answers_a_question_with_the_default_model() {
 }
 
 #[test]
+fn run_with_speculation_gives_the_same_greedy_answer() {
+    if default_model().is_none() {
+        return;
+    }
+    let prompt = "Repeat this list exactly twice: apple, banana, cherry, date, elderberry, fig, grape.";
+    let plain = qinfer(&["run", "--temperature", "0", "--max-tokens", "60", prompt]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    for spec in [&["--speculative", "ngram"][..], &["--speculative", "ngram", "--fixed-draft-tokens"]] {
+        let o = qinfer(&[&["run", "--temperature", "0", "--max-tokens", "60"], spec, &[prompt]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&plain.stdout), "{spec:?}");
+        assert!(stderr(&o).contains("drafts accepted"), "{}", stderr(&o));
+    }
+    let o = qinfer(&["run", "--speculative", "mtp", "hello"]);
+    assert!(!o.status.success() && stderr(&o).contains("multi-token-prediction"), "{}", stderr(&o));
+}
+
+#[test]
 fn bench_json_reports_pp_and_tg() {
     let dir = fixture("qwen3");
     let o = qinfer(&["bench", "--model", dir.to_str().unwrap(), "-p", "16", "-n", "4", "-r", "2", "--json"]);

@@ -117,8 +117,9 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
 fn run_on_engine(mut a: Args, mut model: LoadedModel, device: qinfer::loader::Device) -> Result<()> {
     let name = model.path.display().to_string();
     let stops = stop_tokens(&model, None);
-    let tok = model.tokenizer.take().with_context(|| format!("`run` needs a tokenizer; {name} has none"))?;
+    let tok = model.tokenizer.take();
     let (images, per_image, prompt) = if a.images.is_empty() {
+        let tok = tok.as_ref().with_context(|| format!("`run` needs a tokenizer; {name} has none"))?;
         let text = if tok.has_chat_template() {
             let mut messages = Vec::new();
             if let Some(s) = a.system.take() {
@@ -133,8 +134,9 @@ fn run_on_engine(mut a: Args, mut model: LoadedModel, device: qinfer::loader::De
         };
         (Vec::new(), Vec::new(), tok.encode(&text, !tok.has_chat_template())?)
     } else {
-        with_images(&mut a, &model, &tok)?
+        with_images(&mut a, &model, tok.as_ref())?
     };
+    let tok = tok.expect("both kinds of prompt needed the tokenizer");
     model.config.load_mtp = SpeculativeKind::needs_mtp(a.speculative.as_ref());
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
     anyhow::ensure!(images.is_empty() || lm.takes_images(), "images are not supported on {} yet", lm.device());
@@ -198,7 +200,7 @@ type Prompt = (Vec<Arc<PreparedImage>>, Vec<usize>, Vec<u32>);
 /// The images of `a` prepared, each one's token count, and the prompt: the
 /// user message's images then its text through the chat template, each
 /// image marker widened to the image's tokens.
-fn with_images(a: &mut Args, model: &LoadedModel, tok: &Tokenizer) -> Result<Prompt> {
+fn with_images(a: &mut Args, model: &LoadedModel, tok: Option<&Tokenizer>) -> Result<Prompt> {
     let name = model.path.display().to_string();
     let (Some(vision), Some(processor)) = (model.config.vision.clone(), model.image_processor.clone()) else {
         anyhow::bail!(
@@ -212,6 +214,7 @@ fn with_images(a: &mut Args, model: &LoadedModel, tok: &Tokenizer) -> Result<Pro
             Ok(Arc::new(img))
         })
         .collect::<Result<Vec<_>>>()?;
+    let tok = tok.with_context(|| format!("{name} has no tokenizer"))?;
     anyhow::ensure!(tok.has_chat_template(), "{name} has no chat template to place the images with");
     let mut messages = Vec::new();
     if let Some(s) = a.system.take() {
