@@ -567,7 +567,7 @@ impl EngineCore {
             return Err(e);
         }
         // The MTP proposer's drafts per sequence.
-        let mtp = self.cfg.speculative.filter(|s| s.proposer == Proposer::Mtp).map(|s| s.draft_tokens);
+        let mtp = self.cfg.speculative.filter(|s| s.proposer == Proposer::Mtp);
         // A step of decode tokens (and drafts) only: its time fits the step cost.
         let decode_rows = (taken.iter())
             .all(|(seq, n)| seq.computed >= seq.prefill_len && *n == 1 + seq.drafts)
@@ -738,8 +738,14 @@ impl EngineCore {
             }
             outputs.push(out);
         }
-        if let Some(k) = mtp {
-            mtp::propose(&mut self.runner, &mut self.seqs, mtp_rows, k);
+        if let Some(spec) = self.cfg.speculative.filter(|s| s.proposer == Proposer::Mtp) {
+            // As many as the next step's verification would take (its decode rows: the running sequences).
+            let row_share = self.step_cost.row_share(self.running.len());
+            let most = |seq: &Sequence| match spec.adaptive {
+                true => worth(seq.acceptance.rate(), row_share, spec.draft_tokens),
+                false => spec.draft_tokens,
+            };
+            mtp::propose(&mut self.runner, &mut self.seqs, mtp_rows, most);
         }
         Ok(outputs)
     }

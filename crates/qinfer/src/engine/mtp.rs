@@ -26,10 +26,17 @@ pub(super) fn follows(seq: &Sequence) -> bool {
 }
 
 /// Runs the head over the rows each sequence of `rows` kept (those still
-/// in `seqs`) and stores up to `k` drafts for the ones that decode next.
+/// in `seqs`) and stores up to `most(seq)` drafts for the ones that decode
+/// next (each draft reads the whole head: none is chained that the next
+/// step would not verify).
 /// A failed head forward leaves every sequence without drafts (logged):
 /// drafts only ever cost time.
-pub(super) fn propose(runner: &mut Runner, seqs: &mut HashMap<RequestId, Sequence>, rows: Vec<StepRows>, k: usize) {
+pub(super) fn propose(
+    runner: &mut Runner,
+    seqs: &mut HashMap<RequestId, Sequence>,
+    rows: Vec<StepRows>,
+    most: impl Fn(&Sequence) -> usize,
+) {
     let h = runner.model().config().hidden_size;
     let mut wants = Vec::with_capacity(rows.len());
     for r in rows {
@@ -41,7 +48,7 @@ pub(super) fn propose(runner: &mut Runner, seqs: &mut HashMap<RequestId, Sequenc
             continue;
         }
         let decodes = seq.computed + 1 == seq.tokens.len() && seq.computed >= seq.prefill_len;
-        let drafts = if decodes && seq.constraint.is_none() && !seq.backoff.waiting() { k } else { 0 };
+        let drafts = if decodes && seq.constraint.is_none() && !seq.backoff.waiting() { most(seq) } else { 0 };
         if drafts > 1 {
             // The chained drafts' positions (all but the last) need blocks;
             // short of them, the chain stops early.
