@@ -141,6 +141,35 @@ pub trait Backend: Send + Sync {
         let out = body()?;
         finish(&out)
     }
+    /// The rows a batched step of `rows` decode rows (one a sequence) runs
+    /// with where this backend records such steps ([`Backend::run_batch_step`]):
+    /// `rows` padded up to the recorded size that serves it. None: such steps
+    /// run as they come (`moe`: the model has experts, which are recorded
+    /// only where the backend routes that many rows on the device).
+    fn batch_step_rows(&self, rows: usize, moe: bool) -> Option<usize> {
+        let _ = (rows, moe);
+        None
+    }
+    /// Runs one batched decode step over `batch` (padded to
+    /// [`Backend::batch_step_rows`]'s size): `body` issues its device work,
+    /// which must depend on the step only through `tokens` and `batch`'s
+    /// table (the positions, slots and block tables), and returns the
+    /// activations `finish` turns into the result. A backend may record
+    /// `body` once per size and attention plan in `steps` and replay the
+    /// recording with each later step's inputs instead of calling it;
+    /// `finish` runs after every step, outside the recording.
+    fn run_batch_step<R>(
+        &self,
+        steps: &mut Self::Step,
+        tokens: &[u32],
+        batch: &crate::kv::batch::BatchLayout,
+        body: &mut dyn FnMut() -> Result<Self::Act>,
+        finish: &mut dyn FnMut(&Self::Act) -> Result<R>,
+    ) -> Result<R> {
+        let _ = (steps, tokens, batch);
+        let out = body()?;
+        finish(&out)
+    }
     /// Reports a failure of earlier asynchronous work (device backends), after
     /// waiting for it to finish.
     fn check(&self) -> Result<()> {

@@ -10,7 +10,8 @@ use cudarc::driver::CudaSlice;
 use super::STATIC_SHARED_ROOM;
 use super::attention::KV_PRECISIONS;
 use super::attention_plan::{
-    DECODE_HEADS, DECODE_THREADS, batch_decode_plan, decode_shared, decode_whole_shared, flash_tile, kv_slot, kv_suffix,
+    DECODE_HEADS, DECODE_THREADS, batch_decode_plan, decode_plan, decode_shared, decode_whole_shared, flash_tile,
+    kv_slot, kv_suffix,
 };
 use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
 use super::kv_pool::CudaKvPool;
@@ -145,6 +146,9 @@ impl CudaBackend {
     /// made. The pointer stays valid for every launch issued before the next
     /// table replaces it: the old buffer is freed in stream order.
     pub(super) fn batch_table_ptr(&self, batch: &BatchLayout) -> Option<u64> {
+        if let Some(staged) = self.staged_table(batch) {
+            return Some(staged);
+        }
         let Ok(mut cache) = self.batch_table.lock() else {
             self.record(Err("batch table lock poisoned"), "batch table");
             return None;
@@ -197,6 +201,9 @@ impl CudaBackend {
     /// are its slot mapping, else a copy (returned, to be kept until the
     /// launch that reads it has been issued).
     fn slots_ptr(&self, slots: &[u32]) -> (Option<CudaSlice<i32>>, u64) {
+        if let Some(staged) = self.staged_slots(slots) {
+            return (None, staged);
+        }
         if let Ok(cache) = self.batch_table.lock()
             && let Some(c) = cache.as_ref().filter(|c| c.layout.slots == slots)
         {
@@ -516,7 +523,11 @@ impl CudaBackend {
         if longest <= GEMV_MAX_ROWS
             && let Some(whole) = self.decode_whole_keys(s.head_dim, pool.precision)
         {
-            let (chunk, splits) = batch_decode_plan(n_keys, whole, pool.precision);
+            // A recorded step serves every cache of its key's range.
+            let (chunk, splits) = match self.batch_staged() {
+                true => decode_plan(n_keys, whole, pool.precision),
+                false => batch_decode_plan(n_keys, whole, pool.precision),
+            };
             let row_heads = q.rows * s.num_heads;
             let parts =
                 (splits > 1).then(|| (self.act(row_heads * splits, s.head_dim), self.act(row_heads * splits, 2)));

@@ -200,6 +200,8 @@ impl CudaBackend {
             moe_tables: Mutex::new(HashMap::new()),
             batch_table: Mutex::new(None),
             row_slot_table: Mutex::new(None),
+            staged: Mutex::new(None),
+            batch_graphs_off: AtomicBool::new(false),
         })
     }
 
@@ -209,6 +211,12 @@ impl CudaBackend {
             Some(e) => Err(Error::Invalid(format!("cuda:{}: {e}", self.ordinal))),
             None => Ok(()),
         }
+    }
+
+    /// Takes the recorded failure back (one known to have left the device
+    /// as it was: a capture that was not recorded).
+    pub(super) fn take_error(&self) -> Option<String> {
+        self.error.lock().ok().and_then(|mut e| e.take())
     }
 
     pub(super) fn failed(&self) -> bool {

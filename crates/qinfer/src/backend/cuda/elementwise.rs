@@ -121,9 +121,13 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The token ids on the device: a one-token pass reads the step inputs
-    /// (so a recorded step replays with the next token), longer ones a copy.
+    /// The token ids on the device: a staged batched step's (batch_graph.rs),
+    /// or a one-token pass's step inputs (so a recorded step replays with the
+    /// next token), or else a copy.
     fn device_ids(&self, ids: &[u32]) -> (Option<CudaSlice<u32>>, u64) {
+        if let Some(staged) = self.staged_ids(ids) {
+            return (None, staged);
+        }
         if let [id] = ids {
             let start = self.step_inputs().map(|w| w[0] as usize).unwrap_or(0);
             self.ensure_step(start, Some(*id));

@@ -28,14 +28,16 @@ const PICK_ON_DEVICE: i32 = -1;
 #[derive(Default)]
 pub struct CudaStep {
     recorded: HashMap<usize, Recorded>,
+    /// A batch state's recorded batched decode steps (batch_graph.rs).
+    pub(super) batches: super::batch_graph::RecordedBatches,
 }
 
 /// A captured decode step: the graph, the activations it leaves the logits in,
 /// and the arena holding every buffer the graph addresses.
-struct Recorded {
-    graph: CudaGraph,
-    out: CudaAct,
-    _arena: Arc<BufferPool>,
+pub(super) struct Recorded {
+    pub(super) graph: CudaGraph,
+    pub(super) out: CudaAct,
+    pub(super) _arena: Arc<BufferPool>,
 }
 
 // SAFETY: a graph is used only through its sequence's state, which one thread
@@ -164,7 +166,7 @@ impl CudaBackend {
         self.recording.lock().ok().and_then(|r| r.as_ref().map(|r| r.1)).unwrap_or(false)
     }
 
-    fn set_recording(&self, to: Option<(Arc<BufferPool>, bool)>) {
+    pub(super) fn set_recording(&self, to: Option<(Arc<BufferPool>, bool)>) {
         match self.recording.lock() {
             Ok(mut r) => *r = to,
             Err(_) => self.record(Err("recording lock poisoned"), "recording a decode step"),

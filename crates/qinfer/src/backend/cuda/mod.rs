@@ -14,13 +14,15 @@
 //! attention_plan.rs), batch.rs (the batched forward's paged KV pool and
 //! attention through block tables), norm_rope.rs, elementwise.rs, gdn.rs,
 //! moe.rs and moe_prefill.rs, sampling.rs; device.rs opens the device and holds its
-//! buffers, graph.rs records and replays decode steps, kernels.rs resolves
+//! buffers, graph.rs records and replays decode steps (batch_graph.rs batched
+//! ones), kernels.rs resolves
 //! the kernels and launches them with typed arguments.
 
 mod affine;
 mod attention;
 mod attention_plan;
 mod batch;
+mod batch_graph;
 mod compile;
 mod constants;
 mod device;
@@ -159,6 +161,10 @@ pub struct CudaBackend {
     batch_table: Mutex<Option<batch::BatchTableCache>>,
     /// The same with each row's slot its own index (an encoded pool's prologue).
     row_slot_table: Mutex<Option<batch::BatchTableCache>>,
+    /// The batched step being recorded or run from staged inputs (see batch_graph.rs).
+    staged: Mutex<Option<batch_graph::Staged>>,
+    /// Set when a batched step could not be recorded: later ones run as they come.
+    batch_graphs_off: AtomicBool,
 }
 
 impl Backend for CudaBackend {
@@ -194,6 +200,21 @@ impl Backend for CudaBackend {
         finish: &mut dyn FnMut(&CudaAct) -> Result<R>,
     ) -> Result<R> {
         self.run_step_op(step, start, tokens, replayable, body, finish)
+    }
+
+    fn batch_step_rows(&self, rows: usize, moe: bool) -> Option<usize> {
+        self.batch_step_rows_op(rows, moe)
+    }
+
+    fn run_batch_step<R>(
+        &self,
+        steps: &mut CudaStep,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        body: &mut dyn FnMut() -> Result<CudaAct>,
+        finish: &mut dyn FnMut(&CudaAct) -> Result<R>,
+    ) -> Result<R> {
+        self.run_batch_step_op(steps, tokens, batch, body, finish)
     }
 
     fn check(&self) -> Result<()> {

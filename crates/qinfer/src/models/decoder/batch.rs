@@ -7,7 +7,7 @@ use std::any::Any;
 use super::{DecoderModel, FeedForward, Mixer};
 use crate::backend::ops::ModelBackend;
 use crate::config::LayerKind;
-use crate::kv::batch::BatchLayout;
+use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::layers::block::BlockInput;
 use crate::models::BatchState;
 use crate::sampling::RowPick;
@@ -27,6 +27,8 @@ pub(super) struct DecoderBatchState<B: ModelBackend> {
     /// The multi-token-prediction layer's place in the pool (after the
     /// model's attention layers), where the model has the head loaded.
     mtp_layer: Option<usize>,
+    /// The backend's recordings of batched decode steps over this state.
+    steps: B::Step,
 }
 
 impl<B: ModelBackend + 'static> BatchState for DecoderBatchState<B> {
@@ -152,7 +154,11 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             .collect();
         let mtp_layer = self.mtp.is_some().then_some(attention_layers);
         let pool_size = attention_layers + usize::from(mtp_layer.is_some());
-        let pool = b.new_kv_pool(pool_size, self.cfg.kv_dim(), num_blocks, block_size)?;
+        // Where the backend records batched steps, one block past the
+        // sequences' for the rows that pad them (`pad_rows`): their keys and
+        // values go there.
+        let spare = usize::from(b.batch_step_rows(1, false).is_some());
+        let pool = b.new_kv_pool(pool_size, self.cfg.kv_dim(), num_blocks + spare, block_size)?;
         let kv_bytes = b.kv_pool_bytes(&pool);
         let recurrent = self.cfg.layer_kinds.contains(&LayerKind::LinearAttention);
         let states = (0..if recurrent { state_slots } else { 0 })
@@ -167,7 +173,8 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                     .collect()
             })
             .collect();
-        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states, mtp_layer })
+        let steps = B::Step::default();
+        Ok(DecoderBatchState { pool, pool_layers, kv_bytes, block_size, num_blocks, states, mtp_layer, steps })
     }
 
     /// Checks `batch` against the pool and the model before any work: rows
@@ -263,10 +270,105 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
         self.check_batch(state, tokens, batch)?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
+        let active = self.adapters.active(batch.seqs.iter().map(|s| (s.rows.clone(), s.adapter)))?;
+        let (h, normed) = self.layers_batch(state, tokens, batch, &active)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let rows = &batch.logits_rows;
+        let hidden = (!batch.hidden_rows.is_empty()).then(|| match &normed {
+            Some(x) => b.gather_rows(x, &batch.hidden_rows),
+            None => b.rms_norm(&b.gather_rows(&h, &batch.hidden_rows), &self.norm, eps),
+        });
+        let logits = (!rows.is_empty()).then(|| match normed {
+            Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
+            None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
+        });
+        Ok(BatchHeads { logits, hidden })
+    }
+
+    /// The rows a decode step of `batch` is recorded with, where the backend
+    /// records it ([`crate::backend::Backend::batch_step_rows`]) and its work
+    /// depends on the step only through the tokens and the batch table: one
+    /// row a sequence, no recurrent states (each sequence's lives in its own
+    /// slot), adapters, images, snapshots or hidden states, and every row
+    /// picked where the logits are. None: the step runs as it comes.
+    pub(super) fn recorded_rows(
+        &self,
+        state: &DecoderBatchState<B>,
+        batch: &BatchLayout,
+        picks: &[Option<RowPick>],
+    ) -> Option<usize> {
+        let rows = batch.rows();
+        let plain = batch.seqs.iter().all(|s| s.len() == 1 && s.snapshots.is_empty() && s.adapter.is_none());
+        let every_row_picked =
+            batch.logits_rows.iter().copied().eq(0..rows) && picks.len() == rows && picks.iter().all(Option::is_some);
+        let moe = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Sparse(_)));
+        let routed_on_device = self.layers.iter().all(|l| match &l.ffn {
+            FeedForward::Sparse(moe) => moe.routes_on_device(&self.backend),
+            _ => true,
+        });
+        let ok = plain
+            && every_row_picked
+            && routed_on_device
+            && state.states.is_empty()
+            && batch.hidden_rows.is_empty()
+            && batch.mrope_positions.is_empty()
+            && batch.embeds.is_empty();
+        ok.then(|| self.backend.batch_step_rows(rows, moe)).flatten()
+    }
+
+    /// A decode step's picks through the backend's recording of its size
+    /// (`padded` rows, from [`Self::recorded_rows`]): the rows past the
+    /// batch's are one-token sequences at position 0 in the pool's spare
+    /// block, whose logits nobody reads.
+    pub(super) fn forward_batch_recorded(
+        &self,
+        state: &mut DecoderBatchState<B>,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        picks: &[Option<RowPick>],
+        padded: usize,
+    ) -> Result<Vec<u32>> {
+        self.check_batch(state, tokens, batch)?;
+        let b = &self.backend;
+        let eps = self.cfg.rms_norm_eps;
+        let rows = batch.rows();
+        let (all_tokens, layout) = pad_rows(tokens, batch, padded, state.num_blocks as u32);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let none = super::adapters::Active::none();
+        let mut steps = std::mem::take(&mut state.steps);
+        let out = b.run_batch_step(
+            &mut steps,
+            &all_tokens,
+            &layout,
+            &mut || {
+                let (h, normed) = self.layers_batch(state, &all_tokens, &layout, &none)?;
+                Ok(normed.unwrap_or_else(|| b.rms_norm(&h, &self.norm, eps)))
+            },
+            &mut |normed| {
+                let real = (rows < padded).then(|| b.slice_rows(normed, 0..rows));
+                let logits = b.linear(real.as_ref().unwrap_or(normed), head, None);
+                Ok(pick_rows(b, &logits, picks)?.0)
+            },
+        );
+        state.steps = steps;
+        out
+    }
+
+    /// Embedding and every layer over the batch's rows: the residual stream
+    /// after the last layer, and its final norm where the last layer's
+    /// output was added with it fused.
+    fn layers_batch(
+        &self,
+        state: &mut DecoderBatchState<B>,
+        tokens: &[u32],
+        batch: &BatchLayout,
+        active: &super::adapters::Active<B::Weight>,
+    ) -> Result<(B::Act, Option<B::Act>)> {
+        let b = &self.backend;
+        let eps = self.cfg.rms_norm_eps;
         let DecoderBatchState { pool, pool_layers, states, .. } = state;
         // Each sequence's slot, in batch order (slots are distinct).
         let slots: Vec<usize> = batch.seqs.iter().filter_map(|s| s.state_slot.map(|x| x as usize)).collect();
-        let active = self.adapters.active(batch.seqs.iter().map(|s| (s.rows.clone(), s.adapter)))?;
         let mut h = self.embed_batch(tokens, batch)?;
         let mut normed: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -295,18 +397,28 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
             let next_norm = self.layers.get(l + 1).map_or(&self.norm, |n| &n.input_layernorm);
             normed = out.add_into(b, &mut h, next_norm, eps);
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let rows = &batch.logits_rows;
-        let hidden = (!batch.hidden_rows.is_empty()).then(|| match &normed {
-            Some(x) => b.gather_rows(x, &batch.hidden_rows),
-            None => b.rms_norm(&b.gather_rows(&h, &batch.hidden_rows), &self.norm, eps),
-        });
-        let logits = (!rows.is_empty()).then(|| match normed {
-            Some(x) => b.linear(&b.gather_rows(&x, rows), head, None),
-            None => b.linear_normed(&b.gather_rows(&h, rows), &self.norm, eps, head, None),
-        });
-        Ok(BatchHeads { logits, hidden })
+        Ok((h, normed))
     }
+}
+
+/// `tokens` and `batch` with `padded - rows` more one-token sequences after
+/// the batch's: each at position 0 with block `spare` (outside every
+/// sequence's blocks) for its context, so their keys and values go there.
+fn pad_rows(tokens: &[u32], batch: &BatchLayout, padded: usize, spare: u32) -> (Vec<u32>, BatchLayout) {
+    let rows = batch.rows();
+    let mut all_tokens = tokens.to_vec();
+    all_tokens.resize(padded, tokens.first().copied().unwrap_or(0));
+    let mut seqs = batch.seqs.clone();
+    seqs.extend((rows..padded).map(|r| BatchSeq {
+        rows: r..r + 1,
+        start: 0,
+        block_table: vec![spare],
+        state_slot: None,
+        prompt: false,
+        snapshots: Vec::new(),
+        adapter: None,
+    }));
+    (all_tokens, BatchLayout::new(seqs, batch.block_size, (0..padded).collect()))
 }
 
 impl<B: ModelBackend + 'static> DecoderModel<B> {

@@ -519,6 +519,11 @@ impl<B: ModelBackend + 'static> LanguageModel for DecoderModel<B> {
         let state = batch::DecoderBatchState::<B>::of(state)?;
         let b = &self.backend;
         b.run_pass(|| {
+            if let Some(padded) = self.recorded_rows(state, batch, picks) {
+                let picks = self.forward_batch_recorded(state, tokens, batch, picks, padded)?;
+                b.check()?;
+                return Ok(BatchOutput { picks, ..Default::default() });
+            }
             let batch::BatchHeads { logits, hidden } = self.forward_batch_of(state, tokens, batch)?;
             let (picks, logits) = match logits {
                 Some(l) => batch::pick_rows(b, &l, picks)?,
