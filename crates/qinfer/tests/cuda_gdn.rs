@@ -120,3 +120,75 @@ fn gated_deltanet_matches_cpu() {
         }
     }
 }
+
+/// The decode step of many sequences in one launch pair (`gdn_mix_rows`,
+/// each row with its own state) against the CPU's composition of the ops
+/// per sequence, and bit for bit against the GPU's one-sequence step: five
+/// sequences whose states have advanced apart, over several steps.
+#[test]
+fn gdn_mix_rows_steps_each_sequence_as_alone() {
+    let Some(p) = pair() else { return };
+    let mut r = Rng::fresh();
+    for (v_heads_tiled, nk, nv, dv) in [(false, 2, 4, 128), (true, 2, 4, 128), (false, 2, 6, 40), (false, 4, 4, 128)] {
+        let cfg = GdnConfig {
+            num_k_heads: nk,
+            num_v_heads: nv,
+            k_head_dim: 128,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            v_heads_tiled,
+        };
+        let (cd, kd, vd) = (cfg.conv_dim(), cfg.key_dim(), cfg.value_dim());
+        let all = cd + vd + 2 * nv;
+        let (convc, convg) = p.weights(&tensor("conv", DType::BF16, vec![cd, 4], &r.vec(cd * 4)));
+        let (alc, alg) = p.weights(&tensor("A_log", DType::F32, vec![nv], &r.vec(nv)));
+        let (dtc, dtg) = p.weights(&tensor("dt_bias", DType::F32, vec![nv], &r.vec(nv)));
+        let (nc, ng) = p.weights(&tensor("norm", DType::F32, vec![dv], &r.vec(dv)));
+        let wg = GdnWeights { conv: &convg, a_log: &alg, dt_bias: &dtg, norm: &ng };
+        let seqs = 5;
+        let mut sc: Vec<_> = (0..seqs).map(|_| p.cpu.new_gdn_state(&cfg)).collect();
+        let mut sg: Vec<_> = (0..seqs).map(|_| p.gpu.new_gdn_state(&cfg)).collect();
+        // The CPU's composition of one sequence's step over rows `mc`.
+        let cpu_step = |mc: &qinfer::backend::cpu::CpuAct, state: &mut _| {
+            let cols = |at, len| p.cpu.gather_columns(mc, all, at, len);
+            let conv = p.cpu.gdn_conv(&cols(0, cd), &convc, state);
+            let (q, k, v) = (
+                p.cpu.gather_columns(&conv, cd, 0, kd),
+                p.cpu.gather_columns(&conv, cd, kd, kd),
+                p.cpu.gather_columns(&conv, cd, 2 * kd, vd),
+            );
+            let (z, b, a) = (cols(cd, vd), cols(cd + vd, nv), cols(cd + vd + nv, nv));
+            let o = p.cpu.gated_delta_rule(&q, &k, &v, &a, &b, &alc, &dtc, state);
+            p.cpu.rms_norm_gated(&o, &z, &nc, 1e-6)
+        };
+        // Sequence i first takes a prompt of 3·i + 1 rows, so the states differ.
+        for i in 0..seqs {
+            let t = 3 * i + 1;
+            let (mc, mg) = p.acts(t, all, &r.vec(t * all));
+            cpu_step(&mc, &mut sc[i]);
+            p.gpu.gdn_mix(&mg, &wg, 1e-6, &mut sg[i]).unwrap();
+        }
+        for step in 0..4 {
+            let x = r.vec(seqs * all);
+            let (_, mg) = p.acts(seqs, all, &x);
+            let mut alone: Vec<_> = sg.clone();
+            let mut refs: Vec<_> = sg.iter_mut().collect();
+            let og = p.gpu.gdn_mix_rows(&mg, &wg, 1e-6, &mut refs).expect("a many-sequence form for key heads of 128");
+            let got = p.gpu.to_host(&og);
+            p.gpu.check().unwrap();
+            for i in 0..seqs {
+                let row = &x[i * all..(i + 1) * all];
+                let (mc, mgi) = p.acts(1, all, row);
+                let oc = p.cpu.to_host(&cpu_step(&mc, &mut sc[i]));
+                let want_gpu = p.gpu.to_host(&p.gpu.gdn_mix(&mgi, &wg, 1e-6, &mut alone[i]).unwrap());
+                let mine = &got[i * vd..(i + 1) * vd];
+                assert_eq!(mine, &want_gpu[..], "step {step}, sequence {i}: the one-sequence step on the GPU");
+                let e = rel(mine, &oc);
+                println!(
+                    "gdn_mix_rows {nk}/{nv} heads dv {dv} tiled {v_heads_tiled} step {step} seq {i}: rel err {e:.2e}"
+                );
+                assert!(e <= 1e-4, "step {step}, sequence {i}: rel err {e} against the CPU");
+            }
+        }
+    }
+}

@@ -263,6 +263,19 @@ pub trait GdnOps: Backend {
     ) -> Option<Self::Act> {
         None
     }
+    /// [`GdnOps::gdn_mix`]'s decode step for many sequences at once: row r
+    /// of `mixed` is one decode token of the sequence whose state is
+    /// `states[r]`. `None` where the backend has no such form: the caller
+    /// then steps each sequence apart, the reference this must match.
+    fn gdn_mix_rows(
+        &self,
+        _mixed: &Self::Act,
+        _weights: &GdnWeights<'_, Self::Weight>,
+        _eps: f32,
+        _states: &mut [&mut Self::GdnState],
+    ) -> Option<Self::Act> {
+        None
+    }
     /// [`GdnOps::gated_delta_rule`] over rows of a prompt, in the chunked
     /// form however few they are: a prompt split across steps then computes
     /// as it does in one piece (the chunked form's chunks start where the

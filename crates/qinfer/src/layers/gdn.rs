@@ -137,10 +137,17 @@ impl<B: ModelBackend> GatedDeltaNet<B> {
         lora: &Segments<'_, Sites<B::Weight>>,
     ) -> BlockOutput<'_, B> {
         let projected = self.project(bk, input, lora);
+        let decode_rows = batch.seqs.iter().all(|s| s.len() == 1 && !s.prompt && s.snapshots.is_empty());
+        let weights = GdnWeights { conv: &self.conv1d, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm };
         let o = if let [seq] = batch.seqs.as_slice()
             && seq.snapshots.is_empty()
         {
             self.mix(bk, &projected, states[0], seq.prompt)
+        } else if let (true, Projected::Mixed(mixed)) = (decode_rows, &projected)
+            && let Some(o) = bk.gdn_mix_rows(mixed, &weights, self.eps, states)
+        {
+            // Every sequence's one decode row in one step of the backend's.
+            o
         } else {
             let mut parts: Vec<B::Act> = Vec::with_capacity(batch.seqs.len());
             for (seq, state) in batch.seqs.iter().zip(states.iter_mut()) {

@@ -37,6 +37,20 @@ GDN_CONV(gdn_conv_bf16, __nv_bfloat16)
 GDN_CONV(gdn_conv_f16, __half)
 GDN_CONV(gdn_conv_f32, float)
 
+// The conv of many sequences' one decode row each in one launch: row
+// blockIdx.y of `x` continues from, and updates, its own sequence's window
+// (`windows`, a device pointer per row).
+#define GDN_CONV_SEQS(NAME, T)                                                                                     \
+    extern "C" __global__ void NAME(const float* x, const T* w, const unsigned long long* windows, float* out,      \
+                                    int ch, int k, int stride) {                                                   \
+        grid_dependency_wait();                                                                                    \
+        int r = blockIdx.y;                                                                                        \
+        gdn_conv(x + (size_t)r * stride, w, (float*)windows[r], out + (size_t)r * ch, 1, ch, k, stride);           \
+    }
+GDN_CONV_SEQS(gdn_conv_seqs_bf16, __nv_bfloat16)
+GDN_CONV_SEQS(gdn_conv_seqs_f16, __half)
+GDN_CONV_SEQS(gdn_conv_seqs_f32, float)
+
 // The same conv for a prompt: one thread per channel and run of
 // GDN_CONV_RUN rows, all runs at once (walking thousands of rows in order,
 // each thread waited on one load per row), each input read once per run.
@@ -435,4 +449,18 @@ extern "C" __global__ void __launch_bounds__(256)
     grid_dependency_wait();
     gdn_decode<128>(conv, mixed, stride, z_at, b_at, a_at, a_log, dt_bias, norm_w, state, out, rows, nk, nv, dv,
                     tiled, eps);
+}
+
+// gdn_decode128 over many sequences' one decode row each in one launch: row
+// blockIdx.y with its own sequence's recurrent state (`states`, a device
+// pointer per row).
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_decode128_seqs(const float* conv, const float* mixed, int stride, int z_at, int b_at, int a_at,
+                       const float* a_log, const float* dt_bias, const float* norm_w, const unsigned long long* states,
+                       float* out, int nk, int nv, int dv, int tiled, float eps) {
+    grid_dependency_wait();
+    int r = blockIdx.y;
+    size_t cd = (size_t)2 * nk * 128 + (size_t)nv * dv;
+    gdn_decode<128>(conv + r * cd, mixed + (size_t)r * stride, stride, z_at, b_at, a_at, a_log, dt_bias, norm_w,
+                    (float*)states[r], out + (size_t)r * nv * dv, 1, nk, nv, dv, tiled, eps);
 }

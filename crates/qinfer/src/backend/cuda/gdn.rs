@@ -96,6 +96,10 @@ pub(super) struct GdnKernels<K> {
     recurrent: K,
     scan128: K,
     decode128: K,
+    /// `gdn_conv_seqs_{type}` by [`FloatType`], `gdn_decode128_seqs`: many
+    /// sequences' decode rows in one launch each.
+    conv_seqs: [K; 3],
+    decode128_seqs: K,
     pub(super) chunk_prep: K,
     pub(super) chunk_state: K,
 }
@@ -111,6 +115,8 @@ impl<K> GdnKernels<K> {
             recurrent: get(U, "gdn_recurrent".into())?,
             scan128: get(U, "gdn_scan128".into())?,
             decode128: get(U, "gdn_decode128".into())?,
+            conv_seqs: resolve_n(get, U, |i| format!("gdn_conv_seqs_{}", FloatType::ALL[i].name()))?,
+            decode128_seqs: get(U, "gdn_decode128_seqs".into())?,
             chunk_prep: get("gdn_chunked.cu", "gdn_chunk_prep".into())?,
             chunk_state: get("gdn_chunked.cu", "gdn_chunk_state".into())?,
         })
@@ -157,6 +163,18 @@ kernel_args! {
     Decode128Args {
         conv: u64, mixed: u64, stride: i32, z_at: i32, b_at: i32, a_at: i32, a_log: u64, dt_bias: u64, norm_w: u64,
         state: u64, out: u64, rows: i32, nk: i32, nv: i32, dv: i32, tiled: i32, eps: f32,
+    }
+}
+
+kernel_args! {
+    /// `gdn_conv_seqs_{type}`.
+    ConvSeqsArgs { x: u64, w: u64, windows: u64, out: u64, channels: i32, kernel: i32, stride: i32 }
+}
+kernel_args! {
+    /// `gdn_decode128_seqs`.
+    Decode128SeqsArgs {
+        conv: u64, mixed: u64, stride: i32, z_at: i32, b_at: i32, a_at: i32, a_log: u64, dt_bias: u64, norm_w: u64,
+        states: u64, out: u64, nk: i32, nv: i32, dv: i32, tiled: i32, eps: f32,
     }
 }
 
@@ -321,6 +339,86 @@ impl CudaBackend {
         };
         let threads = 32 * c.v_head_dim.div_ceil(16) as u32;
         self.launch(&self.k.gdn.decode128, cfg((nv as u32, 1, 1), threads, 0), &args);
+        Some(out)
+    }
+
+    /// [`crate::backend::ops::GdnOps::gdn_mix_rows`]: [`Self::gdn_mix_op`]'s
+    /// decode step for every row at once, row r with `states[r]`, in two
+    /// launches (the conv, then the rule with the gated norm), each block
+    /// finding its sequence's state through a table of device pointers.
+    pub(super) fn gdn_mix_rows_op(
+        &self,
+        mixed: &CudaAct,
+        weights: &GdnWeights<'_, CudaWeight>,
+        eps: f32,
+        states: &mut [&mut CudaGdnState],
+    ) -> Option<CudaAct> {
+        let c = states.first()?.cfg.clone();
+        let (t, cd, vd, nv) = (mixed.rows, c.conv_dim(), c.value_dim(), c.num_v_heads);
+        if c.k_head_dim != 128 || c.v_head_dim > 128 || c.conv_kernel > 9 || states.iter().any(|s| s.cfg != c) {
+            return None;
+        }
+        let (CudaWeight::Vector(al), CudaWeight::Vector(dt), CudaWeight::Vector(nw)) =
+            (weights.a_log, weights.dt_bias, weights.norm)
+        else {
+            return None;
+        };
+        let ty = match weights.conv {
+            CudaWeight::Matrix { dtype, .. } => FloatType::of(*dtype),
+            CudaWeight::Vector(_) => FloatType::F32,
+            CudaWeight::Affine(_) | CudaWeight::Fp8(_) => return None,
+        };
+        let w = match weights.conv {
+            CudaWeight::Matrix { buf, .. } => self.p(buf),
+            CudaWeight::Vector(v) => self.p(v),
+            _ => return None,
+        };
+        let out = self.act(t, vd);
+        if mixed.cols != cd + vd + 2 * nv || states.len() != t {
+            let e =
+                format!("{t}×{} rows for {} states, expected {} columns", mixed.cols, states.len(), cd + vd + 2 * nv);
+            self.record(Err(e), "gdn_mix_rows");
+            return Some(out);
+        }
+        // Each row's conv window, then each row's recurrent state.
+        let mut table: Vec<u64> = states.iter().map(|s| self.p(&s.conv)).collect();
+        table.extend(states.iter().map(|s| self.p(&s.recurrent)));
+        let table = self.upload_slice(&table);
+        let (windows, recurrent) = (self.p(&table), self.p(&table) + 8 * t as u64);
+        let conv = self.act(t, cd);
+        let args = ConvSeqsArgs {
+            x: self.p(&mixed.buf),
+            w,
+            windows,
+            out: self.p(&conv.buf),
+            channels: cd as i32,
+            kernel: c.conv_kernel as i32,
+            stride: mixed.cols as i32,
+        };
+        let grid = (cd.div_ceil(128) as u32, t as u32, 1);
+        self.launch(&self.k.gdn.conv_seqs[ty.index()], cfg(grid, 128, 0), &args);
+        let args = Decode128SeqsArgs {
+            conv: self.p(&conv.buf),
+            mixed: self.p(&mixed.buf),
+            stride: mixed.cols as i32,
+            z_at: cd as i32,
+            b_at: (cd + vd) as i32,
+            a_at: (cd + vd + nv) as i32,
+            a_log: self.p(al),
+            dt_bias: self.p(dt),
+            norm_w: self.p(nw),
+            states: recurrent,
+            out: self.p(&out.buf),
+            nk: c.num_k_heads as i32,
+            nv: nv as i32,
+            dv: c.v_head_dim as i32,
+            tiled: c.v_heads_tiled as i32,
+            eps,
+        };
+        let threads = 32 * c.v_head_dim.div_ceil(16) as u32;
+        self.launch(&self.k.gdn.decode128_seqs, cfg((nv as u32, t as u32, 1), threads, 0), &args);
+        // Dropping `table` frees it in stream order, after the launches.
+        drop(table);
         Some(out)
     }
 

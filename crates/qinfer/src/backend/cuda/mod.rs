@@ -453,6 +453,16 @@ impl GdnOps for CudaBackend {
     ) -> Option<CudaAct> {
         self.gdn_mix_op(mixed, weights, eps, state)
     }
+
+    fn gdn_mix_rows(
+        &self,
+        mixed: &CudaAct,
+        weights: &GdnWeights<'_, CudaWeight>,
+        eps: f32,
+        states: &mut [&mut CudaGdnState],
+    ) -> Option<CudaAct> {
+        self.gdn_mix_rows_op(mixed, weights, eps, states)
+    }
 }
 
 impl MoeOps for CudaBackend {
