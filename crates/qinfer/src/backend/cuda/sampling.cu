@@ -495,10 +495,10 @@ __device__ void argmax_block(float& v, int& i) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out, int* feed,
-                  int feed_start, unsigned* feed_host) {
-    grid_dependency_wait();
+// The argmax of row `x` by the gridDim.x blocks of one grid row, their
+// partials in `part_v`/`part_i`, the last to finish (by `ticket`) reducing.
+__device__ void argmax_run(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out,
+                           int* feed, int feed_start, unsigned* feed_host) {
     __shared__ bool last;
     float v = __int_as_float(0xff800000);
     int idx = 0x7fffffff;
@@ -543,6 +543,26 @@ extern "C" __global__ void __launch_bounds__(256)
         sample_emit(idx < n ? (unsigned)idx : 0u, out, feed, feed_start, feed_host);
         *ticket = 0u;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    sample_argmax(const float* x, int n, float* part_v, int* part_i, unsigned* ticket, unsigned* out, int* feed,
+                  int feed_start, unsigned* feed_host) {
+    grid_dependency_wait();
+    argmax_run(x, n, part_v, part_i, ticket, out, feed, feed_start, feed_host);
+}
+
+// Greedy picks of many rows in one launch: grid row p takes logits row
+// at[2p] of `x` (rows n wide) with its own partials (gridDim.x of them) and
+// ticket (zero before the launch, rearmed after), and writes out[at[2p + 1]].
+extern "C" __global__ void __launch_bounds__(256)
+    sample_argmax_rows(const float* x, int n, const int* at, float* part_v, int* part_i, unsigned* tickets,
+                       unsigned* out) {
+    grid_dependency_wait();
+    int p = blockIdx.y;
+    size_t parts = (size_t)p * gridDim.x;
+    argmax_run(x + (size_t)at[2 * p] * n, n, part_v + parts, part_i + parts, tickets + p, out + at[2 * p + 1],
+               nullptr, 0, nullptr);
 }
 
 // Repetition penalty on the distinct token ids `ids` (no two threads share a

@@ -30,6 +30,7 @@ pub(super) const TOP_K_SHARED: usize = 2 * TOPK_BLOCKS * TOPK_MAX * 4;
 /// The kernels of sampling.cu.
 pub(super) struct SamplingKernels<K> {
     argmax: K,
+    argmax_rows: K,
     filtered: K,
     pub(super) top_k: K,
     penalty: K,
@@ -40,6 +41,7 @@ impl<K> SamplingKernels<K> {
         const U: &str = "sampling.cu";
         Ok(SamplingKernels {
             argmax: get(U, "sample_argmax".into())?,
+            argmax_rows: get(U, "sample_argmax_rows".into())?,
             filtered: get(U, "sample_filtered".into())?,
             top_k: get(U, "sample_top_k".into())?,
             penalty: get(U, "sample_penalty".into())?,
@@ -47,6 +49,10 @@ impl<K> SamplingKernels<K> {
     }
 }
 
+kernel_args! {
+    /// `sample_argmax_rows`.
+    ArgmaxRowsArgs { x: u64, n: i32, at: u64, part_v: u64, part_i: u64, tickets: u64, out: u64 }
+}
 kernel_args! {
     /// `sample_penalty`.
     PenaltyArgs { x: u64, ids: u64, count: i32, n: i32, penalty: f32 }
@@ -185,18 +191,55 @@ impl CudaBackend {
             return Err(Error::Invalid(format!("sample_rows: row {r} of {} rows", logits.rows)));
         }
         let scratch = self.sampling.lock().map_err(|_| Error::Invalid("cuda: a sampling call panicked".into()))?;
-        let out = match self.stream.alloc_zeros::<u32>(picks.len()) {
+        // Greedy rows without a penalty all go in one launch (where there are
+        // several); the others one at a time.
+        let plain_greedy =
+            |p: &RowPick| p.params.temperature == 0.0 && (p.params.repetition_penalty == 1.0 || p.penalized.is_empty());
+        let greedy: Vec<usize> = (0..picks.len()).filter(|&i| plain_greedy(picks[i].1)).collect();
+        let together = greedy.len() >= 2;
+        // The picks, then the batched argmax's tickets.
+        let n = picks.len() + if together { greedy.len() } else { 0 };
+        let out = match self.stream.alloc_zeros::<u32>(n) {
             Ok(o) => o,
             Err(e) => return Err(Error::Invalid(format!("cuda: allocating {} picks: {e}", picks.len()))),
         };
         let base = self.p(&out);
         for (i, &(r, pick)) in picks.iter().enumerate() {
-            self.launch_pick(&scratch, logits, r, &pick.params, &pick.penalized, pick.u, base + 4 * i as u64, None);
+            if !(together && plain_greedy(pick)) {
+                self.launch_pick(&scratch, logits, r, &pick.params, &pick.penalized, pick.u, base + 4 * i as u64, None);
+            }
         }
-        let ids = self.read_picks(&out);
+        if together {
+            self.argmax_rows(logits, &greedy.iter().map(|&i| (picks[i].0, i)).collect::<Vec<_>>(), &out, picks.len());
+        }
+        let mut ids = self.read_picks(&out);
+        ids.truncate(picks.len());
         drop(scratch);
         self.check()?;
         Ok(ids)
+    }
+
+    /// Greedy picks of logits rows in one launch (`sample_argmax_rows`):
+    /// for each (row, i), row `row`'s argmax into `out[i]`; `out` holds
+    /// zeroed tickets from `tickets_at` on, one per pick.
+    fn argmax_rows(&self, logits: &CudaAct, at: &[(usize, usize)], out: &CudaSlice<u32>, tickets_at: usize) {
+        // About ARGMAX_BLOCKS blocks in all, at least 16 a row.
+        let per_row = ARGMAX_BLOCKS.div_ceil(at.len()).max(16);
+        let table: Vec<i32> = at.iter().flat_map(|&(r, i)| [r as i32, i as i32]).collect();
+        let table = self.upload_slice(&table);
+        let (part_v, part_i) = (self.act(at.len(), per_row), self.act(at.len(), per_row));
+        let args = ArgmaxRowsArgs {
+            x: self.p(&logits.buf),
+            n: logits.cols as i32,
+            at: self.p(&table),
+            part_v: self.p(&part_v.buf),
+            part_i: self.p(&part_i.buf),
+            tickets: self.p(out) + 4 * tickets_at as u64,
+            out: self.p(out),
+        };
+        self.launch(&self.k.sampling.argmax_rows, cfg((per_row as u32, at.len() as u32, 1), 256, 0), &args);
+        // Dropping `table` frees it in stream order, after the launch.
+        drop(table);
     }
 
     /// The picks in `buf`, read back (waiting for the kernels that wrote
