@@ -357,6 +357,29 @@ fn run_with_speculation_gives_the_same_greedy_answer() {
     assert!(!o.status.success() && stderr(&o).contains("multi-token-prediction"), "{}", stderr(&o));
 }
 
+/// `generate --speculative` (through the engine) prints transformers' greedy
+/// tokens, as plain `generate` does: prompt lookup on a dense model, and the
+/// hybrid's own multi-token-prediction head.
+#[test]
+fn generate_with_speculation_gives_transformers_greedy_tokens() {
+    for (name, specs) in [
+        ("qwen3", &[&["--speculative", "ngram"][..], &["--speculative", "ngram", "--fixed-draft-tokens"]][..]),
+        ("qwen3_next", &[&["--speculative", "mtp", "--draft-tokens", "2"][..], &["--speculative", "ngram"]]),
+    ] {
+        let r = reference(name);
+        let (prompt, want) = (ids(&r["greedy"]["prompt"]), ids(&r["greedy"]["new_tokens"]));
+        let dir = fixture(name);
+        let n = want.len().to_string();
+        for spec in specs {
+            let args = ["generate", "--model", dir.to_str().unwrap(), "--tokens", &csv(&prompt), "--max-tokens", &n];
+            let o = qinfer(&[&args[..], &["--ignore-eos", "--json"], spec].concat());
+            assert!(o.status.success(), "{name} {spec:?}: {}", stderr(&o));
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON object");
+            assert_eq!(ids(&v["tokens"]), want, "{name} {spec:?}");
+        }
+    }
+}
+
 #[test]
 fn bench_json_reports_pp_and_tg() {
     let dir = fixture("qwen3");

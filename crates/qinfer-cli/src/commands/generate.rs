@@ -2,11 +2,16 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Result;
 use qinfer::engine::generate::{GenerateOptions, generate};
 
-use crate::common::{InputArgs, LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
+use qinfer::engine::request::{Request, StopConditions};
+use qinfer::loader::LoadedModel;
+
+use super::on_engine::{Speculation, run_one};
+use crate::common::{InputArgs, LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,11 +33,25 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     lora: LoraArgs,
+    /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
+    /// engine commands; the output is the same, greedy or in distribution.
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
+    speculative: Option<SpeculativeKind>,
+    /// Most draft tokens a step (with --speculative).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    draft_tokens: u16,
+    /// Verify every proposed draft up to --draft-tokens (by default only
+    /// those the measured step costs say pay).
+    #[arg(long, requires = "speculative")]
+    fixed_draft_tokens: bool,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let ids = a.input.token_ids(&model)?;
+    if a.speculative.is_some() {
+        return generate_on_engine(a, model, ids, device);
+    }
     let lm = model.load(device, !a.json)?;
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model, None) };
@@ -75,6 +94,75 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
             stats.prefill_tok_s(),
             stats.decode_tokens,
             stats.decode_tok_s()
+        );
+    }
+    Ok(())
+}
+
+/// `generate` through the engine, for speculative decoding: the same
+/// output as the one-sequence path, streamed or as JSON.
+fn generate_on_engine(
+    mut a: Args,
+    mut model: LoadedModel,
+    ids: Vec<u32>,
+    device: qinfer::loader::Device,
+) -> Result<()> {
+    let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model, None) };
+    let sampling = a.sampling.resolve(&model.sampling_defaults);
+    let tok = model.tokenizer.take().map(Arc::new);
+    let spec = Speculation {
+        kind: a.speculative.as_ref(),
+        draft_tokens: a.draft_tokens as usize,
+        fixed: a.fixed_draft_tokens,
+    };
+    let lora = std::mem::take(&mut a.lora);
+    let request = |lm: &dyn qinfer::models::LanguageModel| -> Result<Request> {
+        Ok(Request {
+            prompt: ids,
+            sampling,
+            stop: StopConditions { max_tokens: a.max_tokens, stop_token_ids: stops, ..Default::default() },
+            adapter: lora.place(lm)?,
+            ..Default::default()
+        })
+    };
+    let mut stream = if a.json { None } else { tok.as_ref().map(|t| t.stream_decoder()) };
+    let mut stdout = std::io::stdout().lock();
+    let mut tokens = Vec::new();
+    let run = run_one(model, tok.clone(), device, &spec, request, |out| {
+        tokens.extend_from_slice(&out.token_ids);
+        for &t in &out.token_ids {
+            match stream.as_mut() {
+                Some(s) => {
+                    if let Some(piece) = s.push(t)? {
+                        stdout.write_all(piece.as_bytes()).map_err(stdout_error)?;
+                    }
+                }
+                None if !a.json => write!(stdout, "{t} ").map_err(stdout_error)?,
+                None => {}
+            }
+        }
+        stdout.flush().map_err(stdout_error)?;
+        Ok(())
+    })?;
+    if a.json {
+        let text = match &tok {
+            Some(t) => t.decode(&tokens, false)?,
+            None => String::new(),
+        };
+        writeln!(stdout, "{}", serde_json::json!({ "tokens": tokens, "text": text }))?;
+    } else {
+        if let Some(rest) = stream.as_mut().map(|s| s.finish()).transpose()?.flatten() {
+            stdout.write_all(rest.as_bytes())?;
+        }
+        writeln!(stdout)?;
+        eprintln!(
+            "prompt: {} tokens, first token after {:.2} s | decode: {} tokens, {:.1} tok/s{} | {}",
+            run.prompt_tokens,
+            run.first.as_secs_f64(),
+            run.generated,
+            run.decode_tok_s,
+            run.drafts(&spec),
+            run.device
         );
     }
     Ok(())

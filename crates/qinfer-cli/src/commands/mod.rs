@@ -6,6 +6,7 @@ pub mod generate;
 pub mod inspect;
 pub mod kernels;
 pub mod multiturn;
+pub mod on_engine;
 pub mod perplexity;
 pub mod quantize;
 pub mod run;

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use std::sync::Arc;
 
-use qinfer::engine::core::{EngineConfig, EngineCore};
 use qinfer::engine::generate::{GenerateOptions, generate};
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::image::{ImageLimits, PreparedImage, prepare};
@@ -14,6 +13,7 @@ use qinfer::loader::LoadedModel;
 use qinfer::models::vision::expand_placeholders;
 use qinfer::tokenizer::{ChatMessage, ChatOptions, ContentPart, Tokenizer};
 
+use super::on_engine::{Speculation, run_one};
 use crate::common::{LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
@@ -137,59 +137,43 @@ fn run_on_engine(mut a: Args, mut model: LoadedModel, device: qinfer::loader::De
         with_images(&mut a, &model, tok.as_ref())?
     };
     let tok = tok.expect("both kinds of prompt needed the tokenizer");
-    model.config.load_mtp = SpeculativeKind::needs_mtp(a.speculative.as_ref());
-    let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
-    anyhow::ensure!(images.is_empty() || lm.takes_images(), "images are not supported on {} yet", lm.device());
-    let len = prompt.len() + a.max_tokens;
-    let mut cfg = EngineConfig::for_model(lm.as_ref(), 2048, 1, Some(len), usize::MAX);
-    cfg.speculative = a.speculative.as_ref().map(|k| k.config(a.draft_tokens as usize, !a.fixed_draft_tokens));
-    let tok = Arc::new(tok);
-    let draft = match &a.speculative {
-        Some(kind) => kind.load_draft(device, Some(&tok))?,
-        None => None,
+    let sampling = a.sampling.resolve(&model.sampling_defaults);
+    let spec = Speculation {
+        kind: a.speculative.as_ref(),
+        draft_tokens: a.draft_tokens as usize,
+        fixed: a.fixed_draft_tokens,
     };
-    let mut core = EngineCore::with_draft(lm.clone(), Some(tok), cfg, draft)?;
-    let req = Request {
-        prompt,
-        sampling: a.sampling.resolve(&model.sampling_defaults),
-        stop: StopConditions { max_tokens: a.max_tokens, stop_token_ids: stops, ..Default::default() },
-        images,
-        adapter: a.lora.place(lm.as_ref())?,
-        ..Default::default()
-    };
-    let prompt_tokens = req.prompt.len();
-    let t0 = std::time::Instant::now();
-    core.add(0, req)?;
     let mut stdout = std::io::stdout().lock();
-    let (mut first, mut generated) = (None, 0);
-    'steps: loop {
-        for out in core.step()? {
-            first.get_or_insert_with(|| t0.elapsed());
-            generated += out.token_ids.len();
-            stdout.write_all(out.text.as_bytes()).map_err(stdout_error)?;
-            stdout.flush().map_err(stdout_error)?;
-            if out.finish.is_some() {
-                break 'steps;
-            }
-        }
-    }
-    writeln!(stdout)?;
-    let first = first.unwrap_or_default();
-    let decode = t0.elapsed().saturating_sub(first).as_secs_f64().max(1e-9);
-    let spec = core.speculative_stats();
-    let drafts = match a.speculative {
-        Some(_) => format!(" | {} of {} drafts accepted", spec.accepted, spec.drafted),
-        None => String::new(),
+    let lora = &a.lora;
+    let request = |lm: &dyn qinfer::models::LanguageModel| -> Result<Request> {
+        anyhow::ensure!(images.is_empty() || lm.takes_images(), "images are not supported on {} yet", lm.device());
+        Ok(Request {
+            prompt,
+            sampling,
+            stop: StopConditions { max_tokens: a.max_tokens, stop_token_ids: stops, ..Default::default() },
+            images,
+            adapter: lora.place(lm)?,
+            ..Default::default()
+        })
     };
+    let run = run_one(model, Some(Arc::new(tok)), device, &spec, request, |out| {
+        stdout.write_all(out.text.as_bytes()).map_err(stdout_error)?;
+        stdout.flush().map_err(stdout_error)?;
+        Ok(())
+    })?;
+    writeln!(stdout)?;
     let shown = match per_image.len() {
         0 => String::new(),
         n => format!(" ({n} images)"),
     };
     eprintln!(
-        "prompt: {prompt_tokens} tokens{shown}, first token after {:.2} s | decode: {generated} tokens, {:.1} tok/s{drafts} | {}",
-        first.as_secs_f64(),
-        generated.saturating_sub(1) as f64 / decode,
-        lm.device()
+        "prompt: {} tokens{shown}, first token after {:.2} s | decode: {} tokens, {:.1} tok/s{} | {}",
+        run.prompt_tokens,
+        run.first.as_secs_f64(),
+        run.generated,
+        run.decode_tok_s,
+        run.drafts(&spec),
+        run.device
     );
     Ok(())
 }
