@@ -92,7 +92,7 @@ pub fn run_one(
         generated,
         first,
         decode_tok_s: generated.saturating_sub(1) as f64 / decode,
-        accepted: stats.accepted as u64,
-        drafted: stats.drafted as u64,
+        accepted: stats.accepted,
+        drafted: stats.drafted,
     })
 }
