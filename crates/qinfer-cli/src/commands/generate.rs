@@ -9,6 +9,8 @@ use qinfer::engine::generate::{GenerateOptions, generate};
 
 use qinfer::engine::request::{Request, StopConditions};
 use qinfer::loader::LoadedModel;
+use qinfer::tokenizer::Tokenizer;
+use qinfer::tokenizer::stream::StreamDecoder;
 
 use super::on_engine::{Speculation, run_one};
 use crate::common::{InputArgs, LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
@@ -61,42 +63,19 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         prefill_chunk: 512,
         adapter: a.lora.place(lm.as_ref())?,
     };
-    let tok = model.tokenizer.as_ref();
-    let mut stream = if a.json { None } else { tok.map(|t| t.stream_decoder()) };
-    let mut stdout = std::io::stdout().lock();
+    let mut out = Printer::new(model.tokenizer.as_ref(), a.json);
     let (new, stats) = generate(lm.as_ref(), &ids, &sampling, &opts, |t| {
-        match stream.as_mut() {
-            Some(s) => {
-                if let Some(piece) = s.push(t)? {
-                    stdout.write_all(piece.as_bytes()).map_err(stdout_error)?;
-                }
-            }
-            None if !a.json => write!(stdout, "{t} ").map_err(stdout_error)?,
-            None => {}
-        }
-        stdout.flush().map_err(stdout_error)?;
+        out.token(t)?;
         Ok(true)
     })?;
-    if a.json {
-        let text = match tok {
-            Some(t) => t.decode(&new, false)?,
-            None => String::new(),
-        };
-        writeln!(stdout, "{}", serde_json::json!({ "tokens": new, "text": text }))?;
-    } else {
-        if let Some(rest) = stream.as_mut().map(|s| s.finish()).transpose()?.flatten() {
-            stdout.write_all(rest.as_bytes())?;
-        }
-        writeln!(stdout)?;
-        eprintln!(
-            "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
-            stats.prompt_tokens,
-            stats.prefill_tok_s(),
-            stats.decode_tokens,
-            stats.decode_tok_s()
-        );
-    }
-    Ok(())
+    let summary = format!(
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+        stats.prompt_tokens,
+        stats.prefill_tok_s(),
+        stats.decode_tokens,
+        stats.decode_tok_s()
+    );
+    out.finish(&new, &summary)
 }
 
 /// `generate` through the engine, for speculative decoding: the same
@@ -125,45 +104,69 @@ fn generate_on_engine(
             ..Default::default()
         })
     };
-    let mut stream = if a.json { None } else { tok.as_ref().map(|t| t.stream_decoder()) };
-    let mut stdout = std::io::stdout().lock();
+    let tok_ref = tok.clone();
+    let mut out = Printer::new(tok_ref.as_deref(), a.json);
     let mut tokens = Vec::new();
-    let run = run_one(model, tok.clone(), device, &spec, request, |out| {
-        tokens.extend_from_slice(&out.token_ids);
-        for &t in &out.token_ids {
-            match stream.as_mut() {
-                Some(s) => {
-                    if let Some(piece) = s.push(t)? {
-                        stdout.write_all(piece.as_bytes()).map_err(stdout_error)?;
-                    }
-                }
-                None if !a.json => write!(stdout, "{t} ").map_err(stdout_error)?,
-                None => {}
-            }
-        }
-        stdout.flush().map_err(stdout_error)?;
-        Ok(())
+    let run = run_one(model, tok, device, &spec, request, |o| {
+        tokens.extend_from_slice(&o.token_ids);
+        Ok(o.token_ids.iter().try_for_each(|&t| out.token(t))?)
     })?;
-    if a.json {
-        let text = match &tok {
-            Some(t) => t.decode(&tokens, false)?,
-            None => String::new(),
-        };
-        writeln!(stdout, "{}", serde_json::json!({ "tokens": tokens, "text": text }))?;
-    } else {
-        if let Some(rest) = stream.as_mut().map(|s| s.finish()).transpose()?.flatten() {
-            stdout.write_all(rest.as_bytes())?;
-        }
-        writeln!(stdout)?;
-        eprintln!(
-            "prompt: {} tokens, first token after {:.2} s | decode: {} tokens, {:.1} tok/s{} | {}",
-            run.prompt_tokens,
-            run.first.as_secs_f64(),
-            run.generated,
-            run.decode_tok_s,
-            run.drafts(&spec),
-            run.device
-        );
+    let summary = format!(
+        "prompt: {} tokens, first token after {:.2} s | decode: {} tokens, {:.1} tok/s{} | {}",
+        run.prompt_tokens,
+        run.first.as_secs_f64(),
+        run.generated,
+        run.decode_tok_s,
+        run.drafts(&spec),
+        run.device
+    );
+    out.finish(&tokens, &summary)
+}
+
+/// `generate`'s output: each new token streamed as text (as ids without a
+/// tokenizer), or with `--json` one object at the end.
+struct Printer<'a> {
+    tok: Option<&'a Tokenizer>,
+    stream: Option<StreamDecoder<'a>>,
+    json: bool,
+    stdout: std::io::StdoutLock<'static>,
+}
+
+impl<'a> Printer<'a> {
+    fn new(tok: Option<&'a Tokenizer>, json: bool) -> Self {
+        let stream = if json { None } else { tok.map(|t| t.stream_decoder()) };
+        Printer { tok, stream, json, stdout: std::io::stdout().lock() }
     }
-    Ok(())
+
+    fn token(&mut self, t: u32) -> qinfer::Result<()> {
+        match self.stream.as_mut() {
+            Some(s) => {
+                if let Some(piece) = s.push(t)? {
+                    self.stdout.write_all(piece.as_bytes()).map_err(stdout_error)?;
+                }
+            }
+            None if !self.json => write!(self.stdout, "{t} ").map_err(stdout_error)?,
+            None => {}
+        }
+        self.stdout.flush().map_err(stdout_error)?;
+        Ok(())
+    }
+
+    /// The JSON object of `new`, or the rest of the text and `summary` on stderr.
+    fn finish(mut self, new: &[u32], summary: &str) -> Result<()> {
+        if self.json {
+            let text = match self.tok {
+                Some(t) => t.decode(new, false)?,
+                None => String::new(),
+            };
+            writeln!(self.stdout, "{}", serde_json::json!({ "tokens": new, "text": text }))?;
+        } else {
+            if let Some(rest) = self.stream.as_mut().map(|s| s.finish()).transpose()?.flatten() {
+                self.stdout.write_all(rest.as_bytes())?;
+            }
+            writeln!(self.stdout)?;
+            eprintln!("{summary}");
+        }
+        Ok(())
+    }
 }

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 use super::attention_plan::decode_step_key;
 use super::batch::batch_table;
@@ -134,13 +133,7 @@ impl CudaBackend {
         if self.failed() {
             return Ok(result);
         }
-        self.set_recording(Some((arena.clone(), true)));
-        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
-        self.record(began, "starting a batched step capture");
-        let out = body();
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        self.set_recording(None);
-        match (out, graph) {
+        match self.capture(&arena, "a batched decode step", body) {
             (Ok(out), Ok(Some(graph))) if !self.failed() => {
                 recorded.insert(key, Recorded { graph, out, _arena: arena });
             }

@@ -86,12 +86,7 @@ impl CudaBackend {
             return Ok(result);
         }
         let next_inputs = self.set_step_inputs(pass_inputs);
-        self.set_recording(Some((arena.clone(), true)));
-        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
-        self.record(began, "starting a decode step capture");
-        let out = body();
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        self.set_recording(None);
+        let (out, graph) = self.capture(&arena, "a decode step", body);
         self.set_step_inputs(next_inputs);
         match (out, graph) {
             (Ok(out), Ok(Some(graph))) if !self.failed() => {
@@ -103,6 +98,23 @@ impl CudaBackend {
             }
         }
         Ok(result)
+    }
+
+    /// `body` captured on the stream (not run), every buffer it takes from
+    /// `arena`: its output activations and the graph (or why there is none).
+    pub(super) fn capture(
+        &self,
+        arena: &Arc<BufferPool>,
+        what: &str,
+        body: &mut dyn FnMut() -> Result<CudaAct>,
+    ) -> (Result<CudaAct>, std::result::Result<Option<CudaGraph>, cudarc::driver::DriverError>) {
+        self.set_recording(Some((arena.clone(), true)));
+        let began = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        self.record(began, &format!("starting the capture of {what}"));
+        let out = body();
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.set_recording(None);
+        (out, graph)
     }
 
     /// Makes the device step inputs hold `start` (and `id`, when given), with
