@@ -322,19 +322,6 @@ fn paged_prologue_matches_cpu() {
     }
 }
 
-/// A bench configuration (`json`) written to `dir/name.json` with this
-/// vocabulary and, where given, this many layers.
-fn config_file(dir: &std::path::Path, name: &str, json: &str, vocab: u32, layers: Option<usize>) -> std::path::PathBuf {
-    let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
-    cfg["vocab_size"] = vocab.into();
-    if let Some(n) = layers {
-        cfg["num_hidden_layers"] = n.into();
-    }
-    let path = dir.join(format!("{name}.json"));
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    path
-}
-
 /// A request: greedy, `max_tokens` new tokens.
 fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
     Request {

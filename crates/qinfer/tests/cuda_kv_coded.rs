@@ -257,13 +257,7 @@ fn the_engine_with_a_coded_pool_on_cuda_follows_the_cpu() {
     for format in ["k8v4", "turbo4"] {
         let format: KvFormat = format.parse().unwrap();
         for (name, json, layers) in configs {
-            let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
-            cfg["vocab_size"] = vocab.into();
-            if let Some(n) = layers {
-                cfg["num_hidden_layers"] = n.into();
-            }
-            let path = dir.join(format!("{name}.json"));
-            std::fs::write(&path, cfg.to_string()).unwrap();
+            let path = config_file(&dir, name, json, vocab, layers);
             let storage = "f32".parse().unwrap();
             let cpu_dev = Device::CPU.with_kv_format(Some(format)).unwrap();
             let cuda =

@@ -238,3 +238,16 @@ pub enum Stored {
     Tensor(Tensor),
     Affine(Box<qinfer::quant::affine::AffineTensor>),
 }
+
+/// A bench configuration (`json`) written to `dir/name.json` with this
+/// vocabulary and, where given, this many layers.
+pub fn config_file(dir: &Path, name: &str, json: &str, vocab: u32, layers: Option<usize>) -> PathBuf {
+    let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
+    cfg["vocab_size"] = vocab.into();
+    if let Some(n) = layers {
+        cfg["num_hidden_layers"] = n.into();
+    }
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
