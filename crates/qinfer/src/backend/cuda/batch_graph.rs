@@ -61,7 +61,8 @@ pub(super) struct Staged {
 impl CudaBackend {
     /// [`crate::backend::Backend::batch_step_rows`].
     pub(super) fn batch_step_rows_op(&self, rows: usize, moe: bool) -> Option<usize> {
-        if !self.graphs || self.batch_graphs_off.load(Ordering::Relaxed) {
+        // An encoded pool's steps upload their codec tables as they go.
+        if !self.graphs || self.kv_coded.is_some() || self.batch_graphs_off.load(Ordering::Relaxed) {
             return None;
         }
         // Experts of larger batches are routed with a read back (moe.rs).

@@ -374,6 +374,12 @@ impl CudaBackend {
         &self,
         v: &[T],
     ) -> CudaSlice<T> {
+        if self.capturing() && self.batch_staged() {
+            // A capture would keep the host address and copy from it at every
+            // replay: the recording fails instead (and batched steps then run
+            // as they come).
+            self.record(Err("a host-to-device copy inside a recorded batched step"), "recording a batched step");
+        }
         match self.stream.clone_htod(v) {
             Ok(s) => s,
             Err(e) => {
