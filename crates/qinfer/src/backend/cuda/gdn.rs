@@ -363,16 +363,7 @@ impl CudaBackend {
         else {
             return None;
         };
-        let ty = match weights.conv {
-            CudaWeight::Matrix { dtype, .. } => FloatType::of(*dtype),
-            CudaWeight::Vector(_) => FloatType::F32,
-            CudaWeight::Affine(_) | CudaWeight::Fp8(_) => return None,
-        };
-        let w = match weights.conv {
-            CudaWeight::Matrix { buf, .. } => self.p(buf),
-            CudaWeight::Vector(v) => self.p(v),
-            _ => return None,
-        };
+        let (ty, w) = self.conv_weight(weights.conv)?;
         let out = self.act(t, vd);
         if mixed.cols != cd + vd + 2 * nv || states.len() != t {
             let e =
@@ -422,6 +413,16 @@ impl CudaBackend {
         Some(out)
     }
 
+    /// A conv weight's float type and device address (None for storage the
+    /// conv kernels do not read).
+    fn conv_weight(&self, weight: &CudaWeight) -> Option<(FloatType, u64)> {
+        match weight {
+            CudaWeight::Matrix { dtype, buf, .. } => Some((FloatType::of(*dtype), self.p(buf))),
+            CudaWeight::Vector(v) => Some((FloatType::F32, self.p(v))),
+            CudaWeight::Affine(_) | CudaWeight::Fp8(_) => None,
+        }
+    }
+
     /// The depthwise conv + SiLU over the first `out.cols` columns of `x`
     /// (all of them, or the conv channels of a stacked projection) into `out`.
     pub(super) fn conv_columns(&self, x: &CudaAct, weight: &CudaWeight, state: &mut CudaGdnState, out: &CudaAct) {
@@ -430,13 +431,9 @@ impl CudaBackend {
             self.record(Err(format!("conv kernel {kernel} > 9 is not supported on CUDA")), "gdn_conv");
             return;
         }
-        let (ty, w) = match weight {
-            CudaWeight::Matrix { dtype, buf, .. } => (FloatType::of(*dtype), self.p(buf)),
-            CudaWeight::Vector(v) => (FloatType::F32, self.p(v)),
-            CudaWeight::Affine(_) | CudaWeight::Fp8(_) => {
-                self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
-                return;
-            }
+        let Some((ty, w)) = self.conv_weight(weight) else {
+            self.record(Err("conv weights must be bf16, f16 or f32"), "gdn_conv");
+            return;
         };
         let (rows, channels, stride) = (x.rows as i32, out.cols as i32, x.cols as i32);
         // Decode: one launch walks the rows. A prompt: every run of rows at
