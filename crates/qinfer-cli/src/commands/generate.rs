@@ -12,8 +12,8 @@ use qinfer::loader::LoadedModel;
 use qinfer::tokenizer::Tokenizer;
 use qinfer::tokenizer::stream::StreamDecoder;
 
-use super::on_engine::{Speculation, run_one};
-use crate::common::{InputArgs, LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
+use super::on_engine::{SpeculationArgs, run_one};
+use crate::common::{InputArgs, LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -35,23 +35,14 @@ pub struct Args {
     sampling: SamplingArgs,
     #[command(flatten)]
     lora: LoraArgs,
-    /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
-    /// engine commands; the output is the same, greedy or in distribution.
-    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
-    speculative: Option<SpeculativeKind>,
-    /// Most draft tokens a step (with --speculative).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
-    draft_tokens: u16,
-    /// Verify every proposed draft up to --draft-tokens (by default only
-    /// those the measured step costs say pay).
-    #[arg(long, requires = "speculative")]
-    fixed_draft_tokens: bool,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(Some(&a.model))?;
     let ids = a.input.token_ids(&model)?;
-    if a.speculative.is_some() {
+    if a.speculation.speculative.is_some() {
         return generate_on_engine(a, model, ids, device);
     }
     let lm = model.load(device, !a.json)?;
@@ -89,11 +80,7 @@ fn generate_on_engine(
     let stops = if a.ignore_eos { vec![] } else { stop_tokens(&model, None) };
     let sampling = a.sampling.resolve(&model.sampling_defaults);
     let tok = model.tokenizer.take().map(Arc::new);
-    let spec = Speculation {
-        kind: a.speculative.as_ref(),
-        draft_tokens: a.draft_tokens as usize,
-        fixed: a.fixed_draft_tokens,
-    };
+    let spec = a.speculation.speculation();
     let lora = std::mem::take(&mut a.lora);
     let request = |lm: &dyn qinfer::models::LanguageModel| -> Result<Request> {
         Ok(Request {

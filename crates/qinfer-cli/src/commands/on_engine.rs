@@ -15,6 +15,33 @@ use qinfer::tokenizer::Tokenizer;
 
 use crate::common::SpeculativeKind;
 
+/// `run`'s and `generate`'s speculation flags (the engine commands take
+/// theirs with `EngineArgs`).
+#[derive(clap::Args)]
+pub struct SpeculationArgs {
+    /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
+    /// engine commands; the output is the same, greedy or in distribution.
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
+    pub speculative: Option<SpeculativeKind>,
+    /// Most draft tokens a step (with --speculative).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub draft_tokens: u16,
+    /// Verify every proposed draft up to --draft-tokens (by default only
+    /// those the measured step costs say pay).
+    #[arg(long, requires = "speculative")]
+    pub fixed_draft_tokens: bool,
+}
+
+impl SpeculationArgs {
+    pub fn speculation(&self) -> Speculation<'_> {
+        Speculation {
+            kind: self.speculative.as_ref(),
+            draft_tokens: self.draft_tokens as usize,
+            fixed: self.fixed_draft_tokens,
+        }
+    }
+}
+
 /// How the request speculates (None: plain decoding).
 pub struct Speculation<'a> {
     pub kind: Option<&'a SpeculativeKind>,

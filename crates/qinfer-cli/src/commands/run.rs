@@ -13,8 +13,8 @@ use qinfer::loader::LoadedModel;
 use qinfer::models::vision::expand_placeholders;
 use qinfer::tokenizer::{ChatMessage, ChatOptions, ContentPart, Tokenizer};
 
-use super::on_engine::{Speculation, run_one};
-use crate::common::{LoraArgs, SamplingArgs, SpeculativeKind, open_model, stdout_error, stop_tokens};
+use super::on_engine::{SpeculationArgs, run_one};
+use crate::common::{LoraArgs, SamplingArgs, open_model, stdout_error, stop_tokens};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,22 +40,13 @@ pub struct Args {
     /// PNG or WebP). Needs a multimodal checkpoint (Qwen3.5 with its vision tower).
     #[arg(long = "image", value_name = "PATH")]
     images: Vec<PathBuf>,
-    /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
-    /// engine commands; the answer is the same, greedy or in distribution.
-    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
-    speculative: Option<SpeculativeKind>,
-    /// Most draft tokens a step (with --speculative).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
-    draft_tokens: u16,
-    /// Verify every proposed draft up to --draft-tokens (by default only
-    /// those the measured step costs say pay).
-    #[arg(long, requires = "speculative")]
-    fixed_draft_tokens: bool,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let model = open_model(a.model.as_ref())?;
-    if !a.images.is_empty() || a.speculative.is_some() {
+    if !a.images.is_empty() || a.speculation.speculative.is_some() {
         return run_on_engine(a, model, device);
     }
     let tok =
@@ -138,11 +129,7 @@ fn run_on_engine(mut a: Args, mut model: LoadedModel, device: qinfer::loader::De
     };
     let tok = tok.expect("both kinds of prompt needed the tokenizer");
     let sampling = a.sampling.resolve(&model.sampling_defaults);
-    let spec = Speculation {
-        kind: a.speculative.as_ref(),
-        draft_tokens: a.draft_tokens as usize,
-        fixed: a.fixed_draft_tokens,
-    };
+    let spec = a.speculation.speculation();
     let mut stdout = std::io::stdout().lock();
     let lora = &a.lora;
     let request = |lm: &dyn qinfer::models::LanguageModel| -> Result<Request> {
