@@ -4,14 +4,16 @@
 //! GEMVs cycle through copies of their weight that add up past the L2
 //! cache, so their GB/s is HBM bandwidth.
 //!
-//! `cargo bench -p qinfer --features cuda --bench cuda_profile -- [8b] [chain] [hybrid] [moe] [moe-prefill]`
+//! `cargo bench -p qinfer --features cuda --bench cuda_profile -- [8b] [chain] [hybrid] [moe] [moe-prefill] [batch-gemm]`
 //!
 //! (every profile when none is named; the built binary takes the same names).
 //! `8b`: each op at Qwen3-8B's shapes; `chain`: whole decode layers at the
 //! 8B's shapes with parts left out; `hybrid`: the Qwen3.5-4B-shaped hybrid's
 //! ops; `moe`: the routed experts of a decode step at Qwen3-30B-A3B's
 //! shapes; `moe-prefill`: its MoE prefill layers, grouped GEMM against one
-//! cuBLAS GEMM per expert.
+//! cuBLAS GEMM per expert; `batch-gemm`: a batch's decode rows through
+//! affine weights at the 8B's shapes, the tensor-core GEMM against the GEMVs
+//! and the bf16 tiles for cuBLAS it replaced.
 
 #[path = "../tests/common_cuda/mod.rs"]
 mod common_cuda;
@@ -26,12 +28,13 @@ use qinfer::kv::KvCache;
 use qinfer::sampling::SamplingParams;
 use qinfer::tensor::DType;
 
-const PROFILES: [(&str, fn()); 5] = [
+const PROFILES: [(&str, fn()); 6] = [
     ("8b", profile_decode_ops_at_8b_shapes),
     ("chain", profile_decode_layer_chain_at_8b_shapes),
     ("hybrid", profile_decode_ops_at_hybrid_shapes),
     ("moe", profile_decode_ops_at_moe_shapes),
     ("moe-prefill", profile_moe_prefill_at_30b_shapes),
+    ("batch-gemm", profile_batch_gemm_at_8b_shapes),
 ];
 
 fn main() {
@@ -81,7 +84,7 @@ fn time_replayed(
     bytes: usize,
     start: usize,
     op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct,
-) {
+) -> f64 {
     let (reps, n) = (50, 5);
     let mut step = Default::default();
     let mut body = || {
@@ -103,6 +106,7 @@ fn time_replayed(
     let us = t0.elapsed().as_secs_f64() * 1e6 / (n * reps) as f64;
     let gbs = if bytes > 0 { format!("{:.0} GB/s", bytes as f64 / us / 1e3) } else { String::new() };
     println!("{what:<40} {us:8.2} µs  {gbs}");
+    us
 }
 
 /// Device time of the decode step's ops at the shapes of the Qwen3.5-4B-shaped
@@ -577,4 +581,53 @@ fn profile_layer_chain(b: &CudaBackend, w: &[[CudaWeight; 4]], fold: &str, r: &m
             });
         }
     }
+}
+
+/// A batch's decode rows through affine weights at Qwen3-8B's shapes: the
+/// default dispatch (the tensor-core GEMM where it takes the rows) against
+/// the same backend without that GEMM (the GEMVs, then bf16 tiles and cuBLAS), for
+/// mlx's 4-bit groups of 64 and GGUF's Q4_K and Q6_K records. GB/s
+/// counts the weight's bytes once a call.
+fn profile_batch_gemm_at_8b_shapes() {
+    let Some(_) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let new = CudaBackend::new(0).unwrap();
+    let old = CudaBackend::new(0).unwrap().without_affine_gemm();
+    let (h, q, kv, inter) = (4096, 4096, 1024, 12288);
+    for (name, rows, cols) in [("qkv", q + 2 * kv, h), ("gate_up", 2 * inter, h), ("down", h, inter)] {
+        let formats: [(&str, usize); 3] = [("q4g64", 4 * 64 + 32), ("Q4_K", 144 * 2), ("Q6_K", 210 * 2)];
+        for (format, bits_per_64) in formats {
+            let t = match format {
+                "q4g64" => Stored::Affine(Box::new(affine_tensor(&mut r, 4, 64, rows, cols, DType::BF16))),
+                "Q4_K" => Stored::Tensor(kquant_tensor(&mut r, DType::Q4_K, rows, cols)),
+                _ => Stored::Tensor(kquant_tensor(&mut r, DType::Q6_K, rows, cols)),
+            };
+            let bytes = rows * cols / 64 * bits_per_64 / 8;
+            for (path, b) in [("tc-gemm", &new), ("before", &old)] {
+                let ws = weight_copies(bytes, || match &t {
+                    Stored::Tensor(t) => b.upload(t).unwrap(),
+                    Stored::Affine(a) => b.upload_affine(a).unwrap(),
+                });
+                for n in [1, 4, 5, 8, 16, 32, 64, 128, 256] {
+                    let x = b.act_from_host(n, cols, &r.vec(n * cols));
+                    let mut i = 0;
+                    let what = format!("{format} {path} {name} {rows}x{cols} rows {n}");
+                    let tflops = 2.0 * (rows * cols * n) as f64;
+                    time_replayed_flops(b, &what, bytes, tflops, &mut || b.linear(&x, next(&ws, &mut i), None));
+                }
+            }
+        }
+    }
+}
+
+/// [`time_replayed`] at position 0, with the TFLOP/s of `flops` a call.
+fn time_replayed_flops(
+    b: &CudaBackend,
+    what: &str,
+    bytes: usize,
+    flops: f64,
+    op: &mut dyn FnMut() -> qinfer::backend::cuda::CudaAct,
+) {
+    let us = time_replayed(b, what, bytes, 0, op);
+    println!("{:<40} {:8.1} TFLOP/s", "", flops / us / 1e6);
 }

@@ -1,7 +1,9 @@
 //! Affine-quantized linear layers: the CUDA-core GEMVs (affine_gemv.cu, any
 //! bit width), the tensor-core GEMVs of 4- and 8-bit levels (affine_mma.cu,
-//! with the folded RMSNorm and the quantized row handed on), the prefill's
-//! bf16 tiles for cuBLAS, and embedding rows from an affine table.
+//! with the folded RMSNorm and the quantized row handed on), the choice
+//! between them, the tensor-core GEMM of a batch's rows (affine_gemm.rs) and
+//! the prefill's bf16 tiles for cuBLAS, and embedding rows from an affine
+//! table.
 
 use std::sync::atomic::Ordering;
 
@@ -307,14 +309,27 @@ impl CudaBackend {
     /// Shared memory of each launch of a tensor-core affine GEMV over `rows`
     /// activation rows ([`affine_mma_shared_size`]; more rows than one launch
     /// takes go in up to [`AFFINE_MMA_MAX_LAUNCHES`] launches), None where it
-    /// does not apply or a fixed GEMV shape is set (profiling the CUDA-core
-    /// kernels).
+    /// does not apply, a fixed GEMV shape is set (profiling the CUDA-core
+    /// kernels) or the tensor-core GEMM takes the rows
+    /// ([`Self::affine_gemm_takes`]).
     pub(super) fn affine_mma_shared(&self, w: &AffineWeight, rows: usize) -> Option<usize> {
         let per_launch = affine_mma_act_rows(w);
-        if rows > per_launch * AFFINE_MMA_MAX_LAUNCHES {
+        if rows > per_launch * AFFINE_MMA_MAX_LAUNCHES || self.affine_gemm_takes(w, rows) {
             return None;
         }
-        affine_mma_shared_size(w, rows.min(per_launch))
+        self.affine_mma_launch_shared(w, rows.min(per_launch))
+    }
+
+    /// The rows each launch of the tensor-core affine GEMV takes for `w` when
+    /// a call has more, None where that does not apply (no kernel, so many
+    /// rows of x too wide for shared memory, or a fixed GEMV shape).
+    pub(super) fn affine_mma_rows(&self, w: &AffineWeight) -> Option<usize> {
+        let per_launch = affine_mma_act_rows(w);
+        self.affine_mma_launch_shared(w, per_launch).map(|_| per_launch)
+    }
+
+    fn affine_mma_launch_shared(&self, w: &AffineWeight, act_rows: usize) -> Option<usize> {
+        affine_mma_shared_size(w, act_rows)
             .filter(|&shared| self.gemv_shape.is_none() && shared <= self.affine_mma_max_shared)
     }
 
@@ -437,9 +452,15 @@ impl CudaBackend {
         (n.len() == x.cols && a.cols == x.cols).then(|| (a, (self.p(n), eps)))
     }
 
-    /// Affine weights, prefill: tiles of rows are dequantized to bf16 in one
-    /// transient buffer, each multiplied by cuBLAS into its output columns.
+    /// Affine weights, many rows: a batch's decode rows take the tensor-core
+    /// GEMM ([`Self::affine_gemm_takes`]); a prefill's dequantizes tiles of
+    /// rows to bf16 in one transient buffer, each multiplied by cuBLAS into
+    /// its output columns.
     pub(super) fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct, accumulate: bool) {
+        if self.affine_gemm_takes(w, x.rows) {
+            self.affine_tc_gemm(x, w, 0, y, accumulate);
+            return;
+        }
         let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
         let scratch = self.uninit::<u16>(tile_rows * w.cols);
         let inputs = self.gemm_inputs(x, DType::BF16);

@@ -29,6 +29,7 @@ pub const UNITS: &[Unit] = &[
     unit!("linear.cu"),
     unit!("affine_gemv.cu"),
     unit!("affine_mma.cu"),
+    unit!("affine_gemm.cu"),
     unit!("fp8.cu"),
     unit!("attention.cu"),
     unit!("batch.cu"),

@@ -184,6 +184,7 @@ impl CudaBackend {
             decode_whole,
             flash,
             flash_bidir,
+            affine_gemm: true,
             affine_mma_max_shared,
             fp8_mma_max_shared,
             max_block_shared: block_shared,
@@ -288,6 +289,14 @@ impl CudaBackend {
     /// Launches every GEMV with `shape` (profiling the choice of shapes).
     pub fn with_gemv_shape(mut self, shape: GemvShape) -> Self {
         self.gemv_shape = Some(shape);
+        self
+    }
+
+    /// Leaves affine weights' rows to the GEMVs and the prefill path (bf16
+    /// tiles and cuBLAS), never the tensor-core GEMM (for measuring what it
+    /// gains; the results differ by bf16 rounding only).
+    pub fn without_affine_gemm(mut self) -> Self {
+        self.affine_gemm = false;
         self
     }
 

@@ -214,6 +214,7 @@ pub(super) fn elementwise_cfg(n: usize) -> LaunchConfig {
 pub(super) struct Kernels<K> {
     pub(super) linear: super::linear::LinearKernels<K>,
     pub(super) affine: super::affine::AffineKernels<K>,
+    pub(super) affine_gemm: super::affine_gemm::AffineGemmKernels<K>,
     pub(super) fp8: super::fp8::Fp8Kernels<K>,
     pub(super) attention: super::attention::AttentionKernels<K>,
     pub(super) batch: super::batch::BatchKernels<K>,
@@ -231,6 +232,7 @@ impl<K> Kernels<K> {
         Ok(Kernels {
             linear: super::linear::LinearKernels::load(get)?,
             affine: super::affine::AffineKernels::load(get)?,
+            affine_gemm: super::affine_gemm::AffineGemmKernels::load(get)?,
             fp8: super::fp8::Fp8Kernels::load(get)?,
             attention: super::attention::AttentionKernels::load(get)?,
             batch: super::batch::BatchKernels::load(get)?,

@@ -366,7 +366,9 @@ impl CudaBackend {
     /// decide it.
     fn takes_gemm(&self, w: &CudaWeight, rows: usize) -> bool {
         match w {
-            CudaWeight::Affine(a) => rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, rows).is_none(),
+            CudaWeight::Affine(a) => {
+                self.affine_gemm_takes(a, rows) || (rows > GEMV_MAX_ROWS && self.affine_mma_shared(a, rows).is_none())
+            }
             CudaWeight::Matrix { rows: out_dim, cols: in_dim, .. } => !float_takes_gemv(rows, *out_dim, *in_dim),
             CudaWeight::Fp8(f) => rows > GEMV_MAX_ROWS && self.fp8_mma_launch(f, rows).is_none(),
             CudaWeight::Vector(_) => rows > GEMV_MAX_ROWS,

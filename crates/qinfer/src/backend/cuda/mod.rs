@@ -10,7 +10,8 @@
 //!
 //! One file per op family, each with its kernels' table and launchers:
 //! linear.rs (float GEMVs, cuBLAS GEMMs), affine.rs (affine GEMVs on CUDA and
-//! tensor cores, dequantized prefill tiles), attention.rs (and its plans in
+//! tensor cores, dequantized prefill tiles) and affine_gemm.rs (a batch's
+//! rows through affine weights on the tensor cores), attention.rs (and its plans in
 //! attention_plan.rs), batch.rs (the batched forward's paged KV pool and
 //! attention through block tables), norm_rope.rs, elementwise.rs, gdn.rs,
 //! moe.rs and moe_prefill.rs, sampling.rs; device.rs opens the device and holds its
@@ -19,6 +20,7 @@
 //! the kernels and launches them with typed arguments.
 
 mod affine;
+mod affine_gemm;
 mod attention;
 mod attention_plan;
 mod batch;
@@ -122,6 +124,9 @@ pub struct CudaBackend {
     flash: [bool; 3],
     /// Per `vision::BIDIR_HEAD_DIMS`, whether `flash_bidir`'s tiles fit a block.
     flash_bidir: [bool; 3],
+    /// Whether affine weights take the tensor-core GEMM (affine_gemm.rs)
+    /// for the rows it outruns the GEMVs and the prefill path at.
+    affine_gemm: bool,
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
     /// Dynamic shared memory a tensor-core FP8 GEMV block may take here;
