@@ -104,6 +104,10 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
             (128, 1280, 18, DType::BF16),
             // More tiles of 16 rows than two blocks per SM: blocks loop over tiles.
             (64, 512, 4500, DType::BF16),
+            // Rows of 14 and 5 units of 64: the 4-bit GEMM's last stage of 4
+            // units is partly past the row.
+            (64, 896, 50, DType::BF16),
+            (32, 320, 24, DType::F32),
             // Groups of 16 (ggml's K-quant sub-blocks): the CUDA-core kernels'
             // g16 forms, bf16 scales widened to f32 at upload.
             (16, 256, 70, DType::F32),

@@ -3,6 +3,8 @@
 //! registers (read once per 64 activation rows), where the prefill path wrote
 //! and read a bf16 copy of every weight.
 
+use cudarc::driver::CudaSlice;
+
 use super::kernels::{Resolve, cfg, elementwise_cfg, kernel_args, resolve_n};
 use super::{AffineWeight, CudaAct, CudaBackend, affine};
 use crate::Result;
@@ -101,6 +103,10 @@ impl CudaBackend {
 
     /// `y (+)= x·wᵀ (+ bias)` on the tensor cores ([`Self::affine_gemm_takes`]).
     pub(super) fn affine_tc_gemm(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &CudaAct, accumulate: bool) {
+        if self.affine_gemm4_takes(w) {
+            self.affine_gemm4(x, w, bias_ptr, y, accumulate);
+            return;
+        }
         let tile = ACT_TILES.iter().position(|&t| x.rows <= t).unwrap_or(ACT_TILES.len() - 1);
         let act = ACT_TILES[tile];
         let kernel = self.k.affine_gemm.of(w).map(|k| &k[tile]);
@@ -111,11 +117,7 @@ impl CudaBackend {
         };
         let (row_blocks, act_blocks) = (w.rows.div_ceil(AFFINE_GEMM_WARPS * 16), x.rows.div_ceil(act));
         let units = w.cols / 64;
-        // Split K while the grid would leave SMs idle, each split at least a
-        // ring's worth of units.
-        let wanted = (BLOCKS_PER_SM * self.sm_count).div_ceil(row_blocks * act_blocks);
-        let splits = wanted.min(units / MIN_SPLIT_UNITS).max(1);
-        let per_split = units.div_ceil(splits);
+        let per_split = self.affine_gemm_split(row_blocks * act_blocks, BLOCKS_PER_SM, units, MIN_SPLIT_UNITS);
         let splits = units.div_ceil(per_split);
         let part = (splits > 1).then(|| self.uninit::<f32>(splits * x.rows * w.rows));
         let shared = shared_bytes(w.params.bits as usize, act) as u32;
@@ -138,17 +140,42 @@ impl CudaBackend {
         };
         self.launch_opt(kernel, "tensor-core affine GEMM", cfg(grid, threads, shared), &args);
         if let Some(part) = &part {
-            let args = AffineGemmReduceArgs {
-                part: self.p(part),
-                bias: bias_ptr,
-                y: self.p(&y.buf),
-                splits: splits as i32,
-                n_act: x.rows as i32,
-                out_dim: w.rows as i32,
-                accumulate: accumulate as i32,
-            };
-            self.launch(&self.k.affine_gemm.reduce, elementwise_cfg(x.rows * w.rows), &args);
+            self.affine_gemm_reduce(part, splits, x.rows, w.rows, bias_ptr, y, accumulate);
         }
+    }
+
+    /// Items (units or stages of K) a split takes, splitting K while a grid
+    /// of `blocks` would leave SMs idle at `per_sm` blocks each, each split
+    /// at least `min_items` long.
+    pub(super) fn affine_gemm_split(&self, blocks: usize, per_sm: usize, items: usize, min_items: usize) -> usize {
+        let wanted = (per_sm * self.sm_count).div_ceil(blocks);
+        let splits = wanted.min(items / min_items).max(1);
+        items.div_ceil(splits)
+    }
+
+    /// y (=, or += with `accumulate`) the sum of the `splits` partial
+    /// products in `part` ([splits][n_act][out_dim]), in order, plus the bias.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn affine_gemm_reduce(
+        &self,
+        part: &CudaSlice<f32>,
+        splits: usize,
+        n_act: usize,
+        out_dim: usize,
+        bias_ptr: u64,
+        y: &CudaAct,
+        accumulate: bool,
+    ) {
+        let args = AffineGemmReduceArgs {
+            part: self.p(part),
+            bias: bias_ptr,
+            y: self.p(&y.buf),
+            splits: splits as i32,
+            n_act: n_act as i32,
+            out_dim: out_dim as i32,
+            accumulate: accumulate as i32,
+        };
+        self.launch(&self.k.affine_gemm.reduce, elementwise_cfg(n_act * out_dim), &args);
     }
 }
 

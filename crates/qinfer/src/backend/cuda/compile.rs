@@ -30,6 +30,7 @@ pub const UNITS: &[Unit] = &[
     unit!("affine_gemv.cu"),
     unit!("affine_mma.cu"),
     unit!("affine_gemm.cu"),
+    unit!("affine_gemm4.cu"),
     unit!("fp8.cu"),
     unit!("attention.cu"),
     unit!("batch.cu"),

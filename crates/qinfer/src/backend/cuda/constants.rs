@@ -5,7 +5,9 @@
 //! between the two sides. The .cu files define none of these names
 //! themselves (tests/kernel_sources.rs checks).
 
-use super::{affine, affine_gemm, attention_plan, batch, fp8, gdn, kv_coded, linear, moe, moe_prefill, sampling};
+use super::{
+    affine, affine_gemm, affine_gemm4, attention_plan, batch, fp8, gdn, kv_coded, linear, moe, moe_prefill, sampling,
+};
 
 /// Every shared constant: (the kernels' name, its value).
 pub(super) const SHARED: &[(&str, usize)] = &[
@@ -16,6 +18,10 @@ pub(super) const SHARED: &[(&str, usize)] = &[
     ("AMMA_MAX_ACT", affine::AFFINE_MMA_MAX_ACT),
     ("AGEMM_WARPS", affine_gemm::AFFINE_GEMM_WARPS),
     ("AGEMM_STAGES", affine_gemm::AFFINE_GEMM_STAGES),
+    ("AG4_ROW_WARPS", affine_gemm4::AG4_ROW_WARPS),
+    ("AG4_WARP_ACT", affine_gemm4::AG4_WARP_ACT),
+    ("AG4_STAGES", affine_gemm4::AG4_STAGES),
+    ("AG4_COLS", affine_gemm4::STAGE_COLS),
     ("FP8_MMA_WARPS", fp8::FP8_MMA_WARPS),
     ("FP8_MMA_PAD", fp8::FP8_MMA_PAD),
     ("ATTN_CHUNK", attention_plan::ATTENTION_CHUNK),

@@ -114,6 +114,13 @@ impl CudaBackend {
             allow_shared(kernel, affine_mma_max_shared, "affine GEMV shared memory")?;
             prefer_shared(kernel)?;
         }
+        // The 4-bit affine GEMM's blocks, where the device has room for them
+        // (affine_gemm4_takes checks the same bound).
+        for (kernel, bytes) in k.affine_gemm4.gemms() {
+            if bytes <= block_shared {
+                allow_shared(kernel, bytes, "4-bit affine GEMM shared memory")?;
+            }
+        }
         let fp8_mma_max_shared = ((major, minor) >= (8, 9)).then_some(FP8_MMA_MAX_SHARED.min(block_shared));
         if let Some(bytes) = fp8_mma_max_shared {
             for kernel in k.fp8.mma_kernels() {

@@ -11,7 +11,8 @@
 //! One file per op family, each with its kernels' table and launchers:
 //! linear.rs (float GEMVs, cuBLAS GEMMs), affine.rs (affine GEMVs on CUDA and
 //! tensor cores, dequantized prefill tiles) and affine_gemm.rs (a batch's
-//! rows through affine weights on the tensor cores), attention.rs (and its plans in
+//! rows through affine weights on the tensor cores; affine_gemm4.rs its
+//! 4-bit kernels), attention.rs (and its plans in
 //! attention_plan.rs), batch.rs (the batched forward's paged KV pool and
 //! attention through block tables), norm_rope.rs, elementwise.rs, gdn.rs,
 //! moe.rs and moe_prefill.rs, sampling.rs; device.rs opens the device and holds its
@@ -21,6 +22,7 @@
 
 mod affine;
 mod affine_gemm;
+mod affine_gemm4;
 mod attention;
 mod attention_plan;
 mod batch;
