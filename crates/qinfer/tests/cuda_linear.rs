@@ -115,13 +115,15 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
         ] {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());
-            // The tensor-core GEMV (4- and 8-bit levels, no 8-bit groups of 128)
-            // takes up to 3 launches of 4 rows (of 2 with groups of 32), the
-            // CUDA-core GEMV one row of other types; more rows, up to 128,
-            // take the tensor-core GEMM (in tiles of 16, 32 and 64 rows; 100
-            // rows, two tiles), past that the bf16 GEMM.
+            // The tensor-core GEMV (4- and 8-bit levels, no 8-bit groups of
+            // 128, rows of whole stages: 256 columns at 4 bits, 128 at 8) takes up to 3 launches of
+            // 4 rows (of 2 with groups of 32), the CUDA-core GEMV one row of
+            // other weights; more rows, up to 128, take the tensor-core GEMM
+            // (in tiles of 16, 32 and 64 rows; 100 rows, two tiles), past
+            // that the bf16 GEMM.
             for rows in [1, 2, 3, 4, 5, 8, 9, 12, 16, 33, 64, 100, 256, 300] {
                 let mma = matches!((bits, group_size), (4, 32 | 64 | 128) | (8, 32 | 64))
+                    && inp % if bits == 4 { 256 } else { 128 } == 0
                     && rows <= if group_size == 32 { 6 } else { 12 };
                 let mut x = r.vec(rows * inp);
                 // Rows of very different magnitudes: the tensor-core kernel

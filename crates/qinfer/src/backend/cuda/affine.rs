@@ -455,10 +455,11 @@ impl CudaBackend {
     /// Affine weights, many rows: a batch's decode rows take the tensor-core
     /// GEMM ([`Self::affine_gemm_takes`]); a prefill's dequantizes tiles of
     /// rows to bf16 in one transient buffer, each multiplied by cuBLAS into
-    /// its output columns.
-    pub(super) fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, y: &mut CudaAct, accumulate: bool) {
+    /// its output columns. The bias (a pointer of 0: none) is added in the
+    /// tensor-core GEMM's epilogue, or after the prefill path's tiles.
+    pub(super) fn affine_gemm(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &mut CudaAct, accumulate: bool) {
         if self.affine_gemm_takes(w, x.rows) {
-            self.affine_tc_gemm(x, w, 0, y, accumulate);
+            self.affine_tc_gemm(x, w, bias_ptr, y, accumulate);
             return;
         }
         let tile_rows = (AFFINE_TILE_VALUES / w.cols).clamp(1, w.rows);
@@ -482,6 +483,7 @@ impl CudaBackend {
             let y_ptr = self.p(&y.buf) + (r0 * 4) as u64;
             self.gemm_rows(x, &inputs, DType::BF16, self.p(&scratch), rows, w.cols, y_ptr, w.rows, accumulate);
         }
+        self.add_bias(y, bias_ptr);
     }
 
     /// Embedding rows `ids` (on the device at `ids_ptr`) of an affine table.

@@ -103,7 +103,7 @@ impl CudaBackend {
 
     /// `y (+)= x·wᵀ (+ bias)` on the tensor cores ([`Self::affine_gemm_takes`]).
     pub(super) fn affine_tc_gemm(&self, x: &CudaAct, w: &AffineWeight, bias_ptr: u64, y: &CudaAct, accumulate: bool) {
-        if self.affine_gemm4_takes(w) {
+        if self.affine_gemm4_takes(w, x.rows) {
             self.affine_gemm4(x, w, bias_ptr, y, accumulate);
             return;
         }

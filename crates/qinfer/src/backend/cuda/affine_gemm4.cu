@@ -279,8 +279,8 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
     }
 }
 
-// Per 4-bit storage, one kernel per activation tile of 16, 32 and 64 rows:
-// `gemm4_{format}_a{rows}`.
+// Per 4-bit storage (f32 or bf16 scales), one kernel per activation tile:
+// `gemm4_{format}_a{rows}` (the host's ACT_TILES).
 #define AFFINE_GEMM4_NT(F, S, ACT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(Ag4<ACT>::THREADS)                                                 \
         gemm4_##F##_a##ACT(const unsigned char* w, const S* s, const S* bi, const __nv_bfloat16* xq,               \
@@ -289,7 +289,6 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
         grid_dependency_wait();                                                                                     \
         affine_gemm4<S, ACT>(w, s, bi, xq, sums, b, y, part, o, i, g, span, n, per_split, acc);                     \
     }
-#define AFFINE_GEMM4(F, S) AFFINE_GEMM4_NT(F, S, 16) AFFINE_GEMM4_NT(F, S, 32) AFFINE_GEMM4_NT(F, S, 64)
+#define AFFINE_GEMM4(F, S) AFFINE_GEMM4_NT(F, S, 16)
 AFFINE_GEMM4(affine4, float)
 AFFINE_GEMM4(affine4_bf16, __nv_bfloat16)
-AFFINE_GEMM4(affine4_k, KScales)

@@ -17,8 +17,13 @@ pub(super) const AG4_WARP_ACT: usize = 32;
 /// Stages of a block's ring of 256-column stages (`AG4_STAGES`).
 pub(super) const AG4_STAGES: usize = 4;
 
-/// Activation rows of a block, one kernel each (`gemm4_{format}_a{rows}`).
-pub(super) const ACT_TILES: [usize; 3] = [16, 32, 64];
+/// Activation rows of a block, one kernel each (`gemm4_{format}_a{rows}`),
+/// and so the most rows these kernels take. Past 16 rows the general kernel
+/// is faster: this one's stages hold 256 columns of every activation row,
+/// so fewer blocks fit an SM (H100, the 8B's q4g64 q|k|v, gate|up and down
+/// at 32 rows: 29 / 99 / 58 µs here against 26 / 84 / 43 there; at 64, 50 /
+/// 144 / 91 against 38 / 110 / 64).
+pub(super) const ACT_TILES: [usize; 1] = [16];
 
 /// Columns of a stage (`AG4_COLS`): 128 bytes of each weight row's levels.
 /// The split of K keeps whole stages.
@@ -27,9 +32,11 @@ pub(super) const STAGE_COLS: usize = 256;
 /// The most spans of one scale a stage holds (spans are 32 columns at least).
 const STAGE_SPANS: usize = STAGE_COLS / 32;
 
-/// The 4-bit storages with these kernels, by side.
-const SIDES: [(AffineSide, &str); 3] =
-    [(AffineSide::F32, "affine4"), (AffineSide::Bf16, "affine4_bf16"), (AffineSide::Records, "affine4_k")];
+/// The 4-bit storages with these kernels, by side. Not GGUF's Q4_K
+/// records: their scales, decoded per row and span a stage ahead, left the
+/// general kernel faster (H100, the 8B's q|k|v, gate|up and down at 16 rows:
+/// 30 / 100 / 67 µs here against 25 / 82 / 43 there).
+const SIDES: [(AffineSide, &str); 2] = [(AffineSide::F32, "affine4"), (AffineSide::Bf16, "affine4_bf16")];
 
 kernel_args! {
     /// `gemm4_{format}_a{rows}`.
@@ -53,7 +60,7 @@ impl<K> AffineGemm4Kernels<K> {
     pub(super) fn load(get: &mut Resolve<'_, K>) -> Result<Self> {
         const U: &str = "affine_gemm4.cu";
         let mut side = |i: usize| resolve_n(get, U, |t| format!("gemm4_{}_a{}", SIDES[i].1, ACT_TILES[t]));
-        let by_side = [side(0)?, side(1)?, side(2)?];
+        let by_side = [side(0)?, side(1)?];
         Ok(AffineGemm4Kernels { by_side, prep: get(U, "affine_gemm4_prep".into())? })
     }
 
@@ -91,9 +98,13 @@ fn span(group: usize) -> Option<usize> {
 }
 
 impl CudaBackend {
-    /// Whether `w` takes the 4-bit kernels (over the general GEMM's rows).
-    pub(super) fn affine_gemm4_takes(&self, w: &AffineWeight) -> bool {
-        w.params.bits == 4
+    /// Whether `rows` activation rows through `w` take the 4-bit kernels
+    /// (of the rows the tensor-core GEMM takes): up to 16 rows, where they
+    /// beat the general kernel (H100, the 8B's q4g64 q|k|v, gate|up and
+    /// down at 16 rows: 20 / 58 / 39 µs against 23 / 77 / 39).
+    pub(super) fn affine_gemm4_takes(&self, w: &AffineWeight, rows: usize) -> bool {
+        rows <= *ACT_TILES.last().expect("tiles")
+            && w.params.bits == 4
             && span(w.params.group_size).is_some()
             && self.k.affine_gemm4.of(w.side).is_some()
             && shared_bytes(*ACT_TILES.last().expect("tiles")) <= self.max_block_shared

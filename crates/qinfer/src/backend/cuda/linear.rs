@@ -242,7 +242,7 @@ impl CudaBackend {
     }
 
     /// y += bias, broadcast over y's rows (a pointer of 0: no bias).
-    fn add_bias(&self, y: &CudaAct, bias_ptr: u64) {
+    pub(super) fn add_bias(&self, y: &CudaAct, bias_ptr: u64) {
         if bias_ptr != 0 {
             let n = y.rows * y.cols;
             let args = AddBiasArgs { y: self.p(&y.buf), bias: bias_ptr, cols: y.cols as i32, n: n as i64 };
@@ -385,8 +385,7 @@ impl CudaBackend {
             } else if !self.takes_gemm(w, x.rows) {
                 self.affine_gemv(x, a, bias_ptr, &mut y, None);
             } else {
-                self.affine_gemm(x, a, &mut y, false);
-                self.add_bias(&y, bias_ptr);
+                self.affine_gemm(x, a, bias_ptr, &mut y, false);
             }
             return y;
         }
@@ -454,7 +453,7 @@ impl CudaBackend {
         if fits && bias.is_none() && self.takes_gemm(w, x.rows) {
             // Prefill: cuBLAS accumulates into h (beta = 1).
             match w {
-                CudaWeight::Affine(a) => self.affine_gemm(x, a, h, true),
+                CudaWeight::Affine(a) => self.affine_gemm(x, a, 0, h, true),
                 CudaWeight::Fp8(f) => self.fp8_gemm(x, f, h, true),
                 CudaWeight::Matrix { dtype, buf, .. } => {
                     let inputs = self.gemm_inputs(x, *dtype);
