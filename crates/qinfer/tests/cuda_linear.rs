@@ -160,6 +160,13 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
                 } else {
                     p.check(&what, &yc, &yg, tol);
                 }
+                // A linear bias (Qwen2's q|k|v): added by the GEMV, by each
+                // GEMM's epilogue or by the split reduce.
+                if matches!(rows, 5 | 16 | 33 | 100) {
+                    let (bc, bg) = p.weights(&tensor("b", DType::F32, vec![out], &r.vec(out)));
+                    let (ybc, ybg) = (p.cpu.linear(&xc, &wc, Some(&bc)), p.gpu.linear(&xg, &wg, Some(&bg)));
+                    p.check(&format!("{what} with a linear bias"), &ybc, &ybg, tol);
+                }
                 // silu(gate)·up from the same weight as a stacked gate|up. The
                 // GEMV's error, relative to its largest output, carries into
                 // silu(gate)·up relative to max|gate|·max|up| (at most twice).
