@@ -272,5 +272,33 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict_
     gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
 }
 
+// The tensor-core affine GEMMs (affine_gemm.cu, affine_gemm4.cu): d += a·b,
+// a 16×16 bf16 A fragment, a 16×8 bf16 B fragment, f32 sums.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Their sum v of activation row a and output o ([n_act, out_dim], skipped
+// past either): with `part`, into this split's partial sums
+// (part[blockIdx.z]), which affine_gemm_reduce adds with the bias; else
+// plus the bias, onto y with `accumulate`, into y.
+__device__ __forceinline__ void agemm_store(float v, int a, int o, int n_act, int out_dim, const float* bias, float* y,
+                                            float* part, int accumulate) {
+    if (a >= n_act || o >= out_dim) return;
+    size_t at = (size_t)a * out_dim + o;
+    if (part) {
+        part[(size_t)blockIdx.z * n_act * out_dim + at] = v;
+    } else {
+        if (bias) v += bias[o];
+        if (accumulate) v += y[at];
+        y[at] = v;
+    }
+}
+
 // Every affine bit width qinfer reads (affine::SUPPORTED_BITS).
 #define FOR_AFFINE_BITS(M) M(2) M(3) M(4) M(5) M(6) M(8)

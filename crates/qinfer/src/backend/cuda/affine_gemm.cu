@@ -39,16 +39,6 @@
 // AGEMM_WARPS and AGEMM_STAGES come from constants.cuh.
 #define AGEMM_ROWS (AGEMM_WARPS * 16)
 
-// d += a·b: a 16×16 bf16 A fragment, a 16×8 bf16 B fragment, f32 sums.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Words of a lane's 16 levels (16·BITS bits).
 template <int BITS>
 __host__ __device__ constexpr int agemm_words() { return (BITS + 1) / 2; }
@@ -187,19 +177,9 @@ __device__ void affine_gemm_mma(const unsigned char* __restrict__ w, const S* __
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int a = act0 + 8 * t + 2 * c + (i & 1), o = row0 + warp * 16 + g + 8 * (i >> 1);
-            if (a >= n_act || o >= out_dim) continue;
-            size_t at = (size_t)a * out_dim + o;
-            float v = acc[t][i];
-            if (part) {
-                part[(size_t)blockIdx.z * n_act * out_dim + at] = v;
-            } else {
-                if (bias) v += bias[o];
-                if (accumulate) v += y[at];
-                y[at] = v;
-            }
-        }
+        for (int i = 0; i < 4; i++)
+            agemm_store(acc[t][i], act0 + 8 * t + 2 * c + (i & 1), row0 + warp * 16 + g + 8 * (i >> 1), n_act,
+                        out_dim, bias, y, part, accumulate);
     }
 }
 

@@ -25,8 +25,8 @@
 // The prep kernel writes each 8 columns of x in the order 0 4 1 5 2 6 3 7,
 // so a lane's B fragments for both k-steps of a chunk are one 16-byte read.
 //
-// Layout: a block takes AG4_ROW_WARPS·16 weight rows and ACT activation rows
-// (a warp at most AG4_WARP_ACT of them), and a range of 64-column units (the
+// Layout: a block takes AG4_ROW_WARPS·16 weight rows (an m16 tile a warp)
+// and ACT activation rows (every warp all of them), and a range of 64-column units (the
 // whole row, or one split when the grid would not fill the device; the
 // splits are added by affine_gemm_reduce). A stage is 256 columns: 128
 // bytes of each weight row (one line, 16-byte chunks swizzled by row so the
@@ -40,7 +40,7 @@
 #include "common.cuh"
 #include "constants.cuh"
 
-// AG4_ROW_WARPS, AG4_WARP_ACT, AG4_STAGES and AG4_COLS (a stage's columns:
+// AG4_ROW_WARPS, AG4_STAGES and AG4_COLS (a stage's columns:
 // 4 units of 64, 128 bytes of a row's levels) come from constants.cuh.
 #define AG4_ROWS (AG4_ROW_WARPS * 16)
 static_assert(AG4_COLS == 256, "a stage is 128 bytes of each row's levels");
@@ -51,28 +51,16 @@ static_assert(AG4_COLS == 256, "a stage is 128 bytes of each row's levels");
 // A block's shape and shared memory for ACT activation rows.
 template <int ACT>
 struct Ag4 {
-    static constexpr int ACT_WARPS = ACT > AG4_WARP_ACT ? ACT / AG4_WARP_ACT : 1;
-    static constexpr int NT = ACT / ACT_WARPS / 8;  // n8 tiles a warp
-    static constexpr int THREADS = AG4_ROW_WARPS * ACT_WARPS * 32;
+    static constexpr int NT = ACT / 8;  // n8 tiles a warp
+    static constexpr int THREADS = AG4_ROW_WARPS * 32;
     static constexpr int LEVELS = AG4_ROWS * 128;
     static constexpr int ACTS = ACT * 512;
     static constexpr int SUMS = AG4_SPANS * ACT * 4;
-    static constexpr int STAGE = LEVELS + ACTS + SUMS;
-    // Two slots of (s, b − 128·s) a weight row and span.
-    static constexpr int SIDE = AG4_SPANS * AG4_ROWS * 8;
+    static constexpr int STAGE = LEVELS + ACTS + SUMS;  // then two slots of (s, b − 128·s) a weight row and span
     static constexpr int LEVEL_PIECES = AG4_ROWS * 8 / THREADS;  // 16-byte copies a thread
     static constexpr int ACT_PIECES = ACT * 32 / THREADS;
     static constexpr int SIDE_ITEMS = AG4_SPANS * AG4_ROWS / THREADS;  // (row, span) loads a thread, at most
 };
-
-__device__ __forceinline__ void ag4_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                        unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // x (f32 [n_act, in_dim]) to the GEMM's input: bf16, each 8 columns in the
 // order 0 4 1 5 2 6 3 7, and per activation row and span of `span` columns
@@ -116,7 +104,6 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
     extern __shared__ __align__(128) unsigned char ag4_shared[];
     unsigned char* side_base = ag4_shared + AG4_STAGES * G::STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int rw = warp % AG4_ROW_WARPS, aw = warp / AG4_ROW_WARPS;
     const int row0 = blockIdx.x * AG4_ROWS, act0 = blockIdx.y * ACT;
     const int units = in_dim / 64;
     const int u0 = blockIdx.z * per_split, u1 = min(units, u0 + per_split);
@@ -205,8 +192,7 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
     for (int t = 0; t < NT; t++)
 #pragma unroll
         for (int q = 0; q < 4; q++) acc[t][q] = tmp[t][q] = 0.0f;
-    const int wr = rw * 16 + g;                 // the lane's first weight row in the block
-    const int ar = aw * (ACT / G::ACT_WARPS);  // the warp's first activation row in the block
+    const int wr = warp * 16 + g;  // the lane's first weight row in the block
     for (int i = 0; i < stages; i++) {
         put_side(i & 1);
         if (i + 1 < stages) fetch_side(i + 1);
@@ -219,7 +205,7 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
         const unsigned char* st = ag4_shared + (i % AG4_STAGES) * G::STAGE;
         const unsigned char* la_row = st + wr * 128 + 4 * c;
         const unsigned char* lb_row = la_row + 8 * 128;
-        const unsigned char* x_row = st + G::LEVELS + (ar + g) * 512;
+        const unsigned char* x_row = st + G::LEVELS + g * 512;
         const float2* side = reinterpret_cast<const float2*>(side_base) + (i & 1) * AG4_SPANS * AG4_ROWS;
         const float* sst = reinterpret_cast<const float*>(st + G::LEVELS + G::ACTS);
 #pragma unroll
@@ -238,7 +224,7 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
                 unsigned a3 = ((lb >> (8 * e + 4)) & 0x000F000Fu) | AG4_MAGIC;
 #pragma unroll
                 for (int t = 0; t < NT; t++)
-                    ag4_mma(tmp[t], a0, a1, a2, a3, e ? bf[t].z : bf[t].x, e ? bf[t].w : bf[t].y);
+                    mma_bf16_16816(tmp[t], a0, a1, a2, a3, e ? bf[t].z : bf[t].x, e ? bf[t].w : bf[t].y);
             }
             if (((k + 1) & ((1 << chunk_shift) - 1)) == 0) {
                 // The span's scales: s·Σ(128 + q)·x + (b − 128·s)·Σx.
@@ -246,7 +232,7 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
                 float2 sa = side[sp * AG4_ROWS + wr], sb = side[sp * AG4_ROWS + wr + 8];
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
-                    float2 xs = *reinterpret_cast<const float2*>(sst + sp * ACT + ar + 8 * t + 2 * c);
+                    float2 xs = *reinterpret_cast<const float2*>(sst + sp * ACT + 8 * t + 2 * c);
                     acc[t][0] += fmaf(sa.x, tmp[t][0], sa.y * xs.x);
                     acc[t][1] += fmaf(sa.x, tmp[t][1], sa.y * xs.y);
                     acc[t][2] += fmaf(sb.x, tmp[t][2], sb.y * xs.x);
@@ -259,23 +245,13 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // Sum (t, q): weight row g + 8·(q / 2) of the warp's tile, activation
-    // row 8t + 2c + q % 2 of the warp's.
+    // row 8t + 2c + q % 2.
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            int a = act0 + ar + 8 * t + 2 * c + (q & 1), o = row0 + wr + 8 * (q >> 1);
-            if (a >= n_act || o >= out_dim) continue;
-            size_t at = (size_t)a * out_dim + o;
-            float v = acc[t][q];
-            if (part) {
-                part[(size_t)blockIdx.z * n_act * out_dim + at] = v;
-            } else {
-                if (bias) v += bias[o];
-                if (accumulate) v += y[at];
-                y[at] = v;
-            }
-        }
+        for (int q = 0; q < 4; q++)
+            agemm_store(acc[t][q], act0 + 8 * t + 2 * c + (q & 1), row0 + wr + 8 * (q >> 1), n_act, out_dim, bias, y,
+                        part, accumulate);
     }
 }
 

@@ -7,12 +7,9 @@ use super::kernels::{Resolve, cfg, kernel_args, resolve_n};
 use super::{AffineSide, AffineWeight, CudaAct, CudaBackend};
 use crate::Result;
 
-/// Warps of a block across its weight rows (`AG4_ROW_WARPS`): 16 rows each.
+/// Warps of a block (`AG4_ROW_WARPS`): 16 weight rows each, every one of
+/// the block's activation rows.
 pub(super) const AG4_ROW_WARPS: usize = 4;
-
-/// The most activation rows one warp takes (`AG4_WARP_ACT`); larger tiles
-/// add warps over the same weight rows.
-pub(super) const AG4_WARP_ACT: usize = 32;
 
 /// Stages of a block's ring of 256-column stages (`AG4_STAGES`).
 pub(super) const AG4_STAGES: usize = 4;
@@ -74,10 +71,8 @@ impl<K> AffineGemm4Kernels<K> {
     }
 }
 
-/// Warps of a block for `act` activation rows.
-fn threads(act: usize) -> usize {
-    AG4_ROW_WARPS * act.div_ceil(AG4_WARP_ACT) * 32
-}
+/// Threads of a block.
+const THREADS: usize = AG4_ROW_WARPS * 32;
 
 /// Shared memory of a block: its stages (levels, activations, span sums)
 /// and two slots of scales.
@@ -162,7 +157,7 @@ impl CudaBackend {
             accumulate: accumulate as i32,
         };
         let grid = (row_blocks as u32, act_blocks as u32, splits as u32);
-        let launch = cfg(grid, threads(act) as u32, shared_bytes(act) as u32);
+        let launch = cfg(grid, THREADS as u32, shared_bytes(act) as u32);
         self.launch(&kernels[tile], launch, &args);
         if let Some(part) = &part {
             self.affine_gemm_reduce(part, splits, x.rows, w.rows, bias_ptr, y, accumulate);
@@ -180,7 +175,7 @@ mod tests {
     fn blocks_fit_hopper() {
         for act in ACT_TILES {
             assert!(shared_bytes(act) <= 227 * 1024, "{act} rows: {} bytes", shared_bytes(act));
-            let t = threads(act);
+            let t = THREADS;
             assert_eq!((AG4_ROW_WARPS * 16 * 8) % t, 0, "{act} rows: level pieces");
             assert_eq!((act * 32) % t, 0, "{act} rows: activation pieces");
             assert_eq!((STAGE_SPANS * AG4_ROW_WARPS * 16) % t, 0, "{act} rows: scale items");

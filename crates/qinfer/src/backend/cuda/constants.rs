@@ -19,7 +19,6 @@ pub(super) const SHARED: &[(&str, usize)] = &[
     ("AGEMM_WARPS", affine_gemm::AFFINE_GEMM_WARPS),
     ("AGEMM_STAGES", affine_gemm::AFFINE_GEMM_STAGES),
     ("AG4_ROW_WARPS", affine_gemm4::AG4_ROW_WARPS),
-    ("AG4_WARP_ACT", affine_gemm4::AG4_WARP_ACT),
     ("AG4_STAGES", affine_gemm4::AG4_STAGES),
     ("AG4_COLS", affine_gemm4::STAGE_COLS),
     ("FP8_MMA_WARPS", fp8::FP8_MMA_WARPS),
