@@ -13,7 +13,9 @@
 //! shapes; `moe-prefill`: its MoE prefill layers, grouped GEMM against one
 //! cuBLAS GEMM per expert; `batch-gemm`: a batch's decode rows through
 //! affine weights at the 8B's shapes, the tensor-core GEMM against the GEMVs
-//! and the bf16 tiles for cuBLAS it replaced.
+//! and the bf16 tiles for cuBLAS it replaced; `gemm4`: 16 rows through the
+//! 8B's q4g64 weights, the 4-bit GEMM against the general one (gate|up
+//! first, so that a profiler's first launches are its largest).
 
 #[path = "../tests/common_cuda/mod.rs"]
 mod common_cuda;
@@ -28,13 +30,14 @@ use qinfer::kv::KvCache;
 use qinfer::sampling::SamplingParams;
 use qinfer::tensor::DType;
 
-const PROFILES: [(&str, fn()); 6] = [
+const PROFILES: [(&str, fn()); 7] = [
     ("8b", profile_decode_ops_at_8b_shapes),
     ("chain", profile_decode_layer_chain_at_8b_shapes),
     ("hybrid", profile_decode_ops_at_hybrid_shapes),
     ("moe", profile_decode_ops_at_moe_shapes),
     ("moe-prefill", profile_moe_prefill_at_30b_shapes),
     ("batch-gemm", profile_batch_gemm_at_8b_shapes),
+    ("gemm4", profile_gemm4_at_8b_shapes),
 ];
 
 fn main() {
@@ -615,6 +618,28 @@ fn profile_batch_gemm_at_8b_shapes() {
                     let tflops = 2.0 * (rows * cols * n) as f64;
                     time_replayed_flops(b, &what, bytes, tflops, &mut || b.linear(&x, next(&ws, &mut i), None));
                 }
+            }
+        }
+    }
+}
+
+fn profile_gemm4_at_8b_shapes() {
+    let Some(_) = gpu() else { return };
+    let mut r = Rng::fresh();
+    let four = CudaBackend::new(0).unwrap();
+    let general = CudaBackend::new(0).unwrap().without_affine_gemm4();
+    let (h, q, kv, inter) = (4096, 4096, 1024, 12288);
+    for (name, rows, cols) in [("gate_up", 2 * inter, h), ("qkv", q + 2 * kv, h), ("down", h, inter)] {
+        let t = affine_tensor(&mut r, 4, 64, rows, cols, DType::BF16);
+        let bytes = rows * cols / 64 * (4 * 64 + 32) / 8;
+        for (path, b) in [("gemm4", &four), ("general", &general)] {
+            let ws = weight_copies(bytes, || b.upload_affine(&t).unwrap());
+            for n in [13, 16] {
+                let x = b.act_from_host(n, cols, &r.vec(n * cols));
+                let mut i = 0;
+                let what = format!("q4g64 {path} {name} {rows}x{cols} rows {n}");
+                let flops = 2.0 * (rows * cols * n) as f64;
+                time_replayed_flops(b, &what, bytes, flops, &mut || b.linear(&x, next(&ws, &mut i), None));
             }
         }
     }

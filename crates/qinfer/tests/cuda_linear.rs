@@ -112,6 +112,11 @@ fn affine_gemv_gemm_and_embedding_match_cpu() {
             // g16 forms, bf16 scales widened to f32 at upload.
             (16, 256, 70, DType::F32),
             (16, 1024, 33, DType::BF16),
+            // An odd number of bf16 groups a row: every other row's scales
+            // start mid-word (the 4-bit GEMM copies them as whole words),
+            // with a partial last stage.
+            (64, 960, 40, DType::BF16),
+            (128, 384, 24, DType::BF16),
         ] {
             let t = affine_tensor(&mut r, bits, group_size, out, inp, side);
             let (wc, wg) = (p.cpu.upload_affine(&t).unwrap(), p.gpu.upload_affine(&t).unwrap());

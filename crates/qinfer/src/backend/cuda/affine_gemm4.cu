@@ -32,9 +32,10 @@
 // bytes of each weight row (one line, 16-byte chunks swizzled by row so the
 // warps' word reads hit distinct banks), 512 bytes of each activation row
 // (16-byte chunks swizzled by row parity, for the same reason), and the
-// activation rows' span sums; AG4_STAGES of them come in by cp.async. Each
-// stage's scales and biases (one per weight row and span, as s and b − 128·s)
-// are loaded a stage ahead into registers and set down in shared memory.
+// activation rows' span sums, and each weight row's scales and biases for
+// the stage's spans (as the words of global memory that hold them, see
+// ag4_side_words); AG4_STAGES of them come in by cp.async, so that the
+// scales are as far ahead as the levels they scale.
 
 #include "affine.cuh"
 #include "common.cuh"
@@ -56,11 +57,32 @@ struct Ag4 {
     static constexpr int LEVELS = AG4_ROWS * 128;
     static constexpr int ACTS = ACT * 512;
     static constexpr int SUMS = AG4_SPANS * ACT * 4;
-    static constexpr int STAGE = LEVELS + ACTS + SUMS;  // then two slots of (s, b − 128·s) a weight row and span
+    // Then the scales' and biases' words, 2·ag4_side_words a weight row.
+    static constexpr int STAGE = LEVELS + ACTS + SUMS;
     static constexpr int LEVEL_PIECES = AG4_ROWS * 8 / THREADS;  // 16-byte copies a thread
     static constexpr int ACT_PIECES = ACT * 32 / THREADS;
-    static constexpr int SIDE_ITEMS = AG4_SPANS * AG4_ROWS / THREADS;  // (row, span) loads a thread, at most
 };
+
+// The 4-byte words of global memory a stage copies for one weight row's
+// scales (and as many for its biases): the `n` values of the stage's spans
+// (256 / group, or one where a group spans stages), of `size` bytes each,
+// whose first value need not start a word (2-byte values at an odd index).
+// The host's side_words is the same function.
+__device__ __forceinline__ int ag4_side_words(int group, int size) {
+    int n = group < AG4_COLS ? AG4_COLS / group : 1;
+    return (n * size + 3) / 4 + (size == 2 ? 1 : 0);
+}
+
+// A 4-byte cp.async of the first `bytes` (0 to 4) of a word, zero-filling the rest.
+__device__ __forceinline__ void ag4_copy_word(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ float ag4_side_value(const unsigned char* p, float) {
+    return *reinterpret_cast<const float*>(p);
+}
+__device__ __forceinline__ float ag4_side_value(const unsigned char* p, __nv_bfloat16) {
+    return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+}
 
 // x (f32 [n_act, in_dim]) to the GEMM's input: bf16, each 8 columns in the
 // order 0 4 1 5 2 6 3 7, and per activation row and span of `span` columns
@@ -102,7 +124,6 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
     using G = Ag4<ACT>;
     constexpr int NT = G::NT;
     extern __shared__ __align__(128) unsigned char ag4_shared[];
-    unsigned char* side_base = ag4_shared + AG4_STAGES * G::STAGE;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int row0 = blockIdx.x * AG4_ROWS, act0 = blockIdx.y * ACT;
     const int units = in_dim / 64;
@@ -132,10 +153,17 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
                                                          (size_t)u0 * 64) + j * 16;
         adst[k] = G::LEVELS + r * 512 + ((j ^ ((r & 1) << 2)) << 4);
     }
+    // The side words: each weight row's scales, then its biases, side_w
+    // words each, after the stage's sums.
+    constexpr int SIZE = sizeof(S);
+    const int side_w = ag4_side_words(group, SIZE);
+    const int stage_bytes = G::STAGE + AG4_ROWS * 2 * side_w * 4;
+    const long side_end = (long)out_dim * groups * SIZE;  // bytes of each of scales and biases
     // Stage i (of this split) into ring slot `slot`. Units past the split
-    // are zero-filled: zero levels meet zero activations and zero sums.
+    // are zero-filled: zero levels meet zero activations and zero sums (the
+    // scales of spans past it are some row's, or zeros past the last).
     auto load = [&](int slot, int i) {
-        unsigned char* st = ag4_shared + slot * G::STAGE;
+        unsigned char* st = ag4_shared + slot * stage_bytes;
         int su = u0 + 4 * i;
 #pragma unroll
         for (int k = 0; k < G::LEVEL_PIECES; k++) {
@@ -154,29 +182,15 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
             const float* src = sums + (size_t)min(act0 + r, n_act - 1) * sums_row + (size_t)(su / 4) * spans + sp;
             cp_async<4>(sst + sp * ACT + r, valid ? src : sums, valid);
         }
-    };
-    // The scales of stage i: thread items p = tid + k·THREADS are (weight
-    // row p % AG4_ROWS, span p / AG4_ROWS), as (s, b − 128·s).
-    float2 side_next[G::SIDE_ITEMS];
-    auto fetch_side = [&](int i) {
-        int col0 = (u0 + 4 * i) * 64;
-#pragma unroll
-        for (int k = 0; k < G::SIDE_ITEMS; k++) {
-            int p = tid + k * G::THREADS, r = p % AG4_ROWS, sp = p / AG4_ROWS;
-            if (sp < spans) {
-                size_t row = min(row0 + r, out_dim - 1);
-                size_t gi = min((col0 + sp * span) / group, groups - 1);
-                float s = affine_scale(scales, row * groups + gi), b = affine_bias(scales, biases, row * groups + gi);
-                side_next[k] = make_float2(s, fmaf(-128.0f, s, b));
-            }
-        }
-    };
-    auto put_side = [&](int slot) {
-        float2* side = reinterpret_cast<float2*>(side_base) + slot * AG4_SPANS * AG4_ROWS;
-#pragma unroll
-        for (int k = 0; k < G::SIDE_ITEMS; k++) {
-            int p = tid + k * G::THREADS;
-            if (p / AG4_ROWS < spans) side[p] = side_next[k];
+        unsigned char* side = st + G::STAGE;
+        const int g_lo = su * 64 / group;
+        for (int p = tid; p < AG4_ROWS * 2 * side_w; p += G::THREADS) {
+            int r = p / (2 * side_w), rem = p - r * 2 * side_w, bias = rem >= side_w, wi = rem - bias * side_w;
+            long first = ((long)min(row0 + r, out_dim - 1) * groups + g_lo) * SIZE;
+            long at = (first & ~3L) + 4 * wi;
+            int bytes = (int)max(0L, min(4L, side_end - at));
+            const unsigned char* base = reinterpret_cast<const unsigned char*>(bias ? biases : scales);
+            ag4_copy_word(side + p * 4, bytes > 0 ? base + at : base, bytes);
         }
     };
 
@@ -185,7 +199,6 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
         if (s < stages) load(s, s);
         asm volatile("cp.async.commit_group;\n" ::);
     }
-    if (stages > 0) fetch_side(0);
 
     float acc[NT][4], tmp[NT][4];
 #pragma unroll
@@ -194,19 +207,21 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
         for (int q = 0; q < 4; q++) acc[t][q] = tmp[t][q] = 0.0f;
     const int wr = warp * 16 + g;  // the lane's first weight row in the block
     for (int i = 0; i < stages; i++) {
-        put_side(i & 1);
-        if (i + 1 < stages) fetch_side(i + 1);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(AG4_STAGES - 2));
-        // Every warp is done with the stage the next load overwrites, and
-        // this stage's scales are down.
+        // Every warp is done with the stage the next load overwrites.
         __syncthreads();
         if (i + AG4_STAGES - 1 < stages) load((i + AG4_STAGES - 1) % AG4_STAGES, i + AG4_STAGES - 1);
         asm volatile("cp.async.commit_group;\n" ::);
-        const unsigned char* st = ag4_shared + (i % AG4_STAGES) * G::STAGE;
+        const unsigned char* st = ag4_shared + (i % AG4_STAGES) * stage_bytes;
         const unsigned char* la_row = st + wr * 128 + 4 * c;
         const unsigned char* lb_row = la_row + 8 * 128;
         const unsigned char* x_row = st + G::LEVELS + g * 512;
-        const float2* side = reinterpret_cast<const float2*>(side_base) + (i & 1) * AG4_SPANS * AG4_ROWS;
+        // The lane's two rows' side words, and where their first value starts.
+        const int g_lo = (u0 + 4 * i) * 64 / group;
+        const unsigned char* side_a = st + G::STAGE + wr * 2 * side_w * 4;
+        const unsigned char* side_b = side_a + 8 * 2 * side_w * 4;
+        const int skew_a = (int)((((long)min(row0 + wr, out_dim - 1) * groups + g_lo) * SIZE) & 3);
+        const int skew_b = (int)((((long)min(row0 + wr + 8, out_dim - 1) * groups + g_lo) * SIZE) & 3);
         const float* sst = reinterpret_cast<const float*>(st + G::LEVELS + G::ACTS);
 #pragma unroll
         for (int k = 0; k < 8; k++) {  // chunk k: unit k / 2, half k % 2
@@ -228,8 +243,11 @@ __device__ void affine_gemm4(const unsigned char* __restrict__ w, const S* __res
             }
             if (((k + 1) & ((1 << chunk_shift) - 1)) == 0) {
                 // The span's scales: s·Σ(128 + q)·x + (b − 128·s)·Σx.
-                int sp = k >> chunk_shift;
-                float2 sa = side[sp * AG4_ROWS + wr], sb = side[sp * AG4_ROWS + wr + 8];
+                int sp = k >> chunk_shift, at = group < AG4_COLS ? sp * SIZE : 0;
+                float s_a = ag4_side_value(side_a + skew_a + at, S{}), s_b = ag4_side_value(side_b + skew_b + at, S{});
+                float b_a = ag4_side_value(side_a + side_w * 4 + skew_a + at, S{});
+                float b_b = ag4_side_value(side_b + side_w * 4 + skew_b + at, S{});
+                float2 sa = make_float2(s_a, fmaf(-128.0f, s_a, b_a)), sb = make_float2(s_b, fmaf(-128.0f, s_b, b_b));
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
                     float2 xs = *reinterpret_cast<const float2*>(sst + sp * ACT + 8 * t + 2 * c);

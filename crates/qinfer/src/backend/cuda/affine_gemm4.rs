@@ -67,18 +67,42 @@ impl<K> AffineGemm4Kernels<K> {
 
     /// Every GEMM kernel with its shared memory.
     pub(super) fn gemms(&self) -> impl Iterator<Item = (&K, usize)> {
-        self.by_side.iter().flat_map(|tiles| tiles.iter().zip(ACT_TILES).map(|(k, act)| (k, shared_bytes(act))))
+        self.by_side.iter().flat_map(|tiles| tiles.iter().zip(ACT_TILES).map(|(k, act)| (k, most_shared_bytes(act))))
     }
 }
 
 /// Threads of a block.
 const THREADS: usize = AG4_ROW_WARPS * 32;
 
-/// Shared memory of a block: its stages (levels, activations, span sums)
-/// and two slots of scales.
-pub(super) fn shared_bytes(act: usize) -> usize {
+/// Bytes of one scale (or bias) of `side`.
+fn side_size(side: AffineSide) -> usize {
+    match side {
+        AffineSide::F32 => 4,
+        _ => 2,
+    }
+}
+
+/// The 4-byte words of global memory a stage copies for one weight row's
+/// scales (as many again for its biases): the values of the stage's spans,
+/// whose first need not start a word (2-byte values at an odd index). The
+/// kernel's `ag4_side_words` is the same function.
+fn side_words(group: usize, size: usize) -> usize {
+    let values = if group < STAGE_COLS { STAGE_COLS / group } else { 1 };
+    (values * size).div_ceil(4) + usize::from(size == 2)
+}
+
+/// Shared memory of a block: its ring of stages, each with the levels, the
+/// activations, their span sums and the weight rows' scales and biases.
+pub(super) fn shared_bytes(act: usize, group: usize, side: AffineSide) -> usize {
     let rows = AG4_ROW_WARPS * 16;
-    AG4_STAGES * (rows * 128 + act * 512 + STAGE_SPANS * act * 4) + 2 * STAGE_SPANS * rows * 8
+    let side = rows * 2 * side_words(group, side_size(side)) * 4;
+    AG4_STAGES * (rows * 128 + act * 512 + STAGE_SPANS * act * 4 + side)
+}
+
+/// The most shared memory a block of `act` rows takes (groups of 32 and f32
+/// scales).
+fn most_shared_bytes(act: usize) -> usize {
+    shared_bytes(act, 32, AffineSide::F32)
 }
 
 /// The columns one scale covers within a stage, where the kernel takes
@@ -98,11 +122,12 @@ impl CudaBackend {
     /// beat the general kernel (H100, the 8B's q4g64 q|k|v, gate|up and
     /// down at 16 rows: 20 / 58 / 39 µs against 23 / 77 / 39).
     pub(super) fn affine_gemm4_takes(&self, w: &AffineWeight, rows: usize) -> bool {
-        rows <= *ACT_TILES.last().expect("tiles")
+        self.affine_gemm4
+            && rows <= *ACT_TILES.last().expect("tiles")
             && w.params.bits == 4
             && span(w.params.group_size).is_some()
             && self.k.affine_gemm4.of(w.side).is_some()
-            && shared_bytes(*ACT_TILES.last().expect("tiles")) <= self.max_block_shared
+            && most_shared_bytes(*ACT_TILES.last().expect("tiles")) <= self.max_block_shared
     }
 
     /// `y (+)= x·wᵀ (+ bias)` through the 4-bit kernels
@@ -135,7 +160,8 @@ impl CudaBackend {
         let act_blocks = x.rows.div_ceil(act);
         // As many blocks an SM as its shared memory holds; each split at
         // least two stages long.
-        let per_sm = (self.max_block_shared / shared_bytes(act)).max(1);
+        let shared = shared_bytes(act, w.params.group_size, w.side);
+        let per_sm = (self.max_block_shared / shared).max(1);
         let per_split = self.affine_gemm_split(row_blocks * act_blocks, per_sm, stages, 2) * (STAGE_COLS / 64);
         let splits = units.div_ceil(per_split);
         let part = (splits > 1).then(|| self.uninit::<f32>(splits * x.rows * w.rows));
@@ -157,7 +183,7 @@ impl CudaBackend {
             accumulate: accumulate as i32,
         };
         let grid = (row_blocks as u32, act_blocks as u32, splits as u32);
-        let launch = cfg(grid, THREADS as u32, shared_bytes(act) as u32);
+        let launch = cfg(grid, THREADS as u32, shared as u32);
         self.launch(&kernels[tile], launch, &args);
         if let Some(part) = &part {
             self.affine_gemm_reduce(part, splits, x.rows, w.rows, bias_ptr, y, accumulate);
@@ -174,12 +200,26 @@ mod tests {
     #[test]
     fn blocks_fit_hopper() {
         for act in ACT_TILES {
-            assert!(shared_bytes(act) <= 227 * 1024, "{act} rows: {} bytes", shared_bytes(act));
+            assert!(most_shared_bytes(act) <= 227 * 1024, "{act} rows: {} bytes", most_shared_bytes(act));
             let t = THREADS;
             assert_eq!((AG4_ROW_WARPS * 16 * 8) % t, 0, "{act} rows: level pieces");
             assert_eq!((act * 32) % t, 0, "{act} rows: activation pieces");
-            assert_eq!((STAGE_SPANS * AG4_ROW_WARPS * 16) % t, 0, "{act} rows: scale items");
         }
+        // bf16 scales of groups of 64, the common case: three blocks an SM
+        // (228 KiB, 1 KiB of it a block's own).
+        assert!(3 * (shared_bytes(16, 64, AffineSide::Bf16) + 1024) <= 228 * 1024);
+    }
+
+    /// The words that hold a stage's scales: whole values, one more for
+    /// 2-byte values that may start mid-word.
+    #[test]
+    fn side_words_cover_a_stage() {
+        assert_eq!(side_words(64, 2), 3);
+        assert_eq!(side_words(32, 2), 5);
+        assert_eq!(side_words(512, 2), 2);
+        assert_eq!(side_words(64, 4), 4);
+        assert_eq!(side_words(32, 4), 8);
+        assert_eq!(side_words(256, 4), 1);
     }
 
     /// The spans the kernel takes: one scale over each, dividing a stage or

@@ -192,6 +192,7 @@ impl CudaBackend {
             flash,
             flash_bidir,
             affine_gemm: true,
+            affine_gemm4: true,
             affine_mma_max_shared,
             fp8_mma_max_shared,
             max_block_shared: block_shared,
@@ -304,6 +305,13 @@ impl CudaBackend {
     /// gains; the results differ by bf16 rounding only).
     pub fn without_affine_gemm(mut self) -> Self {
         self.affine_gemm = false;
+        self
+    }
+
+    /// Leaves 4-bit affine weights' GEMM rows to the general kernel (for
+    /// measuring what the 4-bit kernel gains).
+    pub fn without_affine_gemm4(mut self) -> Self {
+        self.affine_gemm4 = false;
         self
     }
 

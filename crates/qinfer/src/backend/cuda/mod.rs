@@ -129,6 +129,9 @@ pub struct CudaBackend {
     /// Whether affine weights take the tensor-core GEMM (affine_gemm.rs)
     /// for the rows it outruns the GEMVs and the prefill path at.
     affine_gemm: bool,
+    /// Whether 4-bit affine weights take affine_gemm4.rs's kernel for the
+    /// rows it beats the general GEMM at.
+    affine_gemm4: bool,
     /// Dynamic shared memory a tensor-core affine GEMV block may take here.
     affine_mma_max_shared: usize,
     /// Dynamic shared memory a tensor-core FP8 GEMV block may take here;
