@@ -14,6 +14,9 @@
    each GGUF: logits.npy without repacked CPU layouts (-norepack: the plain
    ggml_vec_dot_* kernels), logits_repack.npy with llama.cpp's default repacking.
 
+4. The hybrid transformers fixtures with their MTP heads as BF16 GGUFs
+   (tests/fixtures/gguf_mtp/, `--only mtp`: the converter alone, no build).
+
 Outputs tests/fixtures/gguf_quant/<TYPE>/{model.gguf, logits.npy, logits_repack.npy} and
 tests/fixtures/gguf_quant/reference.json (input ids, tensor types per file,
 llama.cpp commit). Needs a llama.cpp build with llama-quantize; the
@@ -63,6 +66,9 @@ FTYPES = {
 }
 SEED = 5150
 N_TOKENS = 32
+# What llama-cpp-python 0.3.36 vendors (scripts/llamacpp_reference.sh): its
+# sdist's llama.cpp is no git checkout.
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
 
 def log(msg: str) -> None:
@@ -240,6 +246,35 @@ def build_arch_cases(src: Path, helper: Path, tmp: Path, threads: int, ids: list
         log(f"{case}: done")
 
 
+def build_mtp_cases(src: Path, tmp: Path) -> None:
+    """The committed hybrid transformers fixtures with their multi-token-prediction
+    heads, as BF16 GGUFs in which llama.cpp's converter keeps the head (its
+    default; `blk.{num_hidden_layers}.nextn.*` and the head's decoder layer as
+    that block). The fixtures' matrices are bf16 values, so BF16 loses nothing;
+    the head's reference is the fixture's own mtp.json (scripts/mtp_reference.py)."""
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    out_root = ROOT / "tests" / "fixtures" / "gguf_mtp"
+    if out_root.exists():
+        shutil.rmtree(out_root)
+    out_root.mkdir(parents=True)
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for case, tiny in (("qwen3next", "qwen3_next"), ("qwen35", "qwen3_5"), ("qwen35moe", "qwen3_5_moe")):
+        model_dir = tmp / f"mtp_{case}"
+        copy_tiny_fixture(tiny)(model_dir, [])
+        dst = out_root / case
+        dst.mkdir()
+        convert(src, model_dir, dst / "model.gguf", "bf16")
+        reader = GGUFReader(str(dst / "model.gguf"))
+        nextn = [t.name for t in reader.tensors if ".nextn." in t.name]
+        if not nextn:
+            raise RuntimeError(f"{case}: the converter kept no nextn tensors")
+        ref = {"tiny_fixture": f"tests/fixtures/tiny/{tiny}", "llama_cpp_commit": commit or LLAMA_CPP_COMMIT,
+               "converter": "convert_hf_to_gguf.py --outtype bf16 (MTP kept, the default)", "nextn_tensors": nextn}
+        (dst / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+        log(f"{case}: {len(nextn)} nextn tensors")
+
+
 def tensor_types(path: Path, src: Path) -> dict[str, str]:
     sys.path.insert(0, str(src / "gguf-py"))
     from gguf import GGUFReader  # noqa: PLC0415
@@ -251,11 +286,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llamacpp", default="/work/llamacpp", help="root with src/, build/bin/ and qinfer_ref")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", choices=["quant", "arch"], help="build only one kind of fixture")
+    ap.add_argument("--only", choices=["quant", "arch", "mtp"], help="build only one kind of fixture")
     args = ap.parse_args()
     root = Path(args.llamacpp)
     src, bin_ = root / "src", root / "build" / "bin"
     tmp = Path(tempfile.mkdtemp(prefix="qinfer_gguf_"))
+    sys.path.insert(0, str(src / "gguf-py"))
+    if args.only in (None, "mtp"):
+        # Needs the converter only, not a llama.cpp build.
+        build_mtp_cases(src, tmp)
+    if args.only == "mtp":
+        shutil.rmtree(tmp)
+        return
     helper = tmp / "qinfer_ref"
     subprocess.run(["gcc", "-O2", "-I", str(src / "include"), "-I", str(src / "ggml" / "include"),
                     str(ROOT / "scripts" / "llamacpp" / "qinfer_ref.c"), "-o", str(helper), "-L", str(bin_),

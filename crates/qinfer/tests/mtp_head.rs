@@ -26,9 +26,22 @@ fn dir(case: &str) -> std::path::PathBuf {
 }
 
 fn load(case: &str, mtp: bool) -> qinfer::Result<Arc<dyn LanguageModel>> {
-    let mut m = loader::open(&dir(case))?;
+    load_from(&dir(case), mtp)
+}
+
+fn load_from(path: &Path, mtp: bool) -> qinfer::Result<Arc<dyn LanguageModel>> {
+    let mut m = loader::open(path)?;
     m.config.load_mtp = mtp;
     Ok(Arc::from(m.load_cpu(false)?))
+}
+
+/// llama.cpp's conversions of the three fixtures with their heads
+/// (scripts/make_gguf_fixtures.py --only mtp): GGUF case, fixture case.
+const GGUF_CASES: [(&str, &str); 3] =
+    [("qwen35", "qwen3_5"), ("qwen35moe", "qwen3_5_moe"), ("qwen3next", "qwen3_next")];
+
+fn gguf(case: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_mtp").join(case).join("model.gguf")
 }
 
 /// One sequence's rows at positions `start..start + n`, state slot 0.
@@ -68,8 +81,27 @@ const REL_TOL: f64 = 2e-5;
 #[test]
 fn the_mtp_head_matches_the_reference() {
     for case in CASES {
+        check_head(case, &load(case, true).unwrap());
+    }
+}
+
+/// The same heads read from GGUF files as llama.cpp's converter writes them
+/// (`blk.{layers}.nextn.*` and the head's layer as the block after the
+/// main ones, norms stored as 1 + w), against the same references.
+#[test]
+fn the_mtp_head_of_a_llamacpp_gguf_matches_the_reference() {
+    for (file, case) in GGUF_CASES {
+        let model = load_from(&gguf(file), true).unwrap();
+        assert_eq!(model.config().num_layers, load(case, false).unwrap().config().num_layers, "{file}");
+        check_head(case, &model);
+    }
+}
+
+/// The head over the prompt beside the target's prefill, then chained
+/// greedy drafts, against `case`'s float64 reference.
+fn check_head(case: &str, model: &Arc<dyn LanguageModel>) {
+    {
         let fx: Value = serde_json::from_str(&std::fs::read_to_string(dir(case).join("mtp.json")).unwrap()).unwrap();
-        let model = load(case, true).unwrap();
         assert!(model.has_mtp(), "{case}");
         let (vocab, h) = (model.config().vocab_size, model.config().hidden_size);
         let input = ids(&fx["input_ids"]);
@@ -148,6 +180,10 @@ fn the_mtp_head_matches_the_reference() {
 fn a_missing_or_unloaded_head_is_named() {
     // The dense Qwen3 fixture has no `mtp.*` tensors.
     let e = load("qwen3", true).err().expect("no head to load").to_string();
+    assert!(e.contains("mtp.fc.weight") && e.contains("multi-token-prediction"), "{e}");
+    // A GGUF converted without the head (`--no-mtp`).
+    let no_head = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf_arch/qwen35/model.gguf");
+    let e = load_from(&no_head, true).err().expect("no head in the file").to_string();
     assert!(e.contains("mtp.fc.weight") && e.contains("multi-token-prediction"), "{e}");
     let model = load("qwen3_5", false).unwrap();
     assert!(!model.has_mtp());

@@ -229,6 +229,41 @@ fn mtp_speculation_proposes_the_reference_drafts_and_changes_no_greedy_token() {
     assert!(e.contains("multi-token-prediction head"), "{e}");
 }
 
+/// The heads of llama.cpp's GGUF conversions of the same fixtures
+/// (tests/fixtures/gguf_mtp: `blk.{layers}.nextn.*`) in the engine: the
+/// reference's drafts after the prompt, and greedy outputs equal plain
+/// decoding's on the same file, with requests joining mid-run.
+#[test]
+fn mtp_speculation_from_a_llamacpp_gguf_head() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for (file, case) in [("qwen3next", "qwen3_next"), ("qwen35", "qwen3_5"), ("qwen35moe", "qwen3_5_moe")] {
+        let mut m = qinfer::loader::open(&root.join("gguf_mtp").join(file).join("model.gguf")).unwrap();
+        m.config.load_mtp = true;
+        let model: Arc<dyn LanguageModel> = Arc::from(m.load_cpu(false).unwrap());
+        let dir = root.join("tiny").join(case);
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("mtp.json")).unwrap()).unwrap();
+        let mut cfg = config(512, 4, 64);
+        cfg.speculative = Some(SpeculativeConfig::mtp(3));
+        let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+        core.add(0, request(ids(&fx["input_ids"]), 8, SamplingParams::default())).unwrap();
+        let first = core.step().unwrap();
+        assert_eq!(first[0].token_ids, vec![fx["target"]["greedy_next_token"].as_u64().unwrap() as u32], "{file}");
+        assert_eq!(core.proposed_drafts(0), ids(&fx["chain"]["drafts"]), "{file}: the head's drafts");
+
+        let r = reference(&dir);
+        let (reqs, joins) = mix(&r);
+        let plain =
+            run(&mut EngineCore::new(model.clone(), None, config_for(&reqs, 512, 8, 64)).unwrap(), &reqs, &joins);
+        let mut cfg = config_for(&reqs, 512, 8, 64);
+        cfg.speculative = Some(SpeculativeConfig::mtp(3));
+        let mut core = EngineCore::new(model.clone(), None, cfg).unwrap();
+        check_against(&format!("{file} GGUF with MTP"), &reqs, &plain, &run(&mut core, &reqs, &joins));
+        let stats = core.speculative_stats();
+        assert!(stats.verifications > 0 && stats.accepted <= stats.drafted, "{file}: {stats:?}");
+    }
+}
+
 /// The head's `k` greedy drafts after `tokens` computed afresh: the target
 /// over all but the last token, the head over every row, then the chain.
 fn fresh_mtp_drafts(model: &Arc<dyn LanguageModel>, tokens: &[u32], k: usize) -> Vec<u32> {

@@ -98,10 +98,28 @@ impl GgufFile {
         self.metadata.get("general.architecture").and_then(|v| v.as_str())
     }
 
+    /// The GGUF names a Hugging Face name may have in this file, most
+    /// common first. Multi-token-prediction tensors (`mtp.*`) sit in the
+    /// blocks after the main model's (`{arch}.nextn_predict_layers` of
+    /// `{arch}.block_count`).
+    pub(super) fn gguf_names(&self, name: &str) -> Vec<String> {
+        if !name.starts_with("mtp.") {
+            return names::hf_to_gguf_all(name);
+        }
+        let arch = self.architecture().unwrap_or_default();
+        let count = |key: &str| self.metadata.get(&format!("{arch}.{key}")).and_then(|v| v.as_u64());
+        match (count("block_count"), count("nextn_predict_layers")) {
+            (Some(blocks), Some(nextn)) if nextn > 0 && nextn <= blocks => {
+                names::mtp_to_gguf_all(name, (blocks - nextn) as usize)
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// The GGUF name a lookup resolves to: the mapped Hugging Face name when
     /// the file has it, else the name itself when the file has that.
     pub(super) fn resolve(&self, name: &str) -> Option<&GgufTensorInfo> {
-        names::hf_to_gguf_all(name).iter().find_map(|g| self.tensor_info(g)).or_else(|| self.tensor_info(name))
+        self.gguf_names(name).iter().find_map(|g| self.tensor_info(g)).or_else(|| self.tensor_info(name))
     }
 
     pub(super) fn load(&self, info: &GgufTensorInfo, name: &str) -> Result<Tensor> {

@@ -3,9 +3,10 @@
 //! model code follows transformers, so the reader undoes each change here:
 //!
 //! - `A_log` is stored as `ssm_a` = −exp(A_log): read back as ln(−ssm_a);
-//! - RMSNorm weights other than the gated GDN norm are stored as 1 + w (the
-//!   multiplier itself): read back as stored − 1, exact for stored values in
-//!   [0.5, 2] (Sterbenz), within an f32 rounding elsewhere;
+//! - RMSNorm weights other than the gated GDN norm (the MTP head's among
+//!   them) are stored as 1 + w (the multiplier itself): read back as
+//!   stored − 1, exact for stored values in [0.5, 2] (Sterbenz), within an
+//!   f32 rounding elsewhere;
 //! - Next's `in_proj_qkvz` is split into `attn_qkv` + `attn_gate`, which are
 //!   Qwen3.5's `in_proj_qkv` + `in_proj_z` (the layer takes the split form);
 //!   its `in_proj_ba` (per key head: r rows of b, then r of a) stays fused as
@@ -35,11 +36,21 @@ pub(super) fn undo_transform(name: &str, t: Tensor) -> Result<Tensor> {
         }
         return Tensor::from_f32(name, t.shape.clone(), &v);
     }
-    if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
+    if stored_as_one_plus(name) {
         let v: Vec<f32> = t.to_f32_vec().iter().map(|w| w - 1.0).collect();
         return Tensor::from_f32(name, t.shape.clone(), &v);
     }
     Ok(t)
+}
+
+/// Whether the converter stored the RMSNorm weight `name` (a Hugging Face
+/// name) as 1 + w: every name ending in `norm.weight` as the converter sees
+/// it, except the gated GDN norm. It sees the MTP head's input norms
+/// renamed first (`mtp.pre_fc_norm_embedding` → `enorm`, `…_hidden` →
+/// `hnorm`), so they are among them.
+fn stored_as_one_plus(name: &str) -> bool {
+    (name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight"))
+        || matches!(name, "mtp.pre_fc_norm_embedding.weight" | "mtp.pre_fc_norm_hidden.weight")
 }
 
 /// For `…in_proj_b.weight` / `…in_proj_a.weight` in a file that has the fused

@@ -97,6 +97,32 @@ pub fn hf_to_gguf_all(name: &str) -> Vec<String> {
     LAYER.iter().filter(|(h, _)| *h == module).map(|(_, g)| format!("blk.{layer}.{g}.{suffix}")).collect()
 }
 
+/// The multi-token-prediction head's own tensors (`mtp.{name}.weight`) and
+/// their llama.cpp names within the first MTP block (`blk.{N}.nextn.*`).
+const NEXTN: &[(&str, &str)] = &[
+    ("fc", "eh_proj"),
+    ("pre_fc_norm_embedding", "enorm"),
+    ("pre_fc_norm_hidden", "hnorm"),
+    ("norm", "shared_head_norm"),
+];
+
+/// Every GGUF name a multi-token-prediction tensor (`mtp.*`) may have in a
+/// file whose main model has `main_layers` blocks. llama.cpp's converter
+/// (conversion/qwen.py `_QwenMtpMixin`) appends MTP layer i as block
+/// `main_layers + i`, under the names of any other block, and puts the
+/// head's projection and norms in the first of them as `nextn.*`.
+pub fn mtp_to_gguf_all(name: &str, main_layers: usize) -> Vec<String> {
+    if let Some(module) = name.strip_prefix("mtp.").and_then(|m| m.strip_suffix(".weight"))
+        && let Some((_, g)) = NEXTN.iter().find(|(h, _)| *h == module)
+    {
+        return vec![format!("blk.{main_layers}.nextn.{g}.weight")];
+    }
+    match split_layer_bare(name, "mtp.layers.") {
+        Some((i, rest)) => hf_to_gguf_all(&format!("model.layers.{}.{rest}", main_layers + i)),
+        None => Vec::new(),
+    }
+}
+
 /// The Hugging Face name for a GGUF name, or None when there is no mapping.
 pub fn gguf_to_hf(name: &str) -> Option<String> {
     if let Some((h, _)) = GLOBAL.iter().find(|(_, g)| *g == name) {
@@ -150,6 +176,27 @@ mod tests {
             gguf_to_hf("blk.1.post_attention_norm.weight").unwrap(),
             "model.layers.1.post_attention_layernorm.weight"
         );
+    }
+
+    /// As llama.cpp's converter names a head after 40 main blocks.
+    #[test]
+    fn mtp_tensors_map_to_the_blocks_after_the_main_ones() {
+        let pairs = [
+            ("mtp.fc.weight", "blk.40.nextn.eh_proj.weight"),
+            ("mtp.pre_fc_norm_embedding.weight", "blk.40.nextn.enorm.weight"),
+            ("mtp.pre_fc_norm_hidden.weight", "blk.40.nextn.hnorm.weight"),
+            ("mtp.norm.weight", "blk.40.nextn.shared_head_norm.weight"),
+            ("mtp.layers.0.self_attn.q_proj.weight", "blk.40.attn_q.weight"),
+            ("mtp.layers.0.input_layernorm.weight", "blk.40.attn_norm.weight"),
+            ("mtp.layers.0.mlp.switch_mlp.up_proj.weight", "blk.40.ffn_up_exps.weight"),
+            ("mtp.layers.1.mlp.down_proj.weight", "blk.41.ffn_down.weight"),
+        ];
+        for (h, g) in pairs {
+            assert_eq!(mtp_to_gguf_all(h, 40).first().map(String::as_str), Some(g), "{h}");
+        }
+        for n in ["mtp.fc.bias", "mtp.layers.x.mlp.up_proj.weight", "mtp.unknown.weight", "model.norm.weight"] {
+            assert!(mtp_to_gguf_all(n, 40).is_empty(), "{n}");
+        }
     }
 
     #[test]

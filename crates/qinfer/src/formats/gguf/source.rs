@@ -3,7 +3,6 @@
 
 use super::file::GgufFile;
 use super::hybrid;
-use super::names::hf_to_gguf;
 use crate::formats::TensorSource;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -20,7 +19,7 @@ impl TensorSource for GgufFile {
                 format!(
                     "not found in {} (GGUF name `{}`)",
                     self.path.display(),
-                    hf_to_gguf(name).as_deref().unwrap_or(name)
+                    self.gguf_names(name).first().map_or(name, String::as_str)
                 ),
             )),
         }
