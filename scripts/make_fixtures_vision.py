@@ -24,6 +24,10 @@ Writes tests/fixtures/vision/:
   - prompt `later_image` (a long text turn, then image e): the last position's logits and 8
     greedy tokens; prompt `text_only`: 8 greedy tokens (for batches mixing both kinds).
 
+The MTP head's files beside qwen3_5/ (mtp.safetensors, model.safetensors.index.json, mtp.json,
+mtp_logits.npy) come from scripts/mtp_reference_vision.py: run it after this script, which
+removes them.
+
 Deterministic: running twice gives byte-identical files.
 """
 

@@ -121,10 +121,20 @@ def load_weights(d: Path, cfg: dict, seed: int) -> tuple[dict, str]:
 # ---------------------------------------------------------------------------
 
 
-def rope(x, pos, inv_freq):
-    """x [T, heads, hd]; NeoX halves on the first 2*len(inv_freq) dims, explicit positions."""
+def rope(x, pos, inv_freq, mrope_section=None):
+    """x [T, heads, hd]; NeoX halves on the first 2*len(inv_freq) dims, explicit positions: [T],
+    or [T, 3] (temporal, height, width) with Qwen3.5's interleaved multimodal sections, where
+    frequency j takes the height position if j % 3 == 1 and j < 3 * section[1], the width
+    position if j % 3 == 2 and j < 3 * section[2], else the temporal one."""
     rd = 2 * len(inv_freq)
-    f = np.asarray(pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+    pos = np.asarray(pos, dtype=np.float64)
+    if pos.ndim == 2:
+        comp = np.zeros(len(inv_freq), dtype=int)
+        for c in (1, 2):
+            comp[c : 3 * mrope_section[c] : 3] = c
+        f = pos[:, comp] * inv_freq[None, :]
+    else:
+        f = pos[:, None] * inv_freq[None, :]
     cos = np.cos(np.concatenate([f, f], -1))[:, None, :]
     sin = np.sin(np.concatenate([f, f], -1))[:, None, :]
     xr, xp = x[..., :rd], x[..., rd:]
@@ -145,6 +155,9 @@ class MTPHead:
         rp = c["rope_parameters"]
         rd = int(c["head_dim"] * rp.get("partial_rotary_factor", 1.0))
         self.inv_freq = 1.0 / rp["rope_theta"] ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+        self.mrope_section = rp.get("mrope_section")
+        if self.mrope_section is not None and not rp.get("mrope_interleaved", True):
+            raise NotImplementedError("only Qwen3.5's interleaved multimodal sections")
         self.eps = c["rms_norm_eps"]
         self.renorm = bool(c.get("norm_topk_prob", True))  # vLLM: renormalize=getattr(cfg, "norm_topk_prob", True)
         self.K = np.zeros((0, c["num_key_value_heads"], c["head_dim"]))
@@ -161,8 +174,8 @@ class MTPHead:
         q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
         k = (x @ W[p + "k_proj.weight"].T).reshape(T, nkv, hd)
         v = (x @ W[p + "v_proj.weight"].T).reshape(T, nkv, hd)
-        q = rope(np_rms(q, W[p + "q_norm.weight"], self.eps, True), pos, self.inv_freq)
-        k = rope(np_rms(k, W[p + "k_norm.weight"], self.eps, True), pos, self.inv_freq)
+        q = rope(np_rms(q, W[p + "q_norm.weight"], self.eps, True), pos, self.inv_freq, self.mrope_section)
+        k = rope(np_rms(k, W[p + "k_norm.weight"], self.eps, True), pos, self.inv_freq, self.mrope_section)
         n0 = self.K.shape[0]
         self.K = np.concatenate([self.K, k], 0)
         self.V = np.concatenate([self.V, v], 0)
@@ -186,9 +199,12 @@ class MTPHead:
         self.router_gaps += [float(g) for g in srt[:, k - 1] - srt[:, k]]
         return mh.np_moe(x, W, p, c, self.renorm)
 
-    def step(self, tokens, hidden, pos):
-        """tokens [T], hidden [T, H] (target post-norm hidden, or previous MTP output), pos [T]."""
-        e = self.norm(self.embed[np.asarray(tokens)], "mtp.pre_fc_norm_embedding.weight")
+    def step(self, tokens, hidden, pos, inputs=None):
+        """tokens [T], hidden [T, H] (target post-norm hidden, or previous MTP output), pos [T] or
+        [T, 3]; `inputs` [T, H]: the rows' input embeddings where given (a prompt's image tokens
+        take the vision tower's output, as the target's rows do), else looked up by token."""
+        emb = self.embed[np.asarray(tokens)] if inputs is None else np.asarray(inputs)
+        e = self.norm(emb, "mtp.pre_fc_norm_embedding.weight")
         h = self.norm(np.asarray(hidden), "mtp.pre_fc_norm_hidden.weight")
         cat = np.concatenate([h, e] if self.v.get("swap_concat") else [e, h], -1)
         x = cat @ self.W["mtp.fc.weight"].T

@@ -176,6 +176,75 @@ fn check_head(case: &str, model: &Arc<dyn LanguageModel>) {
     }
 }
 
+/// The head over a prompt with two images (Qwen3.5 with its vision tower,
+/// tests/fixtures/vision/qwen3_5) against the float64 reference of
+/// scripts/mtp_reference_vision.py: a slot whose next token is an image
+/// token takes the tower's output for it, every slot the target's three
+/// rotary positions of its row, and chained drafts the last row's plus j.
+#[test]
+fn the_mtp_head_over_a_prompt_with_images_matches_the_reference() {
+    use common::vision;
+    let path = vision::dir().join("qwen3_5");
+    let fx: Value = serde_json::from_str(&std::fs::read_to_string(path.join("mtp.json")).unwrap()).unwrap();
+    let model = load_from(&path, true).unwrap();
+    let (vocab, h) = (model.config().vocab_size, model.config().hidden_size);
+    let input = ids(&fx["input_ids"]);
+    let t = input.len();
+    let names: Vec<&str> = fx["images"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
+    let images: Vec<_> = names.iter().map(|n| vision::processed(n)).collect();
+    let mut prefill = vision::prompt_batch(model.as_ref(), &input, &images);
+    prefill.logits_rows = vec![t - 1];
+    prefill.hidden_rows = (0..t).collect();
+    let mut state: Box<dyn BatchState> =
+        model.new_batch_state(prefill.seqs[0].block_table.len() + 1, BLOCK, 1).unwrap();
+    model.reset_state_slot(state.as_mut(), 0).unwrap();
+    let out = model.forward_batch(state.as_mut(), &input, &prefill, &[]).unwrap();
+    let g = argmax(&out.logits);
+    assert_eq!(g as u64, fx["target"]["greedy_next_token"].as_u64().unwrap(), "the target's pick");
+
+    // Slot i takes token i + 1's input: the image rows' inputs move up one.
+    let next: Vec<u32> = input[1..].iter().copied().chain([g]).collect();
+    let mut head_batch = layout(0, t, (0..t).collect());
+    head_batch.mrope_positions = prefill.mrope_positions.clone();
+    head_batch.embeds = prefill
+        .embeds
+        .iter()
+        .map(|e| qinfer::kv::batch::InputEmbeds { row: e.row - 1, values: e.values.clone(), take: e.take.clone() })
+        .collect();
+    let head = model.mtp_forward(state.as_mut(), &next, &out.hidden, &head_batch, false).unwrap();
+    let (_, want) = qinfer::npy::read_f32(&path.join("mtp_logits.npy")).unwrap();
+    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    let err = max_abs(&head.logits, &want);
+    println!("MTP logits over {t} rows of a prompt with images: max error {err:.3e} of {scale:.1}");
+    // Image rows' inputs are the tower's output (scale ~10, each within
+    // 2e-5 of the reference's): the bound of the target's own image rows.
+    assert!(err <= 1e-3, "MTP logits off by {err:.3e} (scale {scale:.1})");
+    let picks = ids(&fx["mtp_prefill"]["argmax"]);
+    let margins = f64s(&fx["mtp_prefill"]["top2_margin"]);
+    for i in (0..t).filter(|&i| margins[i] >= 0.01) {
+        assert_eq!(argmax(&head.logits[i * vocab..(i + 1) * vocab]), picks[i], "row {i}'s pick");
+    }
+
+    // Chained drafts, each one position further on in all three components.
+    let want_drafts = ids(&fx["chain"]["drafts"]);
+    let want_logits = fx["chain"]["logits"].as_array().unwrap();
+    let mut drafts = vec![argmax(&head.logits[(t - 1) * vocab..])];
+    let mut y = head.hidden[(t - 1) * h..].to_vec();
+    let last = prefill.mrope_positions[t - 1];
+    for j in 1..want_drafts.len() {
+        let mut step_batch = layout(t - 1 + j, 1, vec![0]);
+        step_batch.mrope_positions = vec![last.map(|p| p + j as u32)];
+        let step = model.mtp_forward(state.as_mut(), &[drafts[j - 1]], &y, &step_batch, false).unwrap();
+        let e = max_abs(&step.logits, &f64s(&want_logits[j]));
+        println!("chain step {j}: logits error {e:.3e}");
+        assert!(e <= 1e-3, "chain step {j}: {e:.3e}");
+        drafts.push(argmax(&step.logits));
+        y = step.hidden;
+    }
+    assert_eq!(drafts, want_drafts, "the chained drafts");
+}
+
 #[test]
 fn a_missing_or_unloaded_head_is_named() {
     // The dense Qwen3 fixture has no `mtp.*` tensors.

@@ -64,6 +64,47 @@ fn image_and_text_requests_batched_together_match_transformers() {
     }
 }
 
+/// MTP speculation on requests with images (the fixture's head:
+/// scripts/mtp_reference_vision.py): after the prompt's step the head
+/// proposes the reference's drafts, and every request's greedy tokens equal
+/// transformers' (image and text-only requests batched, whole prompts and
+/// 64-token chunks).
+#[test]
+fn mtp_speculation_on_requests_with_images() {
+    use qinfer::engine::speculative::SpeculativeConfig;
+    let mut m = qinfer::loader::open(&dir().join("qwen3_5")).unwrap();
+    m.config.load_mtp = true;
+    let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(m.load_cpu(false).unwrap());
+    let fx: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("qwen3_5/mtp.json")).unwrap()).unwrap();
+    let cases = prompts("qwen3_5");
+    let (_, two_images, want) = cases.iter().find(|c| c.0 == fx["prompt"].as_str().unwrap()).unwrap();
+    let mut cfg = config(1024, 8, 64);
+    cfg.speculative = Some(SpeculativeConfig::mtp(3));
+    let mut core = EngineCore::new(lm.clone(), None, cfg).unwrap();
+    core.add(0, two_images.clone()).unwrap();
+    let first = loop {
+        let out = core.step().unwrap();
+        if let Some(o) = out.into_iter().find(|o| !o.token_ids.is_empty()) {
+            break o.token_ids;
+        }
+    };
+    assert_eq!(first, want[..1], "the target's first token");
+    assert_eq!(core.proposed_drafts(0), ids(&fx["chain"]["drafts"]), "the head's drafts after the prompt");
+
+    let reqs: Vec<Request> = cases.iter().map(|c| c.1.clone()).collect();
+    for (budget, joins) in [(1024, vec![0; reqs.len()]), (64, (0..reqs.len()).map(|i| 2 * i).collect())] {
+        let mut cfg = config(budget, 8, 64);
+        cfg.speculative = Some(SpeculativeConfig::mtp(3));
+        let mut core = EngineCore::new(lm.clone(), None, cfg).unwrap();
+        let got = run(&mut core, &reqs, &joins);
+        for ((name, _, want), (tokens, _)) in cases.iter().zip(&got) {
+            assert_eq!(tokens, want, "{name} with MTP, budget {budget}");
+        }
+        let stats = core.speculative_stats();
+        assert!(stats.verifications > 0 && stats.accepted <= stats.drafted, "{stats:?}");
+    }
+}
+
 #[test]
 fn the_prefix_cache_keeps_prompts_with_other_images_apart() {
     let lm = load(&dir().join("qwen3_5"));

@@ -460,8 +460,10 @@ impl EngineCore {
             }
             let decoding = *n == 1 && seq.pending() == 1 && seq.computed >= seq.prefill_len;
             // A draft model sees no images; the n-gram proposer's drafts would
-            // need the image tokens' positions of a verify step it has no rows for.
-            if !decoding || seq.prompt_only() || seq.constraint.is_some() || seq.media.is_some() {
+            // need the image tokens' positions of a verify step it has no rows
+            // for. The MTP head runs over the prompt's images as the target does.
+            let sees_images = spec.proposer == Proposer::Mtp;
+            if !decoding || seq.prompt_only() || seq.constraint.is_some() || (seq.media.is_some() && !sees_images) {
                 continue;
             }
             if !seq.backoff.ready() {
@@ -591,7 +593,7 @@ impl EngineCore {
                         media,
                         ..
                     } = seq;
-                    let mtp_rows = mtp.is_some() && media.is_none();
+                    let mtp_rows = mtp.is_some();
                     let task: &Task = task;
                     let (hidden, scores) = match task {
                         Task::Generate if mtp_rows => (HiddenRows::All, None),

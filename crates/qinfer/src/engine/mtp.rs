@@ -19,10 +19,10 @@ pub(super) struct StepRows {
     pub hidden: Vec<f32>,
 }
 
-/// Whether `seq`'s steps give the head rows: generations without images
-/// (the head takes no image embeddings).
+/// Whether `seq`'s steps give the head rows: generations (with or without
+/// images).
 pub(super) fn follows(seq: &Sequence) -> bool {
-    seq.task == Task::Generate && seq.media.is_none()
+    seq.task == Task::Generate
 }
 
 /// Runs the head over the rows each sequence of `rows` kept (those still
@@ -67,6 +67,7 @@ pub(super) fn propose(
                 block_table: &seq.blocks.blocks,
                 state_slot: seq.state_slot,
                 drafts: *drafts,
+                media: seq.media.as_deref(),
             }
         })
         .collect();

@@ -4,6 +4,7 @@
 //! sequence's last row.
 
 use super::Runner;
+use super::media::Media;
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::{Error, Result};
 
@@ -23,6 +24,10 @@ pub struct MtpRows<'a> {
     /// Draft tokens to propose after the last row (0: only keep the head's
     /// cache up to date).
     pub drafts: usize,
+    /// The sequence's images: a row whose next token is an image token
+    /// takes that token's input, and every row the target's three rotary
+    /// positions at its own index.
+    pub media: Option<&'a Media>,
 }
 
 impl Runner {
@@ -55,7 +60,21 @@ impl Runner {
             hidden.extend_from_slice(s.hidden);
             parts.push(row_seq(rows, s.start, s));
         }
-        let layout = BatchLayout::new(parts, bs, logits_rows);
+        let mut layout = BatchLayout::new(parts, bs, logits_rows);
+        if seqs_in.iter().any(|&i| seqs[i].media.is_some()) {
+            for (&i, part) in seqs_in.iter().zip(&layout.seqs) {
+                let s = &seqs[i];
+                let at = s.start..s.start + s.next.len();
+                match s.media {
+                    Some(m) => {
+                        layout.mrope_positions.extend(at.clone().map(|p| m.position(p)));
+                        // The next tokens are the sequence's from start + 1 on.
+                        layout.embeds.extend(m.embeds(at.start + 1..at.end + 1, part.rows.start));
+                    }
+                    None => layout.mrope_positions.extend(at.map(|p| [p as u32; 3])),
+                }
+            }
+        }
         let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
         // (sequence, its last position, the head's output there), one per
         // logits row, in order.
@@ -78,7 +97,12 @@ impl Runner {
                 hidden.extend_from_slice(y);
                 parts.push(row_seq(n..n + 1, last + j, &seqs[*i]));
             }
-            let layout = BatchLayout::new(parts, bs, (0..chains.len()).collect());
+            let mut layout = BatchLayout::new(parts, bs, (0..chains.len()).collect());
+            if chains.iter().any(|(i, _, _)| seqs[*i].media.is_some()) {
+                layout.mrope_positions = (chains.iter())
+                    .map(|(i, last, _)| seqs[*i].media.map_or([(last + j) as u32; 3], |m| m.position(last + j)))
+                    .collect();
+            }
             let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
             for (n, ((i, _, y), &pick)) in chains.iter_mut().zip(&out.picks).enumerate() {
                 drafts[*i].push(pick);

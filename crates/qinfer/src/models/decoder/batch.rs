@@ -424,7 +424,7 @@ fn pad_rows(tokens: &[u32], batch: &BatchLayout, padded: usize, spare: u32) -> (
 impl<B: ModelBackend + 'static> DecoderModel<B> {
     /// The rows' input embeddings: looked up by token id, except the rows
     /// the batch gives embeddings of (image tokens).
-    fn embed_batch(&self, tokens: &[u32], batch: &BatchLayout) -> Result<B::Act> {
+    pub(super) fn embed_batch(&self, tokens: &[u32], batch: &BatchLayout) -> Result<B::Act> {
         let b = &self.backend;
         let h = b.embed(&self.embed_tokens, tokens)?;
         if batch.embeds.is_empty() {

@@ -75,17 +75,15 @@ impl<B: ModelBackend + 'static> DecoderModel<B> {
                 tokens.len()
             )));
         }
-        if !batch.embeds.is_empty() {
-            return Err(Error::Invalid(
-                "MTP head: rows given as input embeddings (image tokens) are not supported".into(),
-            ));
-        }
         let (pool, pool_layer) = state.mtp_pool().ok_or_else(|| {
             Error::Invalid(format!("MTP head: this batch state of {name} was made before the head was loaded"))
         })?;
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
-        let embedded = b.rms_norm(&b.embed(&self.embed_tokens, tokens)?, &mtp.norm_embedding, eps);
+        // Rows whose next token is an image's take that image token's
+        // input, as the target's rows do (vLLM's Qwen3_5MTP merges the
+        // multimodal embeddings the same way).
+        let embedded = b.rms_norm(&self.embed_batch(tokens, batch)?, &mtp.norm_embedding, eps);
         let given = b.rms_norm(&b.act_from_host(tokens.len(), h, hidden), &mtp.norm_hidden, eps);
         let mut x = b.linear(&b.concat_columns(&[&embedded, &given]), &mtp.fc, None);
         let layer = &mtp.layer;
