@@ -25,6 +25,7 @@ mtp_logits.npy}. Deterministic: running twice gives byte-identical files.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -167,6 +168,7 @@ def main() -> None:
                   "logits": [mr.fl(r) for r in res["chain_logits"]]},
         "wrong_semantics": contrasts,
         "torch_version": torch.__version__,
+        "transformers_version": importlib.metadata.version("transformers"),
     }
     (d / "mtp.json").write_text(json.dumps(out, indent=1) + "\n")
     mh.log(f"vision {CASE}: g={g} drafts={res['drafts']} min margin prefill {min(margins):.3g} chain "
