@@ -269,8 +269,13 @@ def build_mtp_cases(src: Path, tmp: Path) -> None:
         nextn = [t.name for t in reader.tensors if ".nextn." in t.name]
         if not nextn:
             raise RuntimeError(f"{case}: the converter kept no nextn tensors")
+        # The head alone, as llama.cpp publishes it beside a target converted
+        # with --no-mtp (tests/fixtures/gguf_arch/<case> is that target).
+        convert(src, model_dir, dst / "mtp-model.gguf", "bf16", ("--mtp",))
+        head_only = [t.name for t in GGUFReader(str(dst / "mtp-model.gguf")).tensors]
         ref = {"tiny_fixture": f"tests/fixtures/tiny/{tiny}", "llama_cpp_commit": commit or LLAMA_CPP_COMMIT,
-               "converter": "convert_hf_to_gguf.py --outtype bf16 (MTP kept, the default)", "nextn_tensors": nextn}
+               "converter": "convert_hf_to_gguf.py --outtype bf16 (MTP kept, the default)", "nextn_tensors": nextn,
+               "mtp-model.gguf": {"converter": "convert_hf_to_gguf.py --outtype bf16 --mtp", "tensors": head_only}}
         (dst / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
         log(f"{case}: {len(nextn)} nextn tensors")
 

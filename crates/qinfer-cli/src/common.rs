@@ -200,10 +200,12 @@ pub struct EngineArgs {
     /// last tokens up in the prompt and output so far; `draft:PATH` runs a
     /// smaller model with the same vocabulary (a directory or .gguf file)
     /// ahead of each sequence; `mtp` uses the checkpoint's own
-    /// multi-token-prediction head (Qwen3-Next, Qwen3.5). Each step verifies
+    /// multi-token-prediction head (Qwen3-Next, Qwen3.5), `mtp:PATH` the
+    /// head in another file (a GGUF written by llama.cpp's converter with
+    /// `--mtp`, beside a model converted without it). Each step verifies
     /// the drafts in its forward: greedy outputs are unchanged, sampled ones
     /// follow the same distribution (rejection sampling).
-    #[arg(long, value_parser = parse_speculative, value_name = "ngram|draft:PATH|mtp")]
+    #[arg(long, value_parser = parse_speculative, value_name = "ngram|draft:PATH|mtp[:PATH]")]
     pub speculative: Option<SpeculativeKind>,
     /// Most draft tokens proposed and verified per sequence and step (with
     /// --speculative).
@@ -224,18 +226,20 @@ pub enum SpeculativeKind {
     Ngram,
     /// A draft model, from this path.
     Draft(PathBuf),
-    /// The checkpoint's multi-token-prediction head.
-    Mtp,
+    /// The checkpoint's multi-token-prediction head, or the head in this
+    /// file (llama.cpp publishes a GGUF's head as an `mtp-*.gguf` of its own).
+    Mtp(Option<PathBuf>),
 }
 
 /// `--speculative`'s value.
 pub fn parse_speculative(s: &str) -> std::result::Result<SpeculativeKind, String> {
     match s {
         "ngram" => Ok(SpeculativeKind::Ngram),
-        "mtp" => Ok(SpeculativeKind::Mtp),
-        _ => match s.strip_prefix("draft:") {
-            Some(path) if !path.is_empty() => Ok(SpeculativeKind::Draft(PathBuf::from(path))),
-            _ => Err(format!("expected `ngram`, `draft:PATH` or `mtp`, got {s:?}")),
+        "mtp" => Ok(SpeculativeKind::Mtp(None)),
+        _ => match (s.strip_prefix("draft:"), s.strip_prefix("mtp:")) {
+            (Some(path), _) if !path.is_empty() => Ok(SpeculativeKind::Draft(PathBuf::from(path))),
+            (_, Some(path)) if !path.is_empty() => Ok(SpeculativeKind::Mtp(Some(PathBuf::from(path)))),
+            _ => Err(format!("expected `ngram`, `draft:PATH`, `mtp` or `mtp:PATH`, got {s:?}")),
         },
     }
 }
@@ -247,14 +251,27 @@ impl SpeculativeKind {
         let cfg = match self {
             SpeculativeKind::Ngram => SpeculativeConfig::ngram(draft_tokens),
             SpeculativeKind::Draft(_) => SpeculativeConfig::draft_model(draft_tokens),
-            SpeculativeKind::Mtp => SpeculativeConfig::mtp(draft_tokens),
+            SpeculativeKind::Mtp(_) => SpeculativeConfig::mtp(draft_tokens),
         };
         if adaptive { cfg.adaptive() } else { cfg }
     }
 
     /// Whether the target must be loaded with its multi-token-prediction head.
     pub fn needs_mtp(kind: Option<&Self>) -> bool {
-        kind == Some(&SpeculativeKind::Mtp)
+        matches!(kind, Some(SpeculativeKind::Mtp(_)))
+    }
+
+    /// `model` as speculation with `kind` loads it: with its
+    /// multi-token-prediction head for `mtp`, read from the head's own file
+    /// for `mtp:PATH`.
+    pub fn target(kind: Option<&Self>, mut model: LoadedModel) -> Result<LoadedModel> {
+        model.config.load_mtp = Self::needs_mtp(kind);
+        match kind {
+            Some(SpeculativeKind::Mtp(Some(path))) => {
+                model.with_mtp_head(path).context("the MTP head (--speculative mtp:PATH)")
+            }
+            _ => Ok(model),
+        }
     }
 
     /// Loads the draft model on `device` (None for proposers without one),

@@ -380,6 +380,29 @@ fn generate_with_speculation_gives_transformers_greedy_tokens() {
     }
 }
 
+/// `--speculative mtp:PATH`: a GGUF converted without its head (`--no-mtp`)
+/// with the head from the file llama.cpp's converter writes with `--mtp`
+/// changes no greedy token; a head for another model is refused by name.
+#[test]
+fn a_head_from_its_own_gguf_changes_no_greedy_token() {
+    let root = fixture("qwen3").join("../..");
+    let (model, head) = (root.join("gguf_arch/qwen35/model.gguf"), root.join("gguf_mtp/qwen35/mtp-model.gguf"));
+    let args = ["generate", "--model", model.to_str().unwrap(), "--tokens", "5,9,17,33", "--max-tokens", "12"];
+    let plain = qinfer(&[&args[..], &["--ignore-eos", "--json"]].concat());
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let spec = format!("mtp:{}", head.display());
+    let o = qinfer(&[&args[..], &["--ignore-eos", "--json", "--speculative", &spec, "--fixed-draft-tokens"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let tokens = |o: &std::process::Output| {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is one JSON object");
+        ids(&v["tokens"])
+    };
+    assert_eq!(tokens(&o), tokens(&plain));
+    let other = root.join("gguf_arch/qwen35moe/model.gguf");
+    let o = qinfer(&["generate", "--model", other.to_str().unwrap(), "--tokens", "5", "--speculative", &spec]);
+    assert!(!o.status.success() && stderr(&o).contains("is no head for"), "{}", stderr(&o));
+}
+
 #[test]
 fn bench_json_reports_pp_and_tg() {
     let dir = fixture("qwen3");

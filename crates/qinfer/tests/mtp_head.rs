@@ -97,6 +97,27 @@ fn the_mtp_head_of_a_llamacpp_gguf_matches_the_reference() {
     }
 }
 
+/// A target converted without its head (`--no-mtp`, tests/fixtures/gguf_arch)
+/// with the head from the file the converter's `--mtp` writes, against the
+/// same references; a head for another model, or a file without one, is
+/// refused by name.
+#[test]
+fn a_head_from_its_own_gguf_beside_the_target_matches_the_reference() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let target = |file: &str| loader::open(&root.join("gguf_arch").join(file).join("model.gguf")).unwrap();
+    let head = |file: &str| root.join("gguf_mtp").join(file).join("mtp-model.gguf");
+    for (file, case) in GGUF_CASES {
+        let m = target(file).with_mtp_head(&head(file)).unwrap();
+        assert!(m.config.load_mtp && m.config.mtp_layers == 1, "{file}");
+        check_head(case, &Arc::from(m.load_cpu(false).unwrap()));
+    }
+    let e = target("qwen35moe").with_mtp_head(&head("qwen35")).err().expect("another model's head").to_string();
+    assert!(e.contains("mtp-model.gguf") && e.contains("is no head for"), "{e}");
+    let e =
+        target("qwen35").with_mtp_head(&root.join("gguf_arch/qwen35/model.gguf")).err().expect("no head").to_string();
+    assert!(e.contains("holds no multi-token-prediction head"), "{e}");
+}
+
 /// The head over the prompt beside the target's prefill, then chained
 /// greedy drafts, against `case`'s float64 reference.
 fn check_head(case: &str, model: &Arc<dyn LanguageModel>) {

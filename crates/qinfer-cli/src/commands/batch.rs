@@ -155,7 +155,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let tok = Arc::new(model.tokenizer.take().context("`qinfer batch` needs a model with a tokenizer")?);
     let defaults = a.sampling.resolve(&model.sampling_defaults);
     let stop_ids = if a.ignore_eos { Vec::new() } else { stop_tokens(&model, Some(&tok)) };
-    model.config.load_mtp = crate::common::SpeculativeKind::needs_mtp(a.engine.speculative.as_ref());
+    let model = crate::common::SpeculativeKind::target(a.engine.speculative.as_ref(), model)?;
     let lm: Arc<dyn qinfer::models::LanguageModel> = Arc::from(model.load(device, true)?);
     let cfg = a.engine.config(lm.as_ref(), &device);
     eprintln!("{}", crate::common::kv_pool_summary(lm.as_ref(), &cfg, &device));

@@ -78,7 +78,7 @@ pub struct Args {
     /// With --concurrency: speculative decoding of the greedy requests, as
     /// the engine commands' `--speculative` (the tg rows count accepted
     /// drafts as generated tokens and report the acceptance).
-    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp", requires = "concurrency")]
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp[:PATH]", requires = "concurrency")]
     speculative: Option<crate::common::SpeculativeKind>,
     /// Most draft tokens per sequence and step (with --speculative).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -352,8 +352,7 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let mut processor = None;
     let (file, vocab, lm) = match (&a.model, &a.config) {
         (Some(path), _) => {
-            let mut model = open_model(Some(path))?;
-            model.config.load_mtp = crate::common::SpeculativeKind::needs_mtp(a.speculative.as_ref());
+            let model = crate::common::SpeculativeKind::target(a.speculative.as_ref(), open_model(Some(path))?)?;
             let lm = model.load(device, !a.json)?;
             let file = model.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
             processor = model.image_processor.clone();
@@ -361,6 +360,9 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
         }
         (None, Some(cfg_path)) => {
             let mut cfg = qinfer::loader::model_config(cfg_path)?;
+            if let Some(crate::common::SpeculativeKind::Mtp(Some(path))) = &a.speculative {
+                bail!("--speculative mtp:{}: a head from its own file needs --model", path.display());
+            }
             cfg.load_mtp = crate::common::SpeculativeKind::needs_mtp(a.speculative.as_ref());
             let lm = qinfer::loader::random_model_of(cfg.clone(), a.dtype, device)?;
             let name = format!("{} (random {})", cfg_path.display(), a.dtype);

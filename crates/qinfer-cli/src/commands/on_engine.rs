@@ -21,7 +21,7 @@ use crate::common::SpeculativeKind;
 pub struct SpeculationArgs {
     /// Speculative decoding (`ngram`, `draft:PATH` or `mtp`), as on the
     /// engine commands; the output is the same, greedy or in distribution.
-    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp")]
+    #[arg(long, value_parser = crate::common::parse_speculative, value_name = "ngram|draft:PATH|mtp[:PATH]")]
     pub speculative: Option<SpeculativeKind>,
     /// Most draft tokens a step (with --speculative).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -78,14 +78,14 @@ impl EngineRun {
 /// `spec` proposes with it) and runs the request `request` makes of the
 /// loaded model, handing each output to `on_output` until the request ends.
 pub fn run_one(
-    mut model: LoadedModel,
+    model: LoadedModel,
     tok: Option<Arc<Tokenizer>>,
     device: qinfer::loader::Device,
     spec: &Speculation<'_>,
     request: impl FnOnce(&dyn LanguageModel) -> Result<Request>,
     mut on_output: impl FnMut(&Output) -> Result<()>,
 ) -> Result<EngineRun> {
-    model.config.load_mtp = SpeculativeKind::needs_mtp(spec.kind);
+    let model = SpeculativeKind::target(spec.kind, model)?;
     let lm: Arc<dyn LanguageModel> = Arc::from(model.load(device, true)?);
     let req = request(lm.as_ref())?;
     let prompt_tokens = req.prompt.len();

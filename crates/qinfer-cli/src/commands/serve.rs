@@ -109,7 +109,8 @@ pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
     let load = move || -> std::result::Result<Loaded, String> {
         let tok = model.tokenizer.take().map(Arc::new);
         let stop_token_ids = stop_tokens(&model, tok.as_deref());
-        model.config.load_mtp = crate::common::SpeculativeKind::needs_mtp(engine_args.speculative.as_ref());
+        let model = crate::common::SpeculativeKind::target(engine_args.speculative.as_ref(), model)
+            .map_err(|e| format!("{e:#}"))?;
         let lm: Arc<dyn qinfer::models::LanguageModel> =
             Arc::from(model.load(device, false).map_err(|e| format!("loading {}: {e}", model.path.display()))?);
         let task = task.resolve(&model.path, model.gguf_pooling_type, tok.as_deref()).map_err(|e| e.to_string())?;

@@ -113,6 +113,23 @@ fn rope(m: &Meta, arch: Architecture, head_dim: usize) -> Result<(RopeConfig, us
     Ok((RopeConfig { theta, style, scaling }, rotary_dim))
 }
 
+/// GGUF's names of the architectures qinfer runs (without underscores:
+/// `qwen3moe`).
+const ARCHITECTURES: [(&str, Architecture); 7] = [
+    ("llama", Architecture::Llama),
+    ("qwen2", Architecture::Qwen2),
+    ("qwen3", Architecture::Qwen3),
+    ("qwen3moe", Architecture::Qwen3Moe),
+    ("qwen3next", Architecture::Qwen3Next),
+    ("qwen35", Architecture::Qwen35),
+    ("qwen35moe", Architecture::Qwen35Moe),
+];
+
+/// The architecture GGUF names `name` (`general.architecture`).
+pub fn architecture_named(name: &str) -> Option<Architecture> {
+    ARCHITECTURES.iter().find(|(n, _)| *n == name).map(|&(_, a)| a)
+}
+
 pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
     let arch_name = file
         .metadata()
@@ -120,18 +137,11 @@ pub(super) fn model_config(file: &GgufFile) -> Result<ModelConfig> {
         .ok_or_else(|| Error::config("general.architecture", "missing from GGUF metadata"))?
         .as_str()
         .ok_or_else(|| Error::config("general.architecture", "expected a string"))?;
-    // GGUF names its architectures without underscores (`qwen3moe`).
-    let arch = match arch_name {
-        "llama" => Architecture::Llama,
-        "qwen2" => Architecture::Qwen2,
-        "qwen3" => Architecture::Qwen3,
-        "qwen3moe" => Architecture::Qwen3Moe,
-        "qwen3next" => Architecture::Qwen3Next,
-        "qwen35" => Architecture::Qwen35,
-        "qwen35moe" => Architecture::Qwen35Moe,
-        other => {
+    let arch = match architecture_named(arch_name) {
+        Some(arch) => arch,
+        None => {
             return Err(Error::UnknownArchitecture {
-                found: other.to_string(),
+                found: arch_name.to_string(),
                 supported: "llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe (GGUF)".to_string(),
             });
         }

@@ -17,6 +17,7 @@ mod reader;
 mod source;
 mod value;
 
+pub use config::architecture_named;
 pub use file::GgufFile;
 pub use ggml_type::GgmlType;
 pub use names::{gguf_to_hf, hf_to_gguf};
