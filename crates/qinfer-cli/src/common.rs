@@ -218,6 +218,15 @@ pub struct EngineArgs {
     pub fixed_draft_tokens: bool,
 }
 
+/// `model` with the vision tower of llama.cpp's projector file `mmproj`,
+/// when given.
+pub fn with_mmproj(model: LoadedModel, mmproj: Option<&std::path::Path>) -> Result<LoadedModel> {
+    match mmproj {
+        Some(path) => model.with_mmproj(path).context("the vision projector (--mmproj)"),
+        None => Ok(model),
+    }
+}
+
 /// Where draft tokens come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SpeculativeKind {

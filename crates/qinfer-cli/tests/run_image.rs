@@ -54,3 +54,22 @@ fn images_for_a_text_only_model_or_undecodable_files_are_refused() {
     assert!(!out.status.success());
     assert!(stderr.contains("config.json") && stderr.contains("cannot decode the image"), "{stderr}");
 }
+
+/// A Qwen3.5 GGUF takes images with llama.cpp's projector file beside it
+/// (`--mmproj`; tests/fixtures/gguf_vision, whose tower and logits are
+/// checked against transformers in crates/qinfer/tests/vision_model.rs),
+/// and without it says where the tower would come from.
+#[test]
+fn a_gguf_takes_images_with_its_projector() {
+    let d = fixture().join("../gguf_vision/qwen35");
+    let (model, mmproj) = (d.join("model.gguf"), d.join("mmproj.gguf"));
+    let image = fixture().join("images/a.png");
+    let args = ["run", "--model", model.to_str().unwrap(), "--image", image.to_str().unwrap(), "--max-tokens", "4"];
+    let out = qinfer(&[&args[..], &["--mmproj", mmproj.to_str().unwrap(), "w5 w17"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("(1 images)"), "{stderr}");
+    let out = qinfer(&[&args[..], &["w5 w17"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("takes no images") && stderr.contains("--mmproj"), "{stderr}");
+}

@@ -74,3 +74,47 @@ fn positions_and_logits_of_a_prompt_with_two_images_match_transformers() {
         assert!(d < 1e-3, "{case}: logits differ by {d}");
     }
 }
+
+/// A Qwen3.5 GGUF with the vision projector llama.cpp's converter writes
+/// beside it (`--mmproj`; tests/fixtures/gguf_vision,
+/// scripts/make_gguf_vision_fixtures.py) against transformers on the same
+/// checkpoint: each image's tower output, and the logits of a prompt with
+/// two images at every position (the projector's tower and the text
+/// model's multimodal RoPE sections from the GGUF).
+#[test]
+fn a_gguf_with_its_vision_projector_matches_transformers() {
+    let d = dir().join("../gguf_vision/qwen35");
+    let m = qinfer::loader::open(&d.join("model.gguf")).unwrap().with_mmproj(&d.join("mmproj.gguf")).unwrap();
+    assert!(m.image_processor.is_some());
+    let lm = m.load_cpu(false).unwrap();
+    assert!(lm.takes_images());
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("reference.json")).unwrap()).unwrap();
+    let names: Vec<&str> = r["images"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
+    for name in &names {
+        let got = lm.encode_image(&processed(name)).unwrap();
+        let want = npy(d.join(format!("vision_{}.npy", name.split('.').next().unwrap())));
+        let diff = max_diff(&got, &want);
+        assert!(diff < 1e-4, "{name}: vision tokens differ by {diff}");
+    }
+    let ids = ids(&r["ids"]);
+    let images: Vec<PreparedImage> = names.iter().map(|n| processed(n)).collect();
+    let got = prompt_logits(lm.as_ref(), &ids, &images);
+    let want = npy(d.join("logits_two_images.npy"));
+    let diff = max_diff(&got, &want);
+    assert!(diff < 1e-3, "logits differ by {diff}");
+
+    // Refused by name: a model whose tokenizer has no image marker, a model
+    // of another architecture, and a text model given as the projector.
+    let bad = qinfer::loader::open(&dir().join("../gguf_arch/qwen35moe/model.gguf")).unwrap();
+    let e = bad.with_mmproj(&d.join("mmproj.gguf")).err().expect("no image marker").to_string();
+    assert!(e.contains("has no `<|image_pad|>`"), "{e}");
+    let bad = qinfer::loader::open(&dir().join("../gguf_arch/qwen3moe/model.gguf")).unwrap();
+    let e = bad.with_mmproj(&d.join("mmproj.gguf")).err().expect("not Qwen3.5").to_string();
+    assert!(e.contains("is for Qwen3.5 models"), "{e}");
+    let e = (qinfer::loader::open(&d.join("model.gguf")).unwrap().with_mmproj(&d.join("model.gguf")))
+        .err()
+        .expect("no projector")
+        .to_string();
+    assert!(e.contains("is no vision projector"), "{e}");
+}

@@ -40,12 +40,16 @@ pub struct Args {
     /// PNG or WebP). Needs a multimodal checkpoint (Qwen3.5 with its vision tower).
     #[arg(long = "image", value_name = "PATH")]
     images: Vec<PathBuf>,
+    /// The vision projector llama.cpp publishes beside a Qwen3.5 GGUF
+    /// (`mmproj-*.gguf`): the GGUF takes images with it.
+    #[arg(long, value_name = "PATH")]
+    mmproj: Option<PathBuf>,
     #[command(flatten)]
     speculation: SpeculationArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
-    let model = open_model(a.model.as_ref())?;
+    let model = crate::common::with_mmproj(open_model(a.model.as_ref())?, a.mmproj.as_deref())?;
     if !a.images.is_empty() || a.speculation.speculative.is_some() {
         return run_on_engine(a, model, device);
     }
@@ -175,7 +179,8 @@ fn with_images(a: &mut Args, model: &LoadedModel, tok: Option<&Tokenizer>) -> Re
     let name = model.path.display().to_string();
     let (Some(vision), Some(processor)) = (model.config.vision.clone(), model.image_processor.clone()) else {
         anyhow::bail!(
-            "{name} takes no images: `--image` needs a multimodal checkpoint (Qwen3.5 with its vision tower)"
+            "{name} takes no images: `--image` needs a multimodal checkpoint (Qwen3.5 with its vision tower; \
+             a GGUF with llama.cpp's projector file, `--mmproj PATH`)"
         );
     };
     let images = (a.images.iter())

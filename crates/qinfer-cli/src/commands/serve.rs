@@ -67,12 +67,16 @@ pub struct Args {
     /// Most images one request may carry.
     #[arg(long, default_value_t = 8)]
     max_images_per_request: usize,
+    /// The vision projector llama.cpp publishes beside a Qwen3.5 GGUF
+    /// (`mmproj-*.gguf`): the GGUF takes images with it.
+    #[arg(long, value_name = "PATH")]
+    mmproj: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
 
 pub fn main(a: Args, device: qinfer::loader::Device) -> Result<()> {
-    let mut model = open_model(a.model.as_ref())?;
+    let mut model = crate::common::with_mmproj(open_model(a.model.as_ref())?, a.mmproj.as_deref())?;
     let name = a
         .served_model_name
         .clone()

@@ -87,6 +87,13 @@ impl VisionConfig {
             vision_start_token_id: token("vision_start_token_id", 248_053)?,
             vision_end_token_id: token("vision_end_token_id", 248_054)?,
         };
+        c.check()?;
+        Ok(Some(c))
+    }
+
+    /// Errors naming the field the tower cannot run with.
+    pub fn check(&self) -> Result<()> {
+        let c = self;
         let side = c.position_grid_side();
         if c.num_heads == 0 || !c.hidden_size.is_multiple_of(c.num_heads) || !c.head_dim().is_multiple_of(4) {
             return Err(Error::config(
@@ -109,7 +116,7 @@ impl VisionConfig {
                 "need 3 channels and positive merge and temporal patch sizes",
             ));
         }
-        Ok(Some(c))
+        Ok(())
     }
 }
 

@@ -2,6 +2,7 @@
 //! or sharded) or a single `.gguf` file; then placing it on a device.
 
 mod device;
+mod mmproj;
 mod mtp_head;
 
 pub use device::{CudaOptions, Device};
