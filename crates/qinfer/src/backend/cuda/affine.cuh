@@ -272,7 +272,7 @@ __device__ void gemv_affine(const unsigned* __restrict__ w, const S* __restrict_
     gemv_store<ROWS, ACT>(acc, bias, y, row0, out_dim, n_act);
 }
 
-// The tensor-core affine GEMMs (affine_gemm.cu, affine_gemm4.cu): d += a·b,
+// The tensor-core GEMMs (affine_gemm.cu, affine_gemm4.cu, moe_gemm.cu): d += a·b,
 // a 16×16 bf16 A fragment, a 16×8 bf16 B fragment, f32 sums.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {

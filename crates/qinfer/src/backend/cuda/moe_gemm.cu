@@ -44,12 +44,9 @@ __device__ __forceinline__ void mg_mma(float (&d)[4], const unsigned (&a)[4], un
 template <>
 __device__ __forceinline__ void mg_mma<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                                       unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16_16816(d, a[0], a[1], a[2], a[3], b0, b1);
 }
+// The f16 form (affine.cuh has the bf16 one only).
 template <>
 __device__ __forceinline__ void mg_mma<__half>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
