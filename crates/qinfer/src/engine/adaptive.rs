@@ -9,7 +9,10 @@
 //! the share of a plain step's time that grows with its rows. One
 //! sequence on a GPU, where a step is read-bound, gets the full K; a large
 //! batch, where a step is compute-bound, gets none; a CPU, where every row
-//! costs nearly a step, only drafts that are nearly always right.
+//! costs nearly a step, only drafts that are nearly always right. A draft
+//! model's own forwards count too: each draft also costs its share of the
+//! drafter's time (`DraftCost`), which a drafter as large as the target
+//! makes as dear as a step.
 
 /// Step time against rows, fit over recent decode-only steps (weighted
 /// sums, older steps fading).
@@ -63,6 +66,46 @@ impl StepCost {
             }
             _ => 0.0,
         }
+    }
+}
+
+impl StepCost {
+    /// What a draft that costs `per_draft` seconds to propose (a draft
+    /// model's forward, shared by the sequences it drafts for) adds to a
+    /// step of `rows` plain rows, as a share of it; with no fit yet,
+    /// against the mean time of a step's row.
+    pub fn draft_share(&self, rows: usize, per_draft: f64) -> f64 {
+        if per_draft <= 0.0 {
+            return 0.0;
+        }
+        match self.fit() {
+            Some((fixed, per_row)) if fixed + per_row * rows as f64 > 0.0 => {
+                per_draft * rows as f64 / (fixed + per_row * rows as f64)
+            }
+            _ if self.t > 0.0 && self.r > 0.0 => per_draft * self.r / self.t,
+            _ => 0.0,
+        }
+    }
+}
+
+/// Seconds a proposer spends on a draft token (a draft model's forwards
+/// over the drafts it proposed), recent steps weighing more.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DraftCost {
+    secs: f64,
+    drafts: f64,
+}
+
+impl DraftCost {
+    /// Notes proposals of `drafts` tokens that took `secs`.
+    pub fn observe(&mut self, secs: f64, drafts: usize) {
+        self.secs = self.secs * FADE + secs;
+        self.drafts = self.drafts * FADE + drafts as f64;
+    }
+
+    /// Seconds a draft token costs (0 before any was proposed).
+    pub fn per_draft(&self) -> f64 {
+        if self.drafts > 0.0 { self.secs / self.drafts } else { 0.0 }
     }
 }
 
@@ -139,5 +182,27 @@ mod tests {
         assert!(a.rate() > 0.9, "{}", a.rate());
         (0..15).for_each(|_| a.verified(0, 4));
         assert!(a.rate() < 0.25, "{}", a.rate());
+    }
+
+    #[test]
+    fn a_drafters_time_counts_against_its_drafts() {
+        let mut c = StepCost::default();
+        for i in 0..40 {
+            let rows = 1 + i % 5;
+            c.observe(rows, 0.005 + 0.0001 * rows as f64);
+        }
+        // A drafter taking 2.5 ms a draft, against a 6 ms step of 10 rows.
+        let mut d = DraftCost::default();
+        assert_eq!(d.per_draft(), 0.0);
+        (0..10).for_each(|_| d.observe(0.01, 4));
+        assert!((d.per_draft() - 0.0025).abs() < 1e-12);
+        let share = c.draft_share(10, d.per_draft());
+        assert!((share - 0.025 / 0.006).abs() < 1e-9, "{share}");
+        // Dearer than the token it may give: no draft, however likely.
+        assert_eq!(worth(0.99, c.row_share(10) + share, 4), 0);
+        // No fit yet: against the mean time of a row.
+        let mut c = StepCost::default();
+        (0..3).for_each(|_| c.observe(1, 0.01));
+        assert!((c.draft_share(1, 0.005) - 0.5).abs() < 1e-9);
     }
 }

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::adaptive::{StepCost, worth};
+use super::adaptive::{DraftCost, StepCost, worth};
 use super::draft::{DraftWant, Drafter};
 use super::encoding::ImageQueue;
 use super::mtp;
@@ -58,6 +58,8 @@ pub struct EngineCore {
     speculative: SpeculativeStats,
     /// Decode-only steps' time against their rows (adaptive speculation).
     step_cost: StepCost,
+    /// A draft model's seconds a proposed draft (adaptive speculation).
+    draft_cost: DraftCost,
     /// The draft model's proposer (with [`Proposer::Draft`]).
     drafter: Option<Drafter>,
     /// Requests whose images are going through the vision tower; each
@@ -140,6 +142,7 @@ impl EngineCore {
             prefix,
             speculative: SpeculativeStats::default(),
             step_cost: StepCost::default(),
+            draft_cost: DraftCost::default(),
             encoding: ImageQueue::default(),
             step_time: None,
             failed: Vec::new(),
@@ -450,8 +453,11 @@ impl EngineCore {
         let mut budget = self.cfg.max_batched_tokens.saturating_sub(taken.iter().map(|(_, n)| n).sum());
         let recurrent = self.runner.recurrent();
         let mut free_slots = self.runner.free_verify_slots();
-        // The share of this step's time its rows add (adaptive speculation).
-        let row_share = self.step_cost.row_share(taken.iter().map(|(_, n)| n).sum());
+        // The share of this step's time a draft adds (adaptive speculation):
+        // its verification row, and a draft model's forward for it.
+        let rows = taken.iter().map(|(_, n)| n).sum();
+        let per_draft = if spec.proposer == Proposer::Draft { self.draft_cost.per_draft() } else { 0.0 };
+        let row_share = self.step_cost.row_share(rows) + self.step_cost.draft_share(rows, per_draft);
         // (index into taken, most drafts it may take).
         let mut wants = Vec::new();
         for (i, (seq, n)) in taken.iter_mut().enumerate() {
@@ -493,7 +499,13 @@ impl EngineCore {
                     .map(|&(i, k)| DraftWant { id: taken[i].0.id, tokens: &taken[i].0.tokens, k })
                     .collect();
                 match drafter.propose(&asks) {
-                    Ok(p) => p,
+                    Ok(p) => {
+                        let (secs, drafted) = drafter.last_draft_rounds();
+                        if drafted > 0 {
+                            self.draft_cost.observe(secs, drafted);
+                        }
+                        p
+                    }
                     Err(e) => {
                         // The step goes on without drafts.
                         tracing::warn!("the draft model failed: {e}; this step verifies no drafts");

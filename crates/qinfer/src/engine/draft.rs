@@ -43,6 +43,10 @@ pub struct Drafter {
     /// Most tokens one sequence's catch-up computes in a step (a longer
     /// one is computed over several steps, proposing nothing meanwhile).
     max_catch_up: usize,
+    /// The last proposal's forwards after the catch-up: their seconds and
+    /// the drafts they picked (what a further draft costs, without the
+    /// catch-up's prompt-sized forwards).
+    last_draft_rounds: (f64, usize),
 }
 
 impl Drafter {
@@ -81,7 +85,7 @@ impl Drafter {
                 prefix_cache: false,
             },
         )?;
-        Ok(Drafter { runner, seqs: HashMap::new(), max_catch_up: max_catch_up.max(1) })
+        Ok(Drafter { runner, seqs: HashMap::new(), max_catch_up: max_catch_up.max(1), last_draft_rounds: (0.0, 0) })
     }
 
     /// Forgets sequence `id` (finished, aborted or preempted): its draft
@@ -128,11 +132,16 @@ impl Drafter {
                 self.seqs.insert(w.id, seq);
             }
         }
-        let done = rounds(&mut self.runner, wants, &mut active, &mut drafts);
+        let done = rounds(&mut self.runner, wants, &mut active, &mut drafts, &mut self.last_draft_rounds);
         for a in active {
             self.seqs.insert(wants[a.want].id, a.seq);
         }
         done.map(|()| drafts)
+    }
+
+    /// The last proposal's forwards after the catch-up: seconds, drafts.
+    pub fn last_draft_rounds(&self) -> (f64, usize) {
+        self.last_draft_rounds
     }
 
     /// Forgets the draft caches of sequences `ids` after a failed draft
@@ -162,8 +171,16 @@ struct Active {
 /// (picking its first draft where the catch-up reaches the end of its
 /// tokens), then one token a forward, the last draft in and the next one
 /// out, until each has its `k`.
-fn rounds(runner: &mut Runner, wants: &[DraftWant<'_>], active: &mut [Active], drafts: &mut [Vec<u32>]) -> Result<()> {
+fn rounds(
+    runner: &mut Runner,
+    wants: &[DraftWant<'_>],
+    active: &mut [Active],
+    drafts: &mut [Vec<u32>],
+    timed: &mut (f64, usize),
+) -> Result<()> {
+    *timed = (0.0, 0);
     for round in 0.. {
+        let started = std::time::Instant::now();
         let picks = {
             let mut step = Vec::new();
             for a in active.iter_mut().filter(|a| a.going) {
@@ -196,6 +213,10 @@ fn rounds(runner: &mut Runner, wants: &[DraftWant<'_>], active: &mut [Active], d
             }
             forward(runner, &mut step)?
         };
+        if round > 0 {
+            timed.0 += started.elapsed().as_secs_f64();
+            timed.1 += picks.iter().filter(|p| p.is_some()).count();
+        }
         for (a, pick) in active.iter_mut().filter(|a| a.going).zip(picks) {
             let w = &wants[a.want];
             if round == 0 {
