@@ -15,13 +15,12 @@
 use std::path::Path;
 
 use super::LoadedModel;
+use super::routed::Routed;
 use crate::config::Architecture;
 use crate::config::vision::{Mrope, VisionConfig};
 use crate::formats::TensorSource;
 use crate::formats::gguf::{GgufArray, GgufFile, GgufValue};
 use crate::image::ImageProcessorConfig;
-use crate::quant::affine::AffineParts;
-use crate::quant::fp8::Fp8Tensor;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -121,39 +120,6 @@ impl TensorSource for Projector {
     }
     fn raw_tensor(&self, name: &str) -> Result<Tensor> {
         self.0.raw_tensor(name)
-    }
-}
-
-/// The model's tensors, but the tower's from the projector.
-struct WithTower {
-    model: Box<dyn TensorSource>,
-    tower: Projector,
-}
-
-impl WithTower {
-    fn of(&self, name: &str) -> &dyn TensorSource {
-        if name.starts_with(TOWER) { &self.tower } else { self.model.as_ref() }
-    }
-}
-
-impl TensorSource for WithTower {
-    fn tensor(&self, name: &str) -> Result<Tensor> {
-        self.of(name).tensor(name)
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.of(name).contains(name)
-    }
-    fn names(&self) -> Vec<String> {
-        self.model.names()
-    }
-    fn raw_tensor(&self, name: &str) -> Result<Tensor> {
-        self.model.raw_tensor(name)
-    }
-    fn affine_parts(&self, name: &str) -> Result<Option<AffineParts>> {
-        self.of(name).affine_parts(name)
-    }
-    fn fp8(&self, name: &str) -> Result<Option<Fp8Tensor>> {
-        self.of(name).fp8(name)
     }
 }
 
@@ -267,7 +233,7 @@ impl LoadedModel {
         let size = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
         let mut files = self.files;
         files.push((path.to_path_buf(), size));
-        let source = Box::new(WithTower { model: self.source, tower: Projector(file) });
+        let source = Box::new(Routed { model: self.source, other: Box::new(Projector(file)), prefix: TOWER });
         Ok(LoadedModel { config, files, source, image_processor: Some(processor), ..self })
     }
 }

@@ -4,6 +4,7 @@
 mod device;
 mod mmproj;
 mod mtp_head;
+mod routed;
 
 pub use device::{CudaOptions, Device};
 

@@ -7,49 +7,14 @@
 
 use std::path::Path;
 
+use super::routed::Routed;
 use super::{LoadedModel, open};
 use crate::formats::TensorSource;
 use crate::formats::gguf::{GgufFile, architecture_named};
-use crate::quant::affine::AffineParts;
-use crate::quant::fp8::Fp8Tensor;
-use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// The head's prefix: the names routed to the head's file.
 const HEAD: &str = "mtp.";
-
-/// The model's tensors, but `mtp.*` from the head's file.
-struct WithHead {
-    model: Box<dyn TensorSource>,
-    head: Box<dyn TensorSource>,
-}
-
-impl WithHead {
-    fn of(&self, name: &str) -> &dyn TensorSource {
-        if name.starts_with(HEAD) { self.head.as_ref() } else { self.model.as_ref() }
-    }
-}
-
-impl TensorSource for WithHead {
-    fn tensor(&self, name: &str) -> Result<Tensor> {
-        self.of(name).tensor(name)
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.of(name).contains(name)
-    }
-    fn names(&self) -> Vec<String> {
-        self.model.names()
-    }
-    fn raw_tensor(&self, name: &str) -> Result<Tensor> {
-        self.model.raw_tensor(name)
-    }
-    fn affine_parts(&self, name: &str) -> Result<Option<AffineParts>> {
-        self.of(name).affine_parts(name)
-    }
-    fn fp8(&self, name: &str) -> Result<Option<Fp8Tensor>> {
-        self.of(name).fp8(name)
-    }
-}
 
 impl LoadedModel {
     /// The model with its multi-token-prediction head read from `path` (a
@@ -84,7 +49,7 @@ impl LoadedModel {
         config.load_mtp = true;
         let mut all_files = self.files;
         all_files.extend(head.files);
-        let source = Box::new(WithHead { model: self.source, head: head.source });
+        let source = Box::new(Routed { model: self.source, other: head.source, prefix: HEAD });
         Ok(LoadedModel { config, files: all_files, source, ..self })
     }
 }
