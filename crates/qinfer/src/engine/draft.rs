@@ -132,11 +132,12 @@ impl Drafter {
                 self.seqs.insert(w.id, seq);
             }
         }
-        let done = rounds(&mut self.runner, wants, &mut active, &mut drafts, &mut self.last_draft_rounds);
+        let done = rounds(&mut self.runner, wants, &mut active, &mut drafts);
         for a in active {
             self.seqs.insert(wants[a.want].id, a.seq);
         }
-        done.map(|()| drafts)
+        self.last_draft_rounds = done?;
+        Ok(drafts)
     }
 
     /// The last proposal's forwards after the catch-up: seconds, drafts.
@@ -170,15 +171,15 @@ struct Active {
 /// The draft forwards of one proposal: first each sequence's catch-up
 /// (picking its first draft where the catch-up reaches the end of its
 /// tokens), then one token a forward, the last draft in and the next one
-/// out, until each has its `k`.
+/// out, until each has its `k`. Returns the seconds of the forwards after
+/// the catch-up and the drafts they picked.
 fn rounds(
     runner: &mut Runner,
     wants: &[DraftWant<'_>],
     active: &mut [Active],
     drafts: &mut [Vec<u32>],
-    timed: &mut (f64, usize),
-) -> Result<()> {
-    *timed = (0.0, 0);
+) -> Result<(f64, usize)> {
+    let mut timed = (0.0, 0);
     for round in 0.. {
         let started = std::time::Instant::now();
         let picks = {
@@ -209,7 +210,7 @@ fn rounds(
                 });
             }
             if step.is_empty() {
-                return Ok(());
+                return Ok(timed);
             }
             forward(runner, &mut step)?
         };

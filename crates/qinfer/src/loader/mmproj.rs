@@ -14,8 +14,8 @@
 
 use std::path::Path;
 
-use super::LoadedModel;
 use super::routed::Routed;
+use super::{LoadedModel, ModelFormat};
 use crate::config::Architecture;
 use crate::config::vision::{Mrope, VisionConfig};
 use crate::formats::TensorSource;
@@ -133,8 +133,12 @@ impl LoadedModel {
                 format!("a vision projector is for Qwen3.5 models, not {}", self.config.arch.name()),
             ));
         }
-        let text = GgufFile::open(&self.path)
-            .map_err(|_| Error::malformed(path, "a vision projector goes with a GGUF model"))?;
+        if self.format != ModelFormat::Gguf {
+            return Err(Error::malformed(path, "a vision projector goes with a GGUF model"));
+        }
+        // The text model's RoPE sections are in its metadata, which the
+        // configuration leaves out (text alone needs none).
+        let text = GgufFile::open(&self.path)?;
         let file = GgufFile::open(path)?;
         let meta = file.metadata();
         let string = |k: &str| meta.get(k).and_then(GgufValue::as_str).unwrap_or_default().to_string();
@@ -175,8 +179,8 @@ impl LoadedModel {
         let id = |t: &str| {
             tok.token_to_id(t).ok_or_else(|| Error::malformed(&self.path, format!("its tokenizer has no `{t}`")))
         };
-        let [frame, _] = PATCH_FRAMES.map(|n| file.tensor_info(n).map(|i| i.shape.clone()));
-        let frame = frame.ok_or_else(|| Error::tensor(PATCH_FRAMES[0], format!("missing from {}", path.display())))?;
+        let frame = (file.tensor_info(PATCH_FRAMES[0]).map(|i| i.shape.clone()))
+            .ok_or_else(|| Error::tensor(PATCH_FRAMES[0], format!("missing from {}", path.display())))?;
         let positions = file.tensor_info("v.position_embd.weight").map(|i| i.shape[0]);
         let vision = VisionConfig {
             depth: count("clip.vision.block_count")?,

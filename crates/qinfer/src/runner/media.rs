@@ -118,3 +118,26 @@ impl Media {
         self.images.iter().map(|i| MediaSpan { start: i.start, len: i.len, hash: i.hash }).collect()
     }
 }
+
+/// One sequence's rows of a batch whose rows carry three rotary positions
+/// (once any of its sequences has images): the rows at positions `at` take
+/// those positions (equal for a sequence without images), and each row at
+/// position p the input of token p + `shift` where that is an image's
+/// token: 0 for the model's own rows, 1 for the MTP head's, whose row p
+/// takes the token after it. The rows start at batch row `first_row`.
+pub fn place_rows(
+    media: Option<&Media>,
+    at: Range<usize>,
+    shift: usize,
+    first_row: usize,
+    positions: &mut Vec<[u32; 3]>,
+    embeds: &mut Vec<InputEmbeds>,
+) {
+    match media {
+        Some(m) => {
+            positions.extend(at.clone().map(|p| m.position(p)));
+            embeds.extend(m.embeds(at.start + shift..at.end + shift, first_row));
+        }
+        None => positions.extend(at.map(|p| [p as u32; 3])),
+    }
+}

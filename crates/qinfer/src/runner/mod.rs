@@ -229,16 +229,9 @@ impl Runner {
         let mut batch = BatchLayout::new(parts, self.blocks.block_size(), logits_rows);
         batch.hidden_rows = hidden_rows;
         if seqs.iter().any(|s| s.media.is_some()) {
-            // Every row's three positions (equal for sequences without images).
             for (s, part) in seqs.iter().zip(&batch.seqs) {
                 let at = s.start..s.start + s.tokens.len();
-                match s.media {
-                    Some(m) => {
-                        batch.mrope_positions.extend(at.clone().map(|i| m.position(i)));
-                        batch.embeds.extend(m.embeds(at, part.rows.start));
-                    }
-                    None => batch.mrope_positions.extend(at.map(|i| [i as u32; 3])),
-                }
+                media::place_rows(s.media, at, 0, part.rows.start, &mut batch.mrope_positions, &mut batch.embeds);
             }
         }
         // Picks that need no host state (no constraint, scores, logprobs,

@@ -4,7 +4,7 @@
 //! sequence's last row.
 
 use super::Runner;
-use super::media::Media;
+use super::media::{Media, place_rows};
 use crate::kv::batch::{BatchLayout, BatchSeq};
 use crate::{Error, Result};
 
@@ -65,14 +65,7 @@ impl Runner {
             for (&i, part) in seqs_in.iter().zip(&layout.seqs) {
                 let s = &seqs[i];
                 let at = s.start..s.start + s.next.len();
-                match s.media {
-                    Some(m) => {
-                        layout.mrope_positions.extend(at.clone().map(|p| m.position(p)));
-                        // The next tokens are the sequence's from start + 1 on.
-                        layout.embeds.extend(m.embeds(at.start + 1..at.end + 1, part.rows.start));
-                    }
-                    None => layout.mrope_positions.extend(at.map(|p| [p as u32; 3])),
-                }
+                place_rows(s.media, at, 1, part.rows.start, &mut layout.mrope_positions, &mut layout.embeds);
             }
         }
         let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
@@ -99,9 +92,10 @@ impl Runner {
             }
             let mut layout = BatchLayout::new(parts, bs, (0..chains.len()).collect());
             if chains.iter().any(|(i, _, _)| seqs[*i].media.is_some()) {
-                layout.mrope_positions = (chains.iter())
-                    .map(|(i, last, _)| seqs[*i].media.map_or([(last + j) as u32; 3], |m| m.position(last + j)))
-                    .collect();
+                for (n, (i, last, _)) in chains.iter().enumerate() {
+                    let at = last + j..last + j + 1;
+                    place_rows(seqs[*i].media, at, 1, n, &mut layout.mrope_positions, &mut layout.embeds);
+                }
             }
             let out = self.model.mtp_forward(self.state.as_mut(), &tokens, &hidden, &layout, true)?;
             for (n, ((i, _, y), &pick)) in chains.iter_mut().zip(&out.picks).enumerate() {

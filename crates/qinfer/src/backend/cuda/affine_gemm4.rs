@@ -93,7 +93,7 @@ fn side_words(group: usize, size: usize) -> usize {
 
 /// Shared memory of a block: its ring of stages, each with the levels, the
 /// activations, their span sums and the weight rows' scales and biases.
-pub(super) fn shared_bytes(act: usize, group: usize, side: AffineSide) -> usize {
+fn shared_bytes(act: usize, group: usize, side: AffineSide) -> usize {
     let rows = AG4_ROW_WARPS * 16;
     let side = rows * 2 * side_words(group, side_size(side)) * 4;
     AG4_STAGES * (rows * 128 + act * 512 + STAGE_SPANS * act * 4 + side)
