@@ -62,6 +62,46 @@ struct Panel {
 
 thread_local! {
     static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
+    static SCALED: RefCell<Vec<__m512>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Weight rows a thread will most likely read next (rayon hands each
+/// thread a run of consecutive panels), to be brought into L2 while it
+/// computes. Reading a panel walks its 16 rows side by side, 16 strided
+/// streams the hardware prefetchers do not follow well, so without this
+/// the unpack waits on memory that the arithmetic before it could have
+/// covered. The requests are spread over that arithmetic: all at once, they
+/// fill the core's miss buffers and the thread stalls on them instead.
+#[derive(Clone, Copy)]
+struct Ahead<'a> {
+    span: &'a [u8],
+}
+
+impl<'a> Ahead<'a> {
+    const NONE: Ahead<'static> = Ahead { span: &[] };
+
+    /// Rows `r0..r0 + 16` (those below `rows`) of a matrix of `rb`-byte rows.
+    fn rows(bytes: &'a [u8], rb: usize, r0: usize, rows: usize) -> Ahead<'a> {
+        if r0 >= rows {
+            return Ahead { span: &[] };
+        }
+        Ahead { span: &bytes[r0 * rb..(r0 + LANES).min(rows) * rb] }
+    }
+
+    /// Requests the `i`-th of `parts` equal shares of the span.
+    #[inline(always)]
+    fn part(self, i: usize, parts: usize) {
+        let lines = self.span.len().div_ceil(64);
+        for l in lines * i / parts..lines * (i + 1) / parts {
+            // SAFETY: prefetching has no architectural effect; the address is in bounds.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.span.as_ptr().add(l * 64).cast()) };
+        }
+    }
+
+    /// Requests the whole span at once.
+    fn all(self) {
+        self.part(0, 1);
+    }
 }
 
 /// Reads the weight row `j` of a panel, or none past the matrix's last row.
@@ -151,6 +191,7 @@ pub(super) fn matmul_b32(
     };
     (0..rows.div_ceil(LANES)).into_par_iter().for_each(|p| {
         let w = Rows { bytes, rb, r0: p * LANES, count: (rows - p * LANES).min(LANES) };
+        let next = Ahead::rows(bytes, rb, (p + 1) * LANES, rows);
         PANEL.with(|panel| {
             let mut panel = panel.borrow_mut();
             // SAFETY: AVX-512 F/BW/VL/VNNI are present (`available`, asserted above).
@@ -158,8 +199,21 @@ pub(super) fn matmul_b32(
             let mut t = 0;
             while t < n {
                 let take = (n - t).min(MR);
-                let job =
-                    B32Job { layout, panel: &panel, blocks, xq, xoff: &xoff, t, rows, r0: w.r0, count: w.count, out };
+                // The first pass over the panel brings in the next one.
+                let ahead = if t == 0 { next } else { Ahead::NONE };
+                let job = B32Job {
+                    layout,
+                    panel: &panel,
+                    blocks,
+                    xq,
+                    xoff: &xoff,
+                    t,
+                    rows,
+                    r0: w.r0,
+                    count: w.count,
+                    out,
+                    ahead,
+                };
                 // SAFETY: as above; the panel holds `blocks` blocks and the
                 // activation rows t..t+take exist.
                 unsafe {
@@ -181,55 +235,144 @@ pub(super) fn matmul_b32(
 }
 
 /// Unpacks a panel of 32-value blocks: unsigned levels, `d` and `m` (0
-/// where the type has none) per block; rows past the matrix are zero.
+/// where the type has none) per block. Each block of the 16 rows is read as
+/// a 16 × 4 (Q8_0: 16 × 8) matrix of level dwords and transposed in
+/// registers, so chunk k of the 16 rows lands as one 512-bit store; the
+/// scales come in one gather. Rows past the matrix read a zero block (their
+/// lanes are never stored). Every entry of the panel is written.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn unpack_b32(dtype: DType, layout: B32, w: &Rows, blocks: usize, panel: &mut Panel) {
-    panel.levels.clear();
     panel.levels.resize(blocks * 8 * LANES, 0);
-    panel.d.clear();
     panel.d.resize(blocks * LANES, 0.0);
-    panel.m.clear();
     panel.m.resize(blocks * LANES, 0.0);
     let bb = dtype.block_bytes();
-    let m4 = _mm_set1_epi8(0x0f);
-    let sixteen = _mm256_set1_epi8(16);
-    let flip = _mm256_set1_epi8(-128);
-    // Chunk k of a row goes to lane j of the panel's chunk k: dwords 16 apart.
-    let stride = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-    // Values 0..16 are the low nibbles of the 16 level bytes at `p`, 16..32 the high ones.
-    let nibbles = |p: &[u8]| {
-        // SAFETY: `p` holds 16 bytes.
-        let q = unsafe { _mm_loadu_si128(p[..16].as_ptr().cast()) };
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4))
-    };
-    for j in 0..LANES {
-        let Some(row) = w.row(j) else { continue };
-        for (b, blk) in row.chunks_exact(bb).enumerate() {
-            panel.d[b * LANES + j] = kquants::f16_at(blk, 0);
-            if let Some(at) = layout.min_at {
-                panel.m[b * LANES + j] = kquants::f16_at(blk, at);
+    // Larger than any 32-value block; stands for the rows past the matrix.
+    let zero = [0u8; 64];
+    let base = w.bytes[w.r0 * w.rb..].as_ptr();
+    // Each row's current block, advanced a block at a time (the zero block stays).
+    let mut blk: [*const u8; LANES] =
+        std::array::from_fn(|j| if j < w.count { base.wrapping_add(j * w.rb) } else { zero.as_ptr() });
+    let step: [usize; LANES] = std::array::from_fn(|j| if j < w.count { bb } else { 0 });
+    let live: __mmask16 = if w.count >= LANES { 0xffff } else { (1u16 << w.count) - 1 };
+    let row_at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(w.rb as i32),
+    );
+    let m4 = _mm512_set1_epi8(0x0f);
+    let flip = _mm512_set1_epi8(-128);
+    // Bits b of a 4-bit index, as 16 in byte b: Q5's fifth bits of one chunk.
+    let fifth = _mm512_setr_epi32(
+        0x00000000, 0x00000010, 0x00001000, 0x00001010, 0x00100000, 0x00100010, 0x00101000, 0x00101010, 0x10000000,
+        0x10000010, 0x10001000, 0x10001010, 0x10100000, 0x10100010, 0x10101000, 0x10101010,
+    );
+    let levels = panel.levels.as_mut_ptr();
+    for b in 0..blocks {
+        let at = b * bb;
+        // SAFETY: `blk` points at block `b` of each live row (`bb` bytes) or
+        // at the zero block (64 bytes); every offset read lies within a block.
+        let chunks: [__m512i; 8] = unsafe {
+            match dtype {
+                DType::Q8_0 => {
+                    let lo = transpose_16x4(&blk, 2);
+                    let hi = transpose_16x4(&blk, 18);
+                    std::array::from_fn(|k| _mm512_xor_si512(if k < 4 { lo[k] } else { hi[k - 4] }, flip))
+                }
+                _ => {
+                    let (qs, qh) = match dtype {
+                        DType::Q4_0 => (2, None),
+                        DType::Q4_1 => (4, None),
+                        DType::Q5_0 => (6, Some(2)),
+                        DType::Q5_1 => (8, Some(4)),
+                        _ => unreachable!("{} is not a 32-value block type", dtype.name()),
+                    };
+                    let q = transpose_16x4(&blk, qs);
+                    let mut c: [__m512i; 8] = std::array::from_fn(|k| {
+                        if k < 4 {
+                            _mm512_and_si512(q[k], m4)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi32::<4>(q[k - 4]), m4)
+                        }
+                    });
+                    if let Some(h) = qh {
+                        // Bit v of qh is bit 4 of value v: chunk k takes bits 4k..4k+4.
+                        let bits = _mm512_mask_i32gather_epi32::<1>(
+                            _mm512_setzero_si512(),
+                            live,
+                            _mm512_add_epi32(row_at, _mm512_set1_epi32((at + h) as i32)),
+                            base.cast(),
+                        );
+                        for (k, ck) in c.iter_mut().enumerate() {
+                            let nib = _mm512_and_si512(
+                                _mm512_srlv_epi32(bits, _mm512_set1_epi32(4 * k as i32)),
+                                _mm512_set1_epi32(0xf),
+                            );
+                            *ck = _mm512_or_si512(*ck, _mm512_permutexvar_epi32(nib, fifth));
+                        }
+                    }
+                    c
+                }
             }
-            let qh = |at: usize| u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-            let lv = match dtype {
-                DType::Q4_0 => nibbles(&blk[2..18]),
-                DType::Q4_1 => nibbles(&blk[4..20]),
-                // Bit v of qh is bit 4 of value v.
-                DType::Q5_0 => _mm256_mask_add_epi8(nibbles(&blk[6..22]), qh(2), nibbles(&blk[6..22]), sixteen),
-                DType::Q5_1 => _mm256_mask_add_epi8(nibbles(&blk[8..24]), qh(4), nibbles(&blk[8..24]), sixteen),
-                // Signed bytes + 128.
-                DType::Q8_0 => _mm256_xor_si256(
-                    // SAFETY: the block holds 32 level bytes at 2.
-                    unsafe { _mm256_loadu_si256(blk[2..34].as_ptr().cast()) },
-                    flip,
-                ),
-                _ => unreachable!("{} is not a 32-value block type", dtype.name()),
-            };
-            // SAFETY: the panel holds `blocks`·8·16 dwords; chunk b·8 + k, lane j lies within.
-            unsafe {
-                _mm256_i32scatter_epi32::<4>(panel.levels.as_mut_ptr().add(b * 8 * LANES + j).cast(), stride, lv)
-            };
+        };
+        for (k, ck) in chunks.iter().enumerate() {
+            // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes.
+            unsafe { _mm512_storeu_si512(levels.add((b * 8 + k) * LANES).cast(), *ck) };
+        }
+        // The dword at a block's start holds d and (Q4_1, Q5_1) m as f16.
+        // SAFETY: each live row's block `b` starts at `at`; masked lanes read nothing.
+        let dm = unsafe {
+            _mm512_mask_i32gather_epi32::<1>(
+                _mm512_setzero_si512(),
+                live,
+                _mm512_add_epi32(row_at, _mm512_set1_epi32(at as i32)),
+                base.cast(),
+            )
+        };
+        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        let m = if layout.min_at.is_some() {
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)))
+        } else {
+            _mm512_setzero_ps()
+        };
+        // SAFETY: the panel holds `blocks`·16 scales of each kind.
+        unsafe {
+            _mm512_storeu_ps(panel.d.as_mut_ptr().add(b * LANES), d);
+            _mm512_storeu_ps(panel.m.as_mut_ptr().add(b * LANES), m);
+        }
+        for (p, s) in blk.iter_mut().zip(step) {
+            *p = p.wrapping_add(s);
         }
     }
+}
+
+/// The 16 bytes at `rows[j] + at` for the 16 rows, as four registers:
+/// dword i of row j in lane j of register i.
+///
+/// # Safety
+/// Each of the 16 pointers has 16 readable bytes at `at`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_16x4(rows: &[*const u8; LANES], at: usize) -> [__m512i; 4] {
+    // SAFETY: the caller guarantees 16 readable bytes at each `rows[j] + at`.
+    let load = |j: usize| unsafe { _mm_loadu_si128(rows[j].add(at).cast()) };
+    // Register i holds rows i, 4 + i, 8 + i, 12 + i in its 128-bit quarters,
+    // so that the in-quarter 4 × 4 transposes below leave row j in lane j.
+    let a: [__m512i; 4] = std::array::from_fn(|i| {
+        let v = _mm512_castsi128_si512(load(i));
+        let v = _mm512_inserti32x4::<1>(v, load(4 + i));
+        let v = _mm512_inserti32x4::<2>(v, load(8 + i));
+        _mm512_inserti32x4::<3>(v, load(12 + i))
+    });
+    // Per quarter q: rows 4q..4q+4 (r0..r3), dwords d0..d3 of each.
+    let r01_lo = _mm512_unpacklo_epi32(a[0], a[1]); // r0d0 r1d0 r0d1 r1d1
+    let r01_hi = _mm512_unpackhi_epi32(a[0], a[1]); // r0d2 r1d2 r0d3 r1d3
+    let r23_lo = _mm512_unpacklo_epi32(a[2], a[3]); // r2d0 r3d0 r2d1 r3d1
+    let r23_hi = _mm512_unpackhi_epi32(a[2], a[3]); // r2d2 r3d2 r2d3 r3d3
+    [
+        _mm512_unpacklo_epi64(r01_lo, r23_lo),
+        _mm512_unpackhi_epi64(r01_lo, r23_lo),
+        _mm512_unpacklo_epi64(r01_hi, r23_hi),
+        _mm512_unpackhi_epi64(r01_hi, r23_hi),
+    ]
 }
 
 /// Activation rows `t..t+R` against one panel of 32-value blocks.
@@ -244,6 +387,7 @@ struct B32Job<'a> {
     r0: usize,
     count: usize,
     out: OutPtr,
+    ahead: Ahead<'a>,
 }
 
 impl B32Job<'_> {
@@ -259,6 +403,7 @@ impl B32Job<'_> {
         let mut mins = [_mm512_setzero_ps(); R];
         let lv = panel.levels.as_ptr();
         for b in 0..blocks {
+            self.ahead.part(b, blocks);
             // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
             let (wv, dw, mw) = unsafe {
                 let base = lv.add(b * 8 * LANES);
@@ -333,16 +478,23 @@ impl B32Job<'_> {
         let (panel, blocks, t) = (self.panel, self.blocks, self.t);
         let mut lanes = [[_mm512_setzero_ps(); 8]; R];
         let lv = panel.levels.as_ptr();
+        // d_w·d_x per (block, row), the same product for all 8 chunks: made once.
+        let mut scaled = SCALED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        scaled.clear();
+        for b in 0..blocks {
+            // SAFETY: the panel holds `blocks`·16 scales.
+            let dw = unsafe { _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)) };
+            for i in 0..R {
+                scaled.push(_mm512_mul_ps(dw, _mm512_set1_ps(self.xq[(t + i) * blocks + b].d)));
+            }
+        }
         for k in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..blocks {
-                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
-                let (wv, dw) = unsafe {
-                    (
-                        _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()),
-                        _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)),
-                    )
-                };
+                self.ahead.part(k * blocks + b, 8 * blocks);
+                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes.
+                let wv = unsafe { _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()) };
+                let dwx = &scaled[b * R..(b + 1) * R];
                 for (i, a) in acc.iter_mut().enumerate() {
                     let y = &self.xq[(t + i) * blocks + b];
                     let init = if self.layout.offset == 0 {
@@ -352,13 +504,14 @@ impl B32Job<'_> {
                     };
                     // SAFETY: `qs` holds 32 bytes; chunk k lies within it.
                     let s = unsafe { _mm512_dpbusd_epi32(init, wv, splat4(y.qs.as_ptr().add(4 * k))) };
-                    *a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s), *a);
+                    *a = _mm512_fmadd_ps(dwx[i], _mm512_cvtepi32_ps(s), *a);
                 }
             }
             for (l, a) in lanes.iter_mut().zip(acc) {
                 l[k] = a;
             }
         }
+        SCALED.with(|c| *c.borrow_mut() = scaled);
         for (i, l) in lanes.iter().enumerate() {
             let add = |a, b| _mm512_add_ps(a, b);
             let mut v = add(add(add(l[0], l[4]), add(l[2], l[6])), add(add(l[1], l[5]), add(l[3], l[7])));
@@ -408,6 +561,7 @@ pub(super) fn matmul_k(dtype: DType, bytes: &[u8], rows: usize, blocks: usize, x
     let layout = k_layout(dtype);
     (0..rows.div_ceil(LANES)).into_par_iter().for_each(|p| {
         let w = Rows { bytes, rb, r0: p * LANES, count: (rows - p * LANES).min(LANES) };
+        Ahead::rows(bytes, rb, (p + 1) * LANES, rows).all();
         PANEL.with(|panel| {
             let mut panel = panel.borrow_mut();
             // SAFETY: AVX-512 F/BW/VNNI are present (asserted above).
