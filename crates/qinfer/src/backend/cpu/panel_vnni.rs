@@ -88,11 +88,16 @@ impl<'a> Ahead<'a> {
         Ahead { span: &bytes[r0 * rb..(r0 + LANES).min(rows) * rb] }
     }
 
-    /// Requests the `i`-th of `parts` equal shares of the span.
+    /// Lines to request per step so that `steps` steps cover the span.
+    fn per_step(self, steps: usize) -> usize {
+        self.span.len().div_ceil(64).div_ceil(steps.max(1))
+    }
+
+    /// Requests step `i`'s `per` lines (of [`Ahead::per_step`]).
     #[inline(always)]
-    fn part(self, i: usize, parts: usize) {
+    fn step(self, i: usize, per: usize) {
         let lines = self.span.len().div_ceil(64);
-        for l in lines * i / parts..lines * (i + 1) / parts {
+        for l in (i * per).min(lines)..((i + 1) * per).min(lines) {
             // SAFETY: prefetching has no architectural effect; the address is in bounds.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(self.span.as_ptr().add(l * 64).cast()) };
         }
@@ -100,7 +105,7 @@ impl<'a> Ahead<'a> {
 
     /// Requests the whole span at once.
     fn all(self) {
-        self.part(0, 1);
+        self.step(0, self.per_step(1));
     }
 }
 
@@ -402,8 +407,9 @@ impl B32Job<'_> {
         let mut acc = [_mm512_setzero_ps(); R];
         let mut mins = [_mm512_setzero_ps(); R];
         let lv = panel.levels.as_ptr();
+        let per = self.ahead.per_step(blocks);
         for b in 0..blocks {
-            self.ahead.part(b, blocks);
+            self.ahead.step(b, per);
             // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
             let (wv, dw, mw) = unsafe {
                 let base = lv.add(b * 8 * LANES);
@@ -488,10 +494,11 @@ impl B32Job<'_> {
                 scaled.push(_mm512_mul_ps(dw, _mm512_set1_ps(self.xq[(t + i) * blocks + b].d)));
             }
         }
+        let per = self.ahead.per_step(8 * blocks);
         for k in 0..8 {
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..blocks {
-                self.ahead.part(k * blocks + b, 8 * blocks);
+                self.ahead.step(k * blocks + b, per);
                 // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes.
                 let wv = unsafe { _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()) };
                 let dwx = &scaled[b * R..(b + 1) * R];
