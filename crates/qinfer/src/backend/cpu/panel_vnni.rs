@@ -62,7 +62,6 @@ struct Panel {
 
 thread_local! {
     static PANEL: RefCell<Panel> = RefCell::new(Panel::default());
-    static SCALED: RefCell<Vec<__m512>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Weight rows a thread will most likely read next (rayon hands each
@@ -484,24 +483,18 @@ impl B32Job<'_> {
         let (panel, blocks, t) = (self.panel, self.blocks, self.t);
         let mut lanes = [[_mm512_setzero_ps(); 8]; R];
         let lv = panel.levels.as_ptr();
-        // d_w·d_x per (block, row), the same product for all 8 chunks: made once.
-        let mut scaled = SCALED.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        scaled.clear();
-        for b in 0..blocks {
-            // SAFETY: the panel holds `blocks`·16 scales.
-            let dw = unsafe { _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)) };
-            for i in 0..R {
-                scaled.push(_mm512_mul_ps(dw, _mm512_set1_ps(self.xq[(t + i) * blocks + b].d)));
-            }
-        }
-        let per = self.ahead.per_step(8 * blocks);
+        let per = self.ahead.per_step(8);
         for k in 0..8 {
+            self.ahead.step(k, per);
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..blocks {
-                self.ahead.step(k * blocks + b, per);
-                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes.
-                let wv = unsafe { _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()) };
-                let dwx = &scaled[b * R..(b + 1) * R];
+                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
+                let (wv, dw) = unsafe {
+                    (
+                        _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()),
+                        _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)),
+                    )
+                };
                 for (i, a) in acc.iter_mut().enumerate() {
                     let y = &self.xq[(t + i) * blocks + b];
                     let init = if self.layout.offset == 0 {
@@ -511,14 +504,13 @@ impl B32Job<'_> {
                     };
                     // SAFETY: `qs` holds 32 bytes; chunk k lies within it.
                     let s = unsafe { _mm512_dpbusd_epi32(init, wv, splat4(y.qs.as_ptr().add(4 * k))) };
-                    *a = _mm512_fmadd_ps(dwx[i], _mm512_cvtepi32_ps(s), *a);
+                    *a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s), *a);
                 }
             }
             for (l, a) in lanes.iter_mut().zip(acc) {
                 l[k] = a;
             }
         }
-        SCALED.with(|c| *c.borrow_mut() = scaled);
         for (i, l) in lanes.iter().enumerate() {
             let add = |a, b| _mm512_add_ps(a, b);
             let mut v = add(add(add(l[0], l[4]), add(l[2], l[6])), add(add(l[1], l[5]), add(l[3], l[7])));
