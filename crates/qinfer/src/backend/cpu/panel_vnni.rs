@@ -39,6 +39,10 @@ const LANES: usize = 16;
 /// register serves this many rows.
 const MR: usize = 4;
 
+/// The same in ggml's order, whose 8 float sums a row (one per 4-value
+/// chunk) take 8 registers: 2 rows, with the panel's 8 chunks of a block.
+const GGML_MR: usize = 2;
+
 /// Whether this module's kernels may run: AVX-512 F, BW, VL and VNNI present and
 /// allowed by the CPU kernel limit.
 pub(super) fn available() -> bool {
@@ -202,7 +206,7 @@ pub(super) fn matmul_b32(
             unsafe { unpack_b32(dtype, layout, &w, blocks, &mut panel) };
             let mut t = 0;
             while t < n {
-                let take = (n - t).min(MR);
+                let take = (n - t).min(if layout.ggml_order { GGML_MR } else { MR });
                 // The first pass over the panel brings in the next one.
                 let ahead = if t == 0 { next } else { Ahead::NONE };
                 let job = B32Job {
@@ -227,9 +231,7 @@ pub(super) fn matmul_b32(
                         (3, false) => job.run::<3>(),
                         (_, false) => job.run::<MR>(),
                         (1, true) => job.run_ggml::<1>(),
-                        (2, true) => job.run_ggml::<2>(),
-                        (3, true) => job.run_ggml::<3>(),
-                        (_, true) => job.run_ggml::<MR>(),
+                        (_, true) => job.run_ggml::<GGML_MR>(),
                     }
                 }
                 t += take;
@@ -476,39 +478,35 @@ impl B32Job<'_> {
     /// sum of each 4-value chunk `k` of a block is a float lane `k` of 8,
     /// `acc_k = fma(d_w·d_x, sum_k, acc_k)` block after block, then the
     /// lanes reduced as `hsum_float_8` does, plus (Q4_1) the `m_w·s_x` sum.
-    /// Here chunk k runs over all blocks before chunk k + 1, which keeps each
-    /// lane's order.
+    /// All 8 chunk sums of a row live in registers, so `d_w·d_x` is made
+    /// once per block and row; hence at most [`GGML_MR`] rows a pass.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn run_ggml<const R: usize>(&self) {
         let (panel, blocks, t) = (self.panel, self.blocks, self.t);
         let mut lanes = [[_mm512_setzero_ps(); 8]; R];
         let lv = panel.levels.as_ptr();
-        let per = self.ahead.per_step(8);
-        for k in 0..8 {
-            self.ahead.step(k, per);
-            let mut acc = [_mm512_setzero_ps(); R];
-            for b in 0..blocks {
-                // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
-                let (wv, dw) = unsafe {
-                    (
-                        _mm512_loadu_si512(lv.add((b * 8 + k) * LANES).cast()),
-                        _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)),
-                    )
-                };
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let y = &self.xq[(t + i) * blocks + b];
+        let per = self.ahead.per_step(blocks);
+        for b in 0..blocks {
+            self.ahead.step(b, per);
+            // SAFETY: the panel holds `blocks`·8 chunks of 16 lanes and `blocks`·16 scales.
+            let (wv, dw) = unsafe {
+                let base = lv.add(b * 8 * LANES);
+                let wv: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(base.add(k * LANES).cast()));
+                (wv, _mm512_loadu_ps(panel.d.as_ptr().add(b * LANES)))
+            };
+            for (i, l) in lanes.iter_mut().enumerate() {
+                let y = &self.xq[(t + i) * blocks + b];
+                let dwx = _mm512_mul_ps(dw, _mm512_set1_ps(y.d));
+                for (k, lk) in l.iter_mut().enumerate() {
                     let init = if self.layout.offset == 0 {
                         _mm512_setzero_si512()
                     } else {
                         _mm512_set1_epi32(-self.xoff[((t + i) * blocks + b) * 8 + k])
                     };
                     // SAFETY: `qs` holds 32 bytes; chunk k lies within it.
-                    let s = unsafe { _mm512_dpbusd_epi32(init, wv, splat4(y.qs.as_ptr().add(4 * k))) };
-                    *a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(s), *a);
+                    let s = unsafe { _mm512_dpbusd_epi32(init, wv[k], splat4(y.qs.as_ptr().add(4 * k))) };
+                    *lk = _mm512_fmadd_ps(dwx, _mm512_cvtepi32_ps(s), *lk);
                 }
-            }
-            for (l, a) in lanes.iter_mut().zip(acc) {
-                l[k] = a;
             }
         }
         for (i, l) in lanes.iter().enumerate() {
